@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine:  make demo  /  make test
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench install clean
+
+# (Re)install only when pyproject.toml changed: a second `make test` starts at once.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dmlrc demo
+
+# Every test, slow integration tests (Ray, MLflow server, S3) included.
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Unit tests only (no Ray / servers).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/metrics_bench.py
+	$(PY) bench/losses_bench.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
