@@ -1,0 +1,255 @@
+"""``dmlrc report``: one table of every study in an MLflow experiment.
+
+Rows are losses; columns are dataset × metric, each as ``mean ± half-width`` of the 95 % t-interval
+across reproductions, for the concatenated and the separated evaluation (MLRC §1.4/§8 step 5).
+Written as markdown, CSV, HTML and a PNG bar chart with CI whiskers, and logged to MLflow as a
+``stage=report`` run.  Where two losses were reproduced on the same folds and seeds, a paired t-test
+on the reproduction runs gives a p-value per pair (``dml_core.stats.paired_t_test``).
+
+The run tree it reads is documented in ``docs/architecture.md`` ("MLflow tree").
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from dml_core.stats import paired_t_test
+
+__all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons"]
+
+METRICS = ("precision_at_1", "r_precision", "map_at_r")
+MODES = ("concat", "separated")
+_LABEL = {"precision_at_1": "P@1", "r_precision": "RP", "map_at_r": "MAP@R"}
+
+
+@dataclass
+class Study:
+    """One (dataset, loss) study run and its reproduction runs."""
+
+    run_id: str
+    dataset: str
+    loss: str
+    metrics: dict[str, float]
+    #: reproduction index → {"test.concat.map_at_r": ..., ...}
+    reproductions: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: reproduction index → seed (pairing requires equal seeds)
+    seeds: dict[int, str] = field(default_factory=dict)
+
+    def cell(self, mode: str, metric: str) -> tuple[float, float, float]:
+        key = f"test.{mode}.{metric}"
+        get = self.metrics.get
+        return get(f"{key}.mean", math.nan), get(f"{key}.ci_low", math.nan), get(f"{key}.ci_high", math.nan)
+
+
+def _search(client: MlflowClient, exp_id: str, flt: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([exp_id], filter_string=flt, max_results=1000, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
+    """Every finished study of ``experiment`` (newest first wins if a (dataset, loss) repeats)."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        known = sorted(e.name for e in client.search_experiments())
+        raise ValueError(f"--experiment: no MLflow experiment named {experiment!r} (have: {', '.join(known) or 'none'})")
+    studies: dict[tuple[str, str], Study] = {}
+    for run in sorted(_search(client, exp.experiment_id, "tags.stage = 'study'"), key=lambda r: -r.info.start_time):
+        tags = run.data.tags
+        key = (tags.get("dataset", "?"), tags.get("loss", "?"))
+        if key in studies or not any(k.startswith("test.") for k in run.data.metrics):
+            continue
+        studies[key] = Study(run.info.run_id, key[0], key[1], dict(run.data.metrics))
+    by_id = {s.run_id: s for s in studies.values()}
+    for run in _search(client, exp.experiment_id, "tags.stage = 'reproduction'"):
+        study = by_id.get(run.data.tags.get("mlflow.parentRunId", ""))
+        if study is None or "reproduction" not in run.data.tags:
+            continue
+        i = int(run.data.tags["reproduction"])
+        study.reproductions[i] = {k: v for k, v in run.data.metrics.items() if k.startswith("test.")}
+        study.seeds[i] = run.data.tags.get("seed", "")
+    return sorted(studies.values(), key=lambda s: (s.dataset, s.loss))
+
+
+def _fmt(mean: float, low: float, high: float) -> str:
+    if math.isnan(mean):
+        return "–"
+    if math.isnan(low) or math.isnan(high):
+        return f"{100 * mean:.2f} (CI undefined)"
+    return f"{100 * mean:.2f} ± {100 * (high - low) / 2:.2f}"
+
+
+def _grid(studies: list[Study]) -> tuple[list[str], list[str]]:
+    return sorted({s.dataset for s in studies}), sorted({s.loss for s in studies})
+
+
+def _rows(studies: list[Study], mode: str) -> tuple[list[str], list[list[str]]]:
+    datasets, losses = _grid(studies)
+    index = {(s.dataset, s.loss): s for s in studies}
+    header = ["loss"] + [f"{d} {_LABEL[m]}" for d in datasets for m in METRICS]
+    rows = []
+    for loss in losses:
+        row = [loss]
+        for d in datasets:
+            s = index.get((d, loss))
+            row += [_fmt(*s.cell(mode, m)) if s else "–" for m in METRICS]
+        rows.append(row)
+    return header, rows
+
+
+def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str = "map_at_r") -> list[dict[str, Any]]:
+    """Paired t-tests between every two losses of a dataset over reproductions with the same seed."""
+    out = []
+    for dataset, group in itertools.groupby(studies, key=lambda s: s.dataset):
+        for a, b in itertools.combinations(list(group), 2):
+            key = f"test.{mode}.{metric}"
+            common = sorted(
+                i
+                for i in set(a.reproductions) & set(b.reproductions)
+                if a.seeds.get(i) == b.seeds.get(i) and key in a.reproductions[i] and key in b.reproductions[i]
+            )
+            if len(common) < 2:
+                continue
+            xa = [a.reproductions[i][key] for i in common]
+            xb = [b.reproductions[i][key] for i in common]
+            t, p = paired_t_test(xa, xb)
+            out.append(
+                {"dataset": dataset, "loss_a": a.loss, "loss_b": b.loss, "metric": key, "n": len(common),
+                 "mean_diff": sum(x - y for x, y in zip(xa, xb)) / len(common), "t": t, "p": p}
+            )
+    return out
+
+
+def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
+    lines = ["# Reality-check report", "", "Values are ×100, mean ± half-width of the 95 % t-interval across reproductions.", ""]
+    for mode in MODES:
+        header, rows = _rows(studies, mode)
+        title = "Concatenated (fold embeddings L2-normalised, concatenated)" if mode == "concat" else "Separated (mean over fold models)"
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
+    if comparisons:
+        lines += ["## Paired t-tests (same folds and seeds)", "", "| dataset | loss A | loss B | metric | n | mean(A−B) | t | p |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c in comparisons:
+            lines.append(
+                f"| {c['dataset']} | {c['loss_a']} | {c['loss_b']} | {c['metric']} | {c['n']} | "
+                f"{100 * c['mean_diff']:+.2f} | {c['t']:.3f} | {c['p']:.4f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
+    parts = ["<!doctype html><meta charset='utf-8'><title>Reality-check report</title>",
+             "<style>td,th{padding:2px 8px;border:1px solid #ccc}table{border-collapse:collapse}</style>",
+             "<h1>Reality-check report</h1><p>×100, mean ± half-width of the 95 % t-interval across reproductions.</p>"]
+    for mode in MODES:
+        header, rows = _rows(studies, mode)
+        parts.append(f"<h2>{html.escape(mode)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
+        parts.append("</table>")
+    if comparisons:
+        parts.append("<h2>Paired t-tests</h2><table><tr><th>dataset</th><th>A</th><th>B</th><th>metric</th><th>n</th><th>t</th><th>p</th></tr>")
+        parts += [
+            f"<tr><td>{html.escape(c['dataset'])}</td><td>{html.escape(c['loss_a'])}</td><td>{html.escape(c['loss_b'])}</td>"
+            f"<td>{c['metric']}</td><td>{c['n']}</td><td>{c['t']:.3f}</td><td>{c['p']:.4f}</td></tr>"
+            for c in comparisons
+        ]
+        parts.append("</table>")
+    return "\n".join(parts)
+
+
+def _write_csv(studies: list[Study], path: Path) -> None:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["dataset", "loss", "mode", "metric", "mean", "ci_low", "ci_high", "n_reproductions", "study_run_id"])
+    for s in studies:
+        for mode in MODES:
+            for m in METRICS:
+                w.writerow([s.dataset, s.loss, mode, m, *s.cell(mode, m), len(s.reproductions), s.run_id])
+    path.write_text(buf.getvalue())
+
+
+def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    datasets, losses = _grid(studies)
+    index = {(s.dataset, s.loss): s for s in studies}
+    fig, axes = plt.subplots(1, len(MODES) * len(datasets), figsize=(4 + 2.5 * len(losses) * len(datasets), 4), squeeze=False)
+    for ax, (mode, d) in zip(axes[0], itertools.product(MODES, datasets)):
+        cells = [index[(d, l)].cell(mode, metric) if (d, l) in index else (math.nan,) * 3 for l in losses]
+        means = np.array([c[0] for c in cells]) * 100
+        err = np.array([[c[0] - c[1], c[2] - c[0]] for c in cells]).T * 100
+        ax.bar(range(len(losses)), means, yerr=np.nan_to_num(err), capsize=4, color="#4c72b0")
+        ax.set_xticks(range(len(losses)), losses, rotation=45, ha="right")
+        ax.set_title(f"{d} · {mode}")
+        ax.set_ylabel(f"{_LABEL[metric]} (×100, 95 % CI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(tracking_uri: str, experiment: str, out_dir: str | Path, *, log_to_mlflow: bool = True) -> dict[str, Path]:
+    """Write report.{md,csv,html,json,png} into ``out_dir`` and (optionally) log them as a ``stage=report`` run."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    studies = collect_studies(client, experiment)
+    if not studies:
+        raise ValueError(f"--experiment {experiment!r}: no finished study runs (tag stage=study with test.* metrics) yet")
+    comparisons = paired_comparisons(studies)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {ext: out / f"report.{ext}" for ext in ("md", "csv", "html", "json", "png")}
+    paths["md"].write_text(render_markdown(studies, comparisons))
+    paths["html"].write_text(_render_html(studies, comparisons))
+    _write_csv(studies, paths["csv"])
+    paths["json"].write_text(json.dumps(
+        {"experiment": experiment,
+         "studies": [{"dataset": s.dataset, "loss": s.loss, "run_id": s.run_id,
+                      "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
+                      "n_reproductions": len(s.reproductions)} for s in studies],
+         "paired_tests": comparisons}, indent=2, default=float))
+    _bar_chart(studies, paths["png"])
+    if log_to_mlflow:
+        exp_id = client.get_experiment_by_name(experiment).experiment_id
+        run = client.create_run(exp_id, run_name="report", tags={"stage": "report"})
+        for p in paths.values():
+            client.log_artifact(run.info.run_id, str(p), artifact_path="report")
+        client.set_terminated(run.info.run_id)
+    return paths
+
+
+def add_report_parser(subparsers) -> None:
+    p = subparsers.add_parser("report", help="table of every study in an MLflow experiment (md, csv, html, png)")
+    p.add_argument("--experiment", required=True, help="MLflow experiment name (one per sweep)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
+    p.add_argument("--out", default="report", help="output directory (default: ./report)")
+    p.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+    p.set_defaults(func=run_report)
+
+
+def run_report(args) -> int:
+    uri = args.tracking_uri or mlflow.get_tracking_uri()
+    paths = write_report(uri, args.experiment, args.out, log_to_mlflow=not args.no_log)
+    print(paths["md"].read_text())
+    print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
