@@ -1,0 +1,250 @@
+"""Embedding models: trunk → global pooling → [LayerNorm] → linear embedder.
+
+The MLRC model (protocol spec §3): an ImageNet-pretrained **BN-Inception** trunk whose 1024-d global-average-
+pooled feature feeds one ``Linear(1024, 128)`` (no ReLU, no BN); the trunk's BatchNorm layers are frozen (kept
+in eval mode); embeddings are raw (losses and the evaluator normalise).  This module builds that recipe and
+the variants the newer papers use:
+
+Trunks (``trunk=``)
+    ``googlenet``  torchvision GoogLeNet (Inception v1 with BatchNorm after every convolution), 1024-d.
+                   BN-Inception (Ioffe & Szegedy 2015; ``pretrainedmodels.bninception``) is **not in
+                   torchvision**.  GoogLeNet-with-BN is the closest torchvision architecture (same Inception v1
+                   topology and 1024-d output, slightly different modules), so it stands in for the MLRC
+                   trunk; absolute numbers are therefore not the paper's.
+    ``resnet50``   torchvision ResNet-50, 2048-d — what most later papers use (ProxyNCA++ §4.1, RSW, MPA).
+    ``resnet18``   torchvision ResNet-18, 512-d — a cheaper ResNet for smoke runs on a GPU.
+    ``tiny``       a small conv-BN-ReLU CNN (256-d) for CPU tests and Omniglot-sized images (any size ≥ 16 px).
+
+    torchvision trunks are built with ``weights=None`` (GoogLeNet: ``aux_logits=False, init_weights=True``)
+    and keep everything up to the last feature map; their pooling and classifier are dropped.  Nothing is
+    downloaded: pretrained weights come only from a local file ``pretrained=`` holding a torchvision
+    ``state_dict`` of the classifier (its ``fc.*``/``aux*`` entries are ignored; every trunk entry must
+    match).  For GoogLeNet with pretrained weights the input is re-normalised like torchvision does for its
+    ImageNet weights (``transform_input=True``): those weights expect inputs scaled to [-1, 1], while the
+    data layer normalises with the ImageNet mean/std.
+
+Pooling (``pooling=``) over the trunk's last feature map
+    ``avg``      global average pooling — MLRC (BN-Inception's pooled feature).
+    ``max``      global max pooling — ProxyNCA++'s "+max" (ProxyNCA++ §3.5, spec loss_proxynca_pp §1.7).
+    ``avg+max``  the **sum** of the two (not a concatenation), as the Realigned-Softmax-Warping code does
+                 (spec loss_realigned_softmax_warping "Max + average pooling"; also its ProxyNCA++ rerun).
+                 ProxyNCA++ itself evaluates GAP, GMP and K-max only (its Eq. 7), never GMP+GAP.
+
+LayerNorm (``layer_norm=True``)
+    ``LayerNorm(d, elementwise_affine=False)`` on the pooled trunk feature, **before** the linear embedder —
+    ProxyNCA++ "+norm" (§3.7; placement from its code, spec §1.9) and RSW (same placement).  It has no
+    parameters; it lives inside ``model.embedder`` so that everything after pooling is one parameter group.
+
+Parameter groups
+    ``model.trunk`` and ``model.embedder`` get separate optimisers (MLRC: RMSprop 1e-6 each).
+
+Frozen BatchNorm (``freeze_bn=True``, the MLRC default)
+    Every BatchNorm layer of the trunk stays in eval mode even after ``model.train()``, so its running
+    statistics never change and batches are normalised with them.  This is exactly what MLRC does (PML
+    ``maybe_freeze_trunk_batchnorm`` sets the layers to eval): the BN **affine** parameters are still trained
+    there (spec §3: "BN affine params still get gradients").  ``freeze_bn_affine=True`` additionally stops
+    their gradients (``requires_grad=False``) for a fully frozen BN.  ProxyNCA++/RSW/MPA train with BN in
+    train mode (``freeze_bn=False``).  A ``tiny`` trunk trained from scratch has fresh running statistics
+    (mean 0, var 1), so frozen BN there is a plain affine layer; use ``freeze_bn=False`` for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["TRUNKS", "POOLINGS", "TinyCNN", "GlobalPooling", "EmbeddingModel", "build_model"]
+
+TRUNKS = ("tiny", "resnet18", "resnet50", "googlenet")
+POOLINGS = ("avg", "max", "avg+max")
+
+_FEATURE_DIMS = {"tiny": 256, "resnet18": 512, "resnet50": 2048, "googlenet": 1024}
+# Children of the torchvision classifiers that come after the last feature map (or are auxiliary heads).
+_HEAD_PREFIXES = ("fc.", "avgpool.", "dropout.", "aux1.", "aux2.")
+
+
+class TinyCNN(nn.Sequential):
+    """Four conv3×3-BN-ReLU blocks (32, 64, 128, 256 channels), 2×2 max-pool after the first three.
+
+    A 16-px input leaves a 2×2 map, a 64-px input 8×8; about 0.4 M parameters, cheap on a CPU.
+    """
+
+    def __init__(self, widths: tuple[int, ...] = (32, 64, 128, 256)):
+        layers: list[nn.Module] = []
+        c_in = 3
+        for i, c_out in enumerate(widths):
+            layers += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+            if i < len(widths) - 1:
+                layers.append(nn.MaxPool2d(2))
+            c_in = c_out
+        super().__init__(*layers)
+
+
+class _GoogLeNetInputTransform(nn.Module):
+    """torchvision's ``GoogLeNet._transform_input``: ImageNet mean/std normalisation → (x − 0.5)/0.5."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        std = x.new_tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+        mean = x.new_tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+        return x * (std / 0.5) + (mean - 0.5) / 0.5
+
+
+def _torchvision_trunk(name: str, pretrained_transform: bool) -> nn.Sequential:
+    """The torchvision classifier ``name`` (``weights=None``) up to its last feature map, as a Sequential
+    whose child names (and so state_dict keys) are torchvision's."""
+    import torchvision.models as tvm
+
+    if name == "googlenet":
+        full = tvm.googlenet(weights=None, aux_logits=False, init_weights=True)
+    else:
+        full = getattr(tvm, name)(weights=None)
+    children = [
+        (n, m) for n, m in full.named_children() if m is not None and n + "." not in _HEAD_PREFIXES
+    ]
+    if name == "googlenet" and pretrained_transform:
+        children.insert(0, ("transform_input", _GoogLeNetInputTransform()))
+    return nn.Sequential(OrderedDict(children))
+
+
+def _check_weights_file(path: str | os.PathLike, trunk_name: str) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"pretrained weights file not found: {str(path)!r} (trunk {trunk_name!r})")
+    return path
+
+
+def _load_trunk_weights(trunk: nn.Module, path: Path, trunk_name: str) -> None:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt file, pickle of something else, ...
+        raise ValueError(f"pretrained weights file {str(path)!r} could not be read as a state_dict: {e}") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise ValueError(f"pretrained weights file {str(path)!r} does not hold a state_dict (a dict of tensors)")
+    state = {k: v for k, v in state.items() if not k.startswith(_HEAD_PREFIXES)}
+    missing, unexpected = trunk.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"pretrained weights file {str(path)!r} does not match trunk {trunk_name!r}: "
+            f"{len(missing)} missing entries {missing[:5]}, {len(unexpected)} unexpected entries {unexpected[:5]}"
+        )
+
+
+class GlobalPooling(nn.Module):
+    """(B, C, H, W) → (B, C): ``avg``, ``max`` or ``avg+max`` (the sum of the two)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        if mode not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {mode!r}")
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "avg":
+            return x.mean(dim=(2, 3))
+        if self.mode == "max":
+            return x.amax(dim=(2, 3))
+        return x.mean(dim=(2, 3)) + x.amax(dim=(2, 3))
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}"
+
+
+class EmbeddingModel(nn.Module):
+    """trunk → global pooling → [LayerNorm] → Linear; ``forward(images) -> (B, embedding_dim)`` raw embeddings.
+
+    Attributes: ``trunk`` (feature-map extractor), ``pool``, ``embedder`` (``[layer_norm,] linear``),
+    ``feature_dim`` (pooled trunk width), ``embedding_dim``.  See the module docstring for the choices.
+    """
+
+    def __init__(
+        self,
+        trunk: str,
+        pooling: str = "avg",
+        layer_norm: bool = False,
+        embedding_dim: int = 128,
+        pretrained: str | os.PathLike | None = None,
+        freeze_bn: bool = True,
+        freeze_bn_affine: bool = False,
+    ):
+        super().__init__()
+        if trunk not in TRUNKS:
+            raise ValueError(f"trunk must be one of {TRUNKS}, got {trunk!r}")
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be a positive integer, got {embedding_dim!r}")
+        for name, flag in (("layer_norm", layer_norm), ("freeze_bn", freeze_bn), ("freeze_bn_affine", freeze_bn_affine)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        if freeze_bn_affine and not freeze_bn:
+            raise ValueError("freeze_bn_affine=True needs freeze_bn=True")
+
+        self.trunk_name = trunk
+        self.feature_dim = _FEATURE_DIMS[trunk]
+        self.embedding_dim = embedding_dim
+        self.freeze_bn = freeze_bn
+        # validate the pooling name and the weights path before the (slower) trunk is built
+        self.pool = GlobalPooling(pooling)
+        weights = _check_weights_file(pretrained, trunk) if pretrained is not None else None
+        self.trunk = TinyCNN() if trunk == "tiny" else _torchvision_trunk(trunk, weights is not None)
+        if weights is not None:
+            _load_trunk_weights(self.trunk, weights, trunk)
+        embedder: list[tuple[str, nn.Module]] = []
+        if layer_norm:
+            embedder.append(("layer_norm", nn.LayerNorm(self.feature_dim, elementwise_affine=False)))
+        embedder.append(("linear", nn.Linear(self.feature_dim, embedding_dim)))  # default init, as MLRC's MLP
+        self.embedder = nn.Sequential(OrderedDict(embedder))
+
+        if freeze_bn_affine:
+            for m in self._trunk_batchnorms():
+                for p in m.parameters():
+                    p.requires_grad_(False)
+        self.train()  # a fresh nn.Module is in train mode; apply the BN freeze to that state too
+
+    @property
+    def pooling(self) -> str:
+        return self.pool.mode
+
+    @property
+    def layer_norm(self) -> bool:
+        return "layer_norm" in self.embedder._modules
+
+    def _trunk_batchnorms(self):
+        return [m for m in self.trunk.modules() if isinstance(m, _BatchNorm)]
+
+    def train(self, mode: bool = True) -> EmbeddingModel:
+        """Like ``nn.Module.train``, but with ``freeze_bn`` the trunk's BatchNorm layers stay in eval mode."""
+        super().train(mode)
+        if self.freeze_bn:
+            for m in self._trunk_batchnorms():
+                m.eval()
+        return self
+
+    def pooled_features(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) images → (B, feature_dim) pooled trunk features (before LayerNorm/embedder).
+
+        MLRC also evaluates these ("untrained trunk", spec §1.4)."""
+        if images.dim() != 4 or images.size(1) != 3:
+            raise ValueError(f"images must be a (B, 3, H, W) tensor, got shape {tuple(images.shape)}")
+        return self.pool(self.trunk(images))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.embedder(self.pooled_features(images))
+
+    def extra_repr(self) -> str:
+        return f"trunk={self.trunk_name!r}, feature_dim={self.feature_dim}, embedding_dim={self.embedding_dim}, freeze_bn={self.freeze_bn}"
+
+
+def build_model(**kwargs) -> EmbeddingModel:
+    """:class:`EmbeddingModel` from a config dict (``build_model(**cfg)``); unknown keys are an error."""
+    allowed = ("trunk", "pooling", "layer_norm", "embedding_dim", "pretrained", "freeze_bn", "freeze_bn_affine")
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(f"build_model: unknown model field(s) {unknown}; known: {list(allowed)}")
+    if "trunk" not in kwargs:
+        raise ValueError(f"build_model: field 'trunk' is required (one of {TRUNKS})")
+    return EmbeddingModel(**kwargs)
+

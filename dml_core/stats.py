@@ -1,0 +1,94 @@
+"""Statistics of the Metric Learning Reality Check (protocol spec §1.6 and §2.3).
+
+* :func:`fold_summary` — mean and standard error of the mean over the cross-validation folds.  The MLRC
+  Bayesian optimiser receives exactly this pair as its objective: the fold mean of best-epoch val MAP@R and
+  ``scipy.stats.sem`` across folds (spec §1.6).
+* :func:`confidence_interval` — the 95% Student-t interval across independent training runs (the best trial
+  and its reproductions) that the paper reports:
+  ``scipy.stats.t.interval(level, n − 1, loc=mean, scale=sem)`` (spec §2.3).  The interval is across
+  *runs*, not folds.
+* :func:`paired_t_test` — ``scipy.stats.ttest_rel`` on two losses run on the same folds and seeds
+  (reproduction ``i`` of every loss uses the same seed and folds), so differences can be tested pairwise.
+
+Edge cases are decided here, once, rather than left to scipy's warnings:
+
+* fewer than 2 values: SEM and the interval are undefined and returned as NaN, never a made-up number;
+* zero spread (all values equal): SEM is 0 and the interval is the degenerate ``[mean, mean]``.  scipy
+  returns NaN bounds there because a t distribution with scale 0 is invalid; an interval of width 0 at the
+  mean is the limit of the t-interval as the spread goes to 0, so we report that;
+* non-finite values (NaN/inf, e.g. a diverged run that was not filtered) are an error naming the positions.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+from scipy import stats as _st
+
+__all__ = ["fold_summary", "confidence_interval", "paired_t_test"]
+
+
+def _values(values, name: str = "values") -> np.ndarray:
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # torch.Tensor, without importing torch here
+        values = values.detach().cpu().numpy()
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be numbers: {e}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of numbers, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty")
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        raise ValueError(f"{name} has non-finite entries at positions {bad.tolist()}: {arr[bad].tolist()}")
+    return arr
+
+
+def fold_summary(values) -> tuple[float, float]:
+    """``(mean, sem)`` with ``sem = scipy.stats.sem(values)`` (ddof = 1); sem is NaN for a single value."""
+    arr = _values(values)
+    mean = float(arr.mean())
+    if arr.size < 2:
+        return mean, math.nan
+    return mean, float(_st.sem(arr, ddof=1))
+
+
+def confidence_interval(values, level: float = 0.95) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the Student-t interval ``t.interval(level, n − 1, mean, sem)`` (spec §2.3).
+
+    ``n < 2`` → ``(mean, nan, nan)``; zero spread → ``(mean, mean, mean)`` (see the module docstring).
+    """
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must be a number strictly between 0 and 1, got {level!r}")
+    arr = _values(values)
+    mean, sem = fold_summary(arr)
+    if arr.size < 2:
+        return mean, math.nan, math.nan
+    if sem == 0.0 or np.ptp(arr) == 0.0:
+        return mean, mean, mean
+    low, high = _st.t.interval(float(level), arr.size - 1, loc=mean, scale=sem)
+    return mean, float(low), float(high)
+
+
+def paired_t_test(a, b, *, alternative: str = "two-sided") -> tuple[float, float]:
+    """``(t, p)`` of the paired t-test of ``a`` against ``b`` (``scipy.stats.ttest_rel`` semantics).
+
+    ``a[i]`` and ``b[i]`` must come from the same fold/seed.  Fewer than 2 pairs → ``(nan, nan)``.
+    scipy's conventions are kept for zero spread of the differences: all differences 0 → ``(nan, nan)``;
+    all equal and non-zero → ``t = ±inf``, ``p = 0`` (two-sided).
+    """
+    if alternative not in ("two-sided", "less", "greater"):
+        raise ValueError(f"alternative must be 'two-sided', 'less' or 'greater', got {alternative!r}")
+    x, y = _values(a, "a"), _values(b, "b")
+    if x.size != y.size:
+        raise ValueError(f"a and b must be paired (same length), got {x.size} and {y.size} values")
+    if x.size < 2:
+        return math.nan, math.nan
+    with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
+        # scipy warns about the zero-spread cases documented above; the values it returns are the contract.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = _st.ttest_rel(x, y, alternative=alternative)
+    return float(res.statistic), float(res.pvalue)
