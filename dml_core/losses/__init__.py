@@ -19,7 +19,6 @@ from dml_core.losses.registry import (  # noqa: F401
 import importlib as _importlib
 
 for _mod in (
-    "pair",  # simple pair loss used by train_fold tests + contrastive baseline
     "baselines",  # reality-check baselines wrapping pytorch-metric-learning
     "rsw",
     "multi_proxy_anchor",

@@ -256,6 +256,8 @@ class NTXent(PMLLoss):
     model=MLRC_MODEL,
     description="Margin loss with a learnable boundary beta (one, or one per class: MLRC 'Margin / class') "
     "(PML MarginLoss, learn_beta=True).",
+    # MLRC trained beta without weight decay (its plot files are named *_no_weight_decay; protocol spec §3).
+    loss_weight_decay=0.0,
 )
 class Margin(PMLLoss):
     """Margin loss (PML ``MarginLoss``, ``learn_beta=True``) over all batch triplets.

@@ -59,6 +59,9 @@ class LossInfo:
     batch: BatchSpec = field(default_factory=BatchSpec)
     model: ModelRecipe = field(default_factory=ModelRecipe)
     description: str = ""
+    #: Weight decay of the loss-parameter optimiser.  MLRC: RMSprop with weight decay 1e-4 for
+    #: proxies/class weights, but none for Margin's beta (protocol spec §3, "*_no_weight_decay" runs).
+    loss_weight_decay: float = 1e-4
 
 
 _REGISTRY: dict[str, LossInfo] = {}
@@ -74,6 +77,7 @@ def register(
     batch: BatchSpec | None = None,
     model: ModelRecipe | None = None,
     description: str = "",
+    loss_weight_decay: float = 1e-4,
 ):
     """Class/function decorator adding a loss factory to the registry.
 
@@ -92,6 +96,7 @@ def register(
             batch=batch or BatchSpec(),
             model=model or ModelRecipe(),
             description=description,
+            loss_weight_decay=loss_weight_decay,
         )
         return factory
 
