@@ -1,0 +1,439 @@
+"""Image tables, the dataset over them, readers, a synthetic generator and the MLRC protocol transforms.
+
+* `ImageTable` — one row per image: encoded bytes (PNG/JPEG), a file path, or an HxW[xC] uint8 array, plus an
+  int64 label.  `ShardedTable` (dml_core.shards) has the same surface over parquet shards without holding bytes.
+* `ImageDataset(table, transform)` — decodes (always to RGB: Omniglot is 1-bit PNG) and transforms in the
+  DataLoader worker; `.labels` for the m-per-class batch sampler.
+* Readers: `read_image_folder` (torchvision ImageFolder order), `read_parquet_manifest` (prepared shards, local or
+  S3), `read_omniglot` (the `images_background_small*.zip` files).
+* `synthetic(...)` — compositional toy classes with several modes each, for smoke tests and the demo.
+* `train_transform` / `eval_transform` — MLRC protocol spec §3 ("train transform", "eval transform").
+* `check_classes_fill_folds` — fail before training when the classes cannot fill 4 folds of m-per-class batches.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ImageTable",
+    "ImageDataset",
+    "decode_image",
+    "read_image_folder",
+    "read_parquet_manifest",
+    "read_omniglot",
+    "synthetic",
+    "train_transform",
+    "eval_transform",
+    "check_classes_fill_folds",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGE_EXTENSIONS",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# torchvision.datasets.folder.IMG_EXTENSIONS
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+# --------------------------------------------------------------------------------------------- table
+
+
+@dataclass
+class ImageTable:
+    """One row per image.
+
+    images: encoded bytes (PNG/JPEG), a file path (str / PathLike), or an HxW / HxWxC uint8 array.
+    labels: int64 class ids (any non-negative ids; the per-dataset conventions are in dml_core.datasets).
+    class_names: names of the distinct labels in sorted label order, i.e. `class_names[k]` names
+        `np.unique(labels)[k]` (for labels 0..C-1 that is simply `class_names[label]`); or None.
+    meta: optional per-row columns (numpy arrays of len(labels)), e.g. `split` (the dataset's original
+        split) and `relpath`; kept aligned by `subset` / `take`.
+    """
+
+    images: list
+    labels: np.ndarray
+    class_names: list[str] | None = None
+    meta: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self):
+        labels = np.asarray(self.labels)
+        if labels.ndim != 1:
+            raise ValueError(f"ImageTable.labels must be 1-D, got shape {labels.shape}")
+        if labels.size and not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"ImageTable.labels must be integer class ids, got dtype {labels.dtype}")
+        self.labels = labels.astype(np.int64, copy=False)
+        if len(self.images) != len(self.labels):
+            raise ValueError(f"ImageTable: {len(self.images)} images but {len(self.labels)} labels")
+        if self.labels.size and self.labels.min() < 0:
+            bad = np.flatnonzero(self.labels < 0)[:5].tolist()
+            raise ValueError(f"ImageTable.labels must be >= 0; negative at rows {bad}")
+        if self.class_names is not None:
+            self.class_names = list(self.class_names)
+            n = len(np.unique(self.labels))
+            if len(self.class_names) != n:
+                raise ValueError(f"ImageTable.class_names has {len(self.class_names)} names for {n} distinct labels")
+        meta = {}
+        for k, v in self.meta.items():
+            v = np.asarray(v)
+            if len(v) != len(self.labels):
+                raise ValueError(f"ImageTable.meta[{k!r}] has {len(v)} rows, expected {len(self.labels)}")
+            meta[k] = v
+        self.meta = meta
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def take(self, indices) -> ImageTable:
+        """Rows `indices`, in that order (labels unchanged)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        names = None
+        if self.class_names is not None:
+            lookup = dict(zip(np.unique(self.labels).tolist(), self.class_names))
+            names = [lookup[l] for l in np.unique(self.labels[idx]).tolist()]
+        return ImageTable(
+            images=[self.images[i] for i in idx],
+            labels=self.labels[idx],
+            class_names=names,
+            meta={k: v[idx] for k, v in self.meta.items()},
+        )
+
+    def subset(self, classes) -> ImageTable:
+        """The rows whose label is in `classes` (labels unchanged)."""
+        keep = np.isin(self.labels, np.asarray(list(classes), dtype=np.int64))
+        return self.take(np.flatnonzero(keep))
+
+    def row_name(self, i: int) -> str:
+        """How errors name row i."""
+        img = self.images[i]
+        if isinstance(img, (str, os.PathLike)):
+            return f"row {i} ({os.fspath(img)})"
+        if "relpath" in self.meta:
+            return f"row {i} ({self.meta['relpath'][i]})"
+        return f"row {i}"
+
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+def decode_image(image):
+    """bytes / path / uint8 array -> PIL RGB image.  Grayscale and 1-bit images become 3 identical channels."""
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (1, 3, 4)):
+            raise ValueError(f"array images must be HxW or HxWx{{1,3,4}} uint8, got {image.dtype} {image.shape}")
+        im = Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[2] == 1 else image)
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        im = Image.open(io.BytesIO(bytes(image)))
+    elif isinstance(image, (str, os.PathLike)):
+        im = Image.open(image)
+    else:
+        raise TypeError(f"unsupported image type {type(image).__name__}")
+    im.load()
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """`dataset[i] -> (transform(image) as a float CxHxW tensor, int label)`.
+
+    Decoding happens here, i.e. inside DataLoader workers.  The table must be picklable (ImageTable is;
+    ShardedTable drops its open files when pickled).  Without a transform the image becomes a float tensor in
+    [0, 1] (3 channels).  A row that fails to decode raises a ValueError naming the row (shard and row for
+    sharded tables).
+    """
+
+    def __init__(self, table, transform=None):
+        self.table = table
+        self.transform = transform
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.table.labels
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        from dml_core.shards import CorruptImageError
+
+        i = int(i)
+        try:
+            img = decode_image(self.table.images[i])
+        except CorruptImageError:
+            raise
+        except Exception as e:
+            raise CorruptImageError(f"cannot decode image at {self.table.row_name(i)}: {e}") from e
+        if self.transform is None:
+            from torchvision.transforms.v2 import functional as F
+
+            x = F.to_dtype(F.to_image(img), torch.float32, scale=True)
+        else:
+            x = self.transform(img)
+        return x, int(self.table.labels[i])
+
+
+# --------------------------------------------------------------------------------------------- transforms
+
+
+class _ToRGB:
+    """PIL image of any mode -> RGB; a 1-channel tensor -> 3 channels (Omniglot is 1-bit PNG)."""
+
+    def __call__(self, img):
+        if isinstance(img, torch.Tensor):
+            return img.expand(3, *img.shape[-2:]) if img.ndim >= 3 and img.shape[-3] == 1 else img
+        return img if getattr(img, "mode", "RGB") == "RGB" else img.convert("RGB")
+
+    def __repr__(self) -> str:
+        return "ToRGB()"
+
+
+def _to_normalised_tensor():
+    from torchvision.transforms import v2
+
+    return [v2.ToImage(), _ToRGB(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+
+
+def train_transform(size: int = 227):
+    """MLRC training augmentation (protocol spec §3): RandomResizedCrop(size, scale=(0.16, 1), ratio=(3/4, 4/3)),
+    horizontal flip (p=0.5), then ToTensor + ImageNet Normalize; grayscale becomes 3 channels.
+    Random draws use torch's RNG, so `torch.manual_seed` makes it reproducible."""
+    from torchvision.transforms import v2
+
+    return v2.Compose(
+        [_ToRGB(), v2.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), antialias=True),
+         v2.RandomHorizontalFlip(0.5), *_to_normalised_tensor()]
+    )
+
+
+def eval_transform(size: int = 227):
+    """MLRC evaluation (protocol spec §3): Resize(round(size·256/227)) + CenterCrop(size) — i.e. Resize(256) +
+    CenterCrop(227) at the paper's size — then ToTensor + ImageNet Normalize, grayscale -> 3 channels."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([_ToRGB(), v2.Resize(round(size * 256 / 227), antialias=True), v2.CenterCrop(size),
+                       *_to_normalised_tensor()])
+
+
+# --------------------------------------------------------------------------------------------- readers
+
+
+def read_image_folder(root: str | os.PathLike) -> ImageTable:
+    """torchvision `ImageFolder` semantics: class = immediate sub-directory of `root`, labels 0..C-1 in sorted
+    directory-name order; images (by extension, case-insensitive) found recursively, sorted; rows are paths."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder root {root} is not a directory")
+    classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
+    if not classes:
+        raise ValueError(f"{root}: no class sub-directories")
+    paths, labels, empty = [], [], []
+    for label, name in enumerate(classes):
+        files = sorted(
+            os.path.join(dirpath, f)
+            for dirpath, _, filenames in os.walk(root / name, followlinks=True)
+            for f in filenames
+            if f.lower().endswith(IMAGE_EXTENSIONS)
+        )
+        if not files:
+            empty.append(name)
+        paths += files
+        labels += [label] * len(files)
+    if empty:
+        raise ValueError(f"{root}: class directories without images: {empty[:20]}")
+    return ImageTable(images=paths, labels=np.array(labels, dtype=np.int64), class_names=classes,
+                      meta={"relpath": np.array([os.path.relpath(p, root) for p in paths])})
+
+
+def read_parquet_manifest(uri, *, endpoint_url: str | None = None, cache_dir=None, cache_row_groups: int = 16,
+                          verify_rows: bool = True):
+    """Prepared shards (`dmlrc data prepare`) as a streaming `ShardedTable` (local dir / manifest.json / s3://).
+
+    Labels and original splits are read up front; image bytes are read per row group on demand and checked
+    against their sha256.  See dml_core.shards for the format and the cache."""
+    from dml_core.shards import ShardedTable
+
+    return ShardedTable(uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=cache_row_groups,
+                        verify_rows=verify_rows)
+
+
+def iter_omniglot(zip_dir: str | os.PathLike):
+    """Yield (relpath 'Alphabet/characterNN/file.png', png bytes, source zip name), deduplicated across zips.
+
+    The two `images_background_small*.zip` files both contain Greek and Latin with identical files; a relpath
+    seen twice must have identical bytes (else ValueError naming both zips)."""
+    import hashlib
+
+    zip_dir = Path(zip_dir)
+    zips = sorted(zip_dir.glob("images_*.zip"))
+    if not zips:
+        raise FileNotFoundError(f"no Omniglot images_*.zip files in {zip_dir}")
+    seen: dict[str, tuple[str, str]] = {}
+    for zpath in zips:
+        with zipfile.ZipFile(zpath) as zf:
+            for name in sorted(zf.namelist()):
+                parts = name.split("/")
+                # <zip root>/<alphabet>/<character>/<file>.png; skip directories and OS litter
+                if len(parts) != 4 or not parts[3].lower().endswith(".png") or parts[0].startswith("__MACOSX"):
+                    continue
+                rel = "/".join(parts[1:])
+                data = zf.read(name)
+                digest = hashlib.sha256(data).hexdigest()
+                if rel in seen:
+                    if seen[rel][1] != digest:
+                        raise ValueError(f"Omniglot: {rel} differs between {seen[rel][0]} and {zpath.name}")
+                    continue
+                seen[rel] = (zpath.name, digest)
+                yield rel, data, zpath.name
+
+
+def read_omniglot(zip_dir: str | os.PathLike) -> ImageTable:
+    """Omniglot from its zips: class = "alphabet/character", labels 0..C-1 in sorted class-name order, images as
+    PNG bytes (105x105, 1-bit).  The two small background zips give 8 alphabets, 242 characters x 20 drawers =
+    4,840 images after removing the Greek and Latin duplicates."""
+    rows = sorted(iter_omniglot(zip_dir))
+    rel = [r[0] for r in rows]
+    cls = ["/".join(r.split("/")[:2]) for r in rel]
+    names = sorted(set(cls))
+    index = {n: i for i, n in enumerate(names)}
+    return ImageTable(
+        images=[r[1] for r in rows],
+        labels=np.array([index[c] for c in cls], dtype=np.int64),
+        class_names=names,
+        meta={"relpath": np.array(rel), "split": np.array(["background"] * len(rows))},
+    )
+
+
+# --------------------------------------------------------------------------------------------- synthetic
+
+
+def _stroke_templates(rng: np.random.Generator, n: int, size: int, strokes: int = 2) -> np.ndarray:
+    """n soft-edged glyphs of `strokes` random line segments each, values in [0, 1], shape (n, size, size)."""
+    g = (np.arange(size, dtype=np.float32) + 0.5) / size
+    yy, xx = np.meshgrid(g, g, indexing="ij")
+    pts = np.stack([yy, xx], -1)[None, None]                           # 1,1,S,S,2
+    a = rng.uniform(0.1, 0.9, (n, strokes, 1, 1, 2)).astype(np.float32)
+    b = rng.uniform(0.1, 0.9, (n, strokes, 1, 1, 2)).astype(np.float32)
+    ab = b - a
+    t = np.clip(((pts - a) * ab).sum(-1) / np.maximum((ab * ab).sum(-1), 1e-6), 0, 1)
+    dist = np.linalg.norm(pts - (a + t[..., None] * ab), axis=-1)     # n,strokes,S,S
+    width = 0.09
+    return np.clip(1.5 - dist.min(1) / width, 0, 1).astype(np.float32)
+
+
+def synthetic(
+    num_classes: int,
+    per_class: int,
+    image_size: int = 32,
+    seed: int = 0,
+    *,
+    modes_per_class: int = 2,
+    parts_per_mode: int = 3,
+    num_glyphs: int = 12,
+    num_colours: int = 8,
+) -> ImageTable:
+    """Deterministic compositional toy data: `num_classes × per_class` RGB uint8 images (rows = HxWx3 arrays).
+
+    Shared structure: a common vocabulary of `num_glyphs` stroke glyphs and `num_colours` colours.  A class has
+    `modes_per_class` prototypes (modes); each mode is `parts_per_mode` (glyph, colour) parts placed in distinct
+    cells of a 2x2 grid, drawn independently, so the modes of a class are distinct clusters (something for
+    multi-proxy losses to find) while every class is a new combination of the same parts (so features learnt
+    on some classes transfer to unseen ones).  Per image: the mode (balanced), ±S/10 position jitter per part,
+    colour gain, background level and pixel noise.  Labels 0..num_classes-1, class-contiguous rows.
+    """
+    for name, v in (("num_classes", num_classes), ("per_class", per_class), ("modes_per_class", modes_per_class),
+                    ("parts_per_mode", parts_per_mode), ("num_glyphs", num_glyphs), ("num_colours", num_colours)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"synthetic: {name} must be a positive integer, got {v!r}")
+    if parts_per_mode > 4:
+        raise ValueError(f"synthetic: parts_per_mode must be <= 4 (cells of the 2x2 grid), got {parts_per_mode}")
+    if isinstance(image_size, bool) or not isinstance(image_size, (int, np.integer)) or image_size < 8:
+        raise ValueError(f"synthetic: image_size must be an integer >= 8, got {image_size!r}")
+    rng = np.random.default_rng(seed)
+    S = int(image_size)
+    s = max(4, round(0.42 * S))                        # glyph stamp size: a 2x2 grid cell minus some margin
+    glyphs = _stroke_templates(rng, num_glyphs, s)
+    # Colours spread around the hue circle at high saturation, so colour ids are distinguishable.
+    hue = (np.arange(num_colours) / num_colours + rng.uniform(0, 1 / num_colours)) % 1.0
+    rgb = np.clip(np.abs(((hue[:, None] * 6 + np.array([0, 4, 2])) % 6) - 3) - 1, 0, 1)   # HSV -> RGB, S=V=1
+    palette = (255 * (0.25 + 0.75 * rgb)).astype(np.float32)  # every channel partly lit: glyphs beat the background
+
+    M, P = modes_per_class, parts_per_mode
+    mode_glyph = rng.integers(0, num_glyphs, (num_classes, M, P))
+    mode_colour = rng.integers(0, num_colours, (num_classes, M, P))
+    mode_cell = np.argsort(rng.random((num_classes, M, 4)), axis=-1)[..., :P]   # distinct cells per mode
+
+    N = num_classes * per_class
+    labels = np.repeat(np.arange(num_classes, dtype=np.int64), per_class)
+    mode = np.tile(np.arange(per_class) % M, num_classes)                          # balanced modes
+    canvas = rng.uniform(0, 40, (N, 1, 1, 1)).astype(np.float32) + np.zeros((N, S, S, 3), np.float32)
+    jit = max(1, S // 10)
+    margin = (S // 2 - s) // 2
+    ar = np.arange(s)
+    n_idx = np.arange(N)[:, None, None]
+    for p in range(P):
+        cell = mode_cell[labels, mode, p]
+        y0 = (cell // 2) * (S // 2) + margin + rng.integers(-jit, jit + 1, N)
+        x0 = (cell % 2) * (S // 2) + margin + rng.integers(-jit, jit + 1, N)
+        y0, x0 = np.clip(y0, 0, S - s), np.clip(x0, 0, S - s)
+        colour = palette[mode_colour[labels, mode, p]] * rng.uniform(0.8, 1.2, (N, 1)).astype(np.float32)
+        stamp = glyphs[mode_glyph[labels, mode, p]][..., None] * colour[:, None, None, :]   # N,s,s,3
+        rows, cols = (y0[:, None] + ar)[:, :, None], (x0[:, None] + ar)[:, None, :]
+        canvas[n_idx, rows, cols] = np.maximum(canvas[n_idx, rows, cols], stamp)
+    canvas += rng.normal(0, 8, canvas.shape).astype(np.float32)
+    pixels = np.clip(canvas, 0, 255).astype(np.uint8)
+    return ImageTable(
+        images=list(pixels),
+        labels=labels,
+        class_names=[f"synthetic_{c:04d}" for c in range(num_classes)],
+        meta={"mode": mode},
+    )
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+def check_classes_fill_folds(labels, n_folds: int = 4, m: int = 4, classes_per_batch: int = 8, *,
+                             layout: str = "mlrc") -> None:
+    """Raise one ValueError, before any training, when the trainval `labels` cannot fill the protocol's folds.
+
+    Builds the `n_folds` class-disjoint folds of the sorted trainval classes (protocol spec §1.3, via
+    `dml_core.splits.class_disjoint_folds`) and requires, for every fold:
+      * >= `classes_per_batch` train classes, so an m-per-class batch of `classes_per_batch` distinct classes × `m`
+        images exists (classes with fewer than `m` images are sampled with replacement, as MLRC's PML
+        MPerClassSampler does, so they are allowed);
+      * >= 2 val classes (one class makes every retrieval metric trivially 1), each with >= 2 images (a class of
+        one has R = 0, so MAP@R / R-Precision are undefined for it, spec §5.5).
+    """
+    import warnings
+
+    from dml_core.splits import class_disjoint_folds
+
+    for name, v in (("n_folds", n_folds), ("m", m), ("classes_per_batch", classes_per_batch)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"check_classes_fill_folds: {name} must be a positive integer, got {v!r}")
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or labels.size == 0:
+        raise ValueError(f"check_classes_fill_folds: labels must be a non-empty 1-D array, got shape {labels.shape}")
+    classes = np.unique(labels)
+    what = (f"{classes.size} trainval classes cannot fill {n_folds} class-disjoint folds with batches of "
+            f"{classes_per_batch} classes × m = {m}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a single-val-class fold is an error here, reported below
+            folds = class_disjoint_folds(classes, n_folds, layout, labels=labels, min_val_samples=2,
+                                         min_train_classes=classes_per_batch)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    thin = [f"fold {f.index}: {len(f.val_classes)} val class ({f.val_classes[0]})" for f in folds
+            if len(f.val_classes) < 2]
+    if thin:
+        raise ValueError(f"{what}: every fold needs >= 2 val classes; " + "; ".join(thin))

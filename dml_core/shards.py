@@ -1,0 +1,641 @@
+"""Parquet image shards: the on-disk / on-S3 format `dmlrc data prepare` writes and training reads.
+
+Layout under a destination (local directory or `s3://bucket/prefix`, see `dml_core.storage`)::
+
+    manifest.json                 # written last: a destination with a manifest is complete
+    shards/part-00000.parquet     # rows sorted by (label, relpath), so an m-per-class batch touches few row groups
+    shards/part-00001.parquet
+    ...
+
+Parquet columns (`PARQUET_SCHEMA`): `image` (encoded JPEG/PNG bytes, stored uncompressed: they are compressed
+already), `label` (int64), `class_name`, `split` (the dataset's *original* split: train/test, query/gallery, ...),
+`relpath` (path inside the official layout) and `sha256` (hex digest of `image`).
+
+`manifest.json` (`SCHEMA_VERSION` = 1)::
+
+    {"schema_version": 1, "format": "dmlrc-image-shards", "dataset": "cub200",
+     "num_images": 11788, "num_classes": 200,
+     "classes": [{"label": 0, "name": "001.Black_footed_Albatross", "count": 60}, ...],   # sorted by label
+     "counts": {"images": 11788, "classes": 200, "per_split": {"test": 5794, "train": 5994}},
+     "shards": [{"path": "shards/part-00000.parquet", "sha256": "...", "rows": 2400, "bytes": 1.3e8,
+                 "row_groups": [64, 64, ..., 32]}, ...],
+     "columns": {...}, "info": {"label_convention": "...", ...}}
+
+Reading (`ShardedTable`) keeps memory bounded: labels and original splits are read up front (two small
+columns); image bytes are read one row group at a time on demand, through a small per-process LRU.  Each
+shard is made local once: S3 shards are downloaded into a content-addressed cache dir (`<sha256>.parquet`) and
+checked against the manifest's sha256 before use; local shards are read in place and hashed once (a stamp in the
+cache dir remembers size + mtime).  Opening an S3 table therefore downloads every shard once (the label
+column lives in the shards): disk use is the dataset's size, memory is not.  Every image's sha256 is checked
+when it is read.  A `ShardedTable` pickles without open files or clients, and notices a fork, so DataLoader
+workers reopen their own handles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import tempfile
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dml_core.storage import LocalStorage, is_s3_uri, open_storage
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "PARQUET_SCHEMA",
+    "MANIFEST_NAME",
+    "Record",
+    "ShardChecksumError",
+    "CorruptImageError",
+    "ManifestError",
+    "write_shards",
+    "read_manifest",
+    "ShardedTable",
+    "verify_shards",
+    "default_cache_dir",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+FORMAT = "dmlrc-image-shards"
+PARQUET_SCHEMA = pa.schema(
+    [
+        ("image", pa.binary()),
+        ("label", pa.int64()),
+        ("class_name", pa.string()),
+        ("split", pa.string()),
+        ("relpath", pa.string()),
+        ("sha256", pa.string()),
+    ]
+)
+COLUMN_DOCS = {
+    "image": "encoded image bytes (JPEG/PNG), as in the official files",
+    "label": "int64 class label (per-dataset convention in info.label_convention)",
+    "class_name": "human-readable class name",
+    "split": "the dataset's original split of this image (e.g. train/test, train/query/gallery)",
+    "relpath": "path of the image inside the official layout",
+    "sha256": "hex sha256 of the image bytes",
+}
+
+
+class ShardChecksumError(ValueError):
+    """A shard file does not match the sha256 the manifest lists for it."""
+
+
+class CorruptImageError(ValueError):
+    """An image's bytes do not match their sha256, or do not decode."""
+
+
+class ManifestError(ValueError):
+    """A manifest is missing, of an unknown schema version, or inconsistent with its shards."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One image to write.  `read()` returns the encoded bytes; it is called once, while writing, so a
+    prepare run never holds more than one row group of image bytes."""
+
+    relpath: str
+    label: int
+    class_name: str
+    split: str
+    read: Callable[[], bytes]
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """`$DMLRC_CACHE_DIR`, else ~/.cache/dmlrc; shards go to its `shards/` sub-directory."""
+    return Path(os.environ.get("DMLRC_CACHE_DIR") or Path.home() / ".cache" / "dmlrc").expanduser()
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def _check_image_header(data: bytes, relpath: str) -> None:
+    """Parse only the header (cheap): catches a truncated download or a non-image file at prepare time."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise CorruptImageError(f"{relpath}: empty file")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.size  # noqa: B018  (header parsed)
+    except (UnidentifiedImageError, OSError) as e:
+        raise CorruptImageError(f"{relpath}: not a readable image ({e})") from e
+
+
+def write_shards(
+    records: Iterable[Record],
+    dest: str | os.PathLike,
+    *,
+    dataset: str,
+    endpoint_url: str | None = None,
+    max_shard_bytes: int = 128 << 20,
+    row_group_rows: int = 64,
+    info: dict | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Write `records` as parquet shards plus `manifest.json` under `dest`; return the manifest.
+
+    Rows are sorted by (label, relpath) first, so each class is contiguous and an m-per-class batch reads
+    few row groups.  A shard is closed once its image bytes reach `max_shard_bytes`.  The manifest goes last,
+    so a crashed run leaves no manifest (and readers refuse the destination).
+    """
+    from tqdm.auto import tqdm
+
+    if row_group_rows < 1:
+        raise ValueError(f"row_group_rows must be >= 1, got {row_group_rows}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    storage = open_storage(dest, endpoint_url=endpoint_url)
+    if storage.exists(MANIFEST_NAME) and not overwrite:
+        raise FileExistsError(f"{storage.uri_of(MANIFEST_NAME)} exists; pass overwrite=True (--overwrite) "
+                              "to replace it")
+
+    rows = sorted(records, key=lambda r: (int(r.label), r.relpath))
+    if not rows:
+        raise ValueError(f"{dataset}: no images found to write")
+    _validate_records(rows, dataset)
+
+    local = isinstance(storage, LocalStorage)
+    staging = storage.root if local else Path(tempfile.mkdtemp(prefix="dmlrc-shards-"))
+    (staging / "shards").mkdir(parents=True, exist_ok=True)
+
+    shards: list[dict] = []
+    state = {"writer": None, "path": None, "rows": 0, "bytes": 0, "groups": []}
+
+    def open_shard():
+        name = f"shards/part-{len(shards):05d}.parquet"
+        tmp = staging / "shards" / f".{Path(name).name}.{uuid.uuid4().hex}.tmp"
+        state.update(
+            writer=pq.ParquetWriter(
+                tmp,
+                PARQUET_SCHEMA,
+                compression={"image": "NONE", "label": "ZSTD", "class_name": "ZSTD", "split": "ZSTD",
+                             "relpath": "ZSTD", "sha256": "ZSTD"},
+                # min/max statistics of a binary image column would bloat the footer for nothing, and a
+                # dictionary of unique image blobs only adds a decode step: both only for the small columns
+                write_statistics=["label", "split"],
+                use_dictionary=["label", "class_name", "split"],
+            ),
+            path=tmp, name=name, rows=0, bytes=0, groups=[],
+        )
+
+    def close_shard():
+        state["writer"].close()
+        tmp: Path = state["path"]
+        digest = _sha256_file(tmp)
+        entry = {"path": state["name"], "sha256": digest, "rows": state["rows"], "bytes": tmp.stat().st_size,
+                 "row_groups": state["groups"]}
+        if local:
+            os.replace(tmp, storage.root / state["name"])
+        else:
+            storage.put_file(tmp, state["name"])
+            tmp.unlink()
+        shards.append(entry)
+        state["writer"] = None
+
+    group: dict[str, list] = {c: [] for c in PARQUET_SCHEMA.names}
+
+    def flush_group():
+        n = len(group["image"])
+        if n == 0:
+            return
+        if state["writer"] is None:
+            open_shard()
+        state["writer"].write_table(pa.table(group, schema=PARQUET_SCHEMA), row_group_size=n)
+        state["rows"] += n
+        state["groups"].append(n)
+        state["bytes"] += sum(len(b) for b in group["image"])
+        for c in group:
+            group[c] = []
+        if state["bytes"] >= max_shard_bytes:
+            close_shard()
+
+    try:
+        for rec in tqdm(rows, desc=f"prepare {dataset}", unit="img", disable=not progress):
+            data = rec.read()
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"{rec.relpath}: read() returned {type(data).__name__}, expected bytes")
+            data = bytes(data)
+            _check_image_header(data, rec.relpath)
+            group["image"].append(data)
+            group["label"].append(int(rec.label))
+            group["class_name"].append(rec.class_name)
+            group["split"].append(rec.split)
+            group["relpath"].append(rec.relpath)
+            group["sha256"].append(hashlib.sha256(data).hexdigest())
+            if len(group["image"]) >= row_group_rows:
+                flush_group()
+        flush_group()
+        if state["writer"] is not None:
+            close_shard()
+    finally:
+        if state["writer"] is not None:  # failed mid-shard: drop the partial file
+            state["writer"].close()
+            with contextlib.suppress(FileNotFoundError):
+                Path(state["path"]).unlink()
+        if not local:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+
+    labels = np.array([r.label for r in rows], dtype=np.int64)
+    uniq, counts = np.unique(labels, return_counts=True)
+    names = {int(r.label): r.class_name for r in rows}
+    splits, split_counts = np.unique(np.array([r.split for r in rows]), return_counts=True)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "format": FORMAT,
+        "dataset": dataset,
+        "num_images": len(rows),
+        "num_classes": len(uniq),
+        "classes": [{"label": int(l), "name": names[int(l)], "count": int(c)} for l, c in zip(uniq, counts)],
+        "counts": {
+            "images": len(rows),
+            "classes": len(uniq),
+            "per_split": {str(s): int(c) for s, c in zip(splits, split_counts)},
+        },
+        "shards": shards,
+        "columns": COLUMN_DOCS,
+        "info": dict(info or {}),
+    }
+    storage.put_bytes(json.dumps(manifest, indent=1).encode(), MANIFEST_NAME)
+    return manifest
+
+
+def _validate_records(rows: Sequence[Record], dataset: str) -> None:
+    seen: set[str] = set()
+    names: dict[int, str] = {}
+    for i, r in enumerate(rows):
+        if r.relpath in seen:
+            raise ValueError(f"{dataset}: duplicate image path {r.relpath!r}")
+        seen.add(r.relpath)
+        if int(r.label) < 0:
+            raise ValueError(f"{dataset}: {r.relpath}: negative label {r.label}")
+        prev = names.setdefault(int(r.label), r.class_name)
+        if prev != r.class_name:
+            raise ValueError(f"{dataset}: label {r.label} has two class names, {prev!r} and {r.class_name!r} "
+                             f"(at {r.relpath})")
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def _split_manifest_uri(uri: str | os.PathLike) -> tuple[str, str]:
+    """A manifest URI is the manifest file itself or the directory / prefix holding `manifest.json`."""
+    s = str(uri)
+    if s.endswith(".json"):
+        if is_s3_uri(s):
+            root, _, name = s.rpartition("/")
+            return root, name
+        p = Path(s)
+        return str(p.parent), p.name
+    return s.rstrip("/") if is_s3_uri(s) else s, MANIFEST_NAME
+
+
+def read_manifest(uri: str | os.PathLike, endpoint_url: str | None = None) -> dict:
+    """Load and validate a manifest (local path/dir or s3:// URI)."""
+    root, name = _split_manifest_uri(uri)
+    storage = open_storage(root, endpoint_url=endpoint_url)
+    try:
+        raw = storage.get_bytes(name)
+    except FileNotFoundError as e:
+        raise ManifestError(f"no manifest at {storage.uri_of(name)} "
+                            "(was `dmlrc data prepare` run to completion?)") from e
+    return _validate_manifest(json.loads(raw), storage.uri_of(name))
+
+
+def _validate_manifest(m: dict, where: str) -> dict:
+    version = m.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ManifestError(f"{where}: schema_version {version!r} is not supported (this code reads {SCHEMA_VERSION})")
+    for key in ("dataset", "num_images", "classes", "shards"):
+        if key not in m:
+            raise ManifestError(f"{where}: missing field {key!r}")
+    for i, s in enumerate(m["shards"]):
+        for key in ("path", "sha256", "rows", "row_groups"):
+            if key not in s:
+                raise ManifestError(f"{where}: shards[{i}] missing field {key!r}")
+        if sum(s["row_groups"]) != s["rows"]:
+            raise ManifestError(f"{where}: shards[{i}] ({s['path']}): row_groups sum to {sum(s['row_groups'])}, "
+                                f"rows = {s['rows']}")
+    total = sum(s["rows"] for s in m["shards"])
+    if total != m["num_images"]:
+        raise ManifestError(f"{where}: shards hold {total} rows, num_images = {m['num_images']}")
+    return m
+
+
+class _ShardSource:
+    """Everything shared by a table and its subsets: the manifest, the storage, and per-process handles."""
+
+    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True):
+        root, name = _split_manifest_uri(uri)
+        self.storage = open_storage(root, endpoint_url=endpoint_url)
+        self.manifest_uri = self.storage.uri_of(name)
+        self.manifest = read_manifest(uri, endpoint_url=endpoint_url)
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self.cache_row_groups = int(cache_row_groups)
+        self.verify_rows = bool(verify_rows)
+        shards = self.manifest["shards"]
+        self.shard_starts = np.cumsum([0] + [s["rows"] for s in shards])
+        self.group_starts = [np.cumsum([0] + list(s["row_groups"])) for s in shards]
+        self._reset_process_state()
+
+    # Per-process state: never pickled, rebuilt after a fork (a forked worker must not share file offsets).
+    def _reset_process_state(self):
+        self._pid = os.getpid()
+        self._files: dict[int, pq.ParquetFile] = {}
+        self._local: dict[int, Path] = {}
+        self._lru: OrderedDict[tuple[int, int], tuple[pa.Array, pa.Array, pa.Array]] = OrderedDict()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for k in ("_files", "_local", "_lru", "_pid"):
+            state.pop(k)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset_process_state()
+
+    def _check_process(self):
+        if self._pid != os.getpid():
+            self._reset_process_state()
+
+    def shard_name(self, k: int) -> str:
+        return self.manifest["shards"][k]["path"]
+
+    def local_shard(self, k: int) -> Path:
+        """Path of a verified local copy of shard k (downloaded into the cache for S3)."""
+        self._check_process()
+        if k in self._local:
+            return self._local[k]
+        entry = self.manifest["shards"][k]
+        expected = entry["sha256"]
+        in_place = self.storage.local_path(entry["path"])
+        if in_place is not None:
+            path = _verify_in_place(in_place, expected, self.cache_dir / "verified", entry["path"])
+        else:
+            path = _download_verified(self.storage, entry["path"], expected, self.cache_dir / "shards")
+        self._local[k] = path
+        return path
+
+    def parquet(self, k: int) -> pq.ParquetFile:
+        self._check_process()
+        f = self._files.get(k)
+        if f is None:
+            f = pq.ParquetFile(self.local_shard(k), memory_map=True)
+            if f.metadata.num_rows != self.manifest["shards"][k]["rows"]:
+                raise ManifestError(f"{self.shard_name(k)}: {f.metadata.num_rows} rows, manifest says "
+                                    f"{self.manifest['shards'][k]['rows']}")
+            self._files[k] = f
+        return f
+
+    def locate(self, g: int) -> tuple[int, int, int, int]:
+        """Global row -> (shard, row in shard, row group, offset in row group)."""
+        k = int(np.searchsorted(self.shard_starts, g, side="right") - 1)
+        r = g - int(self.shard_starts[k])
+        starts = self.group_starts[k]
+        rg = int(np.searchsorted(starts, r, side="right") - 1)
+        return k, r, rg, r - int(starts[rg])
+
+    def row_group(self, k: int, rg: int) -> tuple[pa.Array, pa.Array, pa.Array]:
+        self._check_process()
+        key = (k, rg)
+        hit = self._lru.get(key)
+        if hit is not None:
+            self._lru.move_to_end(key)
+            return hit
+        # One thread: this runs inside a DataLoader worker, which is the unit of parallelism.
+        t = self.parquet(k).read_row_group(rg, columns=["image", "sha256", "relpath"], use_threads=False)
+        # Keep Arrow arrays (no per-row Python objects); a row is converted only when it is asked for.
+        value = (t.column("image").combine_chunks(), t.column("sha256").combine_chunks(),
+                 t.column("relpath").combine_chunks())
+        self._lru[key] = value
+        while len(self._lru) > max(1, self.cache_row_groups):
+            self._lru.popitem(last=False)
+        return value
+
+    def image_bytes(self, g: int) -> bytes:
+        k, r, rg, off = self.locate(g)
+        images, digests, relpaths = self.row_group(k, rg)
+        data = images[off].as_py()
+        if self.verify_rows and hashlib.sha256(data).hexdigest() != digests[off].as_py():
+            raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} row {r} "
+                                    f"({relpaths[off].as_py()}): image bytes do not match their sha256")
+        return data
+
+    def relpath(self, g: int) -> str:
+        k, _, rg, off = self.locate(g)
+        return self.row_group(k, rg)[2][off].as_py()
+
+    def row_name(self, g: int) -> str:
+        k, r, _, _ = self.locate(g)
+        return f"shard {self.shard_name(k)} row {r} ({self.relpath(g)})"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Exclusive lock so that DataLoader workers on one host download a shard once (no-op without fcntl)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _download_verified(storage, key: str, expected: str, cache: Path) -> Path:
+    """Content-addressed cache: `<cache>/<sha256>.parquet` exists only after its hash was checked."""
+    final = cache / f"{expected}.parquet"
+    if final.is_file():
+        return final
+    with _file_lock(cache / f"{expected}.lock"):
+        if final.is_file():  # another worker finished it while we waited
+            return final
+        tmp = cache / f".{expected}.{uuid.uuid4().hex}.tmp"
+        try:
+            storage.get_file(key, tmp)
+            got = _sha256_file(tmp)
+            if got != expected:
+                raise ShardChecksumError(f"{storage.uri_of(key)}: sha256 {got} does not match the manifest's "
+                                         f"{expected}")
+            os.replace(tmp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+    return final
+
+
+def _verify_in_place(path: Path, expected: str, stamps: Path, name: str) -> Path:
+    """Hash a local shard once; a stamp (sha256 -> path, size, mtime) skips re-hashing an unchanged file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"shard {name} listed in the manifest is missing: {path}")
+    st = path.stat()
+    fingerprint = f"{path.resolve()}\n{st.st_size}\n{st.st_mtime_ns}\n"
+    stamp = stamps / f"{expected}.ok"
+    with contextlib.suppress(OSError):
+        if stamp.read_text() == fingerprint:
+            return path
+    got = _sha256_file(path)
+    if got != expected:
+        raise ShardChecksumError(f"{path}: shard {name} sha256 {got} does not match the manifest's {expected}")
+    with contextlib.suppress(OSError):  # a read-only cache only costs a re-hash next time
+        stamps.mkdir(parents=True, exist_ok=True)
+        tmp = stamps / f".{expected}.{uuid.uuid4().hex}.tmp"
+        tmp.write_text(fingerprint)
+        os.replace(tmp, stamp)
+    return path
+
+
+class _LazyImages(Sequence):
+    """`table.images[i]` -> verified image bytes, read from its row group on demand."""
+
+    def __init__(self, table: ShardedTable):
+        self._table = table
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._table._source.image_bytes(self._table._global(i))
+
+
+class ShardedTable:
+    """An `ImageTable`-like view over prepared shards (local or S3) that never holds the dataset's bytes.
+
+    Same surface as `dml_core.data.ImageTable`: `labels` (int64, read up front from the label column),
+    `class_names` (aligned with `np.unique(labels)`), `images` (lazy: `images[i]` -> encoded bytes),
+    `meta["split"]` (original split per row), `subset(classes)`, `take(indices)`, `row_name(i)`, `len()`;
+    plus `relpath(i)`, `shard_of(i)`, `manifest` and `dataset`.
+    `ImageDataset(table, transform)` decodes and transforms in DataLoader workers.
+    """
+
+    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True):
+        source = _ShardSource(uri, endpoint_url=endpoint_url, cache_dir=cache_dir,
+                              cache_row_groups=cache_row_groups, verify_rows=verify_rows)
+        labels, splits = [], []
+        for k in range(len(source.manifest["shards"])):
+            t = source.parquet(k).read(columns=["label", "split"], use_threads=False)
+            labels.append(t.column("label").to_numpy())
+            splits.append(np.asarray(t.column("split").to_pylist(), dtype=str))
+        all_labels = np.concatenate(labels).astype(np.int64) if labels else np.zeros(0, np.int64)
+        _check_label_counts(all_labels, source.manifest, source.manifest_uri)
+        self._init_view(source, np.arange(len(all_labels)), all_labels,
+                        np.concatenate(splits) if splits else np.zeros(0, dtype=str))
+
+    def _init_view(self, source, rows, all_labels, all_splits):
+        self._source = source
+        self._rows = np.asarray(rows, dtype=np.int64)
+        self._all_labels = all_labels
+        self._all_splits = all_splits
+        self.labels = all_labels[self._rows]
+        self.meta = {"split": all_splits[self._rows]}
+        names = {c["label"]: c["name"] for c in source.manifest["classes"]}
+        self.class_names = [names[int(l)] for l in np.unique(self.labels)]
+        self.images = _LazyImages(self)
+
+    def _view(self, rows) -> ShardedTable:
+        t = ShardedTable.__new__(ShardedTable)
+        t._init_view(self._source, rows, self._all_labels, self._all_splits)
+        return t
+
+    @property
+    def manifest(self) -> dict:
+        return self._source.manifest
+
+    @property
+    def dataset(self) -> str:
+        return self._source.manifest["dataset"]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __repr__(self) -> str:
+        return (f"ShardedTable({self._source.manifest_uri!r}, rows={len(self)}, "
+                f"classes={len(self.class_names)})")
+
+    def _global(self, i: int) -> int:
+        n = len(self._rows)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for a table of {n} rows")
+        return int(self._rows[i])
+
+    def subset(self, classes) -> ShardedTable:
+        """Rows whose label is in `classes` (labels unchanged)."""
+        return self._view(self._rows[np.isin(self.labels, np.asarray(list(classes), dtype=np.int64))])
+
+    def take(self, indices) -> ShardedTable:
+        """Rows `indices` of this table, in that order."""
+        return self._view(self._rows[np.asarray(indices, dtype=np.int64)])
+
+    def row_name(self, i: int) -> str:
+        return f"{self._source.manifest_uri}: {self._source.row_name(self._global(i))}"
+
+    def relpath(self, i: int) -> str:
+        """Path of row i's image in the official layout (read with its row group)."""
+        return self._source.relpath(self._global(i))
+
+    def shard_of(self, i: int) -> tuple[str, int]:
+        """(shard path, row inside that shard) of row i."""
+        k, r, _, _ = self._source.locate(self._global(i))
+        return self._source.shard_name(k), r
+
+
+def _check_label_counts(labels: np.ndarray, manifest: dict, where: str) -> None:
+    uniq, counts = np.unique(labels, return_counts=True)
+    got = {int(l): int(c) for l, c in zip(uniq, counts)}
+    want = {int(c["label"]): int(c["count"]) for c in manifest["classes"]}
+    if got != want:
+        diff = sorted(l for l in set(got) | set(want) if got.get(l) != want.get(l))[:10]
+        raise ManifestError(f"{where}: label column disagrees with the manifest's class counts for labels {diff}")
+
+
+def verify_shards(uri, *, endpoint_url=None, cache_dir=None, decode: bool = True, progress: bool = False) -> dict:
+    """Check every shard's sha256, every row's sha256 and (if `decode`) that every image decodes.
+
+    Raises `ShardChecksumError` / `CorruptImageError` naming the shard and row; returns a summary dict.
+    """
+    from PIL import Image
+    from tqdm.auto import tqdm
+
+    table = ShardedTable(uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=2)
+    src = table._source
+    for g in tqdm(range(len(table)), desc="verify", unit="img", disable=not progress):
+        data = src.image_bytes(g)
+        if decode:
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    im.load()
+            except Exception as e:
+                raise CorruptImageError(f"{src.manifest_uri}: {src.row_name(g)}: does not decode ({e})") from e
+    return {"dataset": table.dataset, "images": len(table), "classes": len(table.class_names),
+            "shards": len(src.manifest["shards"])}
