@@ -1,0 +1,428 @@
+"""Training of one cross-validation fold, in one process or under ``torch.distributed``.
+
+What MLRC does per fold (protocol spec §1.4, §1.5, §3) and how it maps onto :func:`train_fold`:
+
+* three RMSprop optimisers — trunk and embedder (lr 1e-6, weight_decay 1e-4, momentum 0.9) and,
+  if the loss owns parameters (proxies, class weights, β), a loss optimiser whose lr is the
+  searched ``loss_lr`` (log-uniform [1e-6, 1]);
+* batches of ``classes_per_batch × m`` from the m-per-class sampler; an "epoch" is
+  ``iters_per_epoch`` (100) iterations, not a pass over the data;
+* validation MAP@R (val compared to itself) at epoch 0 (untrained, ``check_untrained_accuracy``)
+  and every ``eval_every`` epochs; the best epoch is the first with the highest MAP@R, epoch 0
+  included; training stops when ``epoch − best_epoch > patience`` or at ``max_epochs``;
+* the best checkpoint is kept (here: CPU copies of the model's and the loss's state dicts).
+
+Labels: the loss sees train labels remapped to ``0 … C−1`` in sorted class order (MLRC's
+``set_min_label_to_zero``, made contiguous because a fold's train classes can wrap around the
+trainval range), so build the loss with ``num_classes = len(np.unique(train_set.labels))``.
+
+Distributed data parallel (detected with ``dist.is_initialized()``; gloo on CPU, NCCL on GPU):
+
+* each rank loads its slice of the global batch (:class:`~dml_core.samplers.MPerClassBatchSampler`
+  with ``num_replicas``/``rank``); embeddings are all-gathered *with gradient* and labels gathered,
+  so every rank computes the same loss ``L`` on the global batch — the loss never knows about DDP;
+* gradient scaling: the gather's backward sums the upstream gradient over ranks, so rank ``r``'s
+  embedding gradient is ``W·∂L/∂z_r``; DistributedDataParallel averages parameter gradients over
+  the ``W`` ranks, giving ``(1/W)·Σ_r W·(∂z_r/∂θ)ᵀ ∂L/∂z_r = ∂L/∂θ`` — exactly the single-process
+  gradient.  Loss parameters are used directly by every rank's identical loss, so each rank already
+  holds ``∂L/∂p``; they are all-reduce-*averaged* (keeps the ranks bit-identical);
+* validation: each rank embeds a contiguous shard of the val set, shards are gathered (uneven
+  sizes padded), rank 0 computes the metrics and broadcasts them, so all ranks take the same
+  early-stopping decision.  ``on_eval`` runs on rank 0 only.
+
+The divergence check (non-finite loss → ``status="diverged"``, no exception) reads the loss value
+once per iteration (under DDP with an AND over ranks), so all ranks stop together.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Subset
+
+from dml_core.distributed import (
+    all_gather_no_grad,
+    all_gather_uneven,
+    all_gather_with_grad,
+    all_ranks_true,
+    all_reduce_mean_,
+    broadcast_buffers_,
+    broadcast_module_,
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    shard_bounds,
+)
+from dml_core.samplers import MPerClassBatchSampler
+
+__all__ = ["TrainConfig", "FoldResult", "train_fold", "embed"]
+
+_OPTIMIZERS = ("rmsprop", "sgd", "adam")
+_AMP_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    """One fold's training settings; defaults are MLRC's CUB settings (protocol spec §1.5, §3)."""
+
+    classes_per_batch: int = 8
+    m: int = 4
+    iters_per_epoch: int = 100
+    max_epochs: int = 1000
+    eval_every: int = 2
+    #: stop when ``epoch − best_epoch > patience``; ``None`` = never stop early.
+    patience: int | None = 9
+    trunk_lr: float = 1e-6
+    embedder_lr: float = 1e-6
+    #: lr of the loss's own parameters (proxies, class weights); searched by the sweep.
+    loss_lr: float = 1e-4
+    weight_decay: float = 1e-4  # trunk and embedder
+    loss_weight_decay: float = 1e-4  # MLRC's Margin runs used 0
+    momentum: float = 0.9
+    #: "rmsprop" (MLRC), "sgd" or "adam" (adam ignores ``momentum``).
+    optimizer: str = "rmsprop"
+    eval_batch_size: int = 128
+    num_workers: int = 0
+    seed: int = 0
+    #: "cpu", "cuda", "cuda:<i>" or "auto" (cuda if available).  Under DDP "cuda" means the
+    #: current CUDA device (Ray Train sets it per worker).
+    device: str = "cpu"
+    #: autocast the model forward on CUDA (the loss runs in fp32); ignored on CPU.
+    amp: bool = False
+    amp_dtype: str = "bfloat16"
+    #: validation metric for best-epoch selection and early stopping.
+    primary_metric: str = "map_at_r"
+
+    def __post_init__(self) -> None:
+        for name in ("classes_per_batch", "m", "iters_per_epoch", "max_epochs", "eval_every", "eval_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("num_workers", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {v!r}")
+        if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0):
+            raise ValueError(f"TrainConfig.patience must be a non-negative integer or None, got {self.patience!r}")
+        for name in ("trunk_lr", "embedder_lr", "loss_lr", "weight_decay", "loss_weight_decay", "momentum"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
+                raise ValueError(f"TrainConfig.{name} must be a finite non-negative number, got {v!r}")
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"TrainConfig.optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
+        if self.amp_dtype not in _AMP_DTYPES:
+            raise ValueError(f"TrainConfig.amp_dtype must be one of {sorted(_AMP_DTYPES)}, got {self.amp_dtype!r}")
+
+
+@dataclass
+class FoldResult:
+    """Outcome of :func:`train_fold`.
+
+    ``history``: one record per evaluation — ``epoch``, ``iteration``, ``metrics`` (val),
+    ``train_loss`` (mean loss over the iterations since the previous evaluation; ``None`` at
+    epoch 0), ``seconds`` (since the start of the fold), ``eval_seconds``, ``is_best``,
+    ``best_epoch``.  ``best_state`` = ``{"model": state_dict, "loss": state_dict}`` on CPU at
+    the best evaluation.  On divergence, ``reason`` names the iteration and the best-so-far
+    fields describe the evaluations before it.
+    """
+
+    status: str
+    reason: str
+    best_metrics: dict[str, float]
+    best_epoch: int
+    history: list[dict[str, Any]]
+    best_state: dict[str, dict[str, torch.Tensor]]
+    train_seconds: float
+    iterations: int = 0
+    epochs: int = 0
+    stopped_early: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def _resolve_device(spec: str | torch.device) -> torch.device:
+    spec = str(spec)
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise ValueError(f"TrainConfig.device: cannot parse {spec!r} ({e})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"TrainConfig.device is {spec!r} but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _labels_of(dataset, name: str) -> np.ndarray:
+    labels = getattr(dataset, "labels", None)
+    if labels is None:
+        raise ValueError(f"{name} must expose .labels (np.ndarray of class ids), {type(dataset).__name__} has none")
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or len(labels) != len(dataset) or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(
+            f"{name}.labels must be a 1-D integer array with one entry per row ({len(dataset)}), "
+            f"got shape {labels.shape} dtype {labels.dtype}"
+        )
+    return labels
+
+
+def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+def _make_optimizer(kind: str, params: list[nn.Parameter], lr: float, weight_decay: float, momentum: float):
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
+    return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+
+
+def _optimizers(model: nn.Module, loss: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
+    """MLRC's separate optimisers: trunk, embedder (= every other model parameter), loss."""
+    trunk = getattr(model, "trunk", None)
+    if not isinstance(trunk, nn.Module):
+        raise ValueError(
+            f"model ({type(model).__name__}) must have a .trunk submodule: trunk and embedder get separate optimisers"
+        )
+    trunk_ids = {id(p) for p in trunk.parameters()}
+    trunk_params = [p for p in trunk.parameters() if p.requires_grad]
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in trunk_ids]
+    loss_params = [p for p in loss.parameters() if p.requires_grad]
+    out = []
+    for params, lr, wd in (
+        (trunk_params, config.trunk_lr, config.weight_decay),
+        (rest, config.embedder_lr, config.weight_decay),
+        (loss_params, config.loss_lr, config.loss_weight_decay),
+    ):
+        if params:
+            out.append(_make_optimizer(config.optimizer, params, lr, wd, config.momentum))
+    if not out:
+        raise ValueError("nothing to train: neither the model nor the loss has parameters with requires_grad")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# embedding and evaluation
+# --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def _embed_gathered(model: nn.Module, dataset, batch_size: int, device: torch.device, num_workers: int) -> torch.Tensor:
+    """Every row's embedding, on ``device``; under DDP each rank embeds a contiguous shard, then gather."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    world, rank = get_world_size(), get_rank()
+    if len(dataset) < world:
+        raise ValueError(f"dataset has {len(dataset)} rows, fewer than the {world} distributed ranks embedding it")
+    start, stop = shard_bounds(len(dataset), world, rank)
+    loader = DataLoader(
+        Subset(dataset, range(start, stop)),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        parts = [model(images.to(device, non_blocking=True)).float() for images, _ in loader]
+    finally:
+        model.train(was_training)
+    return all_gather_uneven(torch.cat(parts, dim=0))
+
+
+def embed(
+    model: nn.Module, dataset, *, batch_size: int, device: str | torch.device = "cpu", num_workers: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embeddings of every row of ``dataset`` (in row order) and its labels, both on CPU.
+
+    Raw (un-normalised) float32 model outputs, model in eval mode (its train/eval mode is
+    restored afterwards).  Under ``torch.distributed`` each rank embeds a contiguous shard and
+    every rank returns the gathered whole.
+    """
+    labels = torch.as_tensor(_labels_of(dataset, "dataset"), dtype=torch.long)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"embed: batch_size must be a positive integer, got {batch_size!r}")
+    emb = _embed_gathered(model, dataset, batch_size, _resolve_device(device), num_workers)
+    return emb.cpu(), labels
+
+
+def _evaluate(model: nn.Module, val_set, config: TrainConfig, device: torch.device) -> dict[str, float]:
+    """Val metrics (val compared to itself), computed on rank 0 and broadcast to every rank."""
+    broadcast_buffers_(model)  # BN running stats may differ per rank if BN is not frozen
+    # Embeddings stay on the device: retrieval_metrics uses a faiss GPU index for CUDA tensors.
+    emb = _embed_gathered(model, val_set, config.eval_batch_size, device, config.num_workers)
+    labels = _labels_of(val_set, "val_set")
+    outcome: tuple[str, Any] = ("ok", None)
+    if get_rank() == 0:
+        try:
+            from dml_core.metrics import retrieval_metrics
+
+            outcome = ("ok", {k: float(v) for k, v in retrieval_metrics(emb, labels).items()})
+        except Exception as e:  # re-raised on every rank below, so no rank waits forever
+            outcome = ("error", f"{type(e).__name__}: {e}")
+    status, payload = broadcast_object(outcome)
+    if status == "error":
+        raise RuntimeError(f"validation metrics failed: {payload}")
+    if config.primary_metric not in payload:
+        raise ValueError(f"TrainConfig.primary_metric {config.primary_metric!r} is not a metric; got {sorted(payload)}")
+    return payload
+
+
+# --------------------------------------------------------------------------------------------
+# the fold
+# --------------------------------------------------------------------------------------------
+def train_fold(
+    model: nn.Module,
+    loss: nn.Module,
+    train_set,
+    val_set,
+    config: TrainConfig,
+    *,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
+) -> FoldResult:
+    """Train ``model`` (and ``loss``'s parameters) on ``train_set``, selecting by val MAP@R.
+
+    ``model`` must have a ``.trunk`` submodule (its other parameters form the embedder group) and
+    map an image batch to raw embeddings; ``loss(embeddings, labels)`` returns a scalar.  Both
+    datasets yield ``(image_tensor, label)`` and expose ``.labels``.  Afterwards ``model``/``loss``
+    hold the *final* weights; the best ones are in ``FoldResult.best_state``.
+    """
+    if not isinstance(config, TrainConfig):
+        raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
+    t0 = time.perf_counter()
+    device = _resolve_device(config.device)
+    world, rank = get_world_size(), get_rank()
+    train_labels = _labels_of(train_set, "train_set")
+    _labels_of(val_set, "val_set")
+
+    classes = np.unique(train_labels)
+    n_loss_classes = getattr(loss, "num_classes", None)
+    if isinstance(n_loss_classes, int) and n_loss_classes < len(classes):
+        raise ValueError(
+            f"loss was built with num_classes={n_loss_classes} but train_set has {len(classes)} classes "
+            "(train labels are remapped to 0..C-1)"
+        )
+    class_table = torch.as_tensor(classes, dtype=torch.long, device=device)
+
+    # Per-rank torch RNG (augmentations, dropout); the batch composition comes from the sampler.
+    rank_seed = int(np.random.SeedSequence([config.seed, rank]).generate_state(1)[0])
+    torch.manual_seed(rank_seed)
+
+    model.to(device)
+    loss.to(device)
+    broadcast_module_(loss)  # proxies may be initialised differently per rank
+    optimizers = _optimizers(model, loss, config)
+    loss_params = [p for p in loss.parameters() if p.requires_grad]
+    net: nn.Module = model
+    if is_distributed():
+        # DDP broadcasts rank 0's weights at construction and averages gradients in backward.
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    sampler = MPerClassBatchSampler(
+        train_labels,
+        config.m,
+        config.classes_per_batch,
+        iters_per_epoch=config.iters_per_epoch,
+        seed=config.seed,
+        num_replicas=world,
+        rank=rank,
+    )
+    loader = DataLoader(
+        train_set,
+        batch_sampler=sampler,
+        num_workers=config.num_workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=False,
+        generator=torch.Generator().manual_seed(rank_seed),
+    )
+    use_amp = config.amp and device.type == "cuda"
+    amp_dtype = _AMP_DTYPES[config.amp_dtype]
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
+
+    history: list[dict[str, Any]] = []
+    best: dict[str, Any] = {"metrics": {}, "epoch": 0, "state": {}}
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    loss_count = 0
+    iteration = 0
+
+    def evaluate(epoch: int) -> None:
+        nonlocal loss_count
+        te = time.perf_counter()
+        metrics = _evaluate(model, val_set, config, device)
+        is_best = not history or metrics[config.primary_metric] > best["metrics"][config.primary_metric]
+        if is_best:
+            best.update(metrics=metrics, epoch=epoch, state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
+        record = {
+            "epoch": epoch,
+            "iteration": iteration,
+            "metrics": metrics,
+            "train_loss": float(loss_sum.item() / loss_count) if loss_count else None,
+            "seconds": time.perf_counter() - t0,
+            "eval_seconds": time.perf_counter() - te,
+            "is_best": is_best,
+            "best_epoch": best["epoch"],
+        }
+        history.append(record)
+        loss_sum.zero_()
+        loss_count = 0
+        if on_eval is not None and rank == 0:
+            on_eval(record)
+        model.train()
+
+    def result(status: str, reason: str, epochs: int, stopped_early: bool = False) -> FoldResult:
+        return FoldResult(
+            status=status,
+            reason=reason,
+            best_metrics=best["metrics"],
+            best_epoch=best["epoch"],
+            history=history,
+            best_state=best["state"],
+            train_seconds=time.perf_counter() - t0,
+            iterations=iteration,
+            epochs=epochs,
+            stopped_early=stopped_early,
+        )
+
+    model.train()
+    loss.train()
+    evaluate(0)  # untrained model (MLRC check_untrained_accuracy)
+    for epoch in range(1, config.max_epochs + 1):
+        sampler.set_epoch(epoch)
+        for images, labels in loader:
+            iteration += 1
+            images = images.to(device, non_blocking=True)
+            labels = torch.searchsorted(class_table, labels.to(device, non_blocking=True))
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
+                emb = net(images)
+            value = loss(all_gather_with_grad(emb.float()), all_gather_no_grad(labels))
+            # The one per-iteration sync.  Every rank computes the same global loss; the AND over
+            # ranks only guards against a rank-local difference ending training on some ranks alone.
+            if not all_ranks_true(torch.isfinite(value)):
+                return result(
+                    "diverged", f"non-finite loss {value.item()} at iteration {iteration} (epoch {epoch})", epoch
+                )
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            scaler.scale(value).backward()
+            all_reduce_mean_([p.grad for p in loss_params if p.grad is not None])
+            for opt in optimizers:
+                scaler.step(opt)
+            scaler.update()
+            loss_sum += value.detach()
+            loss_count += 1
+        if epoch % config.eval_every == 0:
+            evaluate(epoch)
+            if config.patience is not None and epoch - best["epoch"] > config.patience:
+                return result("ok", f"early stop at epoch {epoch}: best epoch {best['epoch']}", epoch, True)
+    return result("ok", "", config.max_epochs)
