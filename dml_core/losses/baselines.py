@@ -9,7 +9,8 @@ Each adapter
   learnable class weights ``W`` / margins ``beta`` are parameters of the adapter;
 * takes raw embeddings: PML L2-normalises inside its distance (``normalize_embeddings=True``);
 * upcasts fp16/bf16 embeddings to fp32 (loss reductions in fp32; PML would otherwise cast its
-  learnable weights down in place), and checks its inputs with errors that name the field.
+  learnable weights down in place), and checks its inputs and hyperparameters with
+  :mod:`dml_core.losses.checks` (errors name the loss and the field).
 
 ``triplet`` and ``multi_similarity`` are also base losses of the Spherical Embedding Constraint
 paper (SEC, Zhang et al. NeurIPS 2020).  Their defaults are the MLRC/PML reading; the options
@@ -23,8 +24,6 @@ Hyperparameter names are PML's / MLRC's (which are the papers' symbols): ``margi
 
 from __future__ import annotations
 
-import math
-
 import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
@@ -32,10 +31,10 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer
 from torch import nn
 
-from dml_core.losses.registry import BatchSpec, ModelRecipe, register
+from dml_core.losses.checks import check_batch, choice, flag, number, positive, sizes
+from dml_core.losses.registry import MLRC_BATCH, MLRC_MODEL, MLRC_PAPER, register
 
 __all__ = [
-    "check_batch",
     "PMLLoss",
     "Contrastive",
     "Triplet",
@@ -47,92 +46,35 @@ __all__ = [
     "MultiSimilarity",
 ]
 
-MLRC = "Musgrave, Belongie & Lim, A Metric Learning Reality Check, ECCV 2020"
-#: MLRC's batch: PML MPerClassSampler(m=4), batch 32 -> 8 classes x 4 (protocol spec §3).
-MLRC_BATCH = BatchSpec(classes_per_batch=8, m=4)
-#: MLRC's model: BN-Inception global average pool -> one linear layer, no LayerNorm (protocol spec §3).
-MLRC_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
-
-
-# --------------------------------------------------------------------------------------------
-# shared input handling
-# --------------------------------------------------------------------------------------------
-def check_batch(
-    loss_name: str, embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``(embeddings, labels)`` and return them ready for a loss.
-
-    Raises ``ValueError`` naming the loss and the offending field.  Half-precision embeddings
-    are upcast to fp32 (SEC spec §1.8.2: norms and reductions in fp32 even under AMP).  With
-    ``num_classes`` the labels are checked to lie in ``[0, num_classes)``; only losses that
-    index per-class parameters pass it (the check costs one device sync).
-    """
-    where = f"loss {loss_name!r}"
-    if not torch.is_tensor(embeddings) or embeddings.dim() != 2:
-        shape = tuple(embeddings.shape) if torch.is_tensor(embeddings) else type(embeddings).__name__
-        raise ValueError(f"{where}: embeddings must be a (batch, dim) tensor, got {shape}")
-    if not embeddings.is_floating_point():
-        raise ValueError(f"{where}: embeddings must be floating point, got {embeddings.dtype}")
-    if not torch.is_tensor(labels) or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
-        shape = tuple(labels.shape) if torch.is_tensor(labels) else type(labels).__name__
-        raise ValueError(f"{where}: labels must be a ({embeddings.shape[0]},) tensor matching embeddings, got {shape}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise ValueError(f"{where}: labels must be integer class ids, got {labels.dtype}")
-    if num_classes is not None and labels.numel() > 0:
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= num_classes:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{where}: labels contain class id {bad}, outside [0, num_classes={num_classes})")
-    if embeddings.dtype in (torch.float16, torch.bfloat16):
-        embeddings = embeddings.float()
-    return embeddings, labels.long()
-
-
-def _require(loss_name: str, ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(f"loss {loss_name!r}: {message}")
-
-
-def _finite_number(loss_name: str, name: str, value) -> float:
-    _require(
-        loss_name,
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-        f"{name} must be a finite number, got {value!r}",
-    )
-    return float(value)
-
-
-def _positive(loss_name: str, name: str, value) -> float:
-    v = _finite_number(loss_name, name, value)
-    _require(loss_name, v > 0, f"{name} must be > 0, got {value!r}")
-    return v
-
-
-def _sizes(loss_name: str, num_classes, embedding_dim) -> None:
-    for name, v in (("num_classes", num_classes), ("embedding_dim", embedding_dim)):
-        _require(
-            loss_name, isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be an int >= 1, got {v!r}"
-        )
-
 
 class PMLLoss(nn.Module):
     """``loss(embeddings, labels) -> scalar`` around a PML loss (``self.loss``) and optional miner.
 
-    Subclasses set ``name`` and, when the loss indexes per-class parameters, ``checks_labels``.
+    Subclasses set ``name`` and, when the loss has per-class parameters, ``checks_labels`` /
+    ``checks_dim``; tuple losses accept any embedding width, as PML does.
     """
 
     name = "pml"
     #: labels index per-class parameters (W columns, per-class beta): check their range.
     checks_labels = False
+    #: the loss has class weights W of shape (embedding_dim, num_classes): check the embedding width.
+    checks_dim = False
 
-    def __init__(self, loss: nn.Module, miner: nn.Module | None = None, *, num_classes: int):
+    def __init__(self, loss: nn.Module, miner: nn.Module | None = None, *, num_classes: int, embedding_dim: int):
         super().__init__()
         self.loss = loss
         self.miner = miner
         self.num_classes = num_classes
+        self.embedding_dim = embedding_dim
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x, y = check_batch(self.name, embeddings, labels, self.num_classes if self.checks_labels else None)
+        x, y = check_batch(
+            self.name,
+            embeddings,
+            labels,
+            num_classes=self.num_classes if self.checks_labels else None,
+            embedding_dim=self.embedding_dim if self.checks_dim else None,
+        )
         indices_tuple = self.miner(x, y) if self.miner is not None else None
         return self.loss(x, y, indices_tuple)
 
@@ -145,7 +87,7 @@ class PMLLoss(nn.Module):
 # --------------------------------------------------------------------------------------------
 @register(
     "contrastive",
-    paper=f"Hadsell, Chopra & LeCun, CVPR 2006; settings: {MLRC}",
+    paper=f"Hadsell, Chopra & LeCun, CVPR 2006; settings: {MLRC_PAPER}",
     batch=MLRC_BATCH,
     model=MLRC_MODEL,
     description="Contrastive loss on normalised Euclidean distances (PML ContrastiveLoss).",
@@ -162,10 +104,11 @@ class Contrastive(PMLLoss):
     name = "contrastive"
 
     def __init__(self, *, num_classes: int, embedding_dim: int, pos_margin: float = 0.0, neg_margin: float = 1.0):
-        _sizes(self.name, num_classes, embedding_dim)
-        pos_margin = _finite_number(self.name, "pos_margin", pos_margin)
-        neg_margin = _finite_number(self.name, "neg_margin", neg_margin)
-        super().__init__(pml_losses.ContrastiveLoss(pos_margin=pos_margin, neg_margin=neg_margin), num_classes=num_classes)
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        pos_margin = number(self.name, "pos_margin", pos_margin)
+        neg_margin = number(self.name, "neg_margin", neg_margin)
+        loss = pml_losses.ContrastiveLoss(pos_margin=pos_margin, neg_margin=neg_margin)
+        super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
 
 
 _TRIPLET_REDUCTIONS = {"nonzero": AvgNonZeroReducer, "all": MeanReducer}
@@ -173,7 +116,7 @@ _TRIPLET_REDUCTIONS = {"nonzero": AvgNonZeroReducer, "all": MeanReducer}
 
 @register(
     "triplet",
-    paper=f"Weinberger & Saul, JMLR 2009 / Schroff et al., CVPR 2015; settings: {MLRC}; "
+    paper=f"Weinberger & Saul, JMLR 2009 / Schroff et al., CVPR 2015; settings: {MLRC_PAPER}; "
     "SEC reading: Zhang et al., NeurIPS 2020, Eq. 2",
     batch=MLRC_BATCH,
     model=MLRC_MODEL,
@@ -206,27 +149,24 @@ class Triplet(PMLLoss):
         squared: bool = False,
         reduction: str = "nonzero",
     ):
-        _sizes(self.name, num_classes, embedding_dim)
-        margin = _finite_number(self.name, "margin", margin)
-        _require(self.name, isinstance(squared, bool), f"squared must be true or false, got {squared!r}")
-        _require(
-            self.name,
-            reduction in _TRIPLET_REDUCTIONS,
-            f"reduction must be one of {sorted(_TRIPLET_REDUCTIONS)}, got {reduction!r}",
-        )
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        margin = number(self.name, "margin", margin)
+        squared = flag(self.name, "squared", squared)
+        reduction = choice(self.name, "reduction", reduction, sorted(_TRIPLET_REDUCTIONS))
         loss = pml_losses.TripletMarginLoss(
             margin=margin,
             triplets_per_anchor="all",
             distance=LpDistance(normalize_embeddings=True, p=2, power=2 if squared else 1),
             reducer=_TRIPLET_REDUCTIONS[reduction](),
         )
-        super().__init__(loss, num_classes=num_classes)
+        super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
         self.squared, self.reduction = squared, reduction
 
 
 @register(
     "ntxent",
-    paper=f"Sohn, NeurIPS 2016 (N-pair) / Oord et al. 2018 (InfoNCE) / Chen et al., ICML 2020 (NT-Xent); settings: {MLRC}",
+    paper="Sohn, NeurIPS 2016 (N-pair) / Oord et al. 2018 (InfoNCE) / Chen et al., ICML 2020 (NT-Xent); "
+    f"settings: {MLRC_PAPER}",
     batch=MLRC_BATCH,
     model=MLRC_MODEL,
     description="NT-Xent / InfoNCE over all positive pairs of the batch (PML NTXentLoss).",
@@ -242,14 +182,16 @@ class NTXent(PMLLoss):
     name = "ntxent"
 
     def __init__(self, *, num_classes: int, embedding_dim: int, temperature: float = 0.07):
-        _sizes(self.name, num_classes, embedding_dim)
-        temperature = _positive(self.name, "temperature", temperature)
-        super().__init__(pml_losses.NTXentLoss(temperature=temperature), num_classes=num_classes)
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        temperature = positive(self.name, "temperature", temperature)
+        loss = pml_losses.NTXentLoss(temperature=temperature)
+        super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
 
 
 @register(
     "margin",
-    paper=f"Wu, Manmatha, Smola & Krähenbühl, Sampling Matters in Deep Embedding Learning, ICCV 2017; settings: {MLRC}",
+    paper="Wu, Manmatha, Smola & Krähenbühl, Sampling Matters in Deep Embedding Learning, ICCV 2017; "
+    f"settings: {MLRC_PAPER}",
     learnable=True,
     own_optimizer=True,
     batch=MLRC_BATCH,
@@ -283,13 +225,11 @@ class Margin(PMLLoss):
         beta_per_class: bool = False,
         nu: float = 0.0,
     ):
-        _sizes(self.name, num_classes, embedding_dim)
-        margin = _finite_number(self.name, "margin", margin)
-        beta = _finite_number(self.name, "beta", beta)
-        nu = _finite_number(self.name, "nu", nu)
-        _require(
-            self.name, isinstance(beta_per_class, bool), f"beta_per_class must be true or false, got {beta_per_class!r}"
-        )
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        margin = number(self.name, "margin", margin)
+        beta = number(self.name, "beta", beta)
+        nu = number(self.name, "nu", nu)
+        beta_per_class = flag(self.name, "beta_per_class", beta_per_class)
         loss = pml_losses.MarginLoss(
             margin=margin,
             nu=nu,
@@ -298,13 +238,13 @@ class Margin(PMLLoss):
             learn_beta=True,
             num_classes=num_classes if beta_per_class else None,
         )
-        super().__init__(loss, num_classes=num_classes)
+        super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
         self.checks_labels = beta_per_class
 
 
 @register(
     "multi_similarity",
-    paper=f"Wang et al., Multi-Similarity Loss with General Pair Weighting, CVPR 2019; settings: {MLRC}; "
+    paper=f"Wang et al., Multi-Similarity Loss with General Pair Weighting, CVPR 2019; settings: {MLRC_PAPER}; "
     "SEC reading: Zhang et al., NeurIPS 2020 §4.1",
     batch=MLRC_BATCH,
     model=MLRC_MODEL,
@@ -341,16 +281,14 @@ class MultiSimilarity(PMLLoss):
         base: float = 0.5,
         epsilon: float | None = None,
     ):
-        _sizes(self.name, num_classes, embedding_dim)
-        alpha = _positive(self.name, "alpha", alpha)
-        beta = _positive(self.name, "beta", beta)
-        base = _finite_number(self.name, "base", base)
-        miner = None
-        if epsilon is not None:
-            epsilon = _finite_number(self.name, "epsilon", epsilon)
-            _require(self.name, epsilon >= 0, f"epsilon must be >= 0 (or null for no miner), got {epsilon!r}")
-            miner = pml_miners.MultiSimilarityMiner(epsilon=epsilon)
-        super().__init__(pml_losses.MultiSimilarityLoss(alpha=alpha, beta=beta, base=base), miner, num_classes=num_classes)
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        alpha = positive(self.name, "alpha", alpha)
+        beta = positive(self.name, "beta", beta)
+        base = number(self.name, "base", base)
+        epsilon = number(self.name, "epsilon", epsilon, ge=0, null="no miner")
+        miner = None if epsilon is None else pml_miners.MultiSimilarityMiner(epsilon=epsilon)
+        loss = pml_losses.MultiSimilarityLoss(alpha=alpha, beta=beta, base=base)
+        super().__init__(loss, miner, num_classes=num_classes, embedding_dim=embedding_dim)
         self.epsilon = epsilon
 
 
@@ -359,7 +297,7 @@ class MultiSimilarity(PMLLoss):
 # --------------------------------------------------------------------------------------------
 @register(
     "normalized_softmax",
-    paper=f"Zhai & Wu, Classification is a Strong Baseline for Deep Metric Learning, BMVC 2019; settings: {MLRC}",
+    paper=f"Zhai & Wu, Classification is a Strong Baseline for Deep Metric Learning, BMVC 2019; settings: {MLRC_PAPER}",
     learnable=True,
     own_optimizer=True,
     batch=MLRC_BATCH,
@@ -376,18 +314,18 @@ class NormalizedSoftmax(PMLLoss):
     """
 
     name = "normalized_softmax"
-    checks_labels = True
+    checks_labels = checks_dim = True
 
     def __init__(self, *, num_classes: int, embedding_dim: int, temperature: float = 0.05):
-        _sizes(self.name, num_classes, embedding_dim)
-        temperature = _positive(self.name, "temperature", temperature)
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        temperature = positive(self.name, "temperature", temperature)
         loss = pml_losses.NormalizedSoftmaxLoss(num_classes=num_classes, embedding_size=embedding_dim, temperature=temperature)
-        super().__init__(loss, num_classes=num_classes)
+        super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
 
 
 @register(
     "cosface",
-    paper=f"Wang et al., CosFace: Large Margin Cosine Loss, CVPR 2018; settings: {MLRC}",
+    paper=f"Wang et al., CosFace: Large Margin Cosine Loss, CVPR 2018; settings: {MLRC_PAPER}",
     learnable=True,
     own_optimizer=True,
     batch=MLRC_BATCH,
@@ -402,14 +340,14 @@ class CosFace(PMLLoss):
     """
 
     name = "cosface"
-    checks_labels = True
+    checks_labels = checks_dim = True
 
     def __init__(self, *, num_classes: int, embedding_dim: int, margin: float = 0.35, scale: float = 64.0):
-        _sizes(self.name, num_classes, embedding_dim)
-        margin = _finite_number(self.name, "margin", margin)
-        scale = _positive(self.name, "scale", scale)
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        margin = number(self.name, "margin", margin)
+        scale = positive(self.name, "scale", scale)
         loss = pml_losses.CosFaceLoss(num_classes=num_classes, embedding_size=embedding_dim, margin=margin, scale=scale)
-        super().__init__(loss, num_classes=num_classes)
+        super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
 
 
 class _ClampedArcFaceLoss(pml_losses.ArcFaceLoss):
@@ -427,7 +365,7 @@ class _ClampedArcFaceLoss(pml_losses.ArcFaceLoss):
 
 @register(
     "arcface",
-    paper=f"Deng et al., ArcFace: Additive Angular Margin Loss, CVPR 2019; settings: {MLRC}",
+    paper=f"Deng et al., ArcFace: Additive Angular Margin Loss, CVPR 2019; settings: {MLRC_PAPER}",
     learnable=True,
     own_optimizer=True,
     batch=MLRC_BATCH,
@@ -444,11 +382,11 @@ class ArcFace(PMLLoss):
     """
 
     name = "arcface"
-    checks_labels = True
+    checks_labels = checks_dim = True
 
     def __init__(self, *, num_classes: int, embedding_dim: int, margin: float = 28.6, scale: float = 64.0):
-        _sizes(self.name, num_classes, embedding_dim)
-        margin = _finite_number(self.name, "margin", margin)
-        scale = _positive(self.name, "scale", scale)
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        margin = number(self.name, "margin", margin)
+        scale = positive(self.name, "scale", scale)
         loss = _ClampedArcFaceLoss(num_classes=num_classes, embedding_size=embedding_dim, margin=margin, scale=scale)
-        super().__init__(loss, num_classes=num_classes)
+        super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)

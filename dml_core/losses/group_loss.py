@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dml_core.losses.multi_proxy_anchor import _count, _fail, _number, check_inputs, l2_normalize
+from dml_core.losses.checks import check_batch, choice, fail, flag, integer, non_negative, positive, sizes
+from dml_core.losses.multi_proxy_anchor import l2_normalize
 from dml_core.losses.registry import BatchSpec, ModelRecipe, register
 
 __all__ = [
@@ -179,30 +180,28 @@ class GroupLoss(nn.Module):
         nll_average: str = "batch",
     ):
         super().__init__()
-        self.num_classes = _count(self.name, "num_classes", num_classes, low=1)
-        self.embedding_dim = _count(self.name, "embedding_dim", embedding_dim, low=1)
-        self.temperature = _number(self.name, "temperature", temperature, low=0.0, strict=True)
-        self.num_iterations = _count(self.name, "num_iterations", num_iterations, low=0)
-        self.anchors_per_class = _count(self.name, "anchors_per_class", anchors_per_class, low=0)
-        if not isinstance(zero_diag, bool):
-            _fail(self.name, f"zero_diag must be true or false, got {zero_diag!r}")
-        self.zero_diag = zero_diag
-        self.aux_ce_weight = _number(self.name, "aux_ce_weight", aux_ce_weight, low=0.0)
-        if nll_average not in _NLL_AVERAGES:
-            _fail(self.name, f"nll_average must be one of {list(_NLL_AVERAGES)}, got {nll_average!r}")
-        self.nll_average = nll_average
+        self.num_classes, self.embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        self.temperature = positive(self.name, "temperature", temperature)
+        self.num_iterations = integer(self.name, "num_iterations", num_iterations, ge=0)
+        self.anchors_per_class = integer(self.name, "anchors_per_class", anchors_per_class, ge=0)
+        self.zero_diag = flag(self.name, "zero_diag", zero_diag)
+        self.aux_ce_weight = non_negative(self.name, "aux_ce_weight", aux_ce_weight)
+        self.nll_average = choice(self.name, "nll_average", nll_average, _NLL_AVERAGES)
         self.classifier = nn.Linear(self.embedding_dim, self.num_classes)
 
     def refine(
         self, embeddings: torch.Tensor, labels: torch.Tensor, *, anchors: torch.Tensor | None = None
     ) -> Refinement:
         """Steps 1–3 of Alg. 1: similarity, priors, and the trace X(0..T) of the refinement."""
-        z, y = check_inputs(self.name, embeddings, labels, self.num_classes, self.embedding_dim)
+        # fp16/bf16 upcast to fp32, float64 kept (the classifier weights follow z's dtype below).
+        z, y = check_batch(
+            self.name, embeddings, labels, num_classes=self.num_classes, embedding_dim=self.embedding_dim, nonempty=True
+        )
         if anchors is None:
             anchors = anchor_mask(y, self.anchors_per_class)
         elif not (torch.is_tensor(anchors) and anchors.dtype == torch.bool and anchors.shape == y.shape):
             got = (anchors.dtype, tuple(anchors.shape)) if torch.is_tensor(anchors) else type(anchors).__name__
-            _fail(self.name, f"anchors must be a bool tensor of shape ({y.shape[0]},), got {got}")
+            fail(self.name, f"anchors must be a bool tensor of shape ({y.shape[0]},), got {got}")
         logits = F.linear(z, self.classifier.weight.to(z.dtype), self.classifier.bias.to(z.dtype))
         W = pearson_similarity(z, self.zero_diag)
         X0 = initial_assignment(logits, y, anchors.to(z.device), self.temperature)

@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dml_core.losses.registry import BatchSpec, ModelRecipe, register
+from dml_core.losses.checks import check_batch, integer, non_negative, number, positive, sizes
+from dml_core.losses.registry import MLRC_BATCH, MLRC_MODEL, MLRC_PAPER, BatchSpec, ModelRecipe, register
 
 __all__ = [
     "l2_normalize",
-    "check_inputs",
     "pooled_class_similarity",
     "proxy_regularizer",
     "log1p_sum_exp",
@@ -60,71 +60,14 @@ __all__ = [
 MPA_PAPER = "Saeki, Kawahara & Aman, Multi Proxy Anchor Family Loss for Several Types of Gradients, arXiv 2110.03997"
 SOFTTRIPLE_PAPER = "Qian et al., SoftTriple Loss: Deep Metric Learning Without Triplet Sampling, ICCV 2019"
 PROXY_ANCHOR_PAPER = "Kim, Kim, Cho & Kwak, Proxy Anchor Loss for Deep Metric Learning, CVPR 2020"
-MLRC = "Musgrave, Belongie & Lim, A Metric Learning Reality Check, ECCV 2020"
 
 #: MPA paper §4.2: batch 180 on CUB (random sampling; expressed as 45 classes × 4, see docs).
 MPA_BATCH = BatchSpec(classes_per_batch=45, m=4)
 #: MPA paper §4.2 uses cubic GeM pooling, which the model contract does not offer: "avg" (see docs).
 MPA_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
-#: Reality-check baselines: PML MPerClassSampler(m=4), batch 32; BN-Inception avg pool -> linear.
-MLRC_BATCH = BatchSpec(classes_per_batch=8, m=4)
-MLRC_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
 
 #: ε inside the regulariser's square root (SoftTriple's official code, spec §1.0.2).
 REGULARIZER_EPS = 1e-5
-
-
-# --------------------------------------------------------------------------------------------
-# input checks
-# --------------------------------------------------------------------------------------------
-def _fail(loss_name: str, message: str) -> None:
-    raise ValueError(f"loss {loss_name!r}: {message}")
-
-
-def _number(loss_name: str, name: str, value, *, low: float | None = None, strict: bool = False) -> float:
-    """A finite real hyperparameter, optionally bounded below (``strict``: ``> low``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(loss_name, f"{name} must be a finite number, got {value!r}")
-    if low is not None and (value <= low if strict else value < low):
-        _fail(loss_name, f"{name} must be {'>' if strict else '>='} {low}, got {value!r}")
-    return float(value)
-
-
-def _count(loss_name: str, name: str, value, *, low: int) -> int:
-    """An integer hyperparameter >= low (floats with an integral value, e.g. from YAML, accepted)."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and int(value) == value
-    if not ok or int(value) < low:
-        _fail(loss_name, f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
-def check_inputs(
-    loss_name: str, embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int, embedding_dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``(embeddings, labels)``; return them as (compute-dtype float, int64).
-
-    Errors are ``ValueError`` naming the loss and the field.  fp16/bf16 embeddings are upcast to
-    fp32 (spec §1.0.4: run the loss in fp32 even under AMP); float64 stays float64.
-    """
-    if not torch.is_tensor(embeddings) or embeddings.dim() != 2:
-        got = tuple(embeddings.shape) if torch.is_tensor(embeddings) else type(embeddings).__name__
-        _fail(loss_name, f"embeddings must be a (batch, {embedding_dim}) tensor, got {got}")
-    if not embeddings.is_floating_point():
-        _fail(loss_name, f"embeddings must be floating point, got {embeddings.dtype}")
-    if embeddings.shape[1] != embedding_dim:
-        _fail(loss_name, f"embeddings have dimension {embeddings.shape[1]}, expected embedding_dim={embedding_dim}")
-    if not torch.is_tensor(labels) or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
-        got = tuple(labels.shape) if torch.is_tensor(labels) else type(labels).__name__
-        _fail(loss_name, f"labels must be a ({embeddings.shape[0]},) tensor matching embeddings, got {got}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        _fail(loss_name, f"labels must be integer class ids, got {labels.dtype}")
-    if embeddings.shape[0] == 0:
-        _fail(loss_name, "the batch is empty")
-    lo, hi = int(labels.min()), int(labels.max())
-    if lo < 0 or hi >= num_classes:
-        _fail(loss_name, f"labels contain class id {lo if lo < 0 else hi}, outside [0, num_classes={num_classes})")
-    dtype = torch.promote_types(embeddings.dtype, torch.float32)
-    return embeddings.to(dtype), labels.long()
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,11 +194,10 @@ class MultiProxyLoss(nn.Module):
 
     def __init__(self, *, num_classes: int, embedding_dim: int, num_proxies: int, gamma: float, tau: float):
         super().__init__()
-        self.num_classes = _count(self.name, "num_classes", num_classes, low=1)
-        self.embedding_dim = _count(self.name, "embedding_dim", embedding_dim, low=1)
-        self.num_proxies = _count(self.name, "num_proxies", num_proxies, low=1)
-        self.gamma = _number(self.name, "gamma", gamma, low=0.0, strict=True)
-        self.tau = _number(self.name, "tau", tau, low=0.0)
+        self.num_classes, self.embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        self.num_proxies = integer(self.name, "num_proxies", num_proxies)
+        self.gamma = positive(self.name, "gamma", gamma)
+        self.tau = non_negative(self.name, "tau", tau)
         self.proxies = nn.Parameter(torch.empty(self.num_classes, self.num_proxies, self.embedding_dim))
         self.reset_parameters()
 
@@ -267,8 +209,14 @@ class MultiProxyLoss(nn.Module):
             self.proxies.copy_(flat.view_as(self.proxies))
 
     def class_similarity(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Checked inputs → ``(S, labels)`` with S (B, C) of Eq. 1."""
-        x, y = check_inputs(self.name, embeddings, labels, self.num_classes, self.embedding_dim)
+        """Checked inputs → ``(S, labels)`` with S (B, C) of Eq. 1.
+
+        fp16/bf16 embeddings are upcast to fp32 (spec §1.0.4: the loss runs in fp32 even under AMP);
+        float64 stays float64.  An empty batch is an error (Eq. 6 would divide by |C⁺| = 0, Eqs. 12 and 16 by N = 0).
+        """
+        x, y = check_batch(
+            self.name, embeddings, labels, num_classes=self.num_classes, embedding_dim=self.embedding_dim, nonempty=True
+        )
         S, _ = pooled_class_similarity(x, self.proxies, self.gamma)
         return S, y
 
@@ -301,8 +249,8 @@ class _MPAFamily(MultiProxyLoss):
         num_proxies: int = 10,
     ):
         super().__init__(num_classes=num_classes, embedding_dim=embedding_dim, num_proxies=num_proxies, gamma=gamma, tau=tau)
-        self.alpha = _number(self.name, "alpha", alpha, low=0.0, strict=True)
-        self.delta = _number(self.name, "delta", delta)
+        self.alpha = positive(self.name, "alpha", alpha)
+        self.delta = number(self.name, "delta", delta)
 
 
 @register(
@@ -393,7 +341,7 @@ class MultiProxyAnchorAP(_DataWise):
 
 @register(
     "soft_triple",
-    paper=f"{SOFTTRIPLE_PAPER}; settings: {MLRC} (PML SoftTripleLoss)",
+    paper=f"{SOFTTRIPLE_PAPER}; settings: {MLRC_PAPER} (PML SoftTripleLoss)",
     learnable=True,
     own_optimizer=True,
     batch=MLRC_BATCH,
@@ -426,12 +374,12 @@ class SoftTriple(MultiProxyLoss):
         margin: float = 0.01,
         num_proxies: int = 10,
     ):
-        reg_weight = _number(self.name, "reg_weight", reg_weight, low=0.0)  # validated here to name PML's field
+        reg_weight = non_negative(self.name, "reg_weight", reg_weight)  # validated here to name PML's field
         super().__init__(
             num_classes=num_classes, embedding_dim=embedding_dim, num_proxies=num_proxies, gamma=gamma, tau=reg_weight
         )
-        self.la = _number(self.name, "la", la, low=0.0, strict=True)
-        self.margin = _number(self.name, "margin", margin)
+        self.la = positive(self.name, "la", la)
+        self.margin = number(self.name, "margin", margin)
 
     @property
     def reg_weight(self) -> float:
@@ -449,7 +397,7 @@ class SoftTriple(MultiProxyLoss):
 
 @register(
     "proxy_anchor",
-    paper=f"{PROXY_ANCHOR_PAPER}; settings: {MLRC}-era PML ProxyAnchorLoss",
+    paper=f"{PROXY_ANCHOR_PAPER}; settings: {MLRC_PAPER}-era PML ProxyAnchorLoss",
     learnable=True,
     own_optimizer=True,
     batch=MLRC_BATCH,
@@ -468,8 +416,8 @@ class ProxyAnchor(MultiProxyLoss):
 
     def __init__(self, *, num_classes: int, embedding_dim: int, alpha: float = 32.0, margin: float = 0.1):
         super().__init__(num_classes=num_classes, embedding_dim=embedding_dim, num_proxies=1, gamma=1.0, tau=0.0)
-        self.alpha = _number(self.name, "alpha", alpha, low=0.0, strict=True)
-        self.margin = _number(self.name, "margin", margin)
+        self.alpha = positive(self.name, "alpha", alpha)
+        self.margin = number(self.name, "margin", margin)
 
     def similarity_loss(self, S: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return mpa_similarity_loss(S, labels, self.alpha, self.margin)

@@ -29,14 +29,12 @@ embeddings' precision (fp16/bf16 upcast to fp32, spec §1.13) with log-sum-exp, 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dml_core.losses.baselines import MLRC, MLRC_BATCH, MLRC_MODEL, check_batch
-from dml_core.losses.registry import BatchSpec, ModelRecipe, register
+from dml_core.losses.checks import check_batch, fail, flag, positive, sizes
+from dml_core.losses.registry import MLRC_BATCH, MLRC_MODEL, MLRC_PAPER, BatchSpec, ModelRecipe, register
 
 __all__ = [
     "normalized_squared_distances",
@@ -73,12 +71,6 @@ def proxy_nca_loss(
     raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
 
 
-def _positive(loss: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"loss {loss!r}: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 class _ProxyNCABase(nn.Module):
     """Proxies ``self.proxies`` (C, D), temperature ``self.temperature``, switch ``self.prob``."""
 
@@ -86,18 +78,19 @@ class _ProxyNCABase(nn.Module):
 
     def __init__(self, num_classes: int, embedding_dim: int, temperature: float, prob: bool, init_std: float):
         super().__init__()
-        for field, v in (("num_classes", num_classes), ("embedding_dim", embedding_dim)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"loss {self.name!r}: {field} must be an int >= 1, got {v!r}")
-        if not isinstance(prob, bool):
-            raise ValueError(f"loss {self.name!r}: prob must be true or false, got {prob!r}")
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        prob = flag(self.name, "prob", prob)
         if not prob and num_classes < 2:
-            raise ValueError(f"loss {self.name!r}: prob=false (Eq. 3) needs num_classes >= 2, got {num_classes}")
-        self.num_classes, self.temperature, self.prob = num_classes, temperature, prob
+            fail(self.name, f"prob=false (Eq. 3) needs num_classes >= 2, got {num_classes}")
+        self.num_classes, self.embedding_dim = num_classes, embedding_dim
+        self.temperature, self.prob = temperature, prob
         self.proxies = nn.Parameter(torch.randn(num_classes, embedding_dim) * init_std)
 
     def distances(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = check_batch(self.name, embeddings, labels, self.num_classes)
+        # fp16/bf16 are upcast by check_batch; float64 stays float64 (proxies follow the embeddings).
+        x, y = check_batch(
+            self.name, embeddings, labels, num_classes=self.num_classes, embedding_dim=self.embedding_dim
+        )
         dtype = torch.promote_types(x.dtype, self.proxies.dtype)  # float64 in, float64 throughout
         return normalized_squared_distances(x.to(dtype), self.proxies.to(dtype)), y
 
@@ -118,7 +111,7 @@ class _ProxyNCABase(nn.Module):
 
 @register(
     "proxynca",
-    paper=f"{PAPER_NCA}; Eq. 3 of {PAPER_PP}; settings: {MLRC} (PML ProxyNCALoss)",
+    paper=f"{PAPER_NCA}; Eq. 3 of {PAPER_PP}; settings: {MLRC_PAPER} (PML ProxyNCALoss)",
     learnable=True,
     own_optimizer=True,
     batch=MLRC_BATCH,
@@ -141,7 +134,7 @@ class ProxyNCA(_ProxyNCABase):
     name = "proxynca"
 
     def __init__(self, *, num_classes: int, embedding_dim: int, softmax_scale: float = 1.0, prob: bool = True):
-        softmax_scale = _positive(self.name, "softmax_scale", softmax_scale)
+        softmax_scale = positive(self.name, "softmax_scale", softmax_scale)
         super().__init__(num_classes, embedding_dim, 1.0 / softmax_scale, prob, init_std=1.0)
         self.softmax_scale = softmax_scale
 
@@ -174,5 +167,5 @@ class ProxyNCAPlusPlus(_ProxyNCABase):
     name = "proxynca_pp"
 
     def __init__(self, *, num_classes: int, embedding_dim: int, temperature: float = 1 / 9, prob: bool = True):
-        temperature = _positive(self.name, "temperature", temperature)
+        temperature = positive(self.name, "temperature", temperature)
         super().__init__(num_classes, embedding_dim, temperature, prob, init_std=1 / 8)

@@ -24,6 +24,9 @@ __all__ = [
     "BatchSpec",
     "ModelRecipe",
     "LossInfo",
+    "MLRC_PAPER",
+    "MLRC_BATCH",
+    "MLRC_MODEL",
     "register",
     "build_loss",
     "list_losses",
@@ -47,6 +50,14 @@ class ModelRecipe:
 
     pooling: str = "avg"  # "avg" | "max" | "avg+max"
     layer_norm: bool = False
+
+
+#: The protocol every loss is compared under (and the paper whose settings the baselines use).
+MLRC_PAPER = "Musgrave, Belongie & Lim, A Metric Learning Reality Check, ECCV 2020"
+#: MLRC's batch: PML MPerClassSampler(m=4), batch 32 -> 8 classes x 4 (protocol spec §3).
+MLRC_BATCH = BatchSpec(classes_per_batch=8, m=4)
+#: MLRC's model: BN-Inception global average pool -> one linear layer, no LayerNorm (protocol spec §3).
+MLRC_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
 
 
 @dataclass(frozen=True)

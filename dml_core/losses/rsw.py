@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dml_core.losses.baselines import check_batch
+from dml_core.losses.checks import check_batch, fail, integer, non_negative, number, positive, sizes
 from dml_core.losses.registry import BatchSpec, ModelRecipe, register
 
 __all__ = [
@@ -122,25 +122,8 @@ def avg_distance_to_proxy(embeddings: torch.Tensor, labels: torch.Tensor, proxie
 
 
 # --------------------------------------------------------------------------------------------
-# parameter checks (errors name the loss and the field)
+# modules
 # --------------------------------------------------------------------------------------------
-def _number(loss: str, name: str, value, *, low: float | None = None, strict: bool = True, allow_inf: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-    ok = ok and (allow_inf or math.isfinite(value))
-    if ok and low is not None:
-        ok = value > low if strict else value >= low
-    if not ok:
-        bound = "" if low is None else f" {'>' if strict else '>='} {low}"
-        raise ValueError(f"loss {loss!r}: {name} must be a {'' if allow_inf else 'finite '}number{bound}, got {value!r}")
-    return float(value)
-
-
-def _sizes(loss: str, num_classes, embedding_dim) -> None:
-    for name, v in (("num_classes", num_classes), ("embedding_dim", embedding_dim)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"loss {loss!r}: {name} must be an int >= 1, got {v!r}")
-
-
 class _EuclideanProxyLoss(nn.Module):
     """One learnable, un-normalised proxy per class (``self.proxies``, shape (C, D))."""
 
@@ -148,21 +131,25 @@ class _EuclideanProxyLoss(nn.Module):
 
     def __init__(self, num_classes: int, embedding_dim: int):
         super().__init__()
-        _sizes(self.name, num_classes, embedding_dim)
-        self.num_classes = num_classes
+        num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
+        self.num_classes, self.embedding_dim = num_classes, embedding_dim
         self.proxies = nn.Parameter(torch.empty(num_classes, embedding_dim))
         # Official code: kaiming_normal_(fan_out) on (C, D) = N(0, 2/C) (spec §1.9 item 12).
         nn.init.kaiming_normal_(self.proxies, mode="fan_out")
 
     def _distances(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = check_batch(self.name, embeddings, labels, self.num_classes)
+        x, y = check_batch(
+            self.name, embeddings, labels, num_classes=self.num_classes, embedding_dim=self.embedding_dim
+        )
         # fp16/bf16 are upcast by check_batch; float64 stays float64 (proxies follow the embeddings).
         dtype = torch.promote_types(x.dtype, self.proxies.dtype)
         return euclidean_distances(x.to(dtype), self.proxies.to(dtype)), y
 
     def avg_distance_to_proxy(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Eq. 9 (AvgDTP) of this loss's proxies on a labelled set of embeddings."""
-        x, y = check_batch(self.name, embeddings, labels, self.num_classes)
+        x, y = check_batch(
+            self.name, embeddings, labels, num_classes=self.num_classes, embedding_dim=self.embedding_dim
+        )
         return avg_distance_to_proxy(x, y, self.proxies.to(x.dtype))
 
 
@@ -188,7 +175,7 @@ class EuclideanSoftmax(_EuclideanProxyLoss):
 
     def __init__(self, *, num_classes: int, embedding_dim: int, scale: float = 4.525):
         super().__init__(num_classes, embedding_dim)
-        self.scale = _number(self.name, "scale", scale, low=0.0)
+        self.scale = positive(self.name, "scale", scale)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         distances, y = self._distances(embeddings, labels)
@@ -254,16 +241,15 @@ class RealignedSoftmaxWarping(_EuclideanProxyLoss):
     ):
         super().__init__(num_classes, embedding_dim)
         phase1 = self._phase("", k1=k1, k2=k2, alpha=alpha, scale=scale)
-        self.delta_mult = _number(self.name, "delta_mult", delta_mult, low=0.0, strict=False)
+        self.delta_mult = non_negative(self.name, "delta_mult", delta_mult)
         given2 = {"k1": phase2_k1, "k2": phase2_k2, "alpha": phase2_alpha, "scale": phase2_scale}
+        phase2_step = integer(self.name, "phase2_step", phase2_step, ge=0, null="one phase")
         if phase2_step is None:
             stray = [f"phase2_{k}" for k, v in given2.items() if v is not None]
             if stray:
-                raise ValueError(f"loss {self.name!r}: {', '.join(stray)} given without phase2_step")
+                fail(self.name, f"{', '.join(stray)} given without phase2_step")
             phase2 = None
         else:
-            if not isinstance(phase2_step, int) or isinstance(phase2_step, bool) or phase2_step < 0:
-                raise ValueError(f"loss {self.name!r}: phase2_step must be an int >= 0 (or null), got {phase2_step!r}")
             phase2 = self._phase("phase2_", **{k: phase1[k] if v is None else v for k, v in given2.items()})
         self.phase2_step = phase2_step
         self.phases = (phase1, phase2)
@@ -271,10 +257,11 @@ class RealignedSoftmaxWarping(_EuclideanProxyLoss):
 
     def _phase(self, prefix: str, *, k1, k2, alpha, scale) -> dict[str, float]:
         return {
-            "k1": _number(self.name, prefix + "k1", k1, low=0.0),
-            "k2": _number(self.name, prefix + "k2", k2, low=0.0),
-            "alpha": _number(self.name, prefix + "alpha", alpha, low=0.0, strict=False, allow_inf=True),
-            "scale": _number(self.name, prefix + "scale", scale, low=0.0),
+            "k1": positive(self.name, prefix + "k1", k1),
+            "k2": positive(self.name, prefix + "k2", k2),
+            # α = inf keeps every sample on the k1 branch (the paper's "half-warp", Table III).
+            "alpha": number(self.name, prefix + "alpha", alpha, ge=0, allow_inf=True),
+            "scale": positive(self.name, prefix + "scale", scale),
         }
 
     @property

@@ -20,13 +20,11 @@ reality-check baselines in :mod:`dml_core.losses.baselines`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dml_core.losses.baselines import check_batch
+from dml_core.losses.checks import check_batch, non_negative, number, positive, sizes
 from dml_core.losses.registry import BatchSpec, ModelRecipe, register, register_wrapper
 
 __all__ = [
@@ -72,11 +70,9 @@ def l2_norm_regularizer(embeddings: torch.Tensor) -> torch.Tensor:
     return f.pow(2).sum(dim=1).mean()
 
 
-def _eta(prefix: str, value) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-    if not ok:
-        raise ValueError(f"loss wrapper {prefix!r}: {prefix}_eta must be a finite number >= 0, got {value!r}")
-    return float(value)
+def _wrapped_name(prefix: str, base: nn.Module) -> str:
+    """``"sec:triplet"``: the name errors quote (the base's registry name, else its class name)."""
+    return f"{prefix}:{getattr(base, 'name', type(base).__name__)}"
 
 
 class SphericalEmbeddingConstraint(nn.Module):
@@ -99,11 +95,9 @@ class SphericalEmbeddingConstraint(nn.Module):
     def __init__(self, base: nn.Module, eta: float = DEFAULT_SEC_ETA, rho: float = 1.0):
         super().__init__()
         self.base = base
-        self.eta = _eta("sec", eta)
-        ok = isinstance(rho, (int, float)) and not isinstance(rho, bool) and 0.0 <= rho <= 1.0
-        if not ok:
-            raise ValueError(f"loss wrapper 'sec': sec_rho must be a number in [0, 1], got {rho!r}")
-        self.rho = float(rho)
+        self.name = _wrapped_name("sec", base)
+        self.eta = non_negative(self.name, "sec_eta", eta)
+        self.rho = number(self.name, "sec_rho", rho, ge=0, le=1)
         self.register_buffer("mu", torch.zeros(()))
         self.register_buffer("mu_initialized", torch.zeros((), dtype=torch.bool))
 
@@ -134,7 +128,7 @@ class SphericalEmbeddingConstraint(nn.Module):
         return spherical_embedding_constraint(f, self._mu(n))
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        check_batch("sec", embeddings, labels)
+        check_batch(self.name, embeddings, labels)
         return self.base(embeddings, labels) + self.eta * self.constraint(embeddings)
 
     def extra_repr(self) -> str:
@@ -147,10 +141,11 @@ class L2NormRegularizer(nn.Module):
     def __init__(self, base: nn.Module, eta: float = DEFAULT_L2_REG_ETA):
         super().__init__()
         self.base = base
-        self.eta = _eta("l2_reg", eta)
+        self.name = _wrapped_name("l2_reg", base)
+        self.eta = non_negative(self.name, "l2_reg_eta", eta)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        check_batch("l2_reg", embeddings, labels)
+        check_batch(self.name, embeddings, labels)
         return self.base(embeddings, labels) + self.eta * l2_norm_regularizer(embeddings)
 
     def extra_repr(self) -> str:
@@ -172,20 +167,6 @@ def l2_reg(base: nn.Module, *, l2_reg_eta: float = DEFAULT_L2_REG_ETA) -> L2Norm
 # --------------------------------------------------------------------------------------------
 # the SEC paper's base losses that the reality check does not have
 # --------------------------------------------------------------------------------------------
-def _check_sizes(name: str, num_classes, embedding_dim) -> None:
-    for field, v in (("num_classes", num_classes), ("embedding_dim", embedding_dim)):
-        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            raise ValueError(f"loss {name!r}: {field} must be an int >= 1, got {v!r}")
-
-
-def _number(name: str, field: str, value, *, positive: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (positive and value <= 0):
-        need = "a finite number > 0" if positive else "a finite number"
-        raise ValueError(f"loss {name!r}: {field} must be {need}, got {value!r}")
-    return float(value)
-
-
 @register(
     "semihard_triplet",
     paper=f"Schroff, Kalenichenko & Philbin, FaceNet, CVPR 2015 (TF triplet_semihard_loss form), as used in {SEC_PAPER}",
@@ -210,8 +191,8 @@ class SemihardTriplet(nn.Module):
 
     def __init__(self, *, num_classes: int, embedding_dim: int, margin: float = 0.2):
         super().__init__()
-        _check_sizes(self.name, num_classes, embedding_dim)
-        self.margin = _number(self.name, "margin", margin)
+        sizes(self.name, num_classes, embedding_dim)
+        self.margin = number(self.name, "margin", margin)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         f, y = check_batch(self.name, embeddings, labels)
@@ -267,8 +248,8 @@ class NormalizedNPair(nn.Module):
 
     def __init__(self, *, num_classes: int, embedding_dim: int, scale: float = 25.0):
         super().__init__()
-        _check_sizes(self.name, num_classes, embedding_dim)
-        self.scale = _number(self.name, "scale", scale, positive=True)
+        sizes(self.name, num_classes, embedding_dim)
+        self.scale = positive(self.name, "scale", scale)
 
     @staticmethod
     def anchor_positive_indices(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

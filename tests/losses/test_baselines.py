@@ -256,17 +256,17 @@ def test_float64_and_half_inputs(name):
 def test_bad_parameters_and_inputs_name_the_field():
     with pytest.raises(ValueError, match=r"loss 'triplet': unknown parameter\(s\) temprature"):
         build_loss("triplet", **KW, temprature=0.1)
-    with pytest.raises(ValueError, match="loss 'ntxent': temperature must be > 0"):
+    with pytest.raises(ValueError, match="loss 'ntxent': temperature must be a finite number > 0, got 0.0"):
         build_loss("ntxent", **KW, temperature=0.0)
     with pytest.raises(ValueError, match="loss 'triplet': reduction must be one of"):
         build_loss("triplet", **KW, reduction="sum")
     with pytest.raises(ValueError, match="loss 'triplet': squared must be true or false"):
         build_loss("triplet", **KW, squared="yes")
-    with pytest.raises(ValueError, match="loss 'multi_similarity': epsilon must be >= 0"):
+    with pytest.raises(ValueError, match=r"loss 'multi_similarity': epsilon must be a finite number >= 0 \(or null for no miner\)"):
         build_loss("multi_similarity", **KW, epsilon=-0.1)
-    with pytest.raises(ValueError, match="loss 'cosface': scale must be > 0"):
+    with pytest.raises(ValueError, match="loss 'cosface': scale must be a finite number > 0, got -1.0"):
         build_loss("cosface", **KW, scale=-1.0)
-    with pytest.raises(ValueError, match="loss 'contrastive': num_classes must be an int >= 1"):
+    with pytest.raises(ValueError, match="loss 'contrastive': num_classes must be an integer >= 1, got 0"):
         build_loss("contrastive", num_classes=0, embedding_dim=4)
     f, labels = _batch()
     with pytest.raises(ValueError, match=r"loss 'cosface': labels contain class id 6, outside \[0, num_classes=6\)"):

@@ -262,7 +262,7 @@ def test_metadata():
 
 
 def test_bad_inputs_name_the_field():
-    with pytest.raises(ValueError, match=r"'group_loss'.*temperature must be > 0"):
+    with pytest.raises(ValueError, match=r"'group_loss'.*temperature must be a finite number > 0"):
         build_loss("group_loss", num_classes=4, embedding_dim=8, temperature=0.0)
     with pytest.raises(ValueError, match=r"'group_loss'.*num_iterations must be an integer >= 0"):
         build_loss("group_loss", num_classes=4, embedding_dim=8, num_iterations=1.5)

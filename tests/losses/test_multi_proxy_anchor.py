@@ -317,15 +317,15 @@ def test_metadata_and_fast_proxies(name):
 def test_bad_inputs_name_the_field():
     with pytest.raises(ValueError, match=r"'mpa'.*num_proxies must be an integer >= 1"):
         build_loss("mpa", num_classes=4, embedding_dim=8, num_proxies=0)
-    with pytest.raises(ValueError, match=r"'mpa_ap'.*gamma must be > 0"):
+    with pytest.raises(ValueError, match=r"'mpa_ap'.*gamma must be a finite number > 0"):
         build_loss("mpa_ap", num_classes=4, embedding_dim=8, gamma=0.0)
-    with pytest.raises(ValueError, match=r"'mpa_dw'.*alpha must be > 0"):
+    with pytest.raises(ValueError, match=r"'mpa_dw'.*alpha must be a finite number > 0"):
         build_loss("mpa_dw", num_classes=4, embedding_dim=8, alpha=-1.0)
-    with pytest.raises(ValueError, match=r"'soft_triple'.*la must be > 0"):
+    with pytest.raises(ValueError, match=r"'soft_triple'.*la must be a finite number > 0"):
         build_loss("soft_triple", num_classes=4, embedding_dim=8, la=0)
-    with pytest.raises(ValueError, match=r"'soft_triple'.*reg_weight must be >= 0"):
+    with pytest.raises(ValueError, match=r"'soft_triple'.*reg_weight must be a finite number >= 0"):
         build_loss("soft_triple", num_classes=4, embedding_dim=8, reg_weight=-0.5)
-    with pytest.raises(ValueError, match=r"'mpa'.*tau must be >= 0"):
+    with pytest.raises(ValueError, match=r"'mpa'.*tau must be a finite number >= 0"):
         build_loss("mpa", num_classes=4, embedding_dim=8, tau=-0.1)
     with pytest.raises(ValueError, match=r"unknown parameter\(s\) centers_per_class"):
         build_loss("soft_triple", num_classes=4, embedding_dim=8, centers_per_class=2)

@@ -316,12 +316,12 @@ def test_avg_distance_to_proxy_is_class_balanced_eq9():
 @pytest.mark.parametrize(
     "params,message",
     [
-        ({"k1": 0.0}, r"loss 'rsw': k1 must be a finite number > 0.0, got 0.0"),
+        ({"k1": 0.0}, r"loss 'rsw': k1 must be a finite number > 0, got 0.0"),
         ({"k2": -1.0}, r"loss 'rsw': k2 must be"),
-        ({"alpha": float("nan")}, r"loss 'rsw': alpha must be a number >= 0.0"),
+        ({"alpha": float("nan")}, r"loss 'rsw': alpha must be a number >= 0, got nan"),
         ({"scale": 0}, r"loss 'rsw': scale must be"),
-        ({"delta_mult": -0.5}, r"loss 'rsw': delta_mult must be a finite number >= 0.0"),
-        ({"phase2_step": -1}, r"loss 'rsw': phase2_step must be an int >= 0"),
+        ({"delta_mult": -0.5}, r"loss 'rsw': delta_mult must be a finite number >= 0, got -0.5"),
+        ({"phase2_step": -1}, r"loss 'rsw': phase2_step must be an integer >= 0 \(or null for one phase\)"),
         ({"phase2_step": 5, "phase2_k2": 0.0}, r"loss 'rsw': phase2_k2 must be"),
         ({"margin": 1.0}, r"loss 'rsw': unknown parameter\(s\) margin"),
     ],
