@@ -1,0 +1,380 @@
+"""Retrieval metrics of the Metric Learning Reality Check (MLRC) and of the MPA paper.
+
+``retrieval_metrics`` returns, for L2-normalised embeddings ranked by exact L2 distance:
+
+* ``precision_at_1``, ``r_precision``, ``map_at_r`` -- Musgrave et al., "A Metric Learning Reality
+  Check" (ECCV 2020) §3.2.  MAP@R(q) = (1/R) Σ_{i=1..R} P(i)·rel(i), R = number of references of the
+  query's class (minus the query itself when it is part of the reference set).  Values equal
+  pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")`` (spec
+  ``protocol_reality_check.md`` §5): same lone-query exclusion, same self-exclusion (the query's own
+  index is removed wherever it ranks; if it is not among the k+1 results the last column is dropped),
+  same faiss ``IndexFlatL2`` search, queries averaged micro (one query = one vote).
+* ``recall_at_{k}`` -- the "Recall@k" of DML papers: the fraction of queries with at least one
+  same-class item among their k nearest neighbours (MPA paper §4 / spec ``loss_multi_proxy_anchor.md``
+  §1.7).  ``recall_at_1 == precision_at_1``.
+* ``ndcg_at_{k}`` -- MPA paper Eqs. 19-20: DCG(k) = Σ_{i=1..k} (2^{r_i} − 1)/log2(i+1) with binary
+  r_i, divided by the ideal DCG Σ_{i=1..min(k, n_q)} 1/log2(i+1); n_q = R.  Returned as a fraction
+  (the paper prints 100 × nDCG@k).
+* ``nmi`` -- normalised mutual information between the labels and a k-means clustering of the query
+  embeddings with k = number of distinct query labels: faiss ``Kmeans`` with 20 iterations and faiss's
+  default seed, exactly PML's ``FaissKMeans(niter=20)``; NMI with sklearn's
+  ``normalized_mutual_info_score`` semantics (arithmetic mean of the two entropies).
+
+Memory: the kNN search runs over query blocks and keeps only ``k = max R`` neighbours per query
+(plus the largest requested recall/nDCG k), and the metrics are computed block by block from the
+neighbour indices, so nothing of size N×N (or #classes × N) is ever allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import faiss
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["retrieval_metrics", "ndcg_at_k", "normalized_mutual_info"]
+
+# Budget for one query block, in kNN-matrix entries (rows × neighbours).  The per-block arrays are a few
+# of these (int64 indices, bool matches, float sums), i.e. a few hundred MB at most.  Tests shrink it
+# to exercise the block loop.
+QUERY_BLOCK_ELEMENTS = 1 << 22
+
+# PML's FaissKMeans(niter=20); faiss's default seed (1234) is kept so both pick the same initial centroids.
+KMEANS_NITER = 20
+
+# The largest k a faiss GPU flat index can return (faiss/gpu/utils/DeviceDefs.cuh, CUDA >= 9.5).
+_GPU_MAX_K = 2048
+
+
+# ----------------------------------------------------------------------------------------------------
+# input checking
+
+
+def _is_cuda(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_cuda
+
+
+def _embedding_matrix(x, name: str) -> torch.Tensor:
+    """Float32 2-D torch tensor (same device) of ``x``; one ValueError naming ``name`` if it is unusable."""
+    if isinstance(x, np.ndarray):
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise ValueError(f"{name} must be a numeric array, got dtype {x.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    elif isinstance(x, torch.Tensor):
+        if x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(f"{name} must be a real-valued tensor, got dtype {x.dtype}")
+        t = x.detach()
+    else:
+        raise ValueError(f"{name} must be a torch tensor or numpy array, got {type(x).__name__}")
+    if t.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (rows × dims), got shape {tuple(t.shape)}")
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    t = t.to(torch.float32)
+    # A float64 row sum cannot overflow for finite float32 entries, and NaN/inf propagate into it:
+    # one cheap pass instead of an N×D boolean mask.
+    bad = int((~torch.isfinite(t.sum(dim=1, dtype=torch.float64))).sum())
+    if bad:
+        raise ValueError(f"{name} contain {bad} rows with NaN/inf values")
+    return t
+
+
+def _label_vector(y, name: str, n_rows: int, rows_name: str) -> np.ndarray:
+    """int64 numpy vector of ``y`` with one entry per row of the embeddings called ``rows_name``."""
+    if isinstance(y, torch.Tensor):
+        y = y.detach().cpu().numpy()
+    elif not isinstance(y, np.ndarray):
+        try:
+            y = np.asarray(y)
+        except Exception as err:  # noqa: BLE001 - re-raised with the field named
+            raise ValueError(f"{name} cannot be read as an array: {err}") from err
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (one class id per row), got shape {y.shape}")
+    if not (np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_):
+        raise ValueError(f"{name} must hold integer class ids, got dtype {y.dtype}")
+    if len(y) != n_rows:
+        raise ValueError(f"{name} has {len(y)} entries but {rows_name} has {n_rows} rows")
+    return y.astype(np.int64, copy=False)
+
+
+def _ks(ks: Sequence[int], name: str) -> tuple[int, ...]:
+    out = tuple(ks)
+    for k in out:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"{name} must be positive integers, got {k!r}")
+    return tuple(int(k) for k in out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# per-ranking metrics
+
+
+def ndcg_at_k(relevance: Sequence[int] | np.ndarray, num_relevant: int, k: int) -> float:
+    """nDCG@k of one ranking, MPA paper Eqs. 19-20 (spec ``loss_multi_proxy_anchor.md`` §1.7).
+
+    ``relevance[i]`` is 1 if the (i+1)-th retrieved item has the query's class.  ``num_relevant`` is
+    n_q, the number of database items of the query's class (the query itself excluded).
+    DCG(k) = Σ_{i=1..k} (2^{r_i} − 1)/log2(i+1); the ideal DCG puts all n_q relevant items first.
+    Returns a fraction in [0, 1] (the paper prints 100 ×); NaN when ``num_relevant`` is 0.
+    """
+    rel = np.asarray(relevance, dtype=np.float64)[:k]
+    if rel.ndim != 1:
+        raise ValueError(f"relevance must be 1-D, got shape {rel.shape}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if num_relevant < 1:
+        return float("nan")
+    discount = 1.0 / np.log2(np.arange(2, k + 2))
+    dcg = float(np.sum((np.exp2(rel) - 1.0) * discount[: len(rel)]))
+    ideal = float(np.sum(discount[: min(k, num_relevant)]))
+    return dcg / ideal
+
+
+def _discounts(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """1/log2(i+1) for ranks i = 1..n and its cumulative sum (the ideal DCG for n_q relevant items)."""
+    disc = 1.0 / np.log2(np.arange(2, n + 2, dtype=np.float64))
+    return disc, np.cumsum(disc)
+
+
+def _block_sums(
+    match: np.ndarray,
+    r: np.ndarray,
+    recall_ks: tuple[int, ...],
+    ndcg_ks: tuple[int, ...],
+) -> dict[str, float]:
+    """Sums over a block of queries of the per-query metrics.
+
+    ``match[q, j]``: the (j+1)-th neighbour of query q has q's class (self already removed).
+    ``r[q] >= 1``: the query's R (= n_q).  Every array here is (block × depth) at most.
+    """
+    n, depth = match.shape
+    cols = np.arange(depth)
+    in_r = cols[None, :] < r[:, None]
+    hits_r = match & in_r  # relevant items among the first R
+    n_hits_r = hits_r.sum(axis=1)
+    # MAP@R (MLRC §3.2): P(i)·rel(i) summed over i <= R, divided by R.  cumsum of hits_r equals the
+    # number of hits up to i for every i <= R, i.e. P(i)·i.
+    cum = np.cumsum(hits_r, axis=1, dtype=np.int32 if depth < 2**31 else np.int64)
+    ap = (np.where(hits_r, cum, 0) / (cols + 1.0)[None, :]).sum(axis=1) / r
+    out = {
+        "precision_at_1": float(match[:, 0].sum()),
+        "r_precision": float((n_hits_r / r).sum()),
+        "map_at_r": float(ap.sum()),
+    }
+    for k in recall_ks:
+        out[f"recall_at_{k}"] = float(match[:, :k].any(axis=1).sum())
+    if ndcg_ks:
+        disc, ideal = _discounts(max(ndcg_ks))
+        for k in ndcg_ks:
+            kk = min(k, depth)
+            dcg = match[:, :kk] @ disc[:kk]  # Eq. 19 with binary r_i: 2^r − 1 = r
+            best = ideal[np.minimum(k, r) - 1]  # Eq. 20 denominator: min(k, n_q) relevant items first
+            out[f"ndcg_at_{k}"] = float((dcg / best).sum())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# kNN search
+
+
+def _remove_self(indices: np.ndarray, self_index: np.ndarray) -> np.ndarray:
+    """Drop each query's own index from its k+1 neighbours, wherever it ranks (PML >= 1.5.2
+    ``return_results``).  Rows where the query is not among the results (ties with duplicates can push
+    it out) lose their last column instead, so every row keeps k neighbours."""
+    is_self = indices == self_index[:, None]
+    absent = ~is_self.any(axis=1)
+    is_self[absent, -1] = True
+    return indices[~is_self].reshape(len(indices), indices.shape[1] - 1)
+
+
+def _gpu_available() -> bool:
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+class _FlatL2Search:
+    """Exact L2 kNN over a fixed reference set, searched one query block at a time.
+
+    CPU: ``faiss.knn`` runs the same ``knn_L2sqr`` kernel as ``IndexFlatL2.search`` (what PML uses)
+    without copying the references into an index.  GPU (inputs on CUDA and a GPU build of faiss):
+    a ``GpuIndexFlatL2``, unless k exceeds the GPU limit, in which case the CPU is used, as PML does.
+    """
+
+    def __init__(self, reference: np.ndarray, k: int, use_gpu: bool):
+        self.reference = reference
+        self.k = k
+        self.index = None
+        if use_gpu and k <= _GPU_MAX_K:
+            self._res = faiss.StandardGpuResources()
+            self.index = faiss.GpuIndexFlatL2(self._res, reference.shape[1])
+            self.index.add(reference)
+
+    def __call__(self, queries: np.ndarray) -> np.ndarray:
+        if self.index is not None:
+            _, idx = self.index.search(queries, self.k)
+        else:
+            _, idx = faiss.knn(queries, self.reference, self.k)
+        return idx
+
+
+def _query_blocks(n: int, depth: int, dim: int) -> list[slice]:
+    """Near-equal query blocks of at most ~QUERY_BLOCK_ELEMENTS entries per array: a block holds
+    rows × depth neighbour entries and a rows × dim copy of its query embeddings.
+
+    faiss switches from a direct to a BLAS distance kernel when rows × dim reaches
+    ``distance_compute_blas_threshold``; keeping every block on the same side of that threshold as a
+    single search over all queries makes the blocked search return exactly what one search would (the
+    two kernels round differently, which matters for near-ties).  Memory wins when both cannot hold.
+    """
+    rows = max(1, QUERY_BLOCK_ELEMENTS // max(depth, dim, 1))
+    n_blocks = -(-n // rows)
+    threshold = int(getattr(faiss.cvar, "distance_compute_blas_threshold", 0))
+    min_rows = -(-threshold // dim) if threshold > 0 else 1
+    if n >= min_rows and rows >= min_rows:
+        n_blocks = min(n_blocks, n // min_rows)
+    n_blocks = max(1, n_blocks)
+    bounds = np.linspace(0, n, n_blocks + 1).round().astype(int)
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+# ----------------------------------------------------------------------------------------------------
+# NMI
+
+
+def normalized_mutual_info(labels_true: np.ndarray, labels_pred: np.ndarray) -> float:
+    """NMI with the arithmetic-mean normaliser, sklearn ``normalized_mutual_info_score`` semantics.
+
+    NMI = I(U; V) / ((H(U) + H(V)) / 2).  Limits as in sklearn: 1.0 when both labelings are a single
+    cluster, 0.0 when the mutual information is 0.  Computed from the sparse contingency table (only
+    the non-empty cells), so memory is O(N).
+    """
+    u_ids, u = np.unique(np.asarray(labels_true), return_inverse=True)
+    v_ids, v = np.unique(np.asarray(labels_pred), return_inverse=True)
+    u, v = u.ravel(), v.ravel()
+    if len(u) != len(v):
+        raise ValueError(f"labels_true has {len(u)} entries but labels_pred has {len(v)}")
+    nu, nv = len(u_ids), len(v_ids)
+    if nu == nv and nu <= 1:
+        return 1.0
+    if nu == 1 or nv == 1:
+        return 0.0
+    n = float(len(u))
+    cells, n_ij = np.unique(u.astype(np.int64) * nv + v, return_counts=True)
+    a = np.bincount(u).astype(np.float64)
+    b = np.bincount(v).astype(np.float64)
+    n_ij = n_ij.astype(np.float64)
+    terms = (n_ij / n) * (np.log(n_ij) + math.log(n) - np.log(a[cells // nv]) - np.log(b[cells % nv]))
+    terms[np.abs(terms) < np.finfo(np.float64).eps] = 0.0  # round-off guard, as sklearn
+    mi = max(float(terms.sum()), 0.0)
+    if mi == 0.0:
+        return 0.0
+    h_u = -float(np.sum((a / n) * (np.log(a) - math.log(n))))
+    h_v = -float(np.sum((b / n) * (np.log(b) - math.log(n))))
+    return mi / max((h_u + h_v) / 2.0, np.finfo(np.float64).eps)
+
+
+def _kmeans_assignments(x: np.ndarray, n_clusters: int, use_gpu: bool) -> np.ndarray:
+    """faiss k-means (PML ``FaissKMeans(niter=20)``), then each point's nearest final centroid."""
+    # min_points_per_centroid only controls faiss's "too few points" warning (Clustering.cpp), not the
+    # result; val folds legitimately have few images per class, so the warning is silenced.
+    km = faiss.Kmeans(x.shape[1], n_clusters, niter=KMEANS_NITER, min_points_per_centroid=1, gpu=bool(use_gpu))
+    km.train(x)
+    _, assign = km.index.search(x, 1)
+    return assign[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the public entry point
+
+
+def retrieval_metrics(
+    embeddings,
+    labels,
+    *,
+    query_embeddings=None,
+    query_labels=None,
+    recall_ks: Sequence[int] = (1, 2, 4, 8),
+    ndcg_ks: Sequence[int] = (2, 4, 8),
+    normalize: bool = True,
+) -> dict[str, float]:
+    """MAP@R, R-Precision, P@1, Recall@k, nDCG@k and NMI of a labelled embedding set.
+
+    Without a query set every row is a query against all the *other* rows (leave-one-out,
+    PML ``ref_includes_query=True``): R = count of the query's class − 1 and queries whose class has no
+    other member are excluded.  With ``query_embeddings``/``query_labels`` (In-Shop style) the queries
+    are searched against ``embeddings``: R = count of the query's class in the reference set and
+    queries whose class is absent from it are excluded.  If every query is excluded the kNN metrics are
+    NaN (PML's behaviour).  NMI clusters the query embeddings (the whole set without a query set).
+
+    Embeddings are L2-normalised (``normalize=True``, torch ``F.normalize``) and searched with exact L2
+    distance through faiss; on CUDA inputs a faiss GPU index is used when faiss has GPUs.  Inputs are
+    torch tensors (CPU or CUDA) or numpy arrays; labels are integer class ids.  Returns python floats.
+    """
+    recall_ks = _ks(recall_ks, "recall_ks")
+    ndcg_ks = _ks(ndcg_ks, "ndcg_ks")
+    if (query_embeddings is None) != (query_labels is None):
+        raise ValueError("query_embeddings and query_labels must be given together")
+
+    use_gpu = (_is_cuda(embeddings) or _is_cuda(query_embeddings)) and _gpu_available()
+    ref_t = _embedding_matrix(embeddings, "embeddings")
+    ref_labels = _label_vector(labels, "labels", ref_t.shape[0], "embeddings")
+    loo = query_embeddings is None
+    if loo:
+        q_t, q_labels = ref_t, ref_labels
+    else:
+        q_t = _embedding_matrix(query_embeddings, "query_embeddings")
+        q_labels = _label_vector(query_labels, "query_labels", q_t.shape[0], "query_embeddings")
+        if q_t.shape[1] != ref_t.shape[1]:
+            raise ValueError(
+                f"query_embeddings have {q_t.shape[1]} dims but embeddings have {ref_t.shape[1]}"
+            )
+
+    def to_numpy(t: torch.Tensor) -> np.ndarray:
+        if normalize:
+            t = F.normalize(t, p=2, dim=1)
+        return np.ascontiguousarray(t.cpu().numpy(), dtype=np.float32)
+
+    ref = to_numpy(ref_t)
+    query = ref if loo else to_numpy(q_t)
+    del ref_t, q_t
+    n_self = 1 if loo else 0
+
+    # R per query: reference count of its class, minus itself in leave-one-out mode.
+    classes, ref_codes, ref_counts = np.unique(ref_labels, return_inverse=True, return_counts=True)
+    ref_codes = ref_codes.ravel()
+    pos = np.clip(np.searchsorted(classes, q_labels), 0, len(classes) - 1)
+    known = classes[pos] == q_labels
+    q_codes = np.where(known, pos, -1)
+    r_all = np.where(known, ref_counts[pos], 0) - n_self
+    valid = np.flatnonzero(r_all >= 1)
+
+    names = ["precision_at_1", "r_precision", "map_at_r"]
+    names += [f"recall_at_{k}" for k in recall_ks] + [f"ndcg_at_{k}" for k in ndcg_ks]
+    sums = dict.fromkeys(names, 0.0)
+
+    if len(valid):
+        # kNN depth: PML's k="max_bin_count" (the largest R), deepened to the largest recall/nDCG k,
+        # never more than the number of other references.
+        depth = int(max(r_all[valid].max(), max(recall_ks + ndcg_ks, default=1)))
+        depth = min(depth, len(ref) - n_self)
+        search = _FlatL2Search(ref, depth + n_self, use_gpu)
+        for block in _query_blocks(len(valid), depth + n_self, ref.shape[1]):
+            rows = valid[block]
+            idx = search(query[rows])
+            if loo:
+                idx = _remove_self(idx, rows)
+            match = ref_codes[idx] == q_codes[rows][:, None]
+            for name, value in _block_sums(match, r_all[rows], recall_ks, ndcg_ks).items():
+                sums[name] += value
+        del search
+    n_valid = len(valid)
+    out = {name: (sums[name] / n_valid if n_valid else float("nan")) for name in names}
+
+    n_clusters = len(np.unique(q_labels))
+    assign = _kmeans_assignments(query, n_clusters, use_gpu)
+    out["nmi"] = float(normalized_mutual_info(q_labels, assign))
+    return {k: float(v) for k, v in out.items()}
