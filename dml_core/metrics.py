@@ -300,6 +300,7 @@ def retrieval_metrics(
     recall_ks: Sequence[int] = (1, 2, 4, 8),
     ndcg_ks: Sequence[int] = (2, 4, 8),
     normalize: bool = True,
+    nmi: bool = True,
 ) -> dict[str, float]:
     """MAP@R, R-Precision, P@1, Recall@k, nDCG@k and NMI of a labelled embedding set.
 
@@ -313,6 +314,9 @@ def retrieval_metrics(
     Embeddings are L2-normalised (``normalize=True``, torch ``F.normalize``) and searched with exact L2
     distance through faiss; on CUDA inputs a faiss GPU index is used when faiss has GPUs.  Inputs are
     torch tensors (CPU or CUDA) or numpy arrays; labels are integer class ids.  Returns python floats.
+
+    ``nmi=False`` skips the k-means clustering (and the ``nmi`` key): it is most of the cost on large sets
+    and checkpoint selection needs only MAP@R.
     """
     recall_ks = _ks(recall_ks, "recall_ks")
     ndcg_ks = _ks(ndcg_ks, "ndcg_ks")
@@ -374,7 +378,8 @@ def retrieval_metrics(
     n_valid = len(valid)
     out = {name: (sums[name] / n_valid if n_valid else float("nan")) for name in names}
 
-    n_clusters = len(np.unique(q_labels))
-    assign = _kmeans_assignments(query, n_clusters, use_gpu)
-    out["nmi"] = float(normalized_mutual_info(q_labels, assign))
+    if nmi:
+        n_clusters = len(np.unique(q_labels))
+        assign = _kmeans_assignments(query, n_clusters, use_gpu)
+        out["nmi"] = float(normalized_mutual_info(q_labels, assign))
     return {k: float(v) for k, v in out.items()}

@@ -430,3 +430,13 @@ def test_bad_input_raises_one_clear_error(call, message):
     y = rng.integers(0, 10, size=100)
     with pytest.raises(ValueError, match=message):
         call(x, y)
+
+
+def test_nmi_false_skips_only_the_clustering():
+    rng = np.random.default_rng(3)
+    emb = rng.normal(size=(60, 8)).astype(np.float32)
+    labels = rng.integers(0, 6, size=60)
+    full = retrieval_metrics(emb, labels)
+    fast = retrieval_metrics(emb, labels, nmi=False)
+    assert "nmi" not in fast and "nmi" in full
+    assert fast == {k: v for k, v in full.items() if k != "nmi"}
