@@ -4,6 +4,8 @@ Use :func:`build_loss` / :func:`list_losses` / :func:`loss_info`; see ``docs/los
 """
 
 from dml_core.losses.registry import (  # noqa: F401
+    MLRC_BATCH,
+    MLRC_MODEL,
     BatchSpec,
     LossInfo,
     ModelRecipe,

@@ -1,0 +1,174 @@
+"""One cross-validation fold as a Ray Train job: the per-worker function :func:`fold_worker`.
+
+MLRC §1.4: each fold trains an independent model on the fold's train classes, evaluates on its val classes
+(compared to self), and keeps the checkpoint with the best val MAP@R (early stopping §1.5).  That is
+:func:`dml_core.train.train_fold`; this module only wires it into Ray Train:
+
+* ``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs); ``train_fold`` detects it, wraps
+  the model in DDP and draws its rank's slice of every m-per-class batch from
+  :class:`~dml_core.samplers.MPerClassBatchSampler`.  We never call ``ray.train.torch.prepare_data_loader``: it
+  would replace the m-per-class sampler by a ``DistributedSampler`` (spec ray_mlflow_notes §5.7).
+* Rank 0 logs every evaluation to the fold's MLflow run (``val.<metric>``, step = iteration) through an explicit run
+  id, and prints one progress line per evaluation.
+* At the end every rank calls ``ray.train.report`` once (Ray Train needs the same number of reports from all ranks);
+  rank 0 attaches a checkpoint directory holding ``outcome.json`` (status, best val metrics, history, time span),
+  and — for reproductions — the test-set embeddings of the best model (``test_embeddings.npy``, for the
+  concatenated evaluation) and the model state (``model.pt``).
+* Resume: if Ray Train restored a checkpoint for this run name (the fold finished before the sweep was killed),
+  the worker returns at once; ``TorchTrainer.fit()`` then returns the stored result without retraining.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["fold_worker", "OUTCOME_FILE", "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE", "METRIC_KEYS"]
+
+OUTCOME_FILE = "outcome.json"
+TEST_EMBEDDINGS = "test_embeddings.npy"
+TEST_LABELS = "test_labels.npy"
+MODEL_FILE = "model.pt"
+#: The metrics logged per evaluation (all of retrieval_metrics' keys are kept in outcome.json).
+METRIC_KEYS = ("map_at_r", "r_precision", "precision_at_1")
+
+
+def _finite(d: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+
+
+def fold_worker(cfg: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker`` for one fold (keys of ``cfg``: see :func:`pipelines.trial.fold_config`)."""
+    import logging
+
+    import ray
+    import ray.train
+    import torch
+
+    # Quiet workers: Ray Train sets the root logger to INFO (and logs every report through a logger named by a file
+    # path, i.e. under root); faiss's loader logs each CPU-feature probe.  Progress lines are our prints.
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("faiss").setLevel(logging.WARNING)
+
+    from dml_core.data import ImageDataset, eval_transform, train_transform
+    from dml_core.losses import build_loss
+    from dml_core.metrics import retrieval_metrics
+    from dml_core.models import build_model
+    from dml_core.train import TrainConfig, embed, train_fold
+
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    if ray.train.get_checkpoint() is not None:
+        return  # finished before a restart: fit() returns the stored checkpoint's result
+
+    torch.set_num_threads(max(1, int(cfg["threads"])))
+    torch.manual_seed(cfg["train"]["seed"])
+    time_start = time.time()
+
+    table = ray.get(cfg["table_ref"][0])
+    fold = cfg["fold"]
+    train_set = ImageDataset(table.subset(fold["train_classes"]), train_transform(cfg["image_size"]))
+    val_set = ImageDataset(table.subset(fold["val_classes"]), eval_transform(cfg["image_size"]))
+
+    device = "cpu"
+    if cfg["use_gpu"]:
+        import ray.train.torch
+
+        device = str(ray.train.torch.get_device())
+    model = build_model(**cfg["model"])
+    num_classes = len(fold["train_classes"])
+    loss = build_loss(cfg["loss"], num_classes=num_classes, embedding_dim=cfg["model"]["embedding_dim"],
+                      **cfg["loss_params"])
+    config = TrainConfig(**cfg["train"], device=device)
+
+    tracker = None
+    if rank == 0:
+        from pipelines.tracking import Tracker
+
+        tracker = Tracker.from_uri(cfg["tracking_uri"], cfg["experiment_id"])
+    label = cfg["label"]
+
+    def on_eval(record: dict[str, Any]) -> None:  # rank 0 only (train_fold's contract)
+        metrics = {f"val.{k}": v for k, v in record["metrics"].items() if k in METRIC_KEYS}
+        if record.get("train_loss") is not None:
+            metrics["train.loss"] = record["train_loss"]
+        metrics["epoch"] = record["epoch"]
+        try:
+            tracker.log_metrics(cfg["fold_run_id"], metrics, step=record["iteration"])
+        except Exception as e:  # noqa: BLE001 - tracking trouble must not kill a training run
+            print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
+        m = record["metrics"]
+        print(f"[{label}] fold {fold['index']} it {record['iteration']:>6} epoch {record['epoch']:>4} "
+              f"val MAP@R {m.get('map_at_r', float('nan')):.4f} P@1 {m.get('precision_at_1', float('nan')):.4f}"
+              f"{'  (best)' if record['is_best'] else ''}", flush=True)
+
+    time_train_start = time.time()
+    result = train_fold(model, loss, train_set, val_set, config, on_eval=on_eval)
+    time_end = time.time()
+
+    outcome: dict[str, Any] = {
+        "fold": fold["index"],
+        "status": result.status,
+        "reason": result.reason,
+        "best_epoch": result.best_epoch,
+        "best_metrics": _finite(result.best_metrics),
+        "iterations": result.iterations,
+        "epochs": result.epochs,
+        "stopped_early": result.stopped_early,
+        "train_seconds": result.train_seconds,
+        "time_start": time_start,
+        "time_train_start": time_train_start,
+        "time_end": time_end,
+        "world_size": ctx.get_world_size(),
+        "history": [
+            {"epoch": r["epoch"], "iteration": r["iteration"], "train_loss": r.get("train_loss"),
+             "metrics": _finite({k: v for k, v in r["metrics"].items() if k in METRIC_KEYS})}
+            for r in result.history
+        ],
+    }
+
+    # Test-set embeddings of the best checkpoint (reproductions only): every rank embeds a shard (embed's contract).
+    test_emb = test_labels = None
+    if cfg["evaluate_test"] and result.status == "ok":
+        model.load_state_dict(result.best_state["model"])
+        test_set = ImageDataset(table.subset(cfg["test_classes"]), eval_transform(cfg["image_size"]))
+        emb, labels = embed(model, test_set, batch_size=config.eval_batch_size, device=device,
+                            num_workers=config.num_workers)
+        if rank == 0:
+            test_emb, test_labels = emb.numpy().astype(np.float32), labels.numpy()
+            # "separated" (MLRC §2.3): this fold model alone on all test classes, compared to self.
+            outcome["test_metrics"] = _finite(retrieval_metrics(test_emb, test_labels))
+
+    metrics = {"status": outcome["status"], "fold": fold["index"], "train_seconds": outcome["train_seconds"],
+               "time_start": time_start, "time_end": time_end,
+               **{f"val_{k}": v for k, v in outcome["best_metrics"].items()}}
+    if rank != 0:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / OUTCOME_FILE).write_text(json.dumps(outcome))
+        if test_emb is not None:
+            np.save(Path(tmp) / TEST_EMBEDDINGS, test_emb)
+            np.save(Path(tmp) / TEST_LABELS, test_labels)
+        if cfg["save_model"] and result.status == "ok":
+            torch.save({"model": result.best_state["model"], "loss": result.best_state["loss"],
+                        "model_kwargs": cfg["model"], "loss_name": cfg["loss"], "loss_params": cfg["loss_params"],
+                        "num_classes": num_classes, "fold": fold}, Path(tmp) / MODEL_FILE)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for Ray workers: quiet, deterministic-enough, Train V2."""
+    return {
+        "RAY_TRAIN_V2_ENABLED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }

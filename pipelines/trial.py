@@ -1,0 +1,327 @@
+"""A Bayesian-optimisation trial (or a reproduction): 4 folds as 4 concurrent Ray Train jobs, one objective.
+
+:func:`run_trial` is the Ray Tune *function trainable* (the Train-V2 composition: a Tune trial is a light driver that
+builds ``TorchTrainer``\\ s; spec ray_mlflow_notes §5.1).  Per trial it
+
+1. finds or creates its MLflow run (``stage=trial``, child of the study run; tags ``trial_id``, ``status``), or for a
+   reproduction the ``stage=reproduction`` run (tags ``reproduction``, ``seed``), and one ``stage=fold`` child per fold;
+2. starts one ``TorchTrainer`` per fold **from 4 threads**, so the folds run concurrently when the cluster has the
+   CPUs/GPUs for their workers (each worker group reserves its own placement group; a fold whose workers do not fit
+   yet waits in Ray's queue).  The trial itself reserves only 0.01 CPU (see :mod:`pipelines.sweep`);
+3. reduces the folds (MLRC §1.6): objective = mean over folds of each fold's best-checkpoint val MAP@R, with its SEM
+   (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score 0 and the trial
+   run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
+4. for a reproduction, evaluates the best fold models on the test classes (MLRC §2.3): *separated* = each fold model
+   alone, metrics averaged over folds; *concatenated* = each fold's embedding L2-normalised, concatenated (4 × d)
+   and normalised again (``retrieval_metrics(normalize=True)``);
+5. reports once to Tune.
+
+Why not ``ray.tune.integration.ray_train.TuneReportCallback``: it forwards every Train report through one
+capacity-1 queue per Tune session and re-emits it as a Tune result.  With four Train runs in one trial their
+reports interleave as one stream, and a report still in that queue when the trial calls ``tune.report`` with the
+fold mean can land *after* it, making an intermediate value the trial's last result (read from
+``ray/train/_internal/session.py::_get_result_from_queues``).  The per-evaluation history goes to MLflow instead
+(rank 0, explicit run ids), and Tune sees exactly one result per trial: the fold mean.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dml_core.losses import loss_info
+from pipelines.fold import METRIC_KEYS, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS, fold_worker
+from pipelines.spaces import LOSS_LR
+
+__all__ = ["StudyContext", "run_trial", "REPRODUCTION", "PARAMS", "OBJECTIVE", "reproduction_seed"]
+
+#: Tune config keys of a reproduction trial (a search trial's config is the sampled hyperparameters themselves).
+REPRODUCTION = "__reproduction__"
+PARAMS = "__params__"
+#: The metric Tune and the searcher optimise (mode "max").
+OBJECTIVE = "val_map_at_r_mean"
+
+
+def reproduction_seed(base_seed: int, i: int) -> int:
+    """Seed of reproduction ``i``: the same for every loss, so ``dmlrc report`` can pair runs across losses."""
+    return base_seed + 1000 * (i + 1)
+
+
+@dataclass
+class StudyContext:
+    """Everything a trial of one (dataset, loss) study needs besides its hyperparameters (picklable)."""
+
+    sweep: str
+    study: str  # "<dataset>/<loss>"
+    dataset: str
+    loss: str
+    tracking_uri: str  # absolute
+    experiment_id: str
+    study_run_id: str
+    fold_storage: str  # where the folds' Ray Train runs persist (local path or s3://)
+    table_ref: list  # [ObjectRef of the dataset table] (a list, so Tune does not resolve it)
+    manifest_json: str
+    model_kwargs: dict[str, Any]
+    fixed_params: dict[str, Any]
+    train: dict[str, Any]  # TrainConfig kwargs except seed / loss_lr / device
+    image_size: int
+    workers_per_fold: int
+    use_gpu: bool
+    cpus_per_worker: float
+    base_seed: int
+    gpus_per_worker: float = 1.0
+    max_failures: int = 0
+
+
+def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fold_run_id: str,
+                 reproduction: bool, manifest) -> dict[str, Any]:
+    values = {**ctx.fixed_params, **hparams}
+    loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
+    train = dict(ctx.train, seed=seed + fold.index)
+    # The loss's own weight decay (e.g. 0 for Margin's beta, as MLRC ran it) unless the config sets one.
+    train.setdefault("loss_weight_decay", loss_info(ctx.loss).loss_weight_decay)
+    if LOSS_LR in values:
+        train["loss_lr"] = float(values[LOSS_LR])
+    return {
+        "table_ref": ctx.table_ref,
+        "fold": {"index": fold.index, "train_classes": list(fold.train_classes), "val_classes": list(fold.val_classes)},
+        "test_classes": list(manifest.test_classes),
+        "image_size": ctx.image_size,
+        "model": ctx.model_kwargs,
+        "loss": ctx.loss,
+        "loss_params": loss_params,
+        "train": train,
+        "use_gpu": ctx.use_gpu,
+        "threads": max(1, int(ctx.cpus_per_worker)),
+        "tracking_uri": ctx.tracking_uri,
+        "experiment_id": ctx.experiment_id,
+        "fold_run_id": fold_run_id,
+        "evaluate_test": reproduction,
+        "save_model": reproduction,
+        "label": ctx.study,
+    }
+
+
+def _run_fold(ctx: StudyContext, name: str, cfg: dict[str, Any]):
+    """One fold = one ``TorchTrainer.fit()`` (called from a thread of the trial driver)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    resources = {"CPU": ctx.cpus_per_worker}
+    if ctx.use_gpu:
+        resources["GPU"] = ctx.gpus_per_worker
+    trainer = TorchTrainer(
+        fold_worker,
+        train_loop_config=cfg,
+        scaling_config=ray.train.ScalingConfig(num_workers=ctx.workers_per_fold, use_gpu=ctx.use_gpu,
+                                               resources_per_worker=resources),
+        # (storage_path, name) must be stable across restarts (trial id, never a timestamp) so that a fold that
+        # finished before a kill is restored rather than retrained (ray_mlflow_notes §5.4).
+        run_config=ray.train.RunConfig(name=name, storage_path=ctx.fold_storage,
+                                       failure_config=ray.train.FailureConfig(max_failures=ctx.max_failures),
+                                       # Train logs every worker-group start and report at INFO; progress is ours.
+                                       logging_config=ray.train.LoggingConfig(log_level="WARNING")),
+    )
+    return trainer.fit()
+
+
+def _read_outcome(result) -> tuple[dict[str, Any], np.ndarray | None, np.ndarray | None, str]:
+    ckpt = result.checkpoint
+    if ckpt is None:
+        raise RuntimeError(f"fold run {result.path} finished without a checkpoint")
+    with ckpt.as_directory() as d:
+        from pathlib import Path
+
+        d = Path(d)
+        outcome = json.loads((d / OUTCOME_FILE).read_text())
+        emb = np.load(d / TEST_EMBEDDINGS) if (d / TEST_EMBEDDINGS).exists() else None
+        labels = np.load(d / TEST_LABELS) if (d / TEST_LABELS).exists() else None
+    return outcome, emb, labels, ckpt.path
+
+
+def concatenated_embeddings(parts: list[np.ndarray]) -> np.ndarray:
+    """MLRC §2.3 "concatenated": L2-normalise each fold model's embedding, then concatenate (4 × d).
+
+    ``retrieval_metrics`` L2-normalises the concatenation again, as the MLRC tester did.
+    """
+    out = []
+    for e in parts:
+        e = np.asarray(e, dtype=np.float32)
+        out.append(e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12))
+    return np.concatenate(out, axis=1)
+
+
+def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trial's objective from its folds (MLRC §1.6): mean ± SEM of best val metrics; 0 if a fold diverged."""
+    from dml_core.stats import fold_summary
+
+    diverged = [o for o in outcomes if o["status"] != "ok"]
+    out: dict[str, Any] = {}
+    if diverged:
+        out["status"] = "diverged"
+        out["reason"] = "; ".join(f"fold {o['fold']}: {o['reason']}" for o in diverged)
+        for k in METRIC_KEYS:
+            out[f"val.{k}.mean"], out[f"val.{k}.sem"] = 0.0, 0.0
+        return out
+    out["status"], out["reason"] = "ok", ""
+    for k in METRIC_KEYS:
+        mean, sem = fold_summary([o["best_metrics"][k] for o in outcomes])
+        out[f"val.{k}.mean"], out[f"val.{k}.sem"] = mean, sem
+    return out
+
+
+def reproduction_test_metrics(outcomes: list[dict[str, Any]], embeddings: list[np.ndarray], labels: list[np.ndarray]) -> dict:
+    """``test.separated.<metric>`` (mean over fold models) and ``test.concat.<metric>`` (concatenated embedding)."""
+    from dml_core.metrics import retrieval_metrics
+
+    out: dict[str, float] = {}
+    keys = sorted(set.intersection(*(set(o["test_metrics"]) for o in outcomes)))
+    for k in keys:
+        out[f"test.separated.{k}"] = float(np.mean([o["test_metrics"][k] for o in outcomes]))
+    for lab in labels[1:]:
+        if not np.array_equal(lab, labels[0]):
+            raise RuntimeError("fold models embedded the test set in different row orders")
+    concat = retrieval_metrics(concatenated_embeddings(embeddings), labels[0], normalize=True)
+    for k, v in concat.items():
+        if isinstance(v, float) and math.isfinite(v):
+            out[f"test.concat.{k}"] = float(v)
+    return out
+
+
+def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
+    """Ray Tune function trainable (wrapped with ``tune.with_parameters(run_trial, ctx=...)``)."""
+    from ray import tune
+
+    from dml_core.splits import FoldManifest
+    from pipelines.tracking import Tracker
+
+    trial_id = tune.get_context().get_trial_id()
+    rep = config.get(REPRODUCTION)
+    reproduction = rep is not None
+    hparams = dict(config[PARAMS]) if reproduction else dict(config)
+    seed = reproduction_seed(ctx.base_seed, int(rep)) if reproduction else ctx.base_seed
+    manifest = FoldManifest.from_json(ctx.manifest_json)
+    tracker = Tracker.from_uri(ctx.tracking_uri, ctx.experiment_id)
+
+    base = {"sweep": ctx.sweep, "study": ctx.study}
+    if reproduction:
+        run_id, _ = tracker.get_or_create({**base, "stage": "reproduction", "reproduction": int(rep)},
+                                          parent=ctx.study_run_id, run_name=f"{ctx.study} reproduction {rep}")
+    else:
+        run_id, _ = tracker.get_or_create({**base, "stage": "trial", "trial_id": trial_id},
+                                          parent=ctx.study_run_id, run_name=f"{ctx.study} {trial_id}")
+    tracker.set_tags(run_id, {"loss": ctx.loss, "dataset": ctx.dataset, "trial_id": trial_id, "seed": seed,
+                              "status": "running"})
+    tracker.log_params(run_id, hparams)
+
+    fold_runs = {}
+    for fold in manifest.folds:
+        fid, _ = tracker.get_or_create({**base, "stage": "fold", "fold": fold.index}, parent=run_id,
+                                       run_name=f"fold {fold.index}", reuse_unfinished=False)
+        tracker.set_tags(fid, {"loss": ctx.loss, "dataset": ctx.dataset, "trial_id": trial_id})
+        fold_runs[fold.index] = fid
+
+    prefix = f"rep{int(rep)}" if reproduction else trial_id
+    t0 = time.time()
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    lock = threading.Lock()
+
+    fit_spans: dict[int, tuple[float, float]] = {}
+
+    def one(fold):
+        cfg = _fold_config(ctx, fold, hparams, seed, fold_runs[fold.index], reproduction, manifest)
+        try:
+            t_fit = time.time()
+            r = _run_fold(ctx, f"{prefix}-fold{fold.index}", cfg)
+            with lock:
+                results[fold.index] = r
+                fit_spans[fold.index] = (t_fit, time.time())
+        except BaseException as e:  # noqa: BLE001 - collected, re-raised after the other folds finished
+            with lock:
+                errors[fold.index] = e
+
+    with ThreadPoolExecutor(max_workers=len(manifest.folds), thread_name_prefix="fold") as pool:
+        list(pool.map(one, manifest.folds))
+
+    if errors:
+        k = min(errors)
+        reason = f"fold {k}: {type(errors[k]).__name__}: {str(errors[k]).strip().splitlines()[-1] if str(errors[k]).strip() else ''}"
+        for fid in fold_runs.values():
+            if tracker.status(fid) == "RUNNING":
+                tracker.finish(fid, "FAILED")
+        tracker.set_tags(run_id, {"status": "failed", "reason": reason[:4000]})
+        tracker.finish(run_id, "FAILED")
+        raise RuntimeError(f"{ctx.study} {'reproduction ' + str(rep) if reproduction else trial_id}: {reason}") \
+            from errors[k]
+
+    outcomes, embeddings, labels, checkpoints = [], [], [], {}
+    for fold in manifest.folds:
+        outcome, emb, lab, path = _read_outcome(results[fold.index])
+        outcomes.append(outcome)
+        checkpoints[fold.index] = path
+        if emb is not None:
+            embeddings.append(emb)
+            labels.append(lab)
+        _finish_fold_run(tracker, fold_runs[fold.index], outcome, path, fit_spans[fold.index])
+
+    summary = reduce_folds(outcomes)
+    metrics = {k: v for k, v in summary.items() if k.startswith("val.")}
+    if reproduction and summary["status"] == "ok":
+        metrics.update(reproduction_test_metrics(outcomes, embeddings, labels))
+    tracker.log_metrics(run_id, metrics)
+    tracker.set_tags(run_id, {"status": summary["status"], "reason": summary["reason"][:4000]})
+    tracker.finish(run_id, "FINISHED")
+
+    report = {k.replace(".", "_"): v for k, v in metrics.items()}
+    report.update({
+        OBJECTIVE: summary["val.map_at_r.mean"],
+        "status": summary["status"],
+        "reason": summary["reason"],
+        "mlflow_run_id": run_id,
+        "fold_values": [o["best_metrics"].get("map_at_r", 0.0) if o["status"] == "ok" else 0.0 for o in outcomes],
+        "fold_spans": [[o["time_start"], o["time_end"]] for o in outcomes],
+        "fold_fit_spans": [list(fit_spans[f.index]) for f in manifest.folds],
+        "fold_train_seconds": [o["train_seconds"] for o in outcomes],
+        "fold_checkpoints": [checkpoints[f.index] for f in manifest.folds],
+        "trial_seconds": time.time() - t0,
+        "seed": seed,
+    })
+    if reproduction:
+        report[REPRODUCTION] = int(rep)
+    tune.report(report)
+
+
+def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpoint: str,
+                     fit_span: tuple[float, float]) -> None:
+    """Summary of a fold run (and its history, if rank 0 could not log it live, e.g. after a restart)."""
+    run = tracker.run(fold_run_id)
+    if run.info.status == "FINISHED" and "best_epoch" in run.data.metrics:
+        return  # a fold that finished before a restart: already summarised
+    have = run.data.metrics
+    if "val.map_at_r" not in have:
+        for rec in outcome["history"]:
+            m = {f"val.{k}": v for k, v in rec["metrics"].items()}
+            if rec.get("train_loss") is not None:
+                m["train.loss"] = rec["train_loss"]
+            tracker.log_metrics(fold_run_id, m, step=rec["iteration"])
+    summary = {f"best.val.{k}": v for k, v in outcome["best_metrics"].items() if k in METRIC_KEYS}
+    summary.update({f"test.{k}": v for k, v in outcome.get("test_metrics", {}).items()})
+    # Wall-clock marks (s since the epoch) for the overhead benchmark: fit() called → worker function starts →
+    # train_fold starts → worker function ends → fit() returns.
+    summary.update({"best_epoch": outcome["best_epoch"], "train_seconds": outcome["train_seconds"],
+                    "time.fit_start": fit_span[0], "time.start": outcome["time_start"],
+                    "time.train_start": outcome.get("time_train_start", outcome["time_start"]),
+                    "time.end": outcome["time_end"], "time.fit_end": fit_span[1],
+                    "iterations": outcome["iterations"]})
+    tracker.log_metrics(fold_run_id, summary)
+    tracker.set_tags(fold_run_id, {"status": outcome["status"], "reason": outcome["reason"][:4000],
+                                   "checkpoint": checkpoint, "world_size": outcome["world_size"]})
+    tracker.finish(fold_run_id, "FINISHED")

@@ -1,0 +1,115 @@
+"""A real ``mlflow server`` for tests, on a free loopback port.
+
+    from tests.mlflow_server import mlflow_server, postgres_database
+    with mlflow_server(tmp_path) as uri:                        # sqlite backend in tmp_path
+        ...
+    with postgres_database() as pg_uri, mlflow_server(tmp_path, backend_uri=pg_uri) as uri:
+        ...
+
+The server runs in its own session (process group) and is stopped by that process id — never by name.
+Artifacts are proxied by the server (``--artifacts-destination`` inside ``tmp_path``), as in a shared deployment.
+``postgres_database()`` yields a ``postgresql+psycopg2://`` URI of a fresh database on the PostgreSQL at 127.0.0.1:5432 (``$DMLRC_TEST_PG`` overrides
+the admin URI) and drops it afterwards; it raises :class:`PostgresUnavailable` when none is reachable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+__all__ = ["mlflow_server", "postgres_database", "PostgresUnavailable", "free_port"]
+
+PG_ADMIN_URI = os.environ.get("DMLRC_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+class PostgresUnavailable(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(uri: str) -> bool:
+    try:
+        with urllib.request.urlopen(uri + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@contextlib.contextmanager
+def mlflow_server(workdir: str | os.PathLike, backend_uri: str | None = None, timeout: float = 180.0):
+    """Start ``mlflow server`` (sqlite in ``workdir`` unless ``backend_uri``); yield its ``http://127.0.0.1:<port>``."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    backend = backend_uri or f"sqlite:///{workdir / 'mlflow-server.db'}"
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    log = open(workdir / "mlflow-server.log", "wb")
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", backend, "--artifacts-destination", str(workdir / "mlflow-artifacts"),
+           "--workers", "1"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            # no background job runner (8 huey consumer processes): the sweep never submits jobs
+                            env={**os.environ, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    try:
+        deadline = time.time() + timeout
+        while not _healthy(uri):
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {proc.returncode}: "
+                                   + (workdir / "mlflow-server.log").read_text()[-3000:])
+            if time.time() > deadline:
+                raise RuntimeError(f"mlflow server on {uri} not healthy after {timeout:.0f}s: "
+                                   + (workdir / "mlflow-server.log").read_text()[-3000:])
+            time.sleep(0.5)
+        yield uri
+    finally:
+        # Our own process group: the server and the uvicorn/gunicorn workers it started.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=20)
+        log.close()
+
+
+@contextlib.contextmanager
+def postgres_database(admin_uri: str = PG_ADMIN_URI):
+    """A fresh database (``dmlrc_test_<random>``) on a reachable PostgreSQL; dropped on exit."""
+    try:
+        import psycopg2
+    except ImportError as e:  # the dev extra installs psycopg2-binary
+        raise PostgresUnavailable(f"psycopg2 not installed: {e}") from None
+    try:
+        admin = psycopg2.connect(admin_uri, connect_timeout=5)
+    except psycopg2.OperationalError as e:
+        raise PostgresUnavailable(f"no PostgreSQL at {admin_uri}: {str(e).strip()}") from None
+    admin.autocommit = True
+    name = f"dmlrc_test_{uuid.uuid4().hex[:12]}"
+    with admin.cursor() as cur:
+        cur.execute(f'CREATE DATABASE "{name}"')
+    # SQLAlchemy >= 2.1 maps plain postgresql:// to psycopg 3; the dev extra installs psycopg2.
+    base = admin_uri.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg2://", 1)
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with admin.cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                        (name,))
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.close()

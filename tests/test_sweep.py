@@ -1,0 +1,314 @@
+"""The sweep pipeline: fold reduction, best-trial choice, CIs (fast) and one real sweep against ``mlflow server`` (slow).
+
+The slow tests run ``dmlrc sweep`` in a subprocess (it starts its own local Ray) against an ``mlflow server``
+process with a sqlite backend and, when PostgreSQL answers on 127.0.0.1:5432, with a fresh PostgreSQL database;
+then they read the MLflow run tree back and check it against the contract in ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from pipelines.trial import OBJECTIVE, REPRODUCTION, concatenated_embeddings, reduce_folds
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = ("map_at_r", "r_precision", "precision_at_1")
+
+
+# ------------------------------------------------------------------------------------------------ fast units
+
+
+def _outcome(fold, status="ok", map_at_r=0.5, reason=""):
+    return {"fold": fold, "status": status, "reason": reason,
+            "best_metrics": {"map_at_r": map_at_r, "r_precision": map_at_r + 0.1, "precision_at_1": 0.9}}
+
+
+def test_objective_is_the_fold_mean_with_its_sem():
+    from scipy import stats
+
+    vals = [0.41, 0.44, 0.39, 0.47]
+    out = reduce_folds([_outcome(k, map_at_r=v) for k, v in enumerate(vals)])
+    assert out["status"] == "ok"
+    assert out["val.map_at_r.mean"] == pytest.approx(np.mean(vals), abs=1e-12)
+    assert out["val.map_at_r.sem"] == pytest.approx(stats.sem(vals), abs=1e-12)
+    assert out["val.r_precision.mean"] == pytest.approx(np.mean(vals) + 0.1)
+
+
+def test_a_diverged_fold_scores_the_trial_zero_and_says_why():
+    outs = [_outcome(0), _outcome(1, "diverged", reason="non-finite loss nan at iteration 7 (epoch 1)"),
+            _outcome(2), _outcome(3)]
+    out = reduce_folds(outs)
+    assert out["status"] == "diverged"
+    assert out["val.map_at_r.mean"] == 0.0 and out["val.map_at_r.sem"] == 0.0
+    assert out["reason"] == "fold 1: non-finite loss nan at iteration 7 (epoch 1)"
+
+
+def test_best_trial_is_the_highest_observed_mean_among_ok_trials():
+    from pipelines.sweep import best_result
+
+    rows = [
+        {"trial_id": "a_00000", OBJECTIVE: 0.30, "status": "ok"},
+        {"trial_id": "a_00001", OBJECTIVE: 0.0, "status": "diverged"},
+        {"trial_id": "a_00002", OBJECTIVE: 0.42, "status": "ok"},
+        {"trial_id": "a_00003", OBJECTIVE: 0.42, "status": "ok"},  # tie: the earlier trial wins
+        {"trial_id": "a_00004", "error": "boom"},
+    ]
+    assert best_result(rows)["trial_id"] == "a_00002"
+    assert best_result([rows[1], rows[4]]) is None
+
+
+def test_concatenated_embedding_normalises_each_fold_model_first():
+    rng = np.random.default_rng(0)
+    parts = [rng.normal(size=(5, 3)) * s for s in (1.0, 100.0)]
+    cat = concatenated_embeddings(parts)
+    assert cat.shape == (5, 6)
+    np.testing.assert_allclose(np.linalg.norm(cat[:, :3], axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(cat[:, 3:], axis=1), 1.0, rtol=1e-6)
+
+
+def test_confidence_intervals_are_student_t_across_reproductions():
+    from scipy import stats
+
+    from pipelines.sweep import ci_report, ci_table, confidence_intervals, StudySummary
+
+    reps = [{REPRODUCTION: i, "test_concat_map_at_r": v, "test_separated_map_at_r": v - 0.05}
+            for i, v in enumerate([0.30, 0.34, 0.32])]
+    ci = confidence_intervals(reps)
+    lo, hi = stats.t.interval(0.95, 2, loc=0.32, scale=stats.sem([0.30, 0.34, 0.32]))
+    assert ci["concat"]["map_at_r"] == pytest.approx((0.32, lo, hi))
+    assert ci["separated"]["map_at_r"][0] == pytest.approx(0.27)
+    s = StudySummary("d/l", "d", "l", "run", "ok", best_trial="t", best_params={"x": 1}, best_val=(0.4, 0.01), ci=ci)
+    md, doc = ci_report(s, reps)
+    assert "| map_at_r | 32.00 ±" in md and doc["metrics"]["concat"]["map_at_r"]["ci_low"] == pytest.approx(lo)
+    assert "32.00 ± " in ci_table([s])
+
+
+def test_optuna_space_follows_the_tune_space_scales():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from pipelines.spaces import Param
+    from pipelines.sweep import optuna_space
+
+    sp = optuna_space({"a": Param("a", 1e-6, 1.0, log=True), "k": Param("k", 1, 10, type="int"),
+                       "m": Param("m", -0.2, 2.0), "c": Param("c", type="categorical", choices=(0.05, 0.1))})
+    assert sp["a"] == FloatDistribution(1e-6, 1.0, log=True)
+    assert sp["k"] == IntDistribution(1, 10) and sp["m"] == FloatDistribution(-0.2, 2.0)
+    assert sp["c"] == CategoricalDistribution([0.05, 0.1])
+
+
+def test_gp_sampler_exists_with_startup_trials():
+    import optuna
+
+    s = optuna.samplers.GPSampler(seed=0, n_startup_trials=5)
+    assert s._n_startup_trials == 5
+
+
+def test_tracker_finds_runs_by_tags_and_hides_unfinished_attempts(tmp_path):
+    from pipelines.tracking import PARENT, Tracker
+
+    t = Tracker.open(f"sqlite:///{tmp_path / 'm.db'}", "exp", (tmp_path / "art").as_uri())
+    study, created = t.get_or_create({"study": "d/l", "stage": "study"})
+    assert created
+    assert t.get_or_create({"study": "d/l", "stage": "study"}) == (study, False)
+    fold, _ = t.get_or_create({"stage": "fold", "fold": 0}, parent=study)
+    assert t.run(fold).data.tags[PARENT] == study
+    # a killed attempt left the fold RUNNING: it is soft-deleted and replaced, not reused
+    fold2, created = t.get_or_create({"stage": "fold", "fold": 0}, parent=study, reuse_unfinished=False)
+    assert created and fold2 != fold
+    assert [r.info.run_id for r in t.children(study, stage="fold")] == [fold2]
+    t.finish(fold2)
+    assert t.get_or_create({"stage": "fold", "fold": 0}, parent=study, reuse_unfinished=False) == (fold2, False)
+    t.log_params(study, {"a": 1})
+    t.log_params(study, {"a": 1, "b": 2})  # re-logging on resume skips existing keys
+    assert t.run(study).data.params == {"a": "1", "b": "2"}
+
+
+# ------------------------------------------------------------------------------------------------ the real sweep
+
+
+def _sweep_config(tmp_path: Path, tracking_uri: str, *, losses, trials, workers, concurrent, name="e2e") -> Path:
+    doc = {
+        "name": name,
+        "seed": 3,
+        "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
+        "losses": losses,
+        "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
+        "protocol": {"trials": trials, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 4,
+                     "eval_every": 1, "patience": 1, "max_epochs": 2,
+                     "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
+                               "eval_batch_size": 64}},
+        "resources": {"workers_per_fold": workers, "max_concurrent_trials": concurrent},
+        "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
+        "storage": str(tmp_path / "runs"),
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _run_cli(args: list[str], cwd: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int, workers: int,
+                    storage: Path, name: str) -> None:
+    import torch
+    from mlflow.tracking import MlflowClient
+    from scipy import stats
+
+    from dml_core.splits import FoldManifest
+    from dml_core.stats import confidence_interval
+    from pipelines.tracking import PARENT, search_all
+
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name(experiment)
+    assert exp is not None
+    runs = search_all(c, exp.experiment_id, "")
+    by_stage: dict[str, list] = {}
+    for r in runs:
+        by_stage.setdefault(r.data.tags["stage"], []).append(r)
+    assert all(r.info.status == "FINISHED" for r in runs), [(r.data.tags, r.info.status) for r in runs]
+    assert sorted(r.data.tags["loss"] for r in by_stage["study"]) == sorted(losses)
+    n_rep = 2
+    assert len(by_stage["trial"]) == trials * len(losses)
+    assert len(by_stage["reproduction"]) == n_rep * len(losses)
+    assert len(by_stage["fold"]) == 4 * (trials + n_rep) * len(losses)
+    children = {}
+    for r in runs:
+        children.setdefault(r.data.tags.get(PARENT), []).append(r)
+
+    for study in by_stage["study"]:
+        tags, m = study.data.tags, study.data.metrics
+        sid = study.info.run_id
+        for k in ("loss", "dataset", "protocol", "git_commit", "sweep"):
+            assert tags.get(k), k
+        assert tags["protocol"] == "mlrc" and tags["sweep"] == name and tags["done"] == "true"
+        kids = children[sid]
+        trial_runs = [r for r in kids if r.data.tags["stage"] == "trial"]
+        rep_runs = sorted((r for r in kids if r.data.tags["stage"] == "reproduction"),
+                          key=lambda r: int(r.data.tags["reproduction"]))
+        assert len(trial_runs) == trials and [r.data.tags["reproduction"] for r in rep_runs] == ["0", "1"]
+
+        # artifacts: fold manifest, CI report, best fold models
+        names = {a.path for a in c.list_artifacts(sid)}
+        assert {"folds.json", "ci_report.md", "ci_report.json", "models"} <= names, names
+        manifest = FoldManifest.from_json(Path(c.download_artifacts(sid, "folds.json")).read_text())
+        assert manifest.content_hash == tags["folds_hash"] and manifest.layout == "mlrc"
+        model_files = sorted(a.path for a in c.list_artifacts(sid, "models"))
+        assert model_files == [f"models/fold_{k}.pt" for k in range(4)]
+        state = torch.load(c.download_artifacts(sid, "models/fold_0.pt"), weights_only=False)
+        from dml_core.models import build_model
+
+        build_model(**state["model_kwargs"]).load_state_dict(state["model"])
+
+        # trials: params = sampled hyperparameters; objective = fold mean (and its SEM) of best val MAP@R
+        space_keys = {k[len("space."):] for k in study.data.params if k.startswith("space.")}
+        best_seen = -1.0
+        for tr in trial_runs:
+            assert set(tr.data.params) == space_keys
+            assert tr.data.tags["status"] == "ok" and tr.data.tags["trial_id"]
+            folds = sorted(children[tr.info.run_id], key=lambda r: int(r.data.tags["fold"]))
+            assert [f.data.tags["fold"] for f in folds] == ["0", "1", "2", "3"]
+            for metric in METRICS:
+                vals = [f.data.metrics[f"best.val.{metric}"] for f in folds]
+                assert tr.data.metrics[f"val.{metric}.mean"] == pytest.approx(np.mean(vals), abs=1e-9)
+                assert tr.data.metrics[f"val.{metric}.sem"] == pytest.approx(stats.sem(vals), abs=1e-9)
+            for f in folds:
+                hist = c.get_metric_history(f.info.run_id, "val.map_at_r")
+                steps = [h.step for h in hist]
+                assert steps == sorted(set(steps)) and steps[0] == 0  # epoch 0 = untrained model, step = iteration
+                assert f.data.metrics["best.val.map_at_r"] == pytest.approx(max(h.value for h in hist))
+                assert f.data.tags["world_size"] == str(workers)
+            # the four folds of a trial ran concurrently: all four time spans overlap
+            starts = [f.data.metrics["time.start"] for f in folds]
+            ends = [f.data.metrics["time.end"] for f in folds]
+            assert max(starts) < min(ends), (starts, ends)
+            best_seen = max(best_seen, tr.data.metrics["val.map_at_r.mean"])
+            # the Tune result (what the Bayesian optimiser saw) is the same fold mean
+            result = _tune_result(storage, name, tags["study"], tr.data.tags["trial_id"])
+            assert result[OBJECTIVE] == pytest.approx(tr.data.metrics["val.map_at_r.mean"], abs=1e-12)
+        assert m["best.val.map_at_r.mean"] == pytest.approx(best_seen)
+        assert study.data.params  # best.<hyperparameter>
+        assert {k for k in study.data.params if k.startswith("best.")} == {f"best.{k}" for k in space_keys}
+
+        # reproductions: separated = mean of the fold models' test metrics; CIs recomputed from the runs
+        for rep in rep_runs:
+            folds = children[rep.info.run_id]
+            assert len(folds) == 4 and rep.data.tags["seed"]
+            for metric in METRICS:
+                sep = np.mean([f.data.metrics[f"test.{metric}"] for f in folds])
+                assert rep.data.metrics[f"test.separated.{metric}"] == pytest.approx(sep, abs=1e-9)
+        test_keys = {k[len("test.concat."):] for k in rep_runs[0].data.metrics if k.startswith("test.concat.")}
+        assert {"precision_at_1", "r_precision", "map_at_r", "recall_at_1", "ndcg_at_2"} <= test_keys
+        for mode in ("concat", "separated"):
+            for metric in test_keys:
+                if f"test.{mode}.{metric}" not in rep_runs[0].data.metrics:
+                    continue
+                vals = [r.data.metrics[f"test.{mode}.{metric}"] for r in rep_runs]
+                mean, lo, hi = confidence_interval(vals)
+                assert m[f"test.{mode}.{metric}.mean"] == pytest.approx(mean, abs=1e-9)
+                if math.isfinite(lo):
+                    assert m[f"test.{mode}.{metric}.ci_low"] == pytest.approx(lo, abs=1e-9)
+                    assert m[f"test.{mode}.{metric}.ci_high"] == pytest.approx(hi, abs=1e-9)
+        report = json.loads(Path(c.download_artifacts(sid, "ci_report.json")).read_text())
+        assert report["n_reproductions"] == 2
+        assert report["metrics"]["concat"]["map_at_r"]["mean"] == pytest.approx(m["test.concat.map_at_r.mean"])
+
+
+def _tune_result(storage: Path, name: str, study: str, trial_id: str) -> dict:
+    from pipelines.preflight import study_dirname
+
+    search = storage / name / "ray" / study_dirname(study) / "search"
+    for result in search.glob(f"*{trial_id}*/result.json"):
+        rows = [json.loads(line) for line in result.read_text().splitlines() if line.strip()]
+        return rows[-1]
+    raise AssertionError(f"no Tune result for {trial_id} under {search}")
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_sweep_end_to_end_against_mlflow_server_sqlite(tmp_path):
+    """2 BO trials + 2 reproductions of one loss, 4 folds × 2 gloo workers, against a real ``mlflow server``."""
+    from tests.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path / "server") as uri:
+        cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=2, workers=2, concurrent=2)
+        out = _run_cli(["sweep", str(cfg)], cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+        assert "mlflow ui" not in out.stdout and uri in out.stdout  # the server to browse
+        assert "[synthetic/contrastive] done in" in out.stdout
+        _check_run_tree(uri, "e2e-experiment", losses=["contrastive"], trials=2, workers=2,
+                        storage=tmp_path / "runs", name="e2e")
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end_against_mlflow_server_postgresql(tmp_path):
+    """The same tree through an ``mlflow server`` on a fresh PostgreSQL database (skipped without PostgreSQL)."""
+    from tests.mlflow_server import PostgresUnavailable, mlflow_server, postgres_database
+
+    try:
+        db = postgres_database()
+        pg_uri = db.__enter__()
+    except PostgresUnavailable as e:
+        pytest.skip(f"PostgreSQL not reachable: {e}")
+    try:
+        with mlflow_server(tmp_path / "server", backend_uri=pg_uri) as uri:
+            cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=1, workers=1, concurrent=2,
+                                name="e2epg")
+            out = _run_cli(["sweep", str(cfg)], cwd=tmp_path)
+            assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+            _check_run_tree(uri, "e2epg-experiment", losses=["contrastive"], trials=1, workers=1,
+                            storage=tmp_path / "runs", name="e2epg")
+    finally:
+        db.__exit__(None, None, None)
