@@ -10,7 +10,7 @@ For each study (MLRC §2, spec protocol_reality_check.md):
 2. **Best** — the trial with the highest *observed* mean (MLRC §2.2: a SQL max over raw values, not the GP's
    prediction); ties go to the earlier trial.
 3. **Reproductions** — a second ``Tuner`` runs ``reproductions`` retrainings of the best config (grid over the
-   reproduction index; each a full 4-fold trial with seed :func:`~pipelines.trial.reproduction_seed`), each tested
+   reproduction index; each a full 4-fold trial with seed ``pipelines.trial.reproduction_seed(seed, i)``), each tested
    on the test classes, separated and concatenated (MLRC §2.3).
 4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.stats.confidence_interval``), written to the
    study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints).
@@ -42,7 +42,7 @@ from typing import Any
 
 from pipelines.config import ConfigError, SweepConfig
 from pipelines.preflight import StudyPlan, preflight, study_dirname
-from pipelines.trial import OBJECTIVE, PARAMS, REPRODUCTION, StudyContext, reproduction_seed, run_trial
+from pipelines.trial import OBJECTIVE, PARAMS, REPRODUCTION, StudyContext, run_trial
 
 __all__ = ["run_sweep", "StudySummary", "SweepOutcome", "ci_table", "RAY_ENV", "CI_MODES"]
 
@@ -336,7 +336,7 @@ class _Sweep:
             fixed_params=plan.fixed, train=train, image_size=plan.dataset.spec.image_size,
             workers_per_fold=cfg.resources.workers_per_fold, use_gpu=cfg.resources.use_gpu,
             cpus_per_worker=cfg.resources.cpus_per_worker, base_seed=cfg.protocol.seed,
-            gpus_per_worker=cfg.resources.gpus_per_worker,
+            gpus_per_worker=cfg.resources.gpus_per_worker, fold_retries=cfg.resources.fold_retries,
         )
 
     def _open_study_run(self, plan: StudyPlan) -> str:
@@ -543,6 +543,8 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {uri} already has runs of a sweep "
                                   f"named {cfg.name!r}; pass --resume to continue it, or choose another name")
     if not (local / _CONFIG_FILE).exists():
+        if resume:
+            print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
         (local / _CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     started = start_ray(cfg, address)
     _warn_multi_node(cfg, uri, out)

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
@@ -196,12 +196,3 @@ def _json_default(o: Any) -> Any:
     if hasattr(o, "item"):
         return o.item()
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-def metric_items(prefix: str, values: dict[str, float]) -> dict[str, float]:
-    """``{"map_at_r": x}`` → ``{"<prefix>.map_at_r": x}``."""
-    return {f"{prefix}.{k}": v for k, v in values.items()}
-
-
-def iter_finite(values: Iterable[float]) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(float(v))]

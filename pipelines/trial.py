@@ -32,6 +32,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -77,11 +78,11 @@ class StudyContext:
     cpus_per_worker: float
     base_seed: int
     gpus_per_worker: float = 1.0
-    max_failures: int = 0
+    fold_retries: int = 1  # Ray Train FailureConfig(max_failures): restarts of a fold whose worker died
 
 
 def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fold_run_id: str,
-                 reproduction: bool, manifest) -> dict[str, Any]:
+                 reproduction: bool, manifest, parent_run_id: str) -> dict[str, Any]:
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
     train = dict(ctx.train, seed=seed + fold.index)
@@ -103,10 +104,16 @@ def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fo
         "tracking_uri": ctx.tracking_uri,
         "experiment_id": ctx.experiment_id,
         "fold_run_id": fold_run_id,
+        "fold_run_tags": _fold_tags(ctx, fold.index),
+        "parent_run_id": parent_run_id,
         "evaluate_test": reproduction,
         "save_model": reproduction,
         "label": ctx.study,
     }
+
+
+def _fold_tags(ctx: StudyContext, index: int) -> dict[str, Any]:
+    return {"sweep": ctx.sweep, "study": ctx.study, "stage": "fold", "fold": index}
 
 
 def _run_fold(ctx: StudyContext, name: str, cfg: dict[str, Any]):
@@ -125,7 +132,7 @@ def _run_fold(ctx: StudyContext, name: str, cfg: dict[str, Any]):
         # (storage_path, name) must be stable across restarts (trial id, never a timestamp) so that a fold that
         # finished before a kill is restored rather than retrained (ray_mlflow_notes §5.4).
         run_config=ray.train.RunConfig(name=name, storage_path=ctx.fold_storage,
-                                       failure_config=ray.train.FailureConfig(max_failures=ctx.max_failures),
+                                       failure_config=ray.train.FailureConfig(max_failures=ctx.fold_retries),
                                        # Train logs every worker-group start and report at INFO; progress is ours.
                                        logging_config=ray.train.LoggingConfig(log_level="WARNING")),
     )
@@ -137,8 +144,6 @@ def _read_outcome(result) -> tuple[dict[str, Any], np.ndarray | None, np.ndarray
     if ckpt is None:
         raise RuntimeError(f"fold run {result.path} finished without a checkpoint")
     with ckpt.as_directory() as d:
-        from pathlib import Path
-
         d = Path(d)
         outcome = json.loads((d / OUTCOME_FILE).read_text())
         emb = np.load(d / TEST_EMBEDDINGS) if (d / TEST_EMBEDDINGS).exists() else None
@@ -200,7 +205,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     from ray import tune
 
     from dml_core.splits import FoldManifest
-    from pipelines.tracking import Tracker
+    from pipelines.tracking import PARENT, Tracker
 
     trial_id = tune.get_context().get_trial_id()
     rep = config.get(REPRODUCTION)
@@ -223,7 +228,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
 
     fold_runs = {}
     for fold in manifest.folds:
-        fid, _ = tracker.get_or_create({**base, "stage": "fold", "fold": fold.index}, parent=run_id,
+        fid, _ = tracker.get_or_create(_fold_tags(ctx, fold.index), parent=run_id,
                                        run_name=f"fold {fold.index}", reuse_unfinished=False)
         tracker.set_tags(fid, {"loss": ctx.loss, "dataset": ctx.dataset, "trial_id": trial_id})
         fold_runs[fold.index] = fid
@@ -237,7 +242,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     fit_spans: dict[int, tuple[float, float]] = {}
 
     def one(fold):
-        cfg = _fold_config(ctx, fold, hparams, seed, fold_runs[fold.index], reproduction, manifest)
+        cfg = _fold_config(ctx, fold, hparams, seed, fold_runs[fold.index], reproduction, manifest, run_id)
         try:
             t_fit = time.time()
             r = _run_fold(ctx, f"{prefix}-fold{fold.index}", cfg)
@@ -250,6 +255,12 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
 
     with ThreadPoolExecutor(max_workers=len(manifest.folds), thread_name_prefix="fold") as pool:
         list(pool.map(one, manifest.folds))
+
+    # A fold restarted by Ray Train logs to a replacement run (see fold_worker): look the live ones up again.
+    for fold in manifest.folds:
+        live = tracker.find({**_fold_tags(ctx, fold.index), PARENT: run_id})
+        if live:
+            fold_runs[fold.index] = live[-1].info.run_id
 
     if errors:
         k = min(errors)
