@@ -287,6 +287,9 @@ class ResourcesSpec:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 1.0  # with use_gpu; a fraction (e.g. 0.25) lets small folds share a GPU
+    #: restarts of a fold whose worker died (OOM kill, lost node): Ray Train FailureConfig(max_failures); the fold
+    #: restarts from scratch with the same seed.  A failure after the retries fails the trial (status=failed).
+    fold_retries: int = 1
     max_concurrent_trials: int = 1
     num_cpus: int | None = None
 
@@ -526,6 +529,7 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
         use_gpu=_get(r, "use_gpu", "resources", bool, False),
         cpus_per_worker=_float(r, "cpus_per_worker", "resources", 1.0, lo=0.0, open_lo=True),
         gpus_per_worker=_float(r, "gpus_per_worker", "resources", 1.0, lo=0.0, open_lo=True),
+        fold_retries=_int(r, "fold_retries", "resources", 1, lo=0),
         max_concurrent_trials=_int(r, "max_concurrent_trials", "resources", 1, lo=1),
         num_cpus=_int(r, "num_cpus", "resources", None, lo=1),
     )

@@ -90,10 +90,17 @@ def fold_worker(cfg: dict[str, Any]) -> None:
     config = TrainConfig(**cfg["train"], device=device)
 
     tracker = None
+    fold_run_id = cfg["fold_run_id"]
     if rank == 0:
         from pipelines.tracking import Tracker
 
         tracker = Tracker.from_uri(cfg["tracking_uri"], cfg["experiment_id"])
+        if tracker.run(fold_run_id).data.metrics:
+            # Ray Train restarted this worker group (a worker died, e.g. an OOM kill; FailureConfig(max_failures)):
+            # the fold starts from scratch, so it gets a fresh run and the half-logged one is soft-deleted.
+            fold_run_id, _ = tracker.get_or_create(cfg["fold_run_tags"], parent=cfg["parent_run_id"],
+                                                   run_name=f"fold {cfg['fold']['index']}", reuse_unfinished=False)
+            tracker.set_tags(fold_run_id, {"restarted": "true"})
     label = cfg["label"]
 
     def on_eval(record: dict[str, Any]) -> None:  # rank 0 only (train_fold's contract)
@@ -102,7 +109,7 @@ def fold_worker(cfg: dict[str, Any]) -> None:
             metrics["train.loss"] = record["train_loss"]
         metrics["epoch"] = record["epoch"]
         try:
-            tracker.log_metrics(cfg["fold_run_id"], metrics, step=record["iteration"])
+            tracker.log_metrics(fold_run_id, metrics, step=record["iteration"])
         except Exception as e:  # noqa: BLE001 - tracking trouble must not kill a training run
             print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
         m = record["metrics"]
