@@ -25,6 +25,7 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from dml_core.stats import paired_t_test
+from pipelines.tracking import search_all
 
 __all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons"]
 
@@ -52,16 +53,6 @@ class Study:
         return get(f"{key}.mean", math.nan), get(f"{key}.ci_low", math.nan), get(f"{key}.ci_high", math.nan)
 
 
-def _search(client: MlflowClient, exp_id: str, flt: str) -> list:
-    runs, token = [], None
-    while True:
-        page = client.search_runs([exp_id], filter_string=flt, max_results=1000, page_token=token)
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
-
-
 def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
     """Every finished study of ``experiment`` (newest first wins if a (dataset, loss) repeats)."""
     exp = client.get_experiment_by_name(experiment)
@@ -69,14 +60,14 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
         known = sorted(e.name for e in client.search_experiments())
         raise ValueError(f"--experiment: no MLflow experiment named {experiment!r} (have: {', '.join(known) or 'none'})")
     studies: dict[tuple[str, str], Study] = {}
-    for run in sorted(_search(client, exp.experiment_id, "tags.stage = 'study'"), key=lambda r: -r.info.start_time):
+    for run in sorted(search_all(client, exp.experiment_id, "tags.stage = 'study'"), key=lambda r: -r.info.start_time):
         tags = run.data.tags
         key = (tags.get("dataset", "?"), tags.get("loss", "?"))
         if key in studies or not any(k.startswith("test.") for k in run.data.metrics):
             continue
         studies[key] = Study(run.info.run_id, key[0], key[1], dict(run.data.metrics))
     by_id = {s.run_id: s for s in studies.values()}
-    for run in _search(client, exp.experiment_id, "tags.stage = 'reproduction'"):
+    for run in search_all(client, exp.experiment_id, "tags.stage = 'reproduction'"):
         study = by_id.get(run.data.tags.get("mlflow.parentRunId", ""))
         if study is None or "reproduction" not in run.data.tags:
             continue
