@@ -129,7 +129,16 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
         # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
-        ray.init(num_cpus=cfg.resources.num_cpus or _default_num_cpus(cfg), **kwargs)
+        for attempt in range(3):
+            try:
+                ray.init(num_cpus=cfg.resources.num_cpus or _default_num_cpus(cfg), **kwargs)
+                break
+            except Exception as e:  # noqa: BLE001 - only Ray's start-up timeout is retried
+                # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.
+                if "timed out during startup" not in str(e) or attempt == 2:
+                    raise
+                ray.shutdown()
+                time.sleep(5)
     for name in ("ray.tune", "ray.train", "ray.air", "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
     return True
