@@ -417,6 +417,20 @@ def _parse_loss(d: Any, where: str, space_dir: Path) -> LossSpec:
     return LossSpec(name, params, space)
 
 
+def _named_list(doc: dict[str, Any], key: str, noun: str, parse) -> tuple:
+    """A non-empty list of specs with distinct ``name``s; errors name the entry (``losses[2].name``)."""
+    raw = _get(doc, key, "", list)
+    if not raw:
+        raise ConfigError(key, f"needs at least one {noun}")
+    items = tuple(parse(x, f"{key}[{i}]") for i, x in enumerate(raw))
+    seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        if item.name in seen:
+            raise ConfigError(f"{key}[{i}].name", f"{item.name!r} already listed as {key}[{seen[item.name]}]")
+        seen[item.name] = i
+    return items
+
+
 def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
     """Validate a config mapping (already YAML-parsed) and return the typed :class:`SweepConfig`.
 
@@ -437,25 +451,8 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
     if tune_spaces is not None and not space_dir.is_dir():
         raise ConfigError("tune_spaces", f"directory {tune_spaces!r} does not exist")
 
-    raw_ds = _get(doc, "datasets", "", list)
-    if not raw_ds:
-        raise ConfigError("datasets", "needs at least one dataset")
-    datasets = tuple(_parse_dataset(x, f"datasets[{i}]", seed) for i, x in enumerate(raw_ds))
-    seen: dict[str, int] = {}
-    for i, ds in enumerate(datasets):
-        if ds.name in seen:
-            raise ConfigError(f"datasets[{i}].name", f"{ds.name!r} already used by datasets[{seen[ds.name]}]")
-        seen[ds.name] = i
-
-    raw_losses = _get(doc, "losses", "", list)
-    if not raw_losses:
-        raise ConfigError("losses", "needs at least one loss")
-    losses = tuple(_parse_loss(x, f"losses[{i}]", space_dir) for i, x in enumerate(raw_losses))
-    names: dict[str, int] = {}
-    for i, ls in enumerate(losses):
-        if ls.name in names:
-            raise ConfigError(f"losses[{i}].name", f"{ls.name!r} already listed as losses[{names[ls.name]}]")
-        names[ls.name] = i
+    datasets = _named_list(doc, "datasets", "dataset", lambda x, where: _parse_dataset(x, where, seed))
+    losses = _named_list(doc, "losses", "loss", lambda x, where: _parse_loss(x, where, space_dir))
 
     m = _mapping(doc.get("model"), "model")
     _no_unknown(m, {"trunk", "pooling", "layer_norm", "embedding_dim", "pretrained", "freeze_bn"}, "model")
