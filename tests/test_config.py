@@ -350,3 +350,18 @@ def test_loss_weight_decay_follows_the_loss_unless_configured():
 
     assert wd({}) == 0.0  # MLRC ran Margin's beta without weight decay (loss_info metadata)
     assert wd({"loss_weight_decay": 1e-3}) == 1e-3  # an explicit protocol.train value wins
+
+
+@pytest.mark.parametrize("key", ["datasets", "losses"])
+def test_lists_must_be_non_empty_with_distinct_names(key):
+    doc = copy.deepcopy(DEMO)
+    doc[key] = []
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc)
+    assert info.value.field == key
+    doc = copy.deepcopy(DEMO)
+    doc[key] = doc[key] + [copy.deepcopy(doc[key][0])]
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc)
+    n = len(doc[key]) - 1
+    assert info.value.field == f"{key}[{n}].name" and f"already listed as {key}[0]" in str(info.value)
