@@ -17,19 +17,12 @@ from dml_core.losses.registry import (  # noqa: F401
     register_wrapper,
 )
 
-# Loss modules (each registers itself on import).  Keep this list in sync with docs/losses.md.
-import importlib as _importlib
-
-for _mod in (
-    "baselines",  # reality-check baselines wrapping pytorch-metric-learning
-    "rsw",
-    "multi_proxy_anchor",
-    "group_loss",
-    "sec",
-    "proxynca",
-):
-    try:
-        _importlib.import_module(f"dml_core.losses.{_mod}")
-    except ModuleNotFoundError as _e:  # a module not written yet; remove once all exist
-        if _e.name != f"dml_core.losses.{_mod}":
-            raise
+# Loss modules: importing each registers its losses.  Keep this list in sync with docs/losses.md.
+from dml_core.losses import (  # noqa: E402, F401
+    baselines,  # reality-check baselines wrapping pytorch-metric-learning
+    group_loss,
+    multi_proxy_anchor,
+    proxynca,
+    rsw,
+    sec,
+)
