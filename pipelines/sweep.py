@@ -98,6 +98,42 @@ class SweepOutcome:
 # ------------------------------------------------------------------------------------------------------ set-up
 
 
+#: S3 settings the driver hands to its Ray workers.  Credentials are not among them: local workers inherit the
+#: driver's environment, and a remote cluster's nodes use their own (instance roles, pod secrets).
+S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "MLFLOW_S3_ENDPOINT_URL",
+          "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
+
+
+def s3_compat_env() -> None:
+    """With a non-AWS S3 endpoint, send request checksums only where the API requires them.
+
+    Recent AWS SDKs (the C++ one inside pyarrow, which Ray uses for its storage) default to streaming
+    checksum trailers on uploads; S3-compatible servers that predate them (SeaweedFS, older MinIO/Ceph)
+    reject those multipart uploads with a misleading auth error.  An explicit setting in the environment wins.
+    """
+    if os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3"):
+        os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+
+
+def check_storage_reachable(cfg: SweepConfig) -> None:
+    """Fail before Ray starts when ``storage: s3://bucket/...`` cannot be reached (names ``storage``)."""
+    if not cfg.storage_is_s3:
+        return
+    import boto3
+    import botocore.exceptions
+
+    from dml_core.storage import split_s3_uri
+
+    bucket, _ = split_s3_uri(cfg.storage)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+    try:
+        boto3.client("s3").head_bucket(Bucket=bucket)
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+        raise ConfigError("storage", f"S3 bucket {bucket!r} at {endpoint} is not reachable ({e}); set "
+                                     "AWS_ENDPOINT_URL and credentials for a non-AWS server") from None
+
+
 def _default_num_cpus(cfg: SweepConfig) -> int:
     r = cfg.resources
     need = r.max_concurrent_trials * cfg.protocol.folds * r.workers_per_fold * r.cpus_per_worker
@@ -108,6 +144,7 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
     """Start (or connect to) Ray; returns whether we started it (and so must shut it down)."""
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
+    s3_compat_env()
     import ray
 
     from pipelines.fold import worker_env
@@ -121,7 +158,8 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
         # Workers, Train controllers and their placement-group cleaners log at INFO/WARNING a lot (the cleaners
         # poll the State API, which needs the dashboard we do not start); our progress lines are prints.
         logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
-        runtime_env={"env_vars": {**worker_env(), **{k: os.environ[k] for k in RAY_ENV}}},
+        runtime_env={"env_vars": {**worker_env(), **{k: os.environ[k] for k in RAY_ENV},
+                                  **{k: os.environ[k] for k in S3_ENV if k in os.environ}}},
     )
     if address:
         ray.init(address=address, **kwargs)
@@ -145,9 +183,12 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
 
 
 def _artifact_location(cfg: SweepConfig) -> str | None:
-    """Artifacts next to a file/sqlite/postgres tracking DB; an HTTP server chooses its own (proxied) store."""
+    """Artifacts next to the sweep's storage (``<storage>/<name>/mlartifacts``, on S3 when it is ``s3://``) for a
+    file/sqlite/postgres tracking DB; an HTTP server chooses its own (proxied) store."""
     if cfg.tracking_uri().startswith(("http://", "https://")):
         return None
+    if cfg.storage_is_s3:
+        return cfg.storage.rstrip("/") + "/" + cfg.name + "/mlartifacts"
     return (cfg.local_dir() / "mlartifacts").as_uri()
 
 
@@ -541,6 +582,8 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     plans = preflight(cfg)
     uri = cfg.tracking_uri()
     check_tracking_reachable(uri)
+    s3_compat_env()
+    check_storage_reachable(cfg)
 
     local = cfg.local_dir()
     local.mkdir(parents=True, exist_ok=True)

@@ -148,7 +148,16 @@ def _read_outcome(result) -> tuple[dict[str, Any], np.ndarray | None, np.ndarray
         outcome = json.loads((d / OUTCOME_FILE).read_text())
         emb = np.load(d / TEST_EMBEDDINGS) if (d / TEST_EMBEDDINGS).exists() else None
         labels = np.load(d / TEST_LABELS) if (d / TEST_LABELS).exists() else None
-    return outcome, emb, labels, ckpt.path
+    return outcome, emb, labels, checkpoint_uri(ckpt)
+
+
+def checkpoint_uri(ckpt) -> str:
+    """Where a Ray Train checkpoint lives, in a form ``ray.train.Checkpoint(uri)`` opens again anywhere:
+    ``s3://bucket/key`` on S3 storage (``Checkpoint.path`` alone drops the scheme), else the local path."""
+    fs = ckpt.filesystem
+    if fs is not None and "s3" in fs.type_name:
+        return "s3://" + ckpt.path.lstrip("/")
+    return ckpt.path
 
 
 def concatenated_embeddings(parts: list[np.ndarray]) -> np.ndarray:

@@ -155,14 +155,18 @@ def _sweep_config(tmp_path: Path, tracking_uri: str, *, losses, trials, workers,
     return path
 
 
-def _run_cli(args: list[str], cwd: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+def _run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | None = None
+             ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update(extra_env or {})
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
 def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int, workers: int,
-                    storage: Path, name: str) -> None:
+                    storage: Path, name: str, tune_result=None) -> None:
+    """``tune_result(study, trial_id)`` reads what Tune stored for a trial (default: from local ``storage``)."""
+    tune_result = tune_result or (lambda study, trial_id: _tune_result(storage, name, study, trial_id))
     import torch
     from mlflow.tracking import MlflowClient
     from scipy import stats
@@ -236,7 +240,7 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
             assert max(starts) < min(ends), (starts, ends)
             best_seen = max(best_seen, tr.data.metrics["val.map_at_r.mean"])
             # the Tune result (what the Bayesian optimiser saw) is the same fold mean
-            result = _tune_result(storage, name, tags["study"], tr.data.tags["trial_id"])
+            result = tune_result(tags["study"], tr.data.tags["trial_id"])
             assert result[OBJECTIVE] == pytest.approx(tr.data.metrics["val.map_at_r.mean"], abs=1e-12)
         assert m["best.val.map_at_r.mean"] == pytest.approx(best_seen)
         assert study.data.params  # best.<hyperparameter>
@@ -312,3 +316,81 @@ def test_sweep_end_to_end_against_mlflow_server_postgresql(tmp_path):
                             storage=tmp_path / "runs", name="e2epg")
     finally:
         db.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch):
+    """``storage: s3://…`` on a real S3 server (SeaweedFS): Ray Tune/Train persist there and MLflow's artifacts go there
+    too (tracking DB local sqlite); nothing Ray writes lands on the local disk, and the run tree is complete."""
+    import boto3
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.preflight import study_dirname
+    from s3_server import s3_server
+
+    with s3_server(tmp_path) as (endpoint, access_key, secret_key):
+        s3_env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": access_key,
+                  "AWS_SECRET_ACCESS_KEY": secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+        for k, v in s3_env.items():  # this process reads the artifacts back through MLflow's S3 client
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="sweeps")
+        uri = "sqlite:///" + str(tmp_path / "tracking" / "mlflow.db")
+        (tmp_path / "tracking").mkdir()
+        cfg_path = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=1, workers=1, concurrent=1,
+                                 name="s3sweep")
+        doc = yaml.safe_load(cfg_path.read_text())
+        doc["storage"] = "s3://sweeps/team"
+        cfg_path.write_text(yaml.safe_dump(doc))
+
+        out = _run_cli(["sweep", str(cfg_path)], cwd=tmp_path, extra_env=s3_env)
+        assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+        assert "storage s3://sweeps/team/s3sweep/ray" in out.stdout
+
+        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="sweeps")
+                for o in page.get("Contents", [])]
+        ray_prefix = f"team/s3sweep/ray/{study_dirname('synthetic/contrastive')}/"
+        assert any(k.startswith(ray_prefix + "search/") and k.endswith("/result.json") for k in keys), keys[:50]
+        fold_outcomes = [k for k in keys if k.startswith(ray_prefix + "folds/") and k.endswith("/outcome.json")]
+        assert len(fold_outcomes) == 4 * (1 + 2), fold_outcomes  # (1 trial + 2 reproductions) × 4 folds
+        assert not (tmp_path / "runs" / "s3sweep" / "ray").exists()  # Ray wrote nothing locally
+
+        c = MlflowClient(uri)
+        study = c.search_runs([c.get_experiment_by_name("s3sweep-experiment").experiment_id],
+                              "tags.stage = 'study'")[0]
+        assert study.info.artifact_uri.startswith("s3://sweeps/team/s3sweep/mlartifacts/"), study.info.artifact_uri
+        art_prefix = study.info.artifact_uri[len("s3://sweeps/"):]
+        assert {f"{art_prefix}/models/fold_{k}.pt" for k in range(4)} | {f"{art_prefix}/folds.json"} <= set(keys)
+
+        def tune_result_on_s3(study_key: str, trial_id: str) -> dict:
+            prefix = ray_prefix.replace(study_dirname("synthetic/contrastive"), study_dirname(study_key)) + "search/"
+            [key] = [k for k in keys if k.startswith(prefix) and trial_id in k and k.endswith("/result.json")]
+            body = s3.get_object(Bucket="sweeps", Key=key)["Body"].read().decode()
+            return [json.loads(line) for line in body.splitlines() if line.strip()][-1]
+
+        # The whole tree (fold models and reports downloaded from S3 through MLflow) as in the local sweeps.
+        _check_run_tree(uri, "s3sweep-experiment", losses=["contrastive"], trials=1, workers=1,
+                        storage=tmp_path / "runs", name="s3sweep", tune_result=tune_result_on_s3)
+
+
+def test_unreachable_s3_storage_is_one_error_naming_storage_before_ray_starts(tmp_path, monkeypatch, capsys):
+    """A bucket nobody serves fails the sweep at once, naming ``storage``, before Ray or MLflow start."""
+    from tests.mlflow_server import free_port
+
+    from pipelines.cli import main
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.chdir(tmp_path)
+    cfg_path = _sweep_config(tmp_path, "sqlite:///" + str(tmp_path / "m.db"), losses=["contrastive"], trials=1,
+                             workers=1, concurrent=1, name="nos3")
+    doc = yaml.safe_load(cfg_path.read_text())
+    doc["storage"] = "s3://missing-bucket/x"
+    cfg_path.write_text(yaml.safe_dump(doc))
+    rc = main(["sweep", str(cfg_path)])
+    err = capsys.readouterr().err
+    assert rc != 0 and "storage" in err and "missing-bucket" in err, err
+    assert not (tmp_path / "m.db").exists()  # MLflow was not touched
