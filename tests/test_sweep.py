@@ -333,7 +333,9 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
                   "AWS_SECRET_ACCESS_KEY": secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
         for k, v in s3_env.items():  # this process reads the artifacts back through MLflow's S3 client
             monkeypatch.setenv(k, v)
-        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        # The sweep must choose S3-compatible checksums itself (s3_compat_env): the test does not set them.
+        for k in ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION"):
+            monkeypatch.delenv(k, raising=False)
         s3 = boto3.client("s3")
         s3.create_bucket(Bucket="sweeps")
         uri = "sqlite:///" + str(tmp_path / "tracking" / "mlflow.db")
@@ -374,6 +376,22 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
                         storage=tmp_path / "runs", name="s3sweep", tune_result=tune_result_on_s3)
 
 
+def test_s3_compat_env_only_for_a_custom_endpoint_and_never_over_the_users_choice(monkeypatch):
+    from pipelines.sweep import s3_compat_env
+
+    keys = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REQUEST_CHECKSUM_CALCULATION",
+            "AWS_RESPONSE_CHECKSUM_VALIDATION")
+    for k in keys:
+        monkeypatch.delenv(k, raising=False)
+    s3_compat_env()  # AWS itself: the SDK defaults stay
+    assert "AWS_REQUEST_CHECKSUM_CALCULATION" not in os.environ
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_supported")
+    s3_compat_env()
+    assert os.environ["AWS_REQUEST_CHECKSUM_CALCULATION"] == "when_required"
+    assert os.environ["AWS_RESPONSE_CHECKSUM_VALIDATION"] == "when_supported"
+
+
 def test_unreachable_s3_storage_is_one_error_naming_storage_before_ray_starts(tmp_path, monkeypatch, capsys):
     """A bucket nobody serves fails the sweep at once, naming ``storage``, before Ray or MLflow start."""
     from tests.mlflow_server import free_port
@@ -384,6 +402,8 @@ def test_unreachable_s3_storage_is_one_error_naming_storage_before_ray_starts(tm
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for k in ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION"):
+        monkeypatch.delenv(k, raising=False)  # the sweep sets them in this process; undone after the test
     monkeypatch.chdir(tmp_path)
     cfg_path = _sweep_config(tmp_path, "sqlite:///" + str(tmp_path / "m.db"), losses=["contrastive"], trials=1,
                              workers=1, concurrent=1, name="nos3")
