@@ -582,7 +582,6 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     plans = preflight(cfg)
     uri = cfg.tracking_uri()
     check_tracking_reachable(uri)
-    s3_compat_env()
     check_storage_reachable(cfg)
 
     local = cfg.local_dir()

@@ -403,7 +403,7 @@ def test_unreachable_s3_storage_is_one_error_naming_storage_before_ray_starts(tm
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     for k in ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION"):
-        monkeypatch.delenv(k, raising=False)  # the sweep sets them in this process; undone after the test
+        monkeypatch.delenv(k, raising=False)  # should the sweep get as far as setting them here, undone afterwards
     monkeypatch.chdir(tmp_path)
     cfg_path = _sweep_config(tmp_path, "sqlite:///" + str(tmp_path / "m.db"), losses=["contrastive"], trials=1,
                              workers=1, concurrent=1, name="nos3")
