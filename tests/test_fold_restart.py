@@ -1,0 +1,134 @@
+"""Fault tolerance inside a trial: SIGKILL a fold's Ray Train worker mid-training (what an OOM kill does).
+
+``resources.fold_retries`` is Ray Train's ``FailureConfig(max_failures)``: the fold's worker group is started again
+and the fold trains from scratch.  Checked afterwards: the sweep still finishes (exit 0, study done, CIs logged);
+a fold killed after it had logged evaluations continues in a fresh MLflow run tagged ``restarted=true`` and the
+half-logged run is soft-deleted (so no fold's history mixes two attempts); every trial and reproduction keeps
+exactly four live fold runs, all FINISHED with their summary; and the trial's objective is the mean of the folds'
+best val MAP@R as logged, the replacement run included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_resume import _alive, _descendants
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _train_workers(root: int) -> list[int]:
+    """Ray Train worker processes below ``root`` (Ray sets their process title to ``ray::RayTrainWorker...``)."""
+    return [p for p in _descendants(root) if "RayTrainWorker" in _cmdline(p) and _alive(p)]
+
+
+@pytest.mark.slow
+def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path):
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to find the sweep's Ray Train worker processes")
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.tracking import search_all
+
+    doc = {
+        "name": "restart",
+        "seed": 3,
+        "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
+        "losses": ["contrastive"],
+        "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
+        # Long enough epochs (and no early stop) that a fold is still training a while after its first evaluation.
+        "protocol": {"trials": 1, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 12,
+                     "eval_every": 1, "patience": 50, "max_epochs": 6,
+                     "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
+        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1},
+        "storage": str(tmp_path / "runs"),
+    }
+    cfg = tmp_path / "restart.yaml"
+    cfg.write_text(yaml.safe_dump(doc))
+    db = tmp_path / "runs" / "restart" / "mlflow.db"
+    uri = f"sqlite:///{db}"
+
+    log_path = tmp_path / "sweep.log"
+    log = open(log_path, "wb")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        # Wait until some fold of the search trial has logged two evaluations and is still running, then kill every
+        # Ray Train worker alive at that moment (each one's fold restarts; at least that fold had logged metrics).
+        deadline = time.time() + 900
+        killed: list[int] = []
+        while not killed:
+            assert proc.poll() is None, "sweep ended before a fold could be killed:\n" + log_path.read_text()[-4000:]
+            assert time.time() < deadline, "no fold logged evaluations in time:\n" + log_path.read_text()[-4000:]
+            time.sleep(1)
+            if not db.exists():
+                continue
+            try:
+                c = MlflowClient(uri)
+                exp = c.get_experiment_by_name("restart")
+                runs = search_all(c, exp.experiment_id, "tags.stage = 'fold'") if exp else []
+                busy = [r for r in runs if r.info.status == "RUNNING"
+                        and len(c.get_metric_history(r.info.run_id, "val.map_at_r")) >= 2]
+            except Exception:  # noqa: BLE001 - the DB may be mid-creation
+                continue
+            if busy:
+                for pid in _train_workers(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+        rc = proc.wait(timeout=1500)
+    finally:
+        if proc.poll() is None:
+            family = _descendants(proc.pid)
+            proc.kill()
+            for p in family:
+                if _alive(p):
+                    os.kill(p, signal.SIGKILL)
+        log.close()
+    text = log_path.read_text()
+    assert rc == 0, text[-6000:]
+
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name("restart")
+    runs = search_all(c, exp.experiment_id, "")
+    stage = lambda s: [r for r in runs if r.data.tags.get("stage") == s]  # noqa: E731
+    assert len(stage("study")) == 1 and stage("study")[0].data.tags["done"] == "true"
+    assert "test.concat.map_at_r.mean" in stage("study")[0].data.metrics
+    assert all(r.info.status == "FINISHED" for r in runs), [(r.data.tags, r.info.status) for r in runs]
+
+    parents = stage("trial") + stage("reproduction")
+    assert len(parents) == 3
+    restarted = [r for r in stage("fold") if r.data.tags.get("restarted") == "true"]
+    assert restarted, f"no fold run was restarted after killing {len(killed)} worker(s):\n{text[-4000:]}"
+    deleted = [r for r in c.search_runs([exp.experiment_id], "tags.stage = 'fold'", run_view_type=ViewType.DELETED_ONLY)]
+    for new in restarted:
+        # the attempt that was killed: same fold and parent, soft-deleted, holding the evaluations logged before the kill
+        old = [r for r in deleted if r.data.tags["fold"] == new.data.tags["fold"]
+               and r.data.tags["mlflow.parentRunId"] == new.data.tags["mlflow.parentRunId"]]
+        assert len(old) == 1, [r.data.tags for r in deleted]
+        assert old[0].data.metrics.get("val.map_at_r") is not None
+        assert "best_epoch" not in old[0].data.metrics  # it never finished
+        # the replacement holds one whole attempt: evaluations at epochs 0..max_epochs, each logged once
+        steps = [m.step for m in c.get_metric_history(new.info.run_id, "val.map_at_r")]
+        assert steps == sorted(set(steps)) and len(steps) == doc["protocol"]["max_epochs"] + 1, steps
+        assert "best_epoch" in new.data.metrics and new.data.tags["status"] == "ok"
+
+    for parent in parents:
+        kids = [r for r in stage("fold") if r.data.tags["mlflow.parentRunId"] == parent.info.run_id]
+        assert sorted(int(r.data.tags["fold"]) for r in kids) == [0, 1, 2, 3]
+        best = [r.data.metrics["best.val.map_at_r"] for r in kids]
+        assert parent.data.metrics["val.map_at_r.mean"] == pytest.approx(sum(best) / 4, abs=1e-9)
