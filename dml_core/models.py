@@ -29,6 +29,12 @@ Pooling (``pooling=``) over the trunk's last feature map
     ``avg+max``  the **sum** of the two (not a concatenation), as the Realigned-Softmax-Warping code does
                  (spec loss_realigned_softmax_warping "Max + average pooling"; also its ProxyNCA++ rerun).
                  ProxyNCA++ itself evaluates GAP, GMP and K-max only (its Eq. 7), never GMP+GAP.
+    ``gem``      generalised-mean pooling (mean_hw clamp(x, 1e-6)^p)^(1/p) with a fixed p = 3: the MPA paper's
+                 "cubic GeM" (MPA §4.2, spec loss_multi_proxy_anchor §3).  ``gem:P`` sets another fixed p ≥ 1
+                 (p = 1 is ``avg``; p → ∞ tends to ``max``).
+    ``kmax:K``   global K-max pooling, ProxyNCA++ Eq. 7 (from WELDON): per channel, the mean of its K largest
+                 activations over the H·W positions.  K = 1 is ``max``, K = H·W is ``avg``; K larger than the
+                 feature map is an error (the sweep's preflight checks it before training).
 
 LayerNorm (``layer_norm=True``)
     ``LayerNorm(d, elementwise_affine=False)`` on the pooled trunk feature, **before** the linear embedder —
@@ -50,6 +56,7 @@ Frozen BatchNorm (``freeze_bn=True``, the MLRC default)
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -58,10 +65,14 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["TRUNKS", "POOLINGS", "TinyCNN", "GlobalPooling", "EmbeddingModel", "build_model"]
+__all__ = ["TRUNKS", "POOLINGS", "TinyCNN", "GlobalPooling", "EmbeddingModel", "build_model", "parse_pooling"]
 
 TRUNKS = ("tiny", "resnet18", "resnet50", "googlenet")
-POOLINGS = ("avg", "max", "avg+max")
+#: Pooling names; ``gem`` and ``kmax`` take an argument after a colon (``gem:3``, ``kmax:4``).
+POOLINGS = ("avg", "max", "avg+max", "gem", "kmax")
+#: "cubic" GeM (MPA §4.2) and GeM's clamp floor (spec loss_multi_proxy_anchor §3).
+GEM_P = 3.0
+GEM_EPS = 1e-6
 
 _FEATURE_DIMS = {"tiny": 256, "resnet18": 512, "resnet50": 2048, "googlenet": 1024}
 # Children of the torchvision classifiers that come after the last feature map (or are auxiliary heads).
@@ -134,20 +145,64 @@ def _load_trunk_weights(trunk: nn.Module, path: Path, trunk_name: str) -> None:
         )
 
 
+def parse_pooling(spec: str) -> tuple[str, float | int | None]:
+    """``"avg"`` → ``("avg", None)``, ``"gem"`` → ``("gem", 3.0)``, ``"gem:2.5"`` → ``("gem", 2.5)``,
+    ``"kmax:4"`` → ``("kmax", 4)``; anything else is a ``ValueError`` saying what is accepted."""
+    accepted = "one of avg, max, avg+max, gem, gem:P (P >= 1), kmax:K (K >= 1)"
+    if not isinstance(spec, str):
+        raise ValueError(f"pooling must be {accepted}, got {spec!r}")
+    name, sep, arg = spec.partition(":")
+    if name not in POOLINGS or (sep and name not in ("gem", "kmax")):
+        raise ValueError(f"pooling must be {accepted}, got {spec!r}")
+    if name == "gem":
+        if not sep:
+            return name, GEM_P
+        try:
+            p = float(arg)
+        except ValueError:
+            p = float("nan")
+        if not (math.isfinite(p) and p >= 1):
+            raise ValueError(f"pooling {spec!r}: GeM's p must be a finite number >= 1, got {arg!r}")
+        return name, p
+    if name == "kmax":
+        if not sep or not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"pooling {spec!r}: K-max pooling needs a positive integer K, e.g. 'kmax:4'")
+        return name, int(arg)
+    return name, None
+
+
 class GlobalPooling(nn.Module):
-    """(B, C, H, W) → (B, C): ``avg``, ``max`` or ``avg+max`` (the sum of the two)."""
+    """(B, C, H, W) → (B, C): ``avg``, ``max``, ``avg+max`` (the sum of the two), ``gem[:P]`` or ``kmax:K``
+    (see the module docstring)."""
 
     def __init__(self, mode: str):
         super().__init__()
-        if mode not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {mode!r}")
         self.mode = mode
 
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, spec: str) -> None:
+        self.kind, self.arg = parse_pooling(spec)
+        self._mode = spec
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "avg":
+        if self.kind == "avg":
             return x.mean(dim=(2, 3))
-        if self.mode == "max":
+        if self.kind == "max":
             return x.amax(dim=(2, 3))
+        if self.kind == "gem":
+            # MPA §4.2 "cubic GeM": the clamp keeps the fractional power defined (trunk maps end in a ReLU).
+            return x.clamp(min=GEM_EPS).pow(self.arg).mean(dim=(2, 3)).pow(1.0 / self.arg)
+        if self.kind == "kmax":
+            positions = x.shape[2] * x.shape[3]
+            if self.arg > positions:
+                raise ValueError(f"pooling {self.mode!r}: K = {self.arg} exceeds the {x.shape[2]}×{x.shape[3]} = "
+                                 f"{positions} positions of the trunk's feature map")
+            # ProxyNCA++ Eq. 7: the mean of each channel's K largest activations.
+            return x.flatten(2).topk(self.arg, dim=2).values.mean(dim=2)
         return x.mean(dim=(2, 3)) + x.amax(dim=(2, 3))
 
     def extra_repr(self) -> str:

@@ -457,8 +457,13 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
     m = _mapping(doc.get("model"), "model")
     _no_unknown(m, {"trunk", "pooling", "layer_norm", "embedding_dim", "pretrained", "freeze_bn"}, "model")
     pooling = _get(m, "pooling", "model", str, None)
-    if pooling is not None and pooling not in ("avg", "max", "avg+max"):
-        raise ConfigError("model.pooling", f"{pooling!r} is not one of avg, max, avg+max")
+    if pooling is not None:
+        from dml_core.models import parse_pooling
+
+        try:
+            parse_pooling(pooling)
+        except ValueError as e:
+            raise ConfigError("model.pooling", str(e)) from None
     trunk = _get(m, "trunk", "model", str, "tiny")
     if trunk not in ("tiny", "resnet18", "resnet50", "googlenet"):
         raise ConfigError("model.trunk", f"unknown trunk {trunk!r} (known: tiny, resnet18, resnet50, googlenet)")

@@ -116,6 +116,23 @@ def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes
         raise ConfigError(field_name, f"loss {loss.name!r} rejects its parameters: {e}") from None
 
 
+def _check_model_fits(model_kwargs: dict, image_size: int, where: str) -> None:
+    """K-max pooling needs K ≤ H·W of the trunk's feature map, which depends on the trunk and the image size:
+    one forward pass of a blank batch here rather than an error in every fold's first evaluation."""
+    import torch
+
+    from dml_core.models import build_model
+
+    if not str(model_kwargs["pooling"]).startswith("kmax"):
+        return
+    model = build_model(**{**model_kwargs, "pretrained": None}).eval()
+    with torch.no_grad():
+        try:
+            model(torch.zeros(2, 3, image_size, image_size))
+        except ValueError as e:
+            raise ConfigError("model.pooling", f"{e} at {where}.image_size {image_size}") from None
+
+
 def preflight(cfg: SweepConfig) -> list[StudyPlan]:
     """Load datasets, cut folds, check batches and build every loss; one :class:`StudyPlan` per (dataset, loss)."""
     from dml_core.losses import MLRC_MODEL, loss_info
@@ -171,9 +188,10 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
         for j, ls in enumerate(cfg.losses):
             _check_loss_builds(cfg, ls, f"losses[{j}]", n_train)
             cpb, m = batches[ls.name]
+            model_kwargs = cfg.model.kwargs(loss_info(ls.name).model if cfg.protocol.recipe == "paper" else MLRC_MODEL)
+            _check_model_fits(model_kwargs, d.spec.image_size, f"datasets[{d.index}]")
             plans.append(StudyPlan(
-                dataset=d, loss=ls, loss_index=j, classes_per_batch=cpb, m=m,
-                model_kwargs=cfg.model.kwargs(loss_info(ls.name).model if cfg.protocol.recipe == "paper" else MLRC_MODEL),
+                dataset=d, loss=ls, loss_index=j, classes_per_batch=cpb, m=m, model_kwargs=model_kwargs,
                 searched=ls.searched(), fixed=ls.fixed(),
             ))
     return plans

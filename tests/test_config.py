@@ -118,6 +118,8 @@ def test_duplicate_loss_is_rejected():
         ({"resources.cpus_per_worker": 0}, "resources.cpus_per_worker"),
         ({"model.trunk": "vgg"}, "model.trunk"),
         ({"model.pooling": "mean"}, "model.pooling"),
+        ({"model.pooling": "kmax"}, "model.pooling"),
+        ({"model.pooling": "gem:0"}, "model.pooling"),
         ({"datasets.0": {"kind": "imagenet", "path": "x"}}, "datasets[0].kind"),
         ({"datasets.0": {"kind": "synthetic", "num_classes": 8}}, "datasets[0].per_class"),
         ({"datasets.0": {"kind": "omniglot"}}, "datasets[0].path"),
@@ -317,6 +319,18 @@ def test_a_new_sweep_never_reuses_mlflow_runs_of_an_old_one_with_the_same_name(t
     assert "ray" not in sys.modules or not __import__("ray").is_initialized()
 
 
+def test_kmax_pooling_larger_than_the_feature_map_fails_in_preflight():
+    """The tiny trunk maps 16-px images to 2×2 positions: K-max with K = 4 fits, K = 5 is one named error."""
+    from pipelines.preflight import preflight
+
+    plans = preflight(parse_config(_cfg(**{"model.pooling": "kmax:4"})))
+    assert {p.model_kwargs["pooling"] for p in plans} == {"kmax:4"}
+    with pytest.raises(ConfigError) as info:
+        preflight(parse_config(_cfg(**{"model.pooling": "kmax:5"})))
+    assert info.value.field == "model.pooling"
+    assert "K = 5 exceeds the 2×2 = 4 positions" in str(info.value) and "datasets[0].image_size 16" in str(info.value)
+
+
 def test_recipe_paper_gives_each_loss_its_papers_model_and_batch():
     from pipelines.preflight import batch_of, preflight
 
@@ -327,6 +341,10 @@ def test_recipe_paper_gives_each_loss_its_papers_model_and_batch():
     cfg = parse_config(doc)
     (pp,) = preflight(cfg)
     assert pp.model_kwargs["pooling"] == "max" and pp.model_kwargs["layer_norm"] is True  # ProxyNCA++ recipe
+    from dml_core.losses import loss_info
+
+    mpa = cfg.model.kwargs(loss_info("mpa").model)  # (its 45 × 4 batch needs more classes than the demo has)
+    assert mpa["pooling"] == "gem" and mpa["layer_norm"] is False  # MPA §4.2 cubic GeM
     assert batch_of(cfg, cfg.losses[0]) == (8, 4)
     doc["protocol"]["recipe"] = "nope"
     with pytest.raises(ConfigError) as info:

@@ -11,7 +11,7 @@ import torch
 import torchvision
 from torch import nn
 
-from dml_core.models import POOLINGS, TRUNKS, EmbeddingModel, build_model
+from dml_core.models import TRUNKS, EmbeddingModel, GlobalPooling, build_model
 
 torch.set_num_threads(1)
 
@@ -25,7 +25,7 @@ def _images(n=2, size=32, seed=0):
 
 
 @pytest.mark.parametrize("size", [16, 32, 64])
-@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("pooling", ["avg", "max", "avg+max", "gem", "gem:1.5", "kmax:1", "kmax:4"])
 def test_tiny_trunk_any_size_and_pooling(size, pooling):
     model = EmbeddingModel("tiny", pooling=pooling, embedding_dim=7)
     out = model(_images(3, size))
@@ -56,6 +56,39 @@ def test_pooling_is_avg_max_or_their_sum():
         torch.testing.assert_close(model.pooled_features(x), avg)
         model.pool.mode = "max"
         torch.testing.assert_close(model.pooled_features(x), mx)
+
+
+def test_gem_is_the_generalised_mean_with_cubic_default():
+    """MPA §4.2 "cubic GeM": (mean_hw clamp(x, 1e-6)^3)^(1/3); p = 1 is average pooling; large p tends to max."""
+    fmap = torch.rand(3, 5, 4, 4, generator=torch.Generator().manual_seed(1)) + 0.01
+    gem = GlobalPooling("gem")
+    assert gem.arg == 3.0
+    want = fmap.pow(3).mean(dim=(2, 3)).pow(1 / 3)
+    torch.testing.assert_close(gem(fmap), want)
+    torch.testing.assert_close(GlobalPooling("gem:1")(fmap), fmap.mean(dim=(2, 3)))
+    avg, mx = fmap.mean(dim=(2, 3)), fmap.amax(dim=(2, 3))
+    assert (avg <= gem(fmap) + 1e-6).all() and (gem(fmap) <= mx + 1e-6).all()
+    torch.testing.assert_close(GlobalPooling("gem:200")(fmap.double()), mx.double(), rtol=0.02, atol=0)
+    # negative activations are clamped to 1e-6 (the fractional power stays defined), and the gradient is finite
+    x = torch.full((1, 2, 2, 2), -1.0, requires_grad=True)
+    out = gem(x)
+    torch.testing.assert_close(out, torch.full((1, 2), 1e-6))
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_kmax_pooling_interpolates_between_max_and_avg():
+    """ProxyNCA++ Eq. 7: per channel the mean of the K largest activations; K = 1 is GMP, K = H·W is GAP, and the
+    output does not increase with K (spec loss_proxynca_pp, test idea 5)."""
+    g = torch.randn(2, 2048, 8, 8, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(GlobalPooling("kmax:1")(g), g.amax(dim=(2, 3)))
+    torch.testing.assert_close(GlobalPooling("kmax:64")(g), g.mean(dim=(2, 3)))
+    outs = [GlobalPooling(f"kmax:{k}")(g) for k in (1, 2, 4, 8, 16, 32, 64)]
+    assert all((a >= b - 1e-6).all() for a, b in zip(outs, outs[1:]))
+    k3 = torch.tensor([[[[1.0, 5.0], [3.0, 2.0]]]])
+    torch.testing.assert_close(GlobalPooling("kmax:3")(k3), torch.tensor([[(5.0 + 3.0 + 2.0) / 3]]))
+    with pytest.raises(ValueError, match=r"K = 65 exceeds the 8×8 = 64 positions"):
+        GlobalPooling("kmax:65")(g)
 
 
 def test_layer_norm_sits_between_pooling_and_linear_without_affine():
@@ -222,7 +255,12 @@ def test_pretrained_file_for_another_architecture_is_rejected(tmp_path):
     "kwargs, message",
     [
         ({"trunk": "bninception"}, "trunk must be one of"),
-        ({"trunk": "tiny", "pooling": "gem"}, "pooling must be one of"),
+        ({"trunk": "tiny", "pooling": "median"}, "pooling must be one of avg, max"),
+        ({"trunk": "tiny", "pooling": "max:2"}, "pooling must be one of"),
+        ({"trunk": "tiny", "pooling": "gem:0.5"}, "GeM's p must be a finite number >= 1"),
+        ({"trunk": "tiny", "pooling": "gem:x"}, "GeM's p must be"),
+        ({"trunk": "tiny", "pooling": "kmax"}, "needs a positive integer K"),
+        ({"trunk": "tiny", "pooling": "kmax:0"}, "needs a positive integer K"),
         ({"trunk": "tiny", "embedding_dim": 0}, "embedding_dim"),
         ({"trunk": "tiny", "layer_norm": "yes"}, "layer_norm must be a bool"),
         ({"trunk": "tiny", "dropout": 0.1}, r"unknown model field\(s\) \['dropout'\]"),

@@ -63,8 +63,8 @@ PROXY_ANCHOR_PAPER = "Kim, Kim, Cho & Kwak, Proxy Anchor Loss for Deep Metric Le
 
 #: MPA paper §4.2: batch 180 on CUB (random sampling; expressed as 45 classes × 4, see docs).
 MPA_BATCH = BatchSpec(classes_per_batch=45, m=4)
-#: MPA paper §4.2 uses cubic GeM pooling, which the model contract does not offer: "avg" (see docs).
-MPA_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
+#: MPA paper §4.2: cubic GeM pooling (p = 3, fixed), no LayerNorm.
+MPA_MODEL = ModelRecipe(pooling="gem", layer_norm=False)
 
 #: ε inside the regulariser's square root (SoftTriple's official code, spec §1.0.2).
 REGULARIZER_EPS = 1e-5

@@ -48,7 +48,7 @@ class BatchSpec:
 class ModelRecipe:
     """How the paper builds the embedding model around the trunk."""
 
-    pooling: str = "avg"  # "avg" | "max" | "avg+max"
+    pooling: str = "avg"  # a dml_core.models pooling: "avg" | "max" | "avg+max" | "gem[:P]" | "kmax:K"
     layer_norm: bool = False
 
 
