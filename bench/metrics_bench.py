@@ -15,6 +15,9 @@ N×N float32 matrix for comparison.
 
     python bench/metrics_bench.py                      # N = 10k, 100k
     python bench/metrics_bench.py --sizes 2000 20000   # quick
+    python bench/metrics_bench.py --sizes 1000000 --sides ours --no-nmi --repeats 1
+                                                       # 1M × 128: ours only (PML's class × N matrix would be
+                                                       # ~100 GB); kNN metrics only (k-means on 1M would take hours)
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def make_data(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     n_single = n // 100
     sizes = rng.integers(2, 19, size=(n - n_single) // 10 + 1)
+    while sizes.sum() < n - n_single:  # short draw: add classes rather than inflating the last one
+        sizes = np.concatenate([sizes, rng.integers(2, 19, size=(n - n_single - sizes.sum()) // 2 + 1)])
     sizes = sizes[: np.searchsorted(np.cumsum(sizes), n - n_single) + 1]
     sizes[-1] -= sizes.sum() - (n - n_single)
     sizes = sizes[sizes > 0]
@@ -70,7 +75,7 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def child(side: str, path: str, threads: int) -> None:
+def child(side: str, path: str, threads: int, nmi: bool) -> None:
     """One measurement in a fresh process; prints one JSON line."""
     import faiss
     import torch
@@ -100,12 +105,13 @@ def child(side: str, path: str, threads: int) -> None:
         M._kmeans_assignments = timed(M._kmeans_assignments, "kmeans")
         rss0, cpu0 = _rss_mb(), _cpu_s()
         t0 = time.perf_counter()
-        values = M.retrieval_metrics(x, labels)
+        values = M.retrieval_metrics(x, labels, nmi=nmi)
         seconds = time.perf_counter() - t0
     else:
         from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
-        calc = AccuracyCalculator(include=tuple(SHARED.values()), k="max_bin_count", device=torch.device("cpu"))
+        include = tuple(v for k, v in SHARED.items() if nmi or k != "nmi")
+        calc = AccuracyCalculator(include=include, k="max_bin_count", device=torch.device("cpu"))
         calc.knn_func = timed(calc.knn_func, "knn")
         calc.kmeans_func = timed(calc.kmeans_func, "kmeans")
         rss0, cpu0 = _rss_mb(), _cpu_s()
@@ -119,10 +125,10 @@ def child(side: str, path: str, threads: int) -> None:
                       "knn_s": spent["knn"], "kmeans_s": spent["kmeans"], "cpu_s": cpu_s}))
 
 
-def run_side(side: str, path: str, threads: int) -> dict:
+def run_side(side: str, path: str, threads: int, nmi: bool) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(
-        [sys.executable, __file__, "--child", side, path, str(threads)],
+        [sys.executable, __file__, "--child", side, path, str(threads), str(int(nmi))],
         capture_output=True, text=True, check=False, env=env,
     )
     if out.returncode != 0:
@@ -143,10 +149,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per side, alternating which side goes first")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="faiss/torch threads in both children (1 = least sensitive to other load)")
-    ap.add_argument("--child", nargs=3, metavar=("SIDE", "NPZ", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--sides", nargs="+", choices=("ours", "pml"), default=["ours", "pml"],
+                    help="which implementations to run (PML cannot run at 1M: its class × N matrix)")
+    ap.add_argument("--no-nmi", dest="nmi", action="store_false",
+                    help="kNN metrics only, on both sides (skips the k-means clustering for NMI)")
+    ap.add_argument("--child", nargs=4, metavar=("SIDE", "NPZ", "THREADS", "NMI"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]))
+        child(args.child[0], args.child[1], int(args.child[2]), bool(int(args.child[3])))
         return
 
     import faiss
@@ -158,43 +168,56 @@ def main() -> None:
               "ours peak MB", "PML peak MB", "N×N f32 MB", "max|Δ|")
     print(" | ".join(header))
     rows = []
+    shared = {k: pk for k, pk in SHARED.items() if args.nmi or k != "nmi"}
+    na = "—"
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.sizes:
             x, labels = make_data(n, args.dim, args.seed)
             path = str(Path(tmp) / f"data_{n}.npz")
             np.savez(path, x=x, labels=labels)
-            runs = {"ours": [], "pml": []}
+            del x
+            runs = {side: [] for side in args.sides}
             for rep in range(args.repeats):
-                for side in ("ours", "pml") if rep % 2 == 0 else ("pml", "ours"):
+                for side in args.sides if rep % 2 == 0 else args.sides[::-1]:
                     load = os.getloadavg()[0]
-                    runs[side].append(run_side(side, path, args.threads) | {"load": load})
-            ours, ref = _pick(runs["ours"]), _pick(runs["pml"])
-            diff = max(abs(o["values"][k] - p["values"][pk])
-                       for o, p in zip(runs["ours"], runs["pml"]) for k, pk in SHARED.items())
-            paired = sorted(o["seconds"] / p["seconds"] for o, p in zip(runs["ours"], runs["pml"]))
+                    runs[side].append(run_side(side, path, args.threads, args.nmi) | {"load": load})
+            best = {side: _pick(r) for side, r in runs.items()}
+            ours, ref = best.get("ours"), best.get("pml")
+            cpu = {side: min(r["cpu_s"] for r in rs) for side, rs in runs.items()}
+            peak = {side: max(r["peak_rss_mb"] for r in rs) for side, rs in runs.items()}
+            if ours and ref:
+                diff = f"{max(abs(o['values'][k] - p['values'][pk]) for o, p in zip(runs['ours'], runs['pml']) for k, pk in shared.items()):.1e}"
+                paired = sorted(o["seconds"] / p["seconds"] for o, p in zip(runs["ours"], runs["pml"]))
+                ratios = (f"{ours['seconds'] / ref['seconds']:.3f}", f"{paired[len(paired) // 2]:.3f}",
+                          f"{cpu['ours'] / cpu['pml']:.3f}")
+            else:
+                diff, ratios = na, (na, na, na)
             counts = np.bincount(labels)
-            row = (n, args.dim, len(counts), int(counts.max()), f"{ours['seconds']:.2f}", f"{ref['seconds']:.2f}",
-                   f"{ours['seconds'] / ref['seconds']:.3f}", f"{paired[len(paired) // 2]:.3f}",
-                   f"{min(r['cpu_s'] for r in runs['ours']):.1f}", f"{min(r['cpu_s'] for r in runs['pml']):.1f}",
-                   f"{min(r['cpu_s'] for r in runs['ours']) / min(r['cpu_s'] for r in runs['pml']):.3f}",
-                   f"{max(r['peak_rss_mb'] for r in runs['ours']):.0f}",
-                   f"{max(r['peak_rss_mb'] for r in runs['pml']):.0f}", f"{n * n * 4 / 2**20:.0f}", f"{diff:.1e}")
-            rows.append((row, runs, ours, ref))
+
+            def fmt(side, value, spec):
+                return format(value, spec) if side in best else na
+
+            row = (n, args.dim, len(counts), int(counts.max()),
+                   fmt("ours", ours and ours["seconds"], ".2f"), fmt("pml", ref and ref["seconds"], ".2f"),
+                   ratios[0], ratios[1], fmt("ours", cpu.get("ours"), ".1f"), fmt("pml", cpu.get("pml"), ".1f"),
+                   ratios[2], fmt("ours", peak.get("ours"), ".0f"), fmt("pml", peak.get("pml"), ".0f"),
+                   f"{n * n * 4 / 2**20:.0f}", diff)
+            rows.append((row, runs, best))
             print(" | ".join(str(v) for v in row), flush=True)
     print(f"loadavg_after={' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    for row, runs, ours, ref in rows:
-        print(f"\nN={row[0]}: RSS before the call (imports + data) ours {ours['rss_before_mb']:.0f} MB, "
-              f"PML {ref['rss_before_mb']:.0f} MB")
-        for name, side in (("ours", "ours"), ("PML", "pml")):
-            walls = ", ".join(f"{r['seconds']:.2f} (CPU {r['cpu_s']:.1f}, load {r['load']:.1f})" for r in runs[side])
-            print(f"  {name:4s} all runs [s]: {walls}")
-        for name, r in (("ours", ours), ("PML", ref)):
+    for row, runs, best in rows:
+        names = {"ours": "ours", "pml": "PML"}
+        print(f"\nN={row[0]}: RSS before the call (imports + data) "
+              + ", ".join(f"{names[s]} {b['rss_before_mb']:.0f} MB" for s, b in best.items()))
+        for side, rs in runs.items():
+            walls = ", ".join(f"{r['seconds']:.2f} (CPU {r['cpu_s']:.1f}, load {r['load']:.1f})" for r in rs)
+            print(f"  {names[side]:4s} all runs [s]: {walls}")
+        for side, r in best.items():
             rest = r["seconds"] - r["knn_s"] - r["kmeans_s"]
-            print(f"  {name:4s} fastest {r['seconds']:.2f} s = faiss kNN {r['knn_s']:.2f} + k-means (NMI) "
+            print(f"  {names[side]:4s} fastest {r['seconds']:.2f} s = faiss kNN {r['knn_s']:.2f} + k-means (NMI) "
                   f"{r['kmeans_s']:.2f} + rest {rest:.2f}; process CPU {r['cpu_s']:.1f} s")
-        print("  ours:", {k: round(v, 6) for k, v in ours["values"].items()})
-        print("  PML: ", {k: round(v, 6) for k, v in ref["values"].items()})
-
+        for side, r in best.items():
+            print(f"  {names[side] + ':':5s}", {k: round(v, 6) for k, v in r["values"].items()})
 
 if __name__ == "__main__":
     main()
