@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _finish(outcome) -> int:
-    from pipelines.sweep import ci_table
+    from pipelines.study_results import ci_table
 
     print()
     print(f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
