@@ -142,6 +142,8 @@ def test_bad_fields_are_named(changes, field):
         ({"tracking.uri": "http://host:99999"}, "tracking.uri"),
         ({"tracking.uri": "mlruns"}, "tracking.uri"),
         ({"tracking.uri": "sqlite://mlflow.db"}, "tracking.uri"),
+        ({"tracking.uri": "file:///abs/mlruns"}, "tracking.uri"),
+        ({"tracking.uri": "mysql+psycopg2://u@h/db"}, "tracking.uri"),
         ({"storage": "gs://bucket/x"}, "storage"),
         ({"storage": "s3://"}, "storage"),
         ({"storage": "s3://Bad_Bucket/x"}, "storage"),
@@ -155,7 +157,8 @@ def test_bad_uris_are_named(uri, field):
 
 def test_good_uris_pass():
     for uri in ("http://127.0.0.1:5000", "https://mlflow.example.org/", "sqlite:///runs/x.db",
-                "sqlite:////abs/x.db", "postgresql://u:p@db:5432/mlflow", "file:///abs/mlruns"):
+                "sqlite:////abs/x.db", "postgresql://u:p@db:5432/mlflow",
+                "postgresql+psycopg2://u@127.0.0.1:5432/mlflow", "http://user:pw@host:5000"):
         assert check_tracking_uri(uri) == uri
     assert check_uri("s3://bucket/prefix", "storage") == "s3://bucket/prefix"
     assert check_uri("runs", "storage") == "runs"
@@ -238,13 +241,25 @@ def test_batch_must_split_across_workers():
     assert info.value.field == "resources.workers_per_fold" and "8 × 4 = 32" in str(info.value)
 
 
-def test_bad_train_setting_is_named():
-    from pipelines.preflight import preflight
+@pytest.mark.parametrize("train, field", [
+    ({"optimizer": "lbfgs"}, "protocol.train.optimizer"),
+    ({"momentum": float("nan")}, "protocol.train.momentum"),
+    ({"trunk_lr": float("inf")}, "protocol.train.trunk_lr"),
+    ({"amp_dtype": "int8"}, "protocol.train.amp_dtype"),
+    ({"m": 0}, "protocol.train.m"),
+])
+def test_bad_train_setting_names_its_own_field(train, field):
+    assert _error(_cfg(**{"protocol.train": train})).field == field
 
-    cfg = parse_config(_cfg(**{"protocol.train": {"optimizer": "lbfgs"}}))
-    with pytest.raises(ConfigError) as info:
-        preflight(cfg)
-    assert info.value.field == "protocol.train.optimizer"
+
+def test_train_config_errors_left_to_preflight_name_their_own_field():
+    """What only dml_core.train.TrainConfig rejects is mapped by the field it names, not by a substring."""
+    from pipelines.preflight import _train_config_field
+
+    assert _train_config_field("TrainConfig.momentum must be a finite non-negative number, got nan") == \
+        "protocol.train.momentum"
+    assert _train_config_field("TrainConfig.iters_per_epoch must be a positive integer") == "protocol.iters_per_epoch"
+    assert _train_config_field("something else") == "protocol.train"
 
 
 def test_preflight_builds_one_plan_per_dataset_and_loss():
