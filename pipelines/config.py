@@ -509,6 +509,8 @@ class SweepDocument(_Strict):
 def sweep_json_schema() -> dict[str, Any]:
     """The JSON Schema of a sweep config (published as ``docs/sweep-config.schema.json``)."""
     schema = SweepDocument.model_json_schema()
+    # A loss may be a bare name (LossEntry's before-validator), which pydantic's schema cannot see.
+    schema["properties"]["losses"]["items"] = {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/LossEntry"}]}
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://github.com/dml-reality-check/dml-reality-check/docs/sweep-config.schema.json"
     return schema
