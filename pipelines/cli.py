@@ -12,7 +12,9 @@ Bad input exits with status 2 and one line ``config error: <field>: <problem>`` 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from pipelines.config import ConfigError
 
@@ -57,11 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_report_args(args) -> None:
     """What ``dmlrc report`` is given, checked before MLflow is asked (which would retry an unreachable server
     for minutes, or create an empty sqlite DB at a mistyped path)."""
-    from pipelines.config import check_tracking_uri
-    from pipelines.preflight import _check_dir_writable
-
-    import os
-    from pathlib import Path
+    from pipelines.config import check_tracking_uri, redact_uri
+    from pipelines.preflight import _check_dir_writable, health_url
 
     if not str(args.experiment).strip():
         raise ConfigError("--experiment", "must not be empty")
@@ -77,10 +76,8 @@ def _check_report_args(args) -> None:
             import urllib.error
             import urllib.request
 
-            from pipelines.config import redact_uri
-
             try:
-                with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as r:
+                with urllib.request.urlopen(health_url(uri), timeout=10) as r:
                     r.read()
             except (urllib.error.URLError, OSError, ValueError) as e:
                 raise ConfigError(where, f"MLflow server {redact_uri(uri)} is not reachable "

@@ -32,7 +32,6 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -712,7 +711,7 @@ def _to_config_error(e: ValidationError) -> ConfigError:
 # --------------------------------------------------------------------------------------------------- parsing
 
 
-def _loss_spec(entry: LossEntry, where: str, space_dir: Path) -> LossSpec:
+def _loss_spec(entry: LossEntry, where: str, space_dir: Path, custom_spaces: bool) -> LossSpec:
     """The registry decides what exists; imported here so that a config error never needs Ray or MLflow."""
     from dml_core.losses import list_losses, list_wrappers, loss_info
 
@@ -725,7 +724,9 @@ def _loss_spec(entry: LossEntry, where: str, space_dir: Path) -> LossSpec:
     try:
         space = load_space(name, space_dir)
     except SpaceError as e:
-        raise ConfigError(f"{where}.name", str(e)) from None
+        # A broken file in the user's own tune_spaces folder is that folder's fault; a missing space is the loss's.
+        blame = "tune_spaces" if custom_spaces and not str(e).startswith("no search space") else f"{where}.name"
+        raise ConfigError(blame, " ".join(str(e).split())) from None
     for k, v in entry.params.items():
         p = space.params.get(k)
         if k == LOSS_LR and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
@@ -768,7 +769,8 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
     if d.tune_spaces is not None and not space_dir.is_dir():
         raise ConfigError("tune_spaces", f"directory {_short(d.tune_spaces)} does not exist")
     datasets = tuple(_dataset_spec(x, f"datasets[{i}]", d.seed) for i, x in enumerate(d.datasets))
-    losses = tuple(_loss_spec(x, f"losses[{i}]", space_dir) for i, x in enumerate(d.losses))
+    losses = tuple(_loss_spec(x, f"losses[{i}]", space_dir, d.tune_spaces is not None)
+                   for i, x in enumerate(d.losses))
 
     protocol = d.protocol
     if protocol.seed is None:

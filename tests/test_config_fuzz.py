@@ -45,7 +45,8 @@ class Launched(Exception):
 @dataclass
 class Outcome:
     case: str
-    verdict: str  # ok | traceback | hang | passed validation | wrong field | not one line | wrote files | leaked password
+    #: ok | traceback | hang | passed validation | wrong field | not one line | wrote files | leaked password
+    verdict: str
     detail: str
     seconds: float
 
