@@ -511,7 +511,6 @@ def sweep_json_schema() -> dict[str, Any]:
     # A loss may be a bare name (LossEntry's before-validator), which pydantic's schema cannot see.
     schema["properties"]["losses"]["items"] = {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/LossEntry"}]}
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = "https://github.com/dml-reality-check/dml-reality-check/docs/sweep-config.schema.json"
     return schema
 
 
