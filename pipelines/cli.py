@@ -109,7 +109,9 @@ def _finish(outcome) -> int:
     print(ci_table(outcome.studies))
     print()
     print("Browse the runs (study → trial → fold, reproductions) with:")
-    print(f"  {outcome.mlflow_ui_command()}")
+    from pipelines.config import redact_uri
+
+    print(f"  {redact_uri(outcome.mlflow_ui_command())}")  # a tracking URI may hold a password
     return 0 if all(s.status == "ok" for s in outcome.studies) else 1
 
 
