@@ -5,13 +5,16 @@
     dmlrc data prepare|verify ...                          datasets as parquet shards (pipelines.data_cli)
     dmlrc report --experiment NAME ...                     one table over every study (pipelines.report)
 
-Bad input exits with status 2 and one line ``config error: <field>: <problem>`` — before Ray or MLflow start.
+Bad input exits with status 2 and one line ``config error: <field>: <problem>`` (``data error: <file>: ...`` for
+``dmlrc data``) — before Ray or MLflow start and before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from pipelines.config import ConfigError
 
@@ -48,7 +51,53 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_parser(sub)
     add_report_parser(sub)
+    report = sub.choices["report"]
+    report.set_defaults(func=_checked_report(report.get_default("func")))
     return parser
+
+
+def _check_report_args(args) -> None:
+    """What ``dmlrc report`` is given, checked before MLflow is asked (which would retry an unreachable server
+    for minutes, or create an empty sqlite DB at a mistyped path)."""
+    from pipelines.config import check_tracking_uri, redact_uri
+    from pipelines.preflight import _check_dir_writable, health_url
+
+    if not str(args.experiment).strip():
+        raise ConfigError("--experiment", "must not be empty")
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    where = "--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI"
+    if uri:
+        check_tracking_uri(uri, where)
+        if uri.startswith("sqlite:///"):
+            db = Path(uri[len("sqlite:///"):])
+            if not db.is_file():
+                raise ConfigError(where, f"no sqlite DB at {str(db)!r} (the report only reads)")
+        if uri.startswith(("http://", "https://")):
+            import urllib.error
+            import urllib.request
+
+            try:
+                with urllib.request.urlopen(health_url(uri), timeout=10) as r:
+                    r.read()
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                raise ConfigError(where, f"MLflow server {redact_uri(uri)} is not reachable "
+                                         f"({redact_uri(str(e))})") from None
+    _check_dir_writable(Path(args.out).resolve(), "--out", "report folder")
+
+
+def _checked_report(run):
+    def run_report(args) -> int:
+        _check_report_args(args)
+        try:
+            return run(args)
+        except ValueError as e:  # the report's own input errors start with the option they are about
+            text = " ".join(str(e).split())
+            if not text.startswith("--"):
+                raise
+            option, _, problem = text.partition(" ")
+            raise ConfigError(option.rstrip(":"), problem) from None
+
+    return run_report
 
 
 def _finish(outcome) -> int:
@@ -60,15 +109,19 @@ def _finish(outcome) -> int:
     print(ci_table(outcome.studies))
     print()
     print("Browse the runs (study → trial → fold, reproductions) with:")
-    print(f"  {outcome.mlflow_ui_command()}")
+    from pipelines.config import redact_uri
+
+    print(f"  {redact_uri(outcome.mlflow_ui_command())}")  # a tracking URI may hold a password
     return 0 if all(s.status == "ok" for s in outcome.studies) else 1
 
 
 def _run_sweep(args) -> int:
     from pipelines.config import load_config
+    from pipelines.preflight import check_local_gpus
     from pipelines.sweep import run_sweep
 
     cfg = load_config(args.config, name=args.name)
+    check_local_gpus(cfg, args.address)
     return _finish(run_sweep(cfg, resume=args.resume, address=args.address))
 
 
@@ -87,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print("config error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
