@@ -12,20 +12,23 @@ initialised, on the same unseen test classes — trained models must be clearly 
 
 from __future__ import annotations
 
+import copy
 import time
 from importlib import resources
 from typing import Any
 
 import yaml
 
-__all__ = ["DEMO_FILE", "demo_config", "untrained_test_metrics"]
+__all__ = ["DEMO", "DEMO_FILE", "demo_config", "untrained_test_metrics"]
 
 DEMO_FILE = "demo.yaml"
+#: The preset as written in ``pipelines/demo.yaml`` (sweep name ``demo``).
+DEMO: dict[str, Any] = yaml.safe_load(resources.files("pipelines").joinpath(DEMO_FILE).read_text(encoding="utf-8"))
 
 
 def demo_config(name: str | None = None, storage: str | None = None) -> dict[str, Any]:
     """The demo preset with a fresh, timestamped sweep name (so ``make demo`` can be run again and again)."""
-    cfg = yaml.safe_load(resources.files("pipelines").joinpath(DEMO_FILE).read_text(encoding="utf-8"))
+    cfg = copy.deepcopy(DEMO)
     cfg["name"] = name or time.strftime("demo-%Y%m%d-%H%M%S")
     if storage:
         cfg["storage"] = storage

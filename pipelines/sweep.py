@@ -246,7 +246,7 @@ class _Sweep:
             workers_per_fold=cfg.resources.workers_per_fold, use_gpu=cfg.resources.use_gpu,
             cpus_per_worker=cfg.resources.cpus_per_worker, base_seed=cfg.protocol.seed,
             gpus_per_worker=cfg.resources.gpus_per_worker, fold_retries=cfg.resources.fold_retries,
-            fold_executor=getattr(cfg.resources, "fold_executor", "auto"),
+            fold_executor=cfg.resources.fold_executor,
         )
 
     def _open_study_run(self, plan: StudyPlan) -> str:

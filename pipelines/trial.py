@@ -92,7 +92,8 @@ def fold_executor(ctx: StudyContext) -> str:
 
 
 def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fold_run_id: str,
-                 reproduction: bool, manifest, parent_run_id: str, extra_tags: dict[str, Any]) -> dict[str, Any]:
+                 reproduction: bool, manifest, parent_run_id: str, extra_tags: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
     train = dict(ctx.train, seed=seed + fold.index)
@@ -115,7 +116,7 @@ def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fo
         "experiment_id": ctx.experiment_id,
         "fold_run_id": fold_run_id,
         "fold_run_tags": _fold_tags(ctx, fold.index),
-        "fold_run_extra_tags": extra_tags,
+        "fold_run_extra_tags": extra_tags or {},
         "parent_run_id": parent_run_id,
         "evaluate_test": reproduction,
         "save_model": reproduction,
