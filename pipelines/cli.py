@@ -100,18 +100,24 @@ def _checked_report(run):
     return run_report
 
 
-def _finish(outcome) -> int:
-    from pipelines.study_results import ci_table
+def _finish(outcome, reference: str = "") -> int:
+    from pipelines.config import redact_uri
+    from pipelines.study_results import ci_table, params_table
 
     print()
     print(f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
           "mean ± half-width of the 95 % t-interval across reproductions:")
     print(ci_table(outcome.studies))
+    if reference:
+        print(reference)
     print()
-    print("Browse the runs (study → trial → fold, reproductions) with:")
-    from pipelines.config import redact_uri
-
+    print("Winning hyperparameters (best BO trial of each study):")
+    print(params_table(outcome.studies))
+    print()
+    print("Next: browse the runs (study → trial → fold, reproductions) with")
     print(f"  {redact_uri(outcome.mlflow_ui_command())}")  # a tracking URI may hold a password
+    print("and write one report over every study (markdown, CSV, HTML, paired comparisons) with")
+    print(f"  dmlrc report --experiment {outcome.experiment} --tracking-uri {redact_uri(outcome.tracking_uri)}")
     return 0 if all(s.status == "ok" for s in outcome.studies) else 1
 
 
@@ -131,7 +137,19 @@ def _run_demo(args) -> int:
     from pipelines.sweep import run_sweep
 
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
-    return _finish(run_sweep(cfg, address=args.address))
+    outcome = run_sweep(cfg, address=args.address)
+    return _finish(outcome, _untrained_reference(cfg))
+
+
+def _untrained_reference(cfg) -> str:
+    """The demo's floor: the same network with its initial weights on the same test classes."""
+    from pipelines.preflight import preflight
+    from pipelines.presets import untrained_test_metrics
+
+    plan = preflight(cfg)[0]
+    m = untrained_test_metrics(plan, cfg.protocol.seed)
+    return (f"untrained network (same architecture, initial weights) on the same test classes: "
+            f"P@1 {100 * m['precision_at_1']:.2f}  RP {100 * m['r_precision']:.2f}  MAP@R {100 * m['map_at_r']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:

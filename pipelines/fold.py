@@ -68,6 +68,13 @@ def _table(ref) -> Any:
     return _TABLE_CACHE[key]
 
 
+def _rss_peak_mb() -> float:
+    """This process's peak resident memory so far (Linux reports ``ru_maxrss`` in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def quiet_worker_logs() -> None:
     """Ray sets the root logger to INFO in workers (and Train logs every report under root); faiss's loader logs
     each CPU-feature probe.  Progress lines are our prints."""
@@ -157,6 +164,7 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         "world_size": world_size,
         "pid": os.getpid(),
         "node_id": node_id,
+        "rss_peak_mb": _rss_peak_mb(),
         "history": [
             {"epoch": r["epoch"], "iteration": r["iteration"], "train_loss": r.get("train_loss"),
              "metrics": _finite({k: v for k, v in r["metrics"].items() if k in METRIC_KEYS})}

@@ -13,7 +13,7 @@ from typing import Any
 
 from pipelines.trial import REPRODUCTION
 
-__all__ = ["StudySummary", "CI_MODES", "confidence_intervals", "ci_report", "ci_table", "fmt_ci"]
+__all__ = ["StudySummary", "CI_MODES", "confidence_intervals", "ci_report", "ci_table", "params_table", "fmt_ci"]
 
 CI_MODES = ("concat", "separated")
 
@@ -107,3 +107,19 @@ def ci_table(studies: list[StudySummary]) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
+
+
+def params_table(studies: list[StudySummary]) -> str:
+    """One line per study: the winning trial's hyperparameters (what the reproductions retrained)."""
+    lines = []
+    for s in studies:
+        params = ", ".join(f"{k}={_fmt_param(v)}" for k, v in sorted(s.best_params.items())) or "(nothing searched)"
+        lines.append(f"  {s.dataset}/{s.loss}: " + (params if s.best_trial else s.status))
+    return "\n".join(lines)
+
+
+def _fmt_param(v: Any) -> str:
+    try:
+        return f"{float(v):.4g}"
+    except (TypeError, ValueError):
+        return str(v)

@@ -383,7 +383,7 @@ def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpo
                     "time.fit_start": fit_span[0], "time.start": outcome["time_start"],
                     "time.train_start": outcome.get("time_train_start", outcome["time_start"]),
                     "time.end": outcome["time_end"], "time.fit_end": fit_span[1],
-                    "iterations": outcome["iterations"]})
+                    "iterations": outcome["iterations"], "process.rss_peak_mb": outcome.get("rss_peak_mb")})
     tracker.log_metrics(fold_run_id, summary)
     tracker.set_tags(fold_run_id, {"status": outcome["status"], "reason": outcome["reason"][:4000],
                                    "checkpoint": checkpoint, "world_size": outcome["world_size"],
