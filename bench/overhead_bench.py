@@ -66,7 +66,7 @@ class RssSampler:
                     continue
                 pid = int(proc.name)
                 # the title changes with the task it runs; a reused worker keeps the kind of its fold task
-                kind = cmd.split()[0][len("ray::"):].split(".")[0].split("(")[0] or "?"
+                kind = cmd.split()[0][len("ray::"):].split(".")[0].split("(")[0].split(":")[0] or "?"
                 if kind != "IDLE" or pid not in self.kind:
                     self.kind[pid] = kind
                 self.peak[pid] = max(self.peak.get(pid, 0.0), rss)

@@ -32,7 +32,7 @@ def _cmdline(pid: int) -> str:
 
 
 #: The process title Ray gives a process while it runs a fold, per executor.
-_FOLD_TITLE = {"warm": "ray::_warm_fold", "train": "RayTrainWorker"}
+_FOLD_TITLE = {"warm": "ray::fold:", "train": "RayTrainWorker"}
 
 
 def _fold_processes(root: int, executor: str) -> list[int]:
@@ -57,7 +57,7 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path, ex
         "losses": ["contrastive"],
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
         # Long enough epochs (and no early stop) that a fold is still training a while after its first evaluation.
-        "protocol": {"trials": 1, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 12,
+        "protocol": {"trials": 1, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 40,
                      "eval_every": 1, "patience": 50, "max_epochs": 6,
                      "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1,
