@@ -553,6 +553,19 @@ class _ShardSource:
             self._files[k] = f
         return f
 
+    def read_group(self, k: int, rg: int | None, columns: list[str]) -> pa.Table:
+        """Row group `rg` of shard k (all of it if None); a page that does not decode is a CorruptImageError
+        naming the shard (its sha256 matched, so the manifest was written for a damaged file)."""
+        f = self.parquet(k)
+        try:
+            if rg is None:
+                return f.read(columns=columns, use_threads=False)
+            return f.read_row_group(rg, columns=columns, use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            part = f"row group {rg}" if rg is not None else f"columns {columns}"
+            raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} {part}: unreadable "
+                                    f"({type(e).__name__}: {e})") from e
+
     def _check_layout(self, k: int, f: pq.ParquetFile) -> None:
         """The file's schema, rows and row-group sizes must be the manifest's: rows are located through the
         manifest's `row_groups`, so a reordered list would read other rows (of other classes)."""
@@ -587,8 +600,7 @@ class _ShardSource:
             self._lru.move_to_end(key)
             return hit
         # One thread: this runs inside a DataLoader worker, which is the unit of parallelism.
-        t = self.parquet(k).read_row_group(rg, columns=["image", "sha256", "relpath", self.id_column],
-                                           use_threads=False)
+        t = self.read_group(k, rg, ["image", "sha256", "relpath", self.id_column])
         # Keep Arrow arrays (no per-row Python objects); a row is converted only when it is asked for.
         value = (t.column("image").combine_chunks(), t.column("sha256").combine_chunks(),
                  t.column("relpath").combine_chunks(), t.column(self.id_column).to_numpy())
@@ -645,16 +657,18 @@ def _file_lock(path: Path):
 
 
 def _download_verified(storage, key: str, expected: str, cache: Path, *, rehash: bool = False) -> Path:
-    """Content-addressed cache: `<cache>/<sha256>.parquet` exists only after its hash was checked.
+    """Content-addressed cache: `<cache>/<sha256>.parquet` is written only after its hash was checked.
 
-    `rehash` (verify): hash a cached copy again; one that no longer matches is dropped and downloaded anew (the
-    cache was damaged, not the dataset: the download is hashed again)."""
+    A cached copy is trusted on reads while its stamp (see `_stamp_ok`) matches; a copy changed since, or any
+    copy under `rehash` (verify), is hashed again, and one that no longer matches is dropped and downloaded anew
+    (the cache was damaged, not the dataset: the new download is hashed too)."""
     final = cache / f"{expected}.parquet"
-    if final.is_file() and not rehash:
+    stamps = cache.parent / "verified"
+    if final.is_file() and _stamp_ok(final, expected, stamps, rehash):
         return final
     with _file_lock(cache / f"{expected}.lock"):
-        if final.is_file():  # another worker finished it while we waited
-            if not rehash or _sha256_file(final) == expected:
+        if final.is_file():  # another worker finished it while we waited, or a damaged copy
+            if _stamp_ok(final, expected, stamps, False):
                 return final
             final.unlink()
         tmp = cache / f".{expected}.{uuid.uuid4().hex}.tmp"
@@ -665,35 +679,49 @@ def _download_verified(storage, key: str, expected: str, cache: Path, *, rehash:
                 raise ShardChecksumError(f"{storage.uri_of(key)}: sha256 {got} does not match the manifest's "
                                          f"{expected}")
             os.replace(tmp, final)
+            _write_stamp(final, expected, stamps)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
     return final
 
 
-def _verify_in_place(path: Path, expected: str, stamps: Path, name: str, *, rehash: bool = False) -> Path:
-    """Hash a local shard once; a stamp (sha256 -> path, device, inode, size, mtime, ctime) lets later *reads*
-    skip re-hashing an unchanged file.  ctime is set by the kernel on every write and cannot be restored by
-    `touch`/`utime`, so editing a file and restoring its mtime still invalidates the stamp.  `rehash` (verify)
-    ignores the stamp: a verify always hashes."""
-    if not path.is_file():
-        raise DataFileNotFoundError(f"{path}: shard {name} listed in the manifest is missing")
+def _fingerprint(path: Path) -> str:
     st = path.stat()
-    fingerprint = (f"{path.resolve()}\n{st.st_dev}\n{st.st_ino}\n{st.st_size}\n{st.st_mtime_ns}\n"
-                   f"{st.st_ctime_ns}\n")
-    stamp = stamps / f"{expected}.ok"
-    if not rehash:
-        with contextlib.suppress(OSError):
-            if stamp.read_text() == fingerprint:
-                return path
-    got = _sha256_file(path)
-    if got != expected:
-        raise ShardChecksumError(f"{path}: shard {name} sha256 {got} does not match the manifest's {expected}")
+    return (f"{path.resolve()}\n{st.st_dev}\n{st.st_ino}\n{st.st_size}\n{st.st_mtime_ns}\n"
+            f"{st.st_ctime_ns}\n")
+
+
+def _write_stamp(path: Path, expected: str, stamps: Path) -> None:
     with contextlib.suppress(OSError):  # a read-only cache only costs a re-hash next time
         stamps.mkdir(parents=True, exist_ok=True)
         tmp = stamps / f".{expected}.{uuid.uuid4().hex}.tmp"
-        tmp.write_text(fingerprint)
-        os.replace(tmp, stamp)
+        tmp.write_text(_fingerprint(path))
+        os.replace(tmp, stamps / f"{expected}.ok")
+
+
+def _stamp_ok(path: Path, expected: str, stamps: Path, rehash: bool) -> bool:
+    """True if `path` hashes to `expected`.  A stamp (sha256 -> path, device, inode, size, mtime, ctime) left by
+    an earlier hash lets *reads* skip re-hashing an unchanged file: ctime is set by the kernel on every write
+    and cannot be set back by `touch`/`utime`, so editing a file and restoring its mtime still invalidates the
+    stamp.  `rehash` (verify) ignores the stamp: a verify always hashes."""
+    if not rehash:
+        with contextlib.suppress(OSError):
+            if (stamps / f"{expected}.ok").read_text() == _fingerprint(path):
+                return True
+    if _sha256_file(path) != expected:
+        return False
+    _write_stamp(path, expected, stamps)
+    return True
+
+
+def _verify_in_place(path: Path, expected: str, stamps: Path, name: str, *, rehash: bool = False) -> Path:
+    """A local shard is read in place once it hashed to the manifest's sha256 (stamped, see `_stamp_ok`)."""
+    if not path.is_file():
+        raise DataFileNotFoundError(f"{path}: shard {name} listed in the manifest is missing")
+    if not _stamp_ok(path, expected, stamps, rehash):
+        raise ShardChecksumError(f"{path}: shard {name} sha256 {_sha256_file(path)} does not match the manifest's "
+                                 f"{expected}")
     return path
 
 
@@ -729,7 +757,7 @@ class ShardedTable:
         labels, splits = [], []
         v2 = source.id_column == "index"
         for k in range(len(source.manifest["shards"])):
-            t = source.parquet(k).read(columns=["label", "split"] + (["index"] if v2 else []), use_threads=False)
+            t = source.read_group(k, None, ["label", "split"] + (["index"] if v2 else []))
             labels.append(t.column("label").to_numpy())
             splits.append(np.asarray(t.column("split").to_pylist(), dtype=str))
             if v2:  # rows in their global order: the shard is the one the manifest lists at this position
@@ -847,9 +875,8 @@ def check_rows(uri, *, endpoint_url=None, cache_dir=None, hash_rows: bool = Fals
     formats: dict[str, int] = {}
     lo, hi = [np.inf, np.inf], [0, 0]
     for k, entry in enumerate(src.manifest["shards"]):
-        f = src.parquet(k)
         for rg in range(len(entry["row_groups"])):
-            t = f.read_row_group(rg, columns=["image", "sha256", "relpath", src.id_column], use_threads=False)
+            t = src.read_group(k, rg, ["image", "sha256", "relpath", src.id_column])
             images, digests, relpaths = (t.column(c).combine_chunks() for c in ("image", "sha256", "relpath"))
             ids = t.column(src.id_column).to_numpy()
             base = int(src.shard_starts[k] + src.group_starts[k][rg])

@@ -131,6 +131,27 @@ def test_manifest_rows_per_shard_must_match_the_file(tmp_path):
         read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
 
 
+def test_an_unreadable_page_names_the_shard_and_row_group(tmp_path):
+    """A damaged compressed page in a shard whose manifest sha256 was rewritten to match: not a traceback."""
+    recs, _ = _records(2, 4)
+    m = write_shards(recs, tmp_path / "out", dataset="toy", row_group_rows=3, progress=False)
+    shard = tmp_path / "out" / m["shards"][0]["path"]
+    meta = pq.ParquetFile(shard).metadata.row_group(1)
+    col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == "relpath")
+    raw = bytearray(shard.read_bytes())
+    end = col.data_page_offset + col.total_compressed_size
+    raw[end - 12:end - 1] = bytes(b ^ 0xFF for b in raw[end - 12:end - 1])  # inside the ZSTD payload
+    shard.write_bytes(bytes(raw))
+    _rewrite_manifest(tmp_path / "out", lambda mj: mj["shards"][0].update(sha256=hashlib.sha256(raw).hexdigest()))
+    t = read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
+    t.images[2]
+    with pytest.raises(CorruptImageError, match=r"manifest.json: shard shards/part-00000.parquet row group 1: "
+                                                r"unreadable"):
+        t.images[3]
+    with pytest.raises(CorruptImageError, match="row group 1: unreadable"):
+        verify_shards(tmp_path / "out", cache_dir=tmp_path / "cache")
+
+
 @pytest.mark.parametrize("payload, field", [
     ("[1, 2, 3]", "not a JSON object"),
     ("{not json", "not valid JSON"),
