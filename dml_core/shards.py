@@ -181,6 +181,9 @@ def _image_header(data: bytes, where: str):
     return fmt, w, h
 
 
+_IEND_CRC = bytes.fromhex("ae426082")  # crc32(b"IEND"), the same in every PNG
+
+
 def check_image(data: bytes, where: str) -> tuple[str, int, int]:
     """Fully check one encoded image: the header, then every PNG chunk's CRC (`Image.verify`), then a complete
     decode (a truncated file fails: Pillow refuses truncated images unless ImageFile.LOAD_TRUNCATED_IMAGES is
@@ -193,6 +196,12 @@ def check_image(data: bytes, where: str) -> tuple[str, int, int]:
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is set: truncated images would pass as valid")
     fmt, w, h = _image_header(data, where)
+    if fmt == "PNG":
+        # Pillow stops at the IEND chunk without checking it: a cut or flipped IEND would pass
+        end = data.rfind(b"IEND")
+        if end < 4 or data[end - 4:end] != b"\0\0\0\0" or data[end + 4:end + 8] != _IEND_CRC:
+            raise CorruptImageError(f"{where}: does not decode (PNG without an intact IEND chunk: truncated or "
+                                    "damaged)")
     try:
         if fmt == "PNG":
             with Image.open(io.BytesIO(data)) as im:
@@ -394,8 +403,7 @@ def read_manifest(uri: str | os.PathLike, endpoint_url: str | None = None) -> di
     try:
         raw = storage.get_bytes(name)
     except FileNotFoundError as e:
-        raise ManifestError(f"no manifest at {where} "
-                            "(was `dmlrc data prepare` run to completion?)") from e
+        raise ManifestError(f"{where}: no manifest here (was `dmlrc data prepare` run to completion?)") from e
     try:
         m = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

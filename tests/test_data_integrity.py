@@ -118,6 +118,22 @@ def test_a_row_read_at_a_wrong_offset_is_caught_by_its_index_column(tmp_path):
         t.images[2]
 
 
+def test_schema_v1_shards_without_an_index_column_are_still_read_and_checked_by_label(tmp_path):
+    recs, data = _records(2, 4)
+    m = write_shards(recs, tmp_path / "out", dataset="toy", row_group_rows=3, progress=False)
+    shard = tmp_path / "out" / m["shards"][0]["path"]
+    pq.write_table(pq.read_table(shard).drop_columns(["index"]), shard, row_group_size=3)
+    _rewrite_manifest(tmp_path / "out", lambda mj: (mj.update(schema_version=1), mj["shards"][0].update(
+        sha256=hashlib.sha256(shard.read_bytes()).hexdigest())))
+    t = read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
+    assert [t.images[i] for i in range(8)] == [data[f"c{c}/{j}.jpg"] for c in range(2) for j in range(4)]
+    t._source.group_starts[0] = np.array([0, 2, 5, 8])  # rows 2.. one late: row 3 (class 0) is still class 0 ...
+    t._source._lru.clear()
+    t.images[2]
+    with pytest.raises(CorruptImageError, match=r"row 3 \(c1/0.jpg\): label 1, expected 0"):  # ... row 4 is class 1
+        t.images[3]
+
+
 def test_manifest_rows_per_shard_must_match_the_file(tmp_path):
     recs, _ = _records(2, 4)
     write_shards(recs, tmp_path / "out", dataset="toy", row_group_rows=3, progress=False)
@@ -221,6 +237,13 @@ def test_prepare_rejects_a_truncated_png_naming_the_source_file(tmp_path):
     with pytest.raises(CorruptImageError, match=r"^/data/src/bad.png: does not decode"):
         _one_bad(tmp_path, good[: len(good) * 2 // 3])()
     assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_prepare_rejects_a_png_cut_inside_its_last_chunk(tmp_path):
+    """Pillow decodes such a file without complaint (it never checks IEND): the check looks for it."""
+    good = png(3)
+    with pytest.raises(CorruptImageError, match=r"^/data/src/bad.png: does not decode \(PNG without an intact IEND"):
+        _one_bad(tmp_path, good[:-3])()
 
 
 def test_prepare_rejects_a_bit_flipped_png(tmp_path):
