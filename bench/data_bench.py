@@ -123,7 +123,8 @@ def integrity_costs(folder, shard_dir: Path, cache: Path, omniglot: str | None) 
 
         sets.append(("PNG (Omniglot, 105x105 1-bit)", [data for _, data, _ in iter_zips(omniglot)]))
     print()
-    print("| prepare-time image check | images | header only (ms/img) | full: CRCs + decode (ms/img) | added per 10k images (s) |")
+    print("| prepare-time image check | images | header only (ms/img) | full: CRCs + decode (ms/img) "
+          "| added per 10k images (s) |")
     print("|---|---:|---:|---:|---:|")
     for name, blobs in sets:
         head = per_item_cpu(lambda b: _image_header(b, "bench"), blobs)

@@ -326,6 +326,15 @@ def test_a_symlinked_src_itself_is_fine(tmp_path):
     assert prepare("cub200", tmp_path / "link", tmp_path / "out", progress=False)["num_images"] == 12
 
 
+def test_an_image_id_listed_twice_is_rejected(tmp_path):
+    """Before: the second line silently replaced the first image (one image dropped, no error)."""
+    listing = _cub_with_path(tmp_path, 2, "001.Bird_A/Bird_A_0000.jpg")
+    text = listing.read_text().replace("2 001.Bird_A/Bird_A_0000.jpg", "1 001.Bird_A/Bird_A_0001.jpg")
+    listing.write_text(text)
+    with pytest.raises(DataError, match=rf"^{listing} line 2: cub200: image_id 1 is listed twice"):
+        prepare("cub200", tmp_path / "src", tmp_path / "out", progress=False)
+
+
 def test_two_classes_with_one_name_are_rejected(tmp_path):
     recs = [Record("a.jpg", 0, "same", "train", lambda: jpeg(1)), Record("b.jpg", 1, "same", "train", lambda: jpeg(2))]
     with pytest.raises(DataError, match="labels 0 and 1 have the same class name 'same'"):

@@ -23,7 +23,7 @@ EXPECTED = {"classes": 200, "images": 11788}
 LABEL_CONVENTION = "label = class_id - 1 (0..199) = torchvision ImageFolder order of images/<class dir> (MLRC)"
 
 
-def _id_table(path: Path, field: str) -> dict[int, tuple[int, str]]:
+def _id_table(path: Path) -> dict[int, tuple[int, str]]:
     """image_id -> (line number, second field) of a two-column listing; an id listed twice is an error."""
     out: dict[int, tuple[int, str]] = {}
     for lineno, (image_id, value) in read_rows(path, 2, dataset=NAME):
@@ -42,9 +42,10 @@ def records(src: str | Path) -> list[Record]:
     labels_txt = find_file(root, ["image_class_labels.txt"], NAME)
     split_txt = find_file(root, ["train_test_split.txt"], NAME)
 
-    paths = _id_table(images_txt, "path")
-    class_ids = {i: to_int(c, labels_txt, n, "class_id", NAME) for i, (n, c) in _id_table(labels_txt, "class_id").items()}
-    split_lines = _id_table(split_txt, "is_training_image")
+    paths = _id_table(images_txt)
+    class_ids = {i: to_int(c, labels_txt, n, "class_id", NAME)
+                 for i, (n, c) in _id_table(labels_txt).items()}
+    split_lines = _id_table(split_txt)
     is_train = {i: to_int(t, split_txt, n, "is_training_image", NAME) for i, (n, t) in split_lines.items()}
     for path, table in ((labels_txt, class_ids), (split_txt, is_train)):
         if set(table) != set(paths):
