@@ -13,6 +13,11 @@ measures, in one process (= one DataLoader worker):
 for two access patterns: `sequential` (row order) and `m-per-class` (the training sampler: batches of 8 classes ×
 4 random images, `dml_core.samplers.MPerClassBatchSampler`).  With `--workers N` it also times a DataLoader with N
 workers.  Files are in the page cache after generation (warm numbers: this measures format overhead, not disks).
+
+It also prices the integrity checks (issue #16), per image and per 10k rows, CPU time of one process:
+the header-only check `prepare` used to do vs the full check it does now (`dml_core.shards.check_image`: header,
+PNG chunk CRCs, complete decode), for these JPEGs and (with `--omniglot DIR`) Omniglot's PNGs; `check_rows` (the
+preflight: manifest + stamped shard hashes + every row's header) and `verify_shards` (re-hash + decode everything).
 """
 
 from __future__ import annotations
@@ -97,6 +102,55 @@ def loader_rate(dataset, labels, workers: int, n: int) -> float:
     return count / (time.perf_counter() - t0)
 
 
+def per_item_cpu(fn, items) -> float:
+    """CPU seconds per item of fn over items (best of 2 passes)."""
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.process_time()
+        for x in items:
+            fn(x)
+        best = min(best, time.process_time() - t0)
+    return best / max(len(items), 1)
+
+
+def integrity_costs(folder, shard_dir: Path, cache: Path, omniglot: str | None) -> None:
+    """What the integrity checks cost: prepare's old header check vs its full check; check_rows; verify."""
+    from dml_core.shards import _image_header, check_image, check_rows, verify_shards
+
+    sets = [("JPEG (generated)", [Path(p).read_bytes() for p in folder.images])]
+    if omniglot:
+        from dml_core.datasets.omniglot import iter_zips
+
+        sets.append(("PNG (Omniglot, 105x105 1-bit)", [data for _, data, _ in iter_zips(omniglot)]))
+    print()
+    print("| prepare-time image check | images | header only (ms/img) | full: CRCs + decode (ms/img) "
+          "| added per 10k images (s) |")
+    print("|---|---:|---:|---:|---:|")
+    for name, blobs in sets:
+        head = per_item_cpu(lambda b: _image_header(b, "bench"), blobs)
+        full = per_item_cpu(lambda b: check_image(b, "bench"), blobs)
+        print(f"| {name} | {len(blobs):,} | {head * 1e3:.3f} | {full * 1e3:.3f} | {(full - head) * 1e4:.2f} |")
+
+    n = len(folder)
+    check_rows(shard_dir, cache_dir=cache)  # stamps the shard hashes, as the first training read would
+    t0 = time.process_time()
+    check_rows(shard_dir, cache_dir=cache)
+    rows_s = time.process_time() - t0
+    t0 = time.process_time()
+    check_rows(shard_dir, cache_dir=cache, hash_rows=True)
+    rows_hash_s = time.process_time() - t0
+    t0 = time.process_time()
+    verify_shards(shard_dir, cache_dir=cache)
+    verify_s = time.process_time() - t0
+    print()
+    print(f"| whole-dataset check ({n:,} rows) | CPU s | per 10k rows (s) |")
+    print("|---|---:|---:|")
+    for name, sec in (("check_rows (headers; shard hashes stamped)", rows_s),
+                      ("check_rows(hash_rows=True) (+ every row's sha256)", rows_hash_s),
+                      ("verify_shards (re-hash shards + rows, decode every image)", verify_s)):
+        print(f"| {name} | {sec:.2f} | {sec / n * 1e4:.2f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=2000)
@@ -108,6 +162,7 @@ def main(argv=None) -> int:
                     help="shard row-group sizes to compare (default: the prepare default, 64)")
     ap.add_argument("--workers", type=int, default=0, help="also time a DataLoader with this many workers")
     ap.add_argument("--workdir", default=None, help="where to generate (default: a temp dir, removed afterwards)")
+    ap.add_argument("--omniglot", default=None, help="Omniglot zip dir: also price the checks on its PNGs")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)  # one worker = one core
@@ -164,6 +219,7 @@ def main(argv=None) -> int:
             for name, table, _ in sources:
                 rate = loader_rate(ImageDataset(table, tf), table.labels, args.workers, args.samples)
                 print(f"DataLoader, {args.workers} workers, m-per-class, {name}: {rate:,.0f} img/s (wall clock)")
+        integrity_costs(folder, work / f"shards-rg{args.row_group_rows[-1]}", work / "cache", args.omniglot)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

@@ -9,11 +9,12 @@ Layout under a destination (local directory or `s3://bucket/prefix`, see `dml_co
 
 Parquet columns (`PARQUET_SCHEMA`): `image` (encoded JPEG/PNG bytes, stored uncompressed: they are compressed
 already), `label` (int64), `class_name`, `split` (the dataset's *original* split: train/test, query/gallery, ...),
-`relpath` (path inside the official layout) and `sha256` (hex digest of `image`).
+`relpath` (path inside the official layout), `sha256` (hex digest of `image`) and `index` (int64: the row's
+global position in the dataset, 0..num_images-1; schema v2).
 
-`manifest.json` (`SCHEMA_VERSION` = 1)::
+`manifest.json` (`SCHEMA_VERSION` = 2; v1, which has no `index` column, is still read)::
 
-    {"schema_version": 1, "format": "dmlrc-image-shards", "dataset": "cub200",
+    {"schema_version": 2, "format": "dmlrc-image-shards", "dataset": "cub200",
      "num_images": 11788, "num_classes": 200,
      "classes": [{"label": 0, "name": "001.Black_footed_Albatross", "count": 60}, ...],   # sorted by label
      "counts": {"images": 11788, "classes": 200, "per_split": {"test": 5794, "train": 5994}},
@@ -25,10 +26,18 @@ Reading (`ShardedTable`) keeps memory bounded: labels and original splits are re
 columns); image bytes are read one row group at a time on demand, through a small per-process LRU.  Each
 shard is made local once: S3 shards are downloaded into a content-addressed cache dir (`<sha256>.parquet`) and
 checked against the manifest's sha256 before use; local shards are read in place and hashed once (a stamp in the
-cache dir remembers size + mtime).  Opening an S3 table therefore downloads every shard once (the label
-column lives in the shards): disk use is the dataset's size, memory is not.  Every image's sha256 is checked
-when it is read.  A `ShardedTable` pickles without open files or clients, and notices a fork, so DataLoader
-workers reopen their own handles.
+cache dir remembers path, inode, size, mtime and ctime: restoring a file's mtime after editing it cannot restore its
+ctime).  Opening an S3 table therefore downloads every shard once (the label column lives in the shards): disk use
+is the dataset's size, memory is not.
+
+Integrity (issue #16): a shard's row-group layout must equal the manifest's `row_groups` (a reordered list would
+otherwise map rows to other classes' images); every row read checks its own `index` column (the row it holds)
+and its image's sha256, so no check can pass at a wrong offset; `verify_shards` always re-hashes every shard (the
+stamp only speeds up reads); `write_shards` fully decodes every image (PNG chunk CRCs included) before storing it.
+`check_rows` is the cheap preflight: every row's image header (format + dimensions) without decoding.
+Every error is a `DataError` (a ValueError) whose message starts with the file (and row) at fault.
+A `ShardedTable` pickles without open files or clients, and notices a fork, so DataLoader workers reopen their
+own handles.
 """
 
 from __future__ import annotations
@@ -56,17 +65,24 @@ __all__ = [
     "PARQUET_SCHEMA",
     "MANIFEST_NAME",
     "Record",
+    "DataError",
+    "DataFileNotFoundError",
+    "DataExistsError",
     "ShardChecksumError",
     "CorruptImageError",
     "ManifestError",
+    "LayoutError",
+    "check_image",
     "write_shards",
     "read_manifest",
     "ShardedTable",
     "verify_shards",
+    "check_rows",
     "default_cache_dir",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1: no `index` column (rows are then checked by label)
 MANIFEST_NAME = "manifest.json"
 FORMAT = "dmlrc-image-shards"
 PARQUET_SCHEMA = pa.schema(
@@ -77,6 +93,7 @@ PARQUET_SCHEMA = pa.schema(
         ("split", pa.string()),
         ("relpath", pa.string()),
         ("sha256", pa.string()),
+        ("index", pa.int64()),
     ]
 )
 COLUMN_DOCS = {
@@ -86,19 +103,37 @@ COLUMN_DOCS = {
     "split": "the dataset's original split of this image (e.g. train/test, train/query/gallery)",
     "relpath": "path of the image inside the official layout",
     "sha256": "hex sha256 of the image bytes",
+    "index": "int64 global row number (0..num_images-1): every read checks it holds the row it was asked for",
 }
 
 
-class ShardChecksumError(ValueError):
+class DataError(ValueError):
+    """Bad data given by a user (a dataset, a listing file, a shard, a manifest).  The message starts with the
+    file at fault (and the row / line), so a CLI prints it as one line: `data error: <message>`."""
+
+
+class DataFileNotFoundError(DataError, FileNotFoundError):
+    """A file the data needs is missing (also a FileNotFoundError)."""
+
+
+class DataExistsError(DataError, FileExistsError):
+    """A destination already holds a prepared dataset (also a FileExistsError)."""
+
+
+class ShardChecksumError(DataError):
     """A shard file does not match the sha256 the manifest lists for it."""
 
 
-class CorruptImageError(ValueError):
+class CorruptImageError(DataError):
     """An image's bytes do not match their sha256, or do not decode."""
 
 
-class ManifestError(ValueError):
-    """A manifest is missing, of an unknown schema version, or inconsistent with its shards."""
+class ManifestError(DataError):
+    """A manifest is missing, malformed, of an unknown schema version, or inconsistent with its shards."""
+
+
+class LayoutError(DataError):
+    """An official-layout listing (images.txt, Ebay_*.txt, a zip ...) is malformed or points outside `--src`."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +146,7 @@ class Record:
     class_name: str
     split: str
     read: Callable[[], bytes]
+    source: str | None = None  # where the bytes come from (a file, `<zip>: <member>`), named in errors
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -129,17 +165,52 @@ def default_cache_dir() -> Path:
 # --------------------------------------------------------------------------------------------- writing
 
 
-def _check_image_header(data: bytes, relpath: str) -> None:
-    """Parse only the header (cheap): catches a truncated download or a non-image file at prepare time."""
+def _image_header(data: bytes, where: str):
+    """(format, width, height) from the header only (magic bytes + dimensions); CorruptImageError if unreadable."""
     from PIL import Image, UnidentifiedImageError
 
     if not data:
-        raise CorruptImageError(f"{relpath}: empty file")
+        raise CorruptImageError(f"{where}: empty image")
     try:
         with Image.open(io.BytesIO(data)) as im:
-            im.size  # noqa: B018  (header parsed)
-    except (UnidentifiedImageError, OSError) as e:
-        raise CorruptImageError(f"{relpath}: not a readable image ({e})") from e
+            fmt, (w, h) = im.format, im.size
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise CorruptImageError(f"{where}: not a readable image ({e})") from e
+    if w < 1 or h < 1:
+        raise CorruptImageError(f"{where}: {fmt} image of size {w}x{h}")
+    return fmt, w, h
+
+
+_IEND_CRC = bytes.fromhex("ae426082")  # crc32(b"IEND"), the same in every PNG
+
+
+def check_image(data: bytes, where: str) -> tuple[str, int, int]:
+    """Fully check one encoded image: the header, then every PNG chunk's CRC (`Image.verify`), then a complete
+    decode (a truncated file fails: Pillow refuses truncated images unless ImageFile.LOAD_TRUNCATED_IMAGES is
+    set, which this refuses to run under).  Returns (format, width, height).
+
+    JPEG has no checksum: a flipped bit inside the entropy-coded data usually decodes to slightly different
+    pixels and cannot be detected by any decoder; flipped markers, headers and truncation are caught."""
+    from PIL import Image, ImageFile
+
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is set: truncated images would pass as valid")
+    fmt, w, h = _image_header(data, where)
+    if fmt == "PNG":
+        # Pillow stops at the IEND chunk without checking it: a cut or flipped IEND would pass
+        end = data.rfind(b"IEND")
+        if end < 4 or data[end - 4:end] != b"\0\0\0\0" or data[end + 4:end + 8] != _IEND_CRC:
+            raise CorruptImageError(f"{where}: does not decode (PNG without an intact IEND chunk: truncated or "
+                                    "damaged)")
+    try:
+        if fmt == "PNG":
+            with Image.open(io.BytesIO(data)) as im:
+                im.verify()  # reads every chunk up to IEND and checks its CRC
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError, zlib.error ... for bad data
+        raise CorruptImageError(f"{where}: does not decode ({type(e).__name__}: {e})") from e
+    return fmt, w, h
 
 
 def write_shards(
@@ -157,8 +228,10 @@ def write_shards(
     """Write `records` as parquet shards plus `manifest.json` under `dest`; return the manifest.
 
     Rows are sorted by (label, relpath) first, so each class is contiguous and an m-per-class batch reads
-    few row groups.  A shard is closed once its image bytes reach `max_shard_bytes`.  The manifest goes last,
-    so a crashed run leaves no manifest (and readers refuse the destination).
+    few row groups.  Every image is fully decoded first (`check_image`): a truncated or corrupt file fails here,
+    naming `Record.source` (else its relpath), not later in a training worker.  A shard is closed once its image
+    bytes reach `max_shard_bytes`.  The manifest goes last, so a crashed run leaves no manifest (and readers
+    refuse the destination).
     """
     from tqdm.auto import tqdm
 
@@ -168,12 +241,12 @@ def write_shards(
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     storage = open_storage(dest, endpoint_url=endpoint_url)
     if storage.exists(MANIFEST_NAME) and not overwrite:
-        raise FileExistsError(f"{storage.uri_of(MANIFEST_NAME)} exists; pass overwrite=True (--overwrite) "
+        raise DataExistsError(f"{storage.uri_of(MANIFEST_NAME)}: exists; pass overwrite=True (--overwrite) "
                               "to replace it")
 
     rows = sorted(records, key=lambda r: (int(r.label), r.relpath))
     if not rows:
-        raise ValueError(f"{dataset}: no images found to write")
+        raise DataError(f"{dest}: no images found to write for {dataset}")
     _validate_records(rows, dataset)
 
     local = isinstance(storage, LocalStorage)
@@ -191,7 +264,7 @@ def write_shards(
                 tmp,
                 PARQUET_SCHEMA,
                 compression={"image": "NONE", "label": "ZSTD", "class_name": "ZSTD", "split": "ZSTD",
-                             "relpath": "ZSTD", "sha256": "ZSTD"},
+                             "relpath": "ZSTD", "sha256": "ZSTD", "index": "ZSTD"},
                 # min/max statistics of a binary image column would bloat the footer for nothing, and a
                 # dictionary of unique image blobs only adds a decode step: both only for the small columns
                 write_statistics=["label", "split"],
@@ -232,18 +305,19 @@ def write_shards(
             close_shard()
 
     try:
-        for rec in tqdm(rows, desc=f"prepare {dataset}", unit="img", disable=not progress):
+        for index, rec in enumerate(tqdm(rows, desc=f"prepare {dataset}", unit="img", disable=not progress)):
             data = rec.read()
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise TypeError(f"{rec.relpath}: read() returned {type(data).__name__}, expected bytes")
             data = bytes(data)
-            _check_image_header(data, rec.relpath)
+            check_image(data, rec.source or rec.relpath)
             group["image"].append(data)
             group["label"].append(int(rec.label))
             group["class_name"].append(rec.class_name)
             group["split"].append(rec.split)
             group["relpath"].append(rec.relpath)
             group["sha256"].append(hashlib.sha256(data).hexdigest())
+            group["index"].append(index)
             if len(group["image"]) >= row_group_rows:
                 flush_group()
         flush_group()
@@ -284,18 +358,26 @@ def write_shards(
 
 
 def _validate_records(rows: Sequence[Record], dataset: str) -> None:
+    """One relpath per image, labels >= 0, and labels <-> class names one-to-one (two classes with one name
+    would be merged by anyone who goes by names)."""
     seen: set[str] = set()
     names: dict[int, str] = {}
-    for i, r in enumerate(rows):
+    labels: dict[str, int] = {}
+    for r in rows:
+        where = r.source or r.relpath
         if r.relpath in seen:
-            raise ValueError(f"{dataset}: duplicate image path {r.relpath!r}")
+            raise DataError(f"{where}: {dataset}: duplicate image path {r.relpath!r}")
         seen.add(r.relpath)
         if int(r.label) < 0:
-            raise ValueError(f"{dataset}: {r.relpath}: negative label {r.label}")
+            raise DataError(f"{where}: {dataset}: negative label {r.label}")
         prev = names.setdefault(int(r.label), r.class_name)
         if prev != r.class_name:
-            raise ValueError(f"{dataset}: label {r.label} has two class names, {prev!r} and {r.class_name!r} "
-                             f"(at {r.relpath})")
+            raise DataError(f"{where}: {dataset}: label {r.label} has two class names, {prev!r} and "
+                            f"{r.class_name!r}")
+        other = labels.setdefault(r.class_name, int(r.label))
+        if other != int(r.label):
+            raise DataError(f"{where}: {dataset}: labels {other} and {r.label} have the same class name "
+                            f"{r.class_name!r}")
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -314,41 +396,99 @@ def _split_manifest_uri(uri: str | os.PathLike) -> tuple[str, str]:
 
 
 def read_manifest(uri: str | os.PathLike, endpoint_url: str | None = None) -> dict:
-    """Load and validate a manifest (local path/dir or s3:// URI)."""
+    """Load and validate a manifest (local path/dir or s3:// URI); ManifestError names the file and the field."""
     root, name = _split_manifest_uri(uri)
     storage = open_storage(root, endpoint_url=endpoint_url)
+    where = storage.uri_of(name)
     try:
         raw = storage.get_bytes(name)
     except FileNotFoundError as e:
-        raise ManifestError(f"no manifest at {storage.uri_of(name)} "
-                            "(was `dmlrc data prepare` run to completion?)") from e
-    return _validate_manifest(json.loads(raw), storage.uri_of(name))
+        raise ManifestError(f"{where}: no manifest here (was `dmlrc data prepare` run to completion?)") from e
+    try:
+        m = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{where}: not valid JSON ({e})") from None
+    return _validate_manifest(m, where)
 
 
-def _validate_manifest(m: dict, where: str) -> dict:
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _expect(cond: bool, where: str, field: str, want: str, value) -> None:
+    if not cond:
+        shown = repr(value)
+        raise ManifestError(f"{where}: {field}: expected {want}, got {shown[:80]}"
+                            f"{'...' if len(shown) > 80 else ''} ({type(value).__name__})")
+
+
+def _validate_manifest(m, where: str) -> dict:
+    """Types and internal consistency of a manifest; fields are named as `shards[0].row_groups[2]`."""
+    if not isinstance(m, dict):
+        raise ManifestError(f"{where}: not a JSON object (the top level is a {type(m).__name__})")
     version = m.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ManifestError(f"{where}: schema_version {version!r} is not supported (this code reads {SCHEMA_VERSION})")
+    if version not in READABLE_VERSIONS or not _is_int(version):
+        raise ManifestError(f"{where}: schema_version {version!r} is not supported (this code reads "
+                            f"{', '.join(map(str, READABLE_VERSIONS))})")
     for key in ("dataset", "num_images", "classes", "shards"):
         if key not in m:
-            raise ManifestError(f"{where}: missing field {key!r}")
-    for i, s in enumerate(m["shards"]):
+            raise ManifestError(f"{where}: {key}: missing field")
+    _expect(isinstance(m["dataset"], str) and m["dataset"] != "", where, "dataset", "a non-empty string",
+            m["dataset"])
+    _expect(_is_int(m["num_images"]) and m["num_images"] >= 0, where, "num_images", "an integer >= 0",
+            m["num_images"])
+    _expect(isinstance(m["classes"], list), where, "classes", "a list", m["classes"])
+    for i, c in enumerate(m["classes"]):
+        f = f"classes[{i}]"
+        _expect(isinstance(c, dict), where, f, "an object", c)
+        for key, ok, want in (("label", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+                              ("name", lambda v: isinstance(v, str), "a string"),
+                              ("count", lambda v: _is_int(v) and v >= 1, "an integer >= 1")):
+            if key not in c:
+                raise ManifestError(f"{where}: {f}.{key}: missing field")
+            _expect(ok(c[key]), where, f"{f}.{key}", want, c[key])
+    _expect(isinstance(m["shards"], list), where, "shards", "a list", m["shards"])
+    for i, sh in enumerate(m["shards"]):
+        f = f"shards[{i}]"
+        _expect(isinstance(sh, dict), where, f, "an object", sh)
         for key in ("path", "sha256", "rows", "row_groups"):
-            if key not in s:
-                raise ManifestError(f"{where}: shards[{i}] missing field {key!r}")
-        if sum(s["row_groups"]) != s["rows"]:
-            raise ManifestError(f"{where}: shards[{i}] ({s['path']}): row_groups sum to {sum(s['row_groups'])}, "
-                                f"rows = {s['rows']}")
-    total = sum(s["rows"] for s in m["shards"])
+            if key not in sh:
+                raise ManifestError(f"{where}: {f}.{key}: missing field")
+        path = sh["path"]
+        _expect(isinstance(path, str) and path != "" and not path.startswith("/") and ".." not in path.split("/")
+                and "\\" not in path, where, f"{f}.path", "a relative '/'-separated path without '..'", path)
+        digest = sh["sha256"]
+        _expect(isinstance(digest, str) and len(digest) == 64 and all(ch in "0123456789abcdef" for ch in digest),
+                where, f"{f}.sha256", "64 lower-case hex digits", digest)
+        _expect(_is_int(sh["rows"]) and sh["rows"] >= 0, where, f"{f}.rows", "an integer >= 0", sh["rows"])
+        groups = sh["row_groups"]
+        _expect(isinstance(groups, list), where, f"{f}.row_groups", "a list of integers >= 1", groups)
+        for j, n in enumerate(groups):
+            _expect(_is_int(n) and n >= 1, where, f"{f}.row_groups[{j}]", "an integer >= 1", n)
+        if sum(groups) != sh["rows"]:
+            raise ManifestError(f"{where}: {f}.row_groups: sum to {sum(groups)}, {f}.rows = {sh['rows']} "
+                                f"({path})")
+    total = sum(sh["rows"] for sh in m["shards"])
     if total != m["num_images"]:
-        raise ManifestError(f"{where}: shards hold {total} rows, num_images = {m['num_images']}")
+        raise ManifestError(f"{where}: num_images: {m['num_images']}, but the shards hold {total} rows")
+    labels = [c["label"] for c in m["classes"]]
+    if len(set(labels)) != len(labels):
+        raise ManifestError(f"{where}: classes: a label is listed twice")
+    names = [c["name"] for c in m["classes"]]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})[:5]
+        raise ManifestError(f"{where}: classes: two classes have the same name {dup}")
+    if sum(c["count"] for c in m["classes"]) != m["num_images"]:
+        raise ManifestError(f"{where}: classes: counts sum to {sum(c['count'] for c in m['classes'])}, "
+                            f"num_images = {m['num_images']}")
     return m
 
 
 class _ShardSource:
     """Everything shared by a table and its subsets: the manifest, the storage, and per-process handles."""
 
-    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True):
+    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True,
+                 rehash=False):
         root, name = _split_manifest_uri(uri)
         self.storage = open_storage(root, endpoint_url=endpoint_url)
         self.manifest_uri = self.storage.uri_of(name)
@@ -356,6 +496,10 @@ class _ShardSource:
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self.cache_row_groups = int(cache_row_groups)
         self.verify_rows = bool(verify_rows)
+        self.rehash = bool(rehash)  # verify: hash every shard even when a stamp / cached copy says it is known
+        # v2 rows carry their global index; v1 rows are checked by label (weaker: a wrong row of the same class
+        # passes, but never one of another class)
+        self.id_column = "index" if self.manifest["schema_version"] >= 2 else "label"
         shards = self.manifest["shards"]
         self.shard_starts = np.cumsum([0] + [s["rows"] for s in shards])
         self.group_starts = [np.cumsum([0] + list(s["row_groups"])) for s in shards]
@@ -366,7 +510,8 @@ class _ShardSource:
         self._pid = os.getpid()
         self._files: dict[int, pq.ParquetFile] = {}
         self._local: dict[int, Path] = {}
-        self._lru: OrderedDict[tuple[int, int], tuple[pa.Array, pa.Array, pa.Array]] = OrderedDict()
+        self._lru: OrderedDict[tuple[int, int], tuple[pa.Array, pa.Array, pa.Array, np.ndarray]] = OrderedDict()
+        self.labels: np.ndarray | None = None  # the label column, set by ShardedTable (v1 row checks use it)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -394,9 +539,11 @@ class _ShardSource:
         expected = entry["sha256"]
         in_place = self.storage.local_path(entry["path"])
         if in_place is not None:
-            path = _verify_in_place(in_place, expected, self.cache_dir / "verified", entry["path"])
+            path = _verify_in_place(in_place, expected, self.cache_dir / "verified", entry["path"],
+                                    rehash=self.rehash)
         else:
-            path = _download_verified(self.storage, entry["path"], expected, self.cache_dir / "shards")
+            path = _download_verified(self.storage, entry["path"], expected, self.cache_dir / "shards",
+                                      rehash=self.rehash)
         self._local[k] = path
         return path
 
@@ -404,12 +551,46 @@ class _ShardSource:
         self._check_process()
         f = self._files.get(k)
         if f is None:
-            f = pq.ParquetFile(self.local_shard(k), memory_map=True)
-            if f.metadata.num_rows != self.manifest["shards"][k]["rows"]:
-                raise ManifestError(f"{self.shard_name(k)}: {f.metadata.num_rows} rows, manifest says "
-                                    f"{self.manifest['shards'][k]['rows']}")
+            path = self.local_shard(k)
+            try:
+                f = pq.ParquetFile(path, memory_map=True)
+            except (pa.ArrowException, OSError) as e:
+                raise ShardChecksumError(f"{path}: shard {self.shard_name(k)} is not a readable parquet file "
+                                         f"({e})") from e
+            self._check_layout(k, f)
             self._files[k] = f
         return f
+
+    def read_group(self, k: int, rg: int | None, columns: list[str]) -> pa.Table:
+        """Row group `rg` of shard k (all of it if None); a page that does not decode is a CorruptImageError
+        naming the shard (its sha256 matched, so the manifest was written for a damaged file)."""
+        f = self.parquet(k)
+        try:
+            if rg is None:
+                return f.read(columns=columns, use_threads=False)
+            return f.read_row_group(rg, columns=columns, use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            part = f"row group {rg}" if rg is not None else f"columns {columns}"
+            raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} {part}: unreadable "
+                                    f"({type(e).__name__}: {e})") from e
+
+    def _check_layout(self, k: int, f: pq.ParquetFile) -> None:
+        """The file's schema, rows and row-group sizes must be the manifest's: rows are located through the
+        manifest's `row_groups`, so a reordered list would read other rows (of other classes)."""
+        entry = self.manifest["shards"][k]
+        where = f"{self.manifest_uri}: shards[{k}] ({entry['path']})"
+        names = set(f.schema_arrow.names)
+        need = set(PARQUET_SCHEMA.names) - ({"index"} if self.id_column == "label" else set())
+        if not need <= names:
+            raise ManifestError(f"{where}: the file lacks columns {sorted(need - names)}")
+        meta = f.metadata
+        if meta.num_rows != entry["rows"]:
+            raise ManifestError(f"{where}: rows {entry['rows']}, but the file holds {meta.num_rows} rows")
+        actual = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        if actual != list(entry["row_groups"]):
+            shown = lambda xs: str(xs) if len(xs) <= 12 else f"{str(xs[:12])[:-1]}, ...] ({len(xs)} groups)"
+            raise ManifestError(f"{where}: row_groups {shown(list(entry['row_groups']))} do not match the "
+                                f"file's row groups {shown(actual)}")
 
     def locate(self, g: int) -> tuple[int, int, int, int]:
         """Global row -> (shard, row in shard, row group, offset in row group)."""
@@ -419,7 +600,7 @@ class _ShardSource:
         rg = int(np.searchsorted(starts, r, side="right") - 1)
         return k, r, rg, r - int(starts[rg])
 
-    def row_group(self, k: int, rg: int) -> tuple[pa.Array, pa.Array, pa.Array]:
+    def row_group(self, k: int, rg: int) -> tuple[pa.Array, pa.Array, pa.Array, np.ndarray]:
         self._check_process()
         key = (k, rg)
         hit = self._lru.get(key)
@@ -427,10 +608,10 @@ class _ShardSource:
             self._lru.move_to_end(key)
             return hit
         # One thread: this runs inside a DataLoader worker, which is the unit of parallelism.
-        t = self.parquet(k).read_row_group(rg, columns=["image", "sha256", "relpath"], use_threads=False)
+        t = self.read_group(k, rg, ["image", "sha256", "relpath", self.id_column])
         # Keep Arrow arrays (no per-row Python objects); a row is converted only when it is asked for.
         value = (t.column("image").combine_chunks(), t.column("sha256").combine_chunks(),
-                 t.column("relpath").combine_chunks())
+                 t.column("relpath").combine_chunks(), t.column(self.id_column).to_numpy())
         self._lru[key] = value
         while len(self._lru) > max(1, self.cache_row_groups):
             self._lru.popitem(last=False)
@@ -438,12 +619,24 @@ class _ShardSource:
 
     def image_bytes(self, g: int) -> bytes:
         k, r, rg, off = self.locate(g)
-        images, digests, relpaths = self.row_group(k, rg)
+        images, digests, relpaths, ids = self.row_group(k, rg)
+        self._check_row_id(g, k, r, ids[off], relpaths[off])
         data = images[off].as_py()
         if self.verify_rows and hashlib.sha256(data).hexdigest() != digests[off].as_py():
             raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} row {r} "
                                     f"({relpaths[off].as_py()}): image bytes do not match their sha256")
         return data
+
+    def _check_row_id(self, g: int, k: int, r: int, got, relpath) -> None:
+        """The row read must be row g: its own `index` (v2), or at least its label (v1)."""
+        if self.id_column == "index":
+            if int(got) != g:
+                raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} row {r}: the row read "
+                                        f"there ({relpath.as_py()}) holds row {int(got)} of the dataset, expected "
+                                        f"{g} (manifest and shard disagree)")
+        elif self.labels is not None and int(got) != int(self.labels[g]):
+            raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} row {r} ({relpath.as_py()}): "
+                                    f"label {int(got)}, expected {int(self.labels[g])} (manifest and shard disagree)")
 
     def relpath(self, g: int) -> str:
         k, _, rg, off = self.locate(g)
@@ -471,14 +664,21 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _download_verified(storage, key: str, expected: str, cache: Path) -> Path:
-    """Content-addressed cache: `<cache>/<sha256>.parquet` exists only after its hash was checked."""
+def _download_verified(storage, key: str, expected: str, cache: Path, *, rehash: bool = False) -> Path:
+    """Content-addressed cache: `<cache>/<sha256>.parquet` is written only after its hash was checked.
+
+    A cached copy is trusted on reads while its stamp (see `_stamp_ok`) matches; a copy changed since, or any
+    copy under `rehash` (verify), is hashed again, and one that no longer matches is dropped and downloaded anew
+    (the cache was damaged, not the dataset: the new download is hashed too)."""
     final = cache / f"{expected}.parquet"
-    if final.is_file():
+    stamps = cache.parent / "verified"
+    if final.is_file() and _stamp_ok(final, expected, stamps, rehash):
         return final
     with _file_lock(cache / f"{expected}.lock"):
-        if final.is_file():  # another worker finished it while we waited
-            return final
+        if final.is_file():  # another worker finished it while we waited, or a damaged copy
+            if _stamp_ok(final, expected, stamps, False):
+                return final
+            final.unlink()
         tmp = cache / f".{expected}.{uuid.uuid4().hex}.tmp"
         try:
             storage.get_file(key, tmp)
@@ -487,30 +687,49 @@ def _download_verified(storage, key: str, expected: str, cache: Path) -> Path:
                 raise ShardChecksumError(f"{storage.uri_of(key)}: sha256 {got} does not match the manifest's "
                                          f"{expected}")
             os.replace(tmp, final)
+            _write_stamp(final, expected, stamps)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
     return final
 
 
-def _verify_in_place(path: Path, expected: str, stamps: Path, name: str) -> Path:
-    """Hash a local shard once; a stamp (sha256 -> path, size, mtime) skips re-hashing an unchanged file."""
-    if not path.is_file():
-        raise FileNotFoundError(f"shard {name} listed in the manifest is missing: {path}")
+def _fingerprint(path: Path) -> str:
     st = path.stat()
-    fingerprint = f"{path.resolve()}\n{st.st_size}\n{st.st_mtime_ns}\n"
-    stamp = stamps / f"{expected}.ok"
-    with contextlib.suppress(OSError):
-        if stamp.read_text() == fingerprint:
-            return path
-    got = _sha256_file(path)
-    if got != expected:
-        raise ShardChecksumError(f"{path}: shard {name} sha256 {got} does not match the manifest's {expected}")
+    return (f"{path.resolve()}\n{st.st_dev}\n{st.st_ino}\n{st.st_size}\n{st.st_mtime_ns}\n"
+            f"{st.st_ctime_ns}\n")
+
+
+def _write_stamp(path: Path, expected: str, stamps: Path) -> None:
     with contextlib.suppress(OSError):  # a read-only cache only costs a re-hash next time
         stamps.mkdir(parents=True, exist_ok=True)
         tmp = stamps / f".{expected}.{uuid.uuid4().hex}.tmp"
-        tmp.write_text(fingerprint)
-        os.replace(tmp, stamp)
+        tmp.write_text(_fingerprint(path))
+        os.replace(tmp, stamps / f"{expected}.ok")
+
+
+def _stamp_ok(path: Path, expected: str, stamps: Path, rehash: bool) -> bool:
+    """True if `path` hashes to `expected`.  A stamp (sha256 -> path, device, inode, size, mtime, ctime) left by
+    an earlier hash lets *reads* skip re-hashing an unchanged file: ctime is set by the kernel on every write
+    and cannot be set back by `touch`/`utime`, so editing a file and restoring its mtime still invalidates the
+    stamp.  `rehash` (verify) ignores the stamp: a verify always hashes."""
+    if not rehash:
+        with contextlib.suppress(OSError):
+            if (stamps / f"{expected}.ok").read_text() == _fingerprint(path):
+                return True
+    if _sha256_file(path) != expected:
+        return False
+    _write_stamp(path, expected, stamps)
+    return True
+
+
+def _verify_in_place(path: Path, expected: str, stamps: Path, name: str, *, rehash: bool = False) -> Path:
+    """A local shard is read in place once it hashed to the manifest's sha256 (stamped, see `_stamp_ok`)."""
+    if not path.is_file():
+        raise DataFileNotFoundError(f"{path}: shard {name} listed in the manifest is missing")
+    if not _stamp_ok(path, expected, stamps, rehash):
+        raise ShardChecksumError(f"{path}: shard {name} sha256 {_sha256_file(path)} does not match the manifest's "
+                                 f"{expected}")
     return path
 
 
@@ -539,16 +758,28 @@ class ShardedTable:
     `ImageDataset(table, transform)` decodes and transforms in DataLoader workers.
     """
 
-    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True):
+    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True,
+                 rehash=False):
         source = _ShardSource(uri, endpoint_url=endpoint_url, cache_dir=cache_dir,
-                              cache_row_groups=cache_row_groups, verify_rows=verify_rows)
+                              cache_row_groups=cache_row_groups, verify_rows=verify_rows, rehash=rehash)
         labels, splits = [], []
+        v2 = source.id_column == "index"
         for k in range(len(source.manifest["shards"])):
-            t = source.parquet(k).read(columns=["label", "split"], use_threads=False)
+            t = source.read_group(k, None, ["label", "split"] + (["index"] if v2 else []))
             labels.append(t.column("label").to_numpy())
             splits.append(np.asarray(t.column("split").to_pylist(), dtype=str))
+            if v2:  # rows in their global order: the shard is the one the manifest lists at this position
+                idx = t.column("index").to_numpy()
+                start = int(source.shard_starts[k])
+                bad = np.flatnonzero(idx != np.arange(start, start + len(idx)))
+                if bad.size:
+                    r = int(bad[0])
+                    raise ManifestError(f"{source.manifest_uri}: shards[{k}] ({source.shard_name(k)}): row {r} "
+                                        f"holds row {int(idx[r])} of the dataset, expected {start + r} (shards "
+                                        "reordered or from another dataset)")
         all_labels = np.concatenate(labels).astype(np.int64) if labels else np.zeros(0, np.int64)
         _check_label_counts(all_labels, source.manifest, source.manifest_uri)
+        source.labels = all_labels
         self._init_view(source, np.arange(len(all_labels)), all_labels,
                         np.concatenate(splits) if splits else np.zeros(0, dtype=str))
 
@@ -620,22 +851,54 @@ def _check_label_counts(labels: np.ndarray, manifest: dict, where: str) -> None:
 
 
 def verify_shards(uri, *, endpoint_url=None, cache_dir=None, decode: bool = True, progress: bool = False) -> dict:
-    """Check every shard's sha256, every row's sha256 and (if `decode`) that every image decodes.
+    """Hash every shard (always: cache stamps are not trusted here), check the row-group layout, every row's
+    index and sha256 and (if `decode`) fully decode every image (`check_image`).
 
-    Raises `ShardChecksumError` / `CorruptImageError` naming the shard and row; returns a summary dict.
+    Raises `ShardChecksumError` / `CorruptImageError` / `ManifestError` naming the file and row; returns a
+    summary dict.
     """
-    from PIL import Image
     from tqdm.auto import tqdm
 
-    table = ShardedTable(uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=2)
+    table = ShardedTable(uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=2, rehash=True)
     src = table._source
     for g in tqdm(range(len(table)), desc="verify", unit="img", disable=not progress):
         data = src.image_bytes(g)
         if decode:
-            try:
-                with Image.open(io.BytesIO(data)) as im:
-                    im.load()
-            except Exception as e:
-                raise CorruptImageError(f"{src.manifest_uri}: {src.row_name(g)}: does not decode ({e})") from e
+            check_image(data, f"{src.manifest_uri}: {src.row_name(g)}")
     return {"dataset": table.dataset, "images": len(table), "classes": len(table.class_names),
             "shards": len(src.manifest["shards"])}
+
+
+def check_rows(uri, *, endpoint_url=None, cache_dir=None, hash_rows: bool = False) -> dict:
+    """The preflight's cheap check of a prepared dataset: the manifest, every shard's sha256 (stamped, as reads
+    do), the row-group layout, every row's `index`, and every row's image *header* (magic bytes + dimensions,
+    `PIL.Image.open` without decoding).  `hash_rows` also checks every image's sha256 (about the cost of reading
+    the bytes once more).  Full decoding is `verify_shards`' job (and `write_shards` decoded every image).
+
+    Raises a `DataError` whose message starts with the manifest and names the shard and row; returns
+    {"dataset", "rows", "shards", "formats": {format: count}, "min_size": (w, h), "max_size": (w, h)}.
+    """
+    table = ShardedTable(uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=1)
+    src = table._source
+    formats: dict[str, int] = {}
+    lo, hi = [np.inf, np.inf], [0, 0]
+    for k, entry in enumerate(src.manifest["shards"]):
+        for rg in range(len(entry["row_groups"])):
+            t = src.read_group(k, rg, ["image", "sha256", "relpath", src.id_column])
+            images, digests, relpaths = (t.column(c).combine_chunks() for c in ("image", "sha256", "relpath"))
+            ids = t.column(src.id_column).to_numpy()
+            base = int(src.shard_starts[k] + src.group_starts[k][rg])
+            for off in range(len(images)):
+                g = base + off
+                src._check_row_id(g, k, g - int(src.shard_starts[k]), ids[off], relpaths[off])
+                data = images[off].as_py()
+                where = (f"{src.manifest_uri}: shard {entry['path']} row {g - int(src.shard_starts[k])} "
+                         f"({relpaths[off].as_py()})")
+                if hash_rows and hashlib.sha256(data).hexdigest() != digests[off].as_py():
+                    raise CorruptImageError(f"{where}: image bytes do not match their sha256")
+                fmt, w, h = _image_header(data, where)
+                formats[fmt] = formats.get(fmt, 0) + 1
+                lo, hi = [min(lo[0], w), min(lo[1], h)], [max(hi[0], w), max(hi[1], h)]
+    return {"dataset": table.dataset, "rows": len(table), "shards": len(src.manifest["shards"]),
+            "formats": formats, "min_size": tuple(int(x) for x in lo) if len(table) else None,
+            "max_size": tuple(hi) if len(table) else None}

@@ -133,3 +133,28 @@ def test_cli_prepare_to_s3_with_endpoint_url(creds, tmp_path, capsys):
     manifest = json.loads(_client(creds).get_object(Bucket=BUCKET, Key="datasets/cars/manifest.json")["Body"].read())
     assert manifest["dataset"] == "cars196"
     assert np.unique([c["label"] for c in manifest["classes"]]).tolist() == [1, 2, 3, 4]
+
+
+def test_a_damaged_cached_copy_is_hashed_again_and_replaced(creds, tmp_path):
+    """A cached shard edited with its mtime restored: reads notice (the stamp holds the ctime) and `verify` hashes
+    regardless; either way the damaged copy is dropped and downloaded again (issue #16: stale verify)."""
+    import os
+
+    from test_datasets_prepare import make_fake_cub
+
+    make_fake_cub(tmp_path / "src")
+    dest = f"s3://{BUCKET}/datasets/cub-c"
+    m = prepare("cub200", tmp_path / "src", dest, endpoint_url=creds, progress=False)
+    cache = tmp_path / "cache"
+    assert verify_shards(dest, endpoint_url=creds, cache_dir=cache)["images"] == 12
+    cached = cache / "shards" / f"{m['shards'][0]['sha256']}.parquet"
+    good = cached.read_bytes()
+    for check in (lambda: read_parquet_manifest(dest, endpoint_url=creds, cache_dir=cache),
+                  lambda: verify_shards(dest, endpoint_url=creds, cache_dir=cache)):
+        st = cached.stat()
+        raw = bytearray(good)
+        raw[raw.rindex(b"parquet-cpp-arrow")] ^= 0x01  # neither row checksums nor decoding would see this byte
+        cached.write_bytes(bytes(raw))
+        os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+        check()
+        assert cached.read_bytes() == good

@@ -42,9 +42,11 @@ def prepare(
     from dml_core import __version__
     from dml_core.shards import write_shards
 
+    from dml_core.shards import DataFileNotFoundError
+
     mod = reader(name)
     if not os.path.isdir(src):
-        raise FileNotFoundError(f"{name}: --src {src} is not a directory")
+        raise DataFileNotFoundError(f"{src}: {name}: --src is not a directory")
     recs = mod.records(src)
     info = {
         "label_convention": mod.LABEL_CONVENTION,

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dml_core.datasets._layout import check_files_exist, file_record, find_file
-from dml_core.shards import Record
+from dml_core.shards import LayoutError, Record
 
 NAME = "cars196"
 EXPECTED = {"classes": 196, "images": 16185}
@@ -38,18 +38,26 @@ def records(src: str | Path) -> list[Record]:
 
     src = Path(src)
     mat_path = find_file(src, ["cars_annos.mat"], NAME)
-    mat = loadmat(mat_path, squeeze_me=True)
+    try:
+        mat = loadmat(mat_path, squeeze_me=True)
+    except Exception as e:  # scipy raises ValueError, MatReadError, TypeError ... for a damaged file
+        raise LayoutError(f"{mat_path}: {NAME}: not a readable .mat file ({type(e).__name__}: {e})") from None
     if "annotations" not in mat:
         found = sorted(k for k in mat if not k.startswith("__"))
-        raise ValueError(f"{NAME}: {mat_path} has no 'annotations' variable (found {found})")
+        raise LayoutError(f"{mat_path}: {NAME}: has no 'annotations' variable (found {found})")
     ann = np.atleast_1d(mat["annotations"])
     fields = ann.dtype.names or ()
     for f in ("relative_im_path", "class", "test"):
         if f not in fields:
-            raise ValueError(f"{NAME}: {mat_path}: annotations lack field {f!r} (fields: {fields})")
+            raise LayoutError(f"{mat_path}: {NAME}: annotations lack field {f!r} (fields: {fields})")
     names = None
     if "class_names" in mat:
         names = [str(_scalar(n)) for n in np.atleast_1d(mat["class_names"]).reshape(-1)]
+        seen: dict[str, int] = {}
+        for i, n in enumerate(names, start=1):
+            if n in seen:
+                raise LayoutError(f"{mat_path}: {NAME}: classes {seen[n]} and {i} have the same class name {n!r}")
+            seen[n] = i
 
     recs = []
     for i, a in enumerate(ann):
@@ -58,15 +66,16 @@ def records(src: str | Path) -> list[Record]:
             cls = int(_scalar(a["class"]))
             test = int(_scalar(a["test"]))
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{NAME}: {mat_path}: annotations[{i}] is malformed: {e}") from None
+            raise LayoutError(f"{mat_path}: {NAME}: annotations[{i}] is malformed: {e}") from None
         if cls < 1 or (names is not None and cls > len(names)):
             top = len(names) if names is not None else "?"
-            raise ValueError(f"{NAME}: {mat_path}: annotations[{i}] ({path}) has class {cls} outside 1..{top}")
+            raise LayoutError(f"{mat_path}: {NAME}: annotations[{i}] ({path}) has class {cls} outside 1..{top}")
         if test not in (0, 1):
-            raise ValueError(f"{NAME}: {mat_path}: annotations[{i}] ({path}) has test={test} (expected 0 or 1)")
+            raise LayoutError(f"{mat_path}: {NAME}: annotations[{i}] ({path}) has test={test} (expected 0 or 1)")
         name = names[cls - 1] if names is not None else f"class_{cls:03d}"
-        recs.append(file_record(src, path, cls, name, "test" if test else "train"))
+        recs.append(file_record(src, path, cls, name, "test" if test else "train",
+                                where=f"{mat_path}: annotations[{i}]"))
     if not recs:
-        raise ValueError(f"{NAME}: {mat_path}: no annotations")
+        raise LayoutError(f"{mat_path}: {NAME}: no annotations")
     check_files_exist(src, recs, NAME)
     return recs

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dml_core.datasets._layout import check_files_exist, file_record, find_file, read_rows, to_int
-from dml_core.shards import Record
+from dml_core.shards import LayoutError, Record
 
 NAME = "sop"
 EXPECTED = {"classes": 22634, "images": 120053}
@@ -28,17 +28,21 @@ def records(src: str | Path) -> list[Record]:
     class_split: dict[int, str] = {}
     for split in ("train", "test"):
         path = find_file(src, [f"Ebay_{split}.txt"], NAME)
-        with open(path, encoding="utf-8") as f:
-            header = f.readline().split()
+        try:
+            with open(path, encoding="utf-8") as f:
+                header = f.readline().split()
+        except UnicodeDecodeError as e:
+            raise LayoutError(f"{path}: {NAME}: not UTF-8 text ({e})") from None
         if header != HEADER:
-            raise ValueError(f"{NAME}: {path} line 1: expected header {' '.join(HEADER)!r}, got {' '.join(header)!r}")
+            raise LayoutError(f"{path} line 1: {NAME}: expected header {' '.join(HEADER)!r}, got "
+                              f"{' '.join(header)!r}")
         for lineno, (_, class_id, _, rel) in read_rows(path, 4, skip=1, dataset=NAME):
             c = to_int(class_id, path, lineno, "class_id", NAME)
             if c < 1:
-                raise ValueError(f"{NAME}: {path} line {lineno}: class_id {c} (expected >= 1)")
+                raise LayoutError(f"{path} line {lineno}: {NAME}: class_id {c} (expected >= 1)")
             if class_split.setdefault(c, split) != split:
-                raise ValueError(f"{NAME}: {path} line {lineno}: class_id {c} is in both Ebay_train.txt and "
+                raise LayoutError(f"{path} line {lineno}: {NAME}: class_id {c} is in both Ebay_train.txt and "
                                  "Ebay_test.txt")
-            recs.append(file_record(src, rel, c - 1, f"{rel.split('/')[0]}/{c}", split))
+            recs.append(file_record(src, rel, c - 1, f"{rel.split('/')[0]}/{c}", split, where=f"{path} line {lineno}"))
     check_files_exist(src, recs, NAME)
     return recs
