@@ -15,7 +15,6 @@ No Ray, no MLflow here (:func:`check_cluster_resources` takes Ray's resource dic
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import zipfile
@@ -141,21 +140,16 @@ def load_table(spec: DatasetSpec, where: str):
     return table
 
 
-def check_image_rows(table, where: str) -> None:
-    """Parse the header of every image row of a prepared parquet table (PIL reads the header, not the pixels).
+def check_image_rows(uri: str, where: str) -> None:
+    """Every row of a prepared parquet dataset, before any worker reads it: ``dml_core.shards.check_rows`` (the
+    manifest, shard hashes, row-group layout, each row's index and image header).  A bad row would otherwise fail
+    only inside a training worker, minutes in."""
+    from dml_core.shards import DataError, check_rows
 
-    Rows are read through the table, so each row's sha256 against its manifest is checked too; prepared shards
-    are read row group by row group.  A bad row would otherwise fail only inside a training worker, minutes in.
-    """
-    from PIL import Image
-
-    for i in range(len(table)):
-        try:
-            data = table.images[i]
-            with Image.open(io.BytesIO(data)) as im:
-                im.size  # noqa: B018 - the header is parsed by open(); touch it for clarity
-        except _READ_ERRORS as e:
-            raise ConfigError(f"{where}.path", f"{table.row_name(i)}: not a readable image ({_one_line(e)})") from None
+    try:
+        check_rows(uri)
+    except DataError as e:
+        raise ConfigError(f"{where}.path", _one_line(e)) from None
 
 
 def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
@@ -365,7 +359,7 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
         where = f"datasets[{i}]"
         table = load_table(spec, where)
         if spec.kind == "parquet":
-            check_image_rows(table, where)
+            check_image_rows(spec.path, where)
         need = max(batches.values())
         try:
             manifest = FoldManifest.from_labels(

@@ -625,35 +625,33 @@ def test_corrupt_omniglot_zip_names_the_file(tmp_path):
     assert e.field == "datasets[0].path" and "images_background.zip" in str(e)
 
 
-def test_every_image_row_header_is_checked():
+def test_a_row_whose_image_header_is_corrupt_names_the_dataset_path(tmp_path):
     import io as _io
 
     import numpy as np
+    import pyarrow.parquet as pq
     from PIL import Image
 
+    from dml_core.shards import Record, write_shards
     from pipelines.preflight import check_image_rows
 
     buf = _io.BytesIO()
     Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(buf, format="PNG")
-
-    class Table:
-        images = [buf.getvalue()] * 3 + [b"\x89PNG\r\n\x1a\n but not really"] + [buf.getvalue()]
-
-        def __len__(self):
-            return len(self.images)
-
-        def row_name(self, i):
-            return f"manifest.json: shards/part-00000.parquet row {i}"
-
+    write_shards([Record(f"c{c}/{i}.png", c, f"c{c}", "train", buf.getvalue) for c in range(2) for i in range(3)],
+                 tmp_path / "pq", dataset="toy", progress=False)
+    check_image_rows(str(tmp_path / "pq"), "datasets[1]")
+    shard = next((tmp_path / "pq").rglob("*.parquet"))
+    t = pq.read_table(shard)
+    images = t.column("image").to_pylist()
+    images[3] = b"\x89PNG\r\n\x1a\n but not really"  # the shard's own sha256 is stale now: caught either way
+    pq.write_table(t.set_column(t.schema.get_field_index("image"), "image", [images]), shard)
     with pytest.raises(ConfigError) as info:
-        check_image_rows(Table(), "datasets[1]")
-    assert info.value.field == "datasets[1].path" and "row 3" in str(info.value)
-    Table.images = Table.images[:3]
-    check_image_rows(Table(), "datasets[1]")
+        check_image_rows(str(tmp_path / "pq"), "datasets[1]")
+    assert info.value.field == "datasets[1].path" and "part" in str(info.value)
 
 
 def test_prepared_parquet_rows_are_read_in_preflight(tmp_path, monkeypatch):
-    """A real prepared dataset goes through check_image_rows (every row read once, sha256 checked)."""
+    """A real prepared dataset goes through check_image_rows (dml_core.shards.check_rows) in preflight."""
     import io as _io
 
     import numpy as np
@@ -672,12 +670,12 @@ def test_prepared_parquet_rows_are_read_in_preflight(tmp_path, monkeypatch):
     write_shards(records, tmp_path / "pq", dataset="toy", progress=False, row_group_rows=16)
     seen = []
     real = pf.check_image_rows
-    monkeypatch.setattr(pf, "check_image_rows", lambda table, where: (seen.append(len(table)), real(table, where)))
+    monkeypatch.setattr(pf, "check_image_rows", lambda uri, where: (seen.append(uri), real(uri, where)))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = parse_config(_cfg(storage=str(tmp_path / "runs"),
                             datasets=[{"kind": "parquet", "path": str(tmp_path / "pq"), "image_size": 16}]))
     pf.preflight(cfg)
-    assert seen == [32 * 6]
+    assert seen == [str(tmp_path / "pq")]
 
 
 # ---------------------------------------------------------------------------------------- dmlrc data / dmlrc report

@@ -446,6 +446,9 @@ def test_cli_prepare_and_verify(tmp_path, capsys):
     assert "ok: cub200: 12 images, 3 classes, 1 shards verified" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         _cli(["data", "prepare", "imagenet", "--src", "x", "--dest", "y"])
-    with pytest.raises(FileExistsError):
-        run_data(_cli(["data", "prepare", "cub200", "--src", str(tmp_path / "src"), "--dest", str(tmp_path / "out"),
-                       "--no-progress"]))
+    # an existing destination is one `data error:` line naming it, exit 2 (no traceback)
+    capsys.readouterr()
+    assert run_data(_cli(["data", "prepare", "cub200", "--src", str(tmp_path / "src"), "--dest", str(tmp_path / "out"),
+                          "--no-progress"])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("data error: ") and "\n" not in err and str(tmp_path / "out") in err
