@@ -11,6 +11,11 @@ special-cases a loss by name:
                        anchors per class for Group Loss).
 * ``model``          – the model recipe of the paper (pooling, LayerNorm); the pipeline
                        applies it unless the user's config overrides it.
+* ``loss_weight_decay`` – weight decay of the loss-parameter optimiser.
+
+:func:`build_loss` records the registry name on the module it returns (``module.registry_name``), so
+:func:`dml_core.train.train_fold` finds the loss's own ``loss_weight_decay`` without the caller
+passing it: a direct caller trains exactly as the sweep does.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ __all__ = [
     "build_loss",
     "list_losses",
     "loss_info",
+    "MLRC_LOSS_WEIGHT_DECAY",
+    "registered_info",
 ]
 
 
@@ -58,6 +65,8 @@ MLRC_PAPER = "Musgrave, Belongie & Lim, A Metric Learning Reality Check, ECCV 20
 MLRC_BATCH = BatchSpec(classes_per_batch=8, m=4)
 #: MLRC's model: BN-Inception global average pool -> one linear layer, no LayerNorm (protocol spec §3).
 MLRC_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
+#: MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (protocol spec §3, ``metric_loss_optimizer``).
+MLRC_LOSS_WEIGHT_DECAY = 1e-4
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,7 @@ class LossInfo:
     description: str = ""
     #: Weight decay of the loss-parameter optimiser.  MLRC: RMSprop with weight decay 1e-4 for
     #: proxies/class weights, but none for Margin's beta (protocol spec §3, "*_no_weight_decay" runs).
-    loss_weight_decay: float = 1e-4
+    loss_weight_decay: float = MLRC_LOSS_WEIGHT_DECAY
 
 
 _REGISTRY: dict[str, LossInfo] = {}
@@ -88,7 +97,7 @@ def register(
     batch: BatchSpec | None = None,
     model: ModelRecipe | None = None,
     description: str = "",
-    loss_weight_decay: float = 1e-4,
+    loss_weight_decay: float = MLRC_LOSS_WEIGHT_DECAY,
 ):
     """Class/function decorator adding a loss factory to the registry.
 
@@ -199,4 +208,12 @@ def build_loss(name: str, *, num_classes: int, embedding_dim: int, **params: Any
     for w in wrappers:
         _check_params(f"loss wrapper {w!r}", _WRAPPERS[w], wrapper_params[w], {"base"})
         module = _WRAPPERS[w](module, **wrapper_params[w])
+    # Plain attribute (not a buffer): invisible to state_dict, survives pickling and deepcopy.
+    module.registry_name = name
     return module
+
+
+def registered_info(loss: torch.nn.Module) -> LossInfo | None:
+    """The registry metadata of a module built by :func:`build_loss` (``None`` for any other module)."""
+    name = getattr(loss, "registry_name", None)
+    return loss_info(name) if isinstance(name, str) else None
