@@ -72,6 +72,9 @@ from dml_core.samplers import MPerClassBatchSampler
 __all__ = ["TrainConfig", "FoldResult", "train_fold", "embed", "embed_images"]
 
 _OPTIMIZERS = ("rmsprop", "sgd", "adam")
+#: MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (protocol spec §3, ``metric_loss_optimizer``);
+#: the registry's default ``loss_weight_decay`` is this constant.
+MLRC_LOSS_WEIGHT_DECAY = 1e-4
 _AMP_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
@@ -227,12 +230,13 @@ def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def loss_weight_decay_for(loss: nn.Module, config: TrainConfig) -> float:
     """The loss optimiser's weight decay: the config's, else the loss's registry value, else MLRC's 1e-4."""
-    from dml_core.losses.registry import MLRC_LOSS_WEIGHT_DECAY, registered_info
-
     if config.loss_weight_decay is not None:
         return float(config.loss_weight_decay)
-    info = registered_info(loss)
-    return float(info.loss_weight_decay) if info is not None else MLRC_LOSS_WEIGHT_DECAY
+    if isinstance(getattr(loss, "registry_name", None), str):  # built by build_loss: the registry is loaded
+        from dml_core.losses.registry import registered_info
+
+        return float(registered_info(loss).loss_weight_decay)
+    return MLRC_LOSS_WEIGHT_DECAY  # a plain module: no need to import the loss zoo (seconds) to learn that
 
 
 def _optimizer(model: nn.Module, loss: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:

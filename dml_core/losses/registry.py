@@ -25,6 +25,9 @@ from typing import Any, Callable
 
 import torch
 
+# MLRC's loss-optimiser weight decay (protocol spec §3) lives with TrainConfig's other defaults.
+from dml_core.train import MLRC_LOSS_WEIGHT_DECAY
+
 __all__ = [
     "BatchSpec",
     "ModelRecipe",
@@ -65,8 +68,6 @@ MLRC_PAPER = "Musgrave, Belongie & Lim, A Metric Learning Reality Check, ECCV 20
 MLRC_BATCH = BatchSpec(classes_per_batch=8, m=4)
 #: MLRC's model: BN-Inception global average pool -> one linear layer, no LayerNorm (protocol spec §3).
 MLRC_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
-#: MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (protocol spec §3, ``metric_loss_optimizer``).
-MLRC_LOSS_WEIGHT_DECAY = 1e-4
 
 
 @dataclass(frozen=True)
