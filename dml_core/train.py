@@ -201,7 +201,8 @@ def _check_dataset(dataset, name: str, what: str) -> None:
     """Fail up front, naming what to pass, for tables (rows of encoded images) and other non-datasets."""
     if hasattr(dataset, "images") and hasattr(dataset, "labels") and not hasattr(type(dataset), "__getitem__"):
         raise ValueError(
-            f"{name} is an image table ({type(dataset).__name__}: rows of encoded images), not a dataset of tensors: pass "
+            f"{name} is an image table ({type(dataset).__name__}: rows of encoded images), not a dataset of "
+            "tensors: pass "
             f"dml_core.data.ImageDataset(table, {what}(image_size)) (the protocol's {what}, spec §3)"
         )
     if not hasattr(type(dataset), "__getitem__") or not hasattr(type(dataset), "__len__"):
@@ -339,7 +340,9 @@ class _Rows(torch.utils.data.Dataset):
         if isinstance(row, torch.Tensor):
             return self.transform(row) if self.transform is not None else row
         if self.transform is None:
-            raise ValueError(f"embed_images: row {i} is a {type(row).__name__}, not a tensor; pass image_size or transform")
+            raise ValueError(
+                f"embed_images: row {i} is a {type(row).__name__}, not a tensor; pass image_size or transform"
+            )
         from dml_core.data import decode_image
 
         is_pil = hasattr(row, "convert") and hasattr(row, "mode")

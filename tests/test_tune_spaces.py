@@ -83,7 +83,8 @@ def test_every_searched_parameter_has_a_paper_default_inside_its_bounds(name):
     missing = sorted(set(space.params) - set(space.paper_defaults))
     assert not missing, f"{space.path.name}: searched without a paper_defaults value: {missing}"
     for key, p in space.params.items():
-        assert p.contains(space.paper_defaults[key]), f"{space.path.name}: {key}={space.paper_defaults[key]!r} outside {p.describe()}"
+        value = space.paper_defaults[key]
+        assert p.contains(value), f"{space.path.name}: {key}={value!r} outside {p.describe()}"
 
 
 def test_every_paper_default_is_commented_with_its_source():
