@@ -30,6 +30,11 @@ so noisy; ``--repeats 9 --before <train.py of 73e1246>``, defaults otherwise), m
     train_fold, this version     15.78       1.001 (0.964-1.014)   wall: 1.002
     train_fold before (73e1246)  16.32       0.982 (0.966-0.992)   wall: 0.976
 
+    ``--size 8`` (less convolution per iteration, so the loop's own cost shows more):
+    bare loop                     7.44
+    train_fold, this version      7.64       0.992 (0.973-1.040)   wall: 1.018
+    train_fold before (73e1246)   8.35       0.899 (0.852-1.002)   wall: 0.913
+
 At 16 px the tiny CNN's convolutions dominate an iteration, so the library's per-iteration cost is a few percent at
 most; what it was and what went: two extra optimiser ``step``/``zero_grad`` calls (MLRC's three optimisers are now
 the parameter groups of one: the same update, bit-identical, tests/test_library_train_loop.py), an autocast context
