@@ -12,6 +12,13 @@ What MLRC does per fold (protocol spec §1.4, §1.5, §3) and how it maps onto :
   included; training stops when ``epoch − best_epoch > patience`` or at ``max_epochs``;
 * the best checkpoint is kept (here: CPU copies of the model's and the loss's state dicts).
 
+Fixed-budget mode (``val_set=None``): no validation at all — no epoch-0 evaluation, no early
+stopping; training runs ``max_epochs × iters_per_epoch`` iterations and ``best_state`` is the final
+state.  ``history`` then holds one record every ``eval_every`` epochs with the mean train loss and
+empty ``metrics`` (a loss curve for ``on_eval``), e.g. to train on all trainval classes for the
+epoch count the folds chose (MLRC's "concatenated" models are the fold models themselves; this is for
+researchers who want one model).
+
 Labels: the loss sees train labels remapped to ``0 … C−1`` in sorted class order (MLRC's
 ``set_min_label_to_zero``, made contiguous because a fold's train classes can wrap around the
 trainval range), so build the loss with ``num_classes = len(np.unique(train_set.labels))``.
@@ -62,15 +69,38 @@ from dml_core.distributed import (
 )
 from dml_core.samplers import MPerClassBatchSampler
 
-__all__ = ["TrainConfig", "FoldResult", "train_fold", "embed"]
+__all__ = ["TrainConfig", "FoldResult", "train_fold", "embed", "embed_images"]
 
 _OPTIMIZERS = ("rmsprop", "sgd", "adam")
+#: MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (protocol spec §3, ``metric_loss_optimizer``);
+#: the registry's default ``loss_weight_decay`` is this constant.
+MLRC_LOSS_WEIGHT_DECAY = 1e-4
 _AMP_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
 class TrainConfig:
-    """One fold's training settings; defaults are MLRC's CUB settings (protocol spec §1.5, §3)."""
+    """One fold's training settings.  These field defaults are *the* defaults: the sweep's config schema
+    (``pipelines/config.py``) reads them from here, so a direct caller and a sweep train alike.
+
+    Where each default comes from (MLRC = the reality check's code, protocol spec):
+
+    * ``classes_per_batch=8``, ``m=4``: MLRC's batch, ``MPerClassSampler(m=4)``, batch 32 (§3).
+    * ``iters_per_epoch=100``: MLRC's "epoch" is 100 iterations, not a pass over the data (§1.5, §3).
+    * ``eval_every=2``, ``patience=9``, ``max_epochs=1000``: MLRC's ``config_general/default.yaml``
+      (§1.5): validate every 2 epochs, stop after 5 evaluations without improvement, at most 100k
+      iterations.  The paper used these for CUB and overrode them for the larger datasets
+      (Cars196: 5 / 14, SOP: 20 / 39, §1.5); they are the protocol's general default, so they are ours.
+    * ``trunk_lr=embedder_lr=1e-6``, ``weight_decay=1e-4``, ``momentum=0.9``, ``optimizer="rmsprop"``:
+      MLRC's trunk and embedder optimisers (§3).
+    * ``loss_weight_decay=None``: the loss's own (``loss_info(name).loss_weight_decay``, e.g. 0 for
+      ProxyNCA++ and Margin's β), found on losses built by ``build_loss``; 1e-4 (MLRC's
+      ``metric_loss_optimizer``, §3) for any other module.
+    * ``loss_lr=1e-4``: the loss optimiser's lr is *searched* in MLRC (log-uniform [1e-6, 1], §3-4), so
+      the protocol has no default; direct callers should pass the loss's ``paper_defaults["loss_lr"]``
+      from ``tune_spaces/<loss>.yaml`` (every learnable loss has one).
+    * ``eval_batch_size=128``, ``num_workers=0``, ``seed=0``, ``device="cpu"``, no AMP: ours.
+    """
 
     classes_per_batch: int = 8
     m: int = 4
@@ -84,7 +114,8 @@ class TrainConfig:
     #: lr of the loss's own parameters (proxies, class weights); searched by the sweep.
     loss_lr: float = 1e-4
     weight_decay: float = 1e-4  # trunk and embedder
-    loss_weight_decay: float = 1e-4  # MLRC's Margin runs used 0
+    #: ``None`` = the loss's own (registry), else MLRC's 1e-4; see the class docstring.
+    loss_weight_decay: float | None = None
     momentum: float = 0.9
     #: "rmsprop" (MLRC), "sgd" or "adam" (adam ignores ``momentum``).
     optimizer: str = "rmsprop"
@@ -113,6 +144,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.patience must be a non-negative integer or None, got {self.patience!r}")
         for name in ("trunk_lr", "embedder_lr", "loss_lr", "weight_decay", "loss_weight_decay", "momentum"):
             v = getattr(self, name)
+            if v is None and name == "loss_weight_decay":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be a finite non-negative number, got {v!r}")
         if self.optimizer not in _OPTIMIZERS:
@@ -164,6 +197,21 @@ def _resolve_device(spec: str | torch.device) -> torch.device:
     return device
 
 
+def _check_dataset(dataset, name: str, what: str) -> None:
+    """Fail up front, naming what to pass, for tables (rows of encoded images) and other non-datasets."""
+    if hasattr(dataset, "images") and hasattr(dataset, "labels") and not hasattr(type(dataset), "__getitem__"):
+        raise ValueError(
+            f"{name} is an image table ({type(dataset).__name__}: rows of encoded images), not a dataset of "
+            "tensors: pass "
+            f"dml_core.data.ImageDataset(table, {what}(image_size)) (the protocol's {what}, spec §3)"
+        )
+    if not hasattr(type(dataset), "__getitem__") or not hasattr(type(dataset), "__len__"):
+        raise ValueError(
+            f"{name} must be a map-style dataset (__getitem__/__len__) yielding (image_tensor, label), "
+            f"got {type(dataset).__name__}"
+        )
+
+
 def _labels_of(dataset, name: str) -> np.ndarray:
     labels = getattr(dataset, "labels", None)
     if labels is None:
@@ -181,16 +229,20 @@ def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
 
-def _make_optimizer(kind: str, params: list[nn.Parameter], lr: float, weight_decay: float, momentum: float):
-    if kind == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
-    return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+def loss_weight_decay_for(loss: nn.Module, config: TrainConfig) -> float:
+    """The loss optimiser's weight decay: the config's, else the loss's registry value, else MLRC's 1e-4."""
+    if config.loss_weight_decay is not None:
+        return float(config.loss_weight_decay)
+    if isinstance(getattr(loss, "registry_name", None), str):  # built by build_loss: the registry is loaded
+        from dml_core.losses.registry import registered_info
+
+        return float(registered_info(loss).loss_weight_decay)
+    return MLRC_LOSS_WEIGHT_DECAY  # a plain module: no need to import the loss zoo (seconds) to learn that
 
 
-def _optimizers(model: nn.Module, loss: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
-    """MLRC's separate optimisers: trunk, embedder (= every other model parameter), loss."""
+def _optimizer(model: nn.Module, loss: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """MLRC's three optimisers — trunk, embedder (= every other model parameter), loss (protocol spec §3) — as
+    the parameter groups (``group["name"]``) of one optimiser: the same per-parameter update, one call per step."""
     trunk = getattr(model, "trunk", None)
     if not isinstance(trunk, nn.Module):
         raise ValueError(
@@ -200,22 +252,32 @@ def _optimizers(model: nn.Module, loss: nn.Module, config: TrainConfig) -> list[
     trunk_params = [p for p in trunk.parameters() if p.requires_grad]
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in trunk_ids]
     loss_params = [p for p in loss.parameters() if p.requires_grad]
-    out = []
-    for params, lr, wd in (
-        (trunk_params, config.trunk_lr, config.weight_decay),
-        (rest, config.embedder_lr, config.weight_decay),
-        (loss_params, config.loss_lr, config.loss_weight_decay),
-    ):
-        if params:
-            out.append(_make_optimizer(config.optimizer, params, lr, wd, config.momentum))
-    if not out:
+    groups = [
+        {"name": name, "params": params, "lr": lr, "weight_decay": wd}
+        for name, params, lr, wd in (
+            ("trunk", trunk_params, config.trunk_lr, config.weight_decay),
+            ("embedder", rest, config.embedder_lr, config.weight_decay),
+            ("loss", loss_params, config.loss_lr, loss_weight_decay_for(loss, config)),
+        )
+        if params
+    ]
+    if not groups:
         raise ValueError("nothing to train: neither the model nor the loss has parameters with requires_grad")
-    return out
+    if config.optimizer == "rmsprop":
+        return torch.optim.RMSprop(groups, momentum=config.momentum)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, momentum=config.momentum)
+    return torch.optim.Adam(groups)  # adam ignores momentum
 
 
 # --------------------------------------------------------------------------------------------
 # embedding and evaluation
 # --------------------------------------------------------------------------------------------
+def _images_of(batch):
+    """A loader batch -> its image tensor: ``(images, labels)`` pairs or bare image tensors."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
 @torch.no_grad()
 def _embed_gathered(model: nn.Module, dataset, batch_size: int, device: torch.device, num_workers: int) -> torch.Tensor:
     """Every row's embedding, on ``device``; under DDP each rank embeds a contiguous shard, then gather."""
@@ -235,26 +297,119 @@ def _embed_gathered(model: nn.Module, dataset, batch_size: int, device: torch.de
     was_training = model.training
     model.eval()
     try:
-        parts = [model(images.to(device, non_blocking=True)).float() for images, _ in loader]
+        parts = [model(_images_of(batch).to(device, non_blocking=True)).float() for batch in loader]
     finally:
         model.train(was_training)
+    if not parts:  # an empty shard: the embedding width from one forward pass is not worth it; 0 rows
+        raise ValueError("nothing to embed: the dataset is empty")
     return all_gather_uneven(torch.cat(parts, dim=0))
 
 
+def _check_batch_size(where: str, batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{where}: batch_size must be a positive integer, got {batch_size!r}")
+
+
 def embed(
-    model: nn.Module, dataset, *, batch_size: int, device: str | torch.device = "cpu", num_workers: int = 0
+    model: nn.Module, dataset, *, batch_size: int = 128, device: str | torch.device = "cpu", num_workers: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Embeddings of every row of ``dataset`` (in row order) and its labels, both on CPU.
+    """Embeddings of every row of a *labelled* ``dataset`` (in row order) and its labels, both on CPU.
 
     Raw (un-normalised) float32 model outputs, model in eval mode (its train/eval mode is
     restored afterwards).  Under ``torch.distributed`` each rank embeds a contiguous shard and
-    every rank returns the gathered whole.
+    every rank returns the gathered whole.  Unlabelled images: :func:`embed_images`.
     """
+    _check_dataset(dataset, "dataset", "eval_transform")
     labels = torch.as_tensor(_labels_of(dataset, "dataset"), dtype=torch.long)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"embed: batch_size must be a positive integer, got {batch_size!r}")
+    _check_batch_size("embed", batch_size)
     emb = _embed_gathered(model, dataset, batch_size, _resolve_device(device), num_workers)
     return emb.cpu(), labels
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Unlabelled rows (decodable images or image tensors) -> transformed image tensors."""
+
+    def __init__(self, rows, transform):
+        self.rows, self.transform = rows, transform
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = self.rows[i]
+        if isinstance(row, torch.Tensor):
+            return self.transform(row) if self.transform is not None else row
+        if self.transform is None:
+            raise ValueError(
+                f"embed_images: row {i} is a {type(row).__name__}, not a tensor; pass image_size or transform"
+            )
+        from dml_core.data import decode_image
+
+        is_pil = hasattr(row, "convert") and hasattr(row, "mode")
+        return self.transform(row.convert("RGB") if is_pil else decode_image(row))
+
+
+def embed_images(
+    model: nn.Module,
+    images,
+    *,
+    image_size: int | None = None,
+    transform: Callable | None = None,
+    batch_size: int = 128,
+    device: str | torch.device = "cpu",
+    num_workers: int = 0,
+) -> torch.Tensor:
+    """Embeddings of unlabelled images, in input order, as a ``(N, D)`` float32 CPU tensor (no labels needed).
+
+    ``images`` is one of: an ``(N, C, H, W)`` tensor or a list of ``(C, H, W)`` tensors (already preprocessed;
+    used as they are unless ``transform`` is given); a list of encoded images (bytes, paths, uint8 arrays, PIL
+    images), decoded to RGB and passed through ``transform`` — by default the protocol's
+    ``eval_transform(image_size)`` (Resize + CenterCrop + ImageNet normalisation, spec §3), so ``image_size`` is
+    required then; an ``ImageTable``/``ShardedTable`` (its labels are ignored), treated as its list of images; a
+    map-style dataset yielding image tensors or ``(image, anything)`` pairs.  Raw model outputs, as
+    :func:`embed`; eval mode, restored afterwards.
+    """
+    from dml_core.data import eval_transform
+
+    _check_batch_size("embed_images", batch_size)
+    dev = _resolve_device(device)
+    if isinstance(images, torch.Tensor):
+        if images.ndim != 4:
+            raise ValueError(f"embed_images: an image tensor must be (N, C, H, W), got shape {tuple(images.shape)}")
+        rows = list(images.unbind(0)) if transform is not None else None
+        dataset = _Rows(rows, transform) if rows is not None else torch.utils.data.TensorDataset(images)
+        return _embed_gathered(model, dataset, batch_size, dev, num_workers).cpu()
+    if hasattr(images, "images") and not hasattr(type(images), "__getitem__"):  # ImageTable / ShardedTable
+        images = _TableImages(images)
+    elif hasattr(type(images), "__getitem__") and not isinstance(images, (list, tuple)):
+        return _embed_gathered(model, images, batch_size, dev, num_workers).cpu()  # a dataset
+    if not hasattr(images, "__len__") or not hasattr(images, "__getitem__"):
+        raise ValueError(
+            f"embed_images: images must be a tensor, a list of images or tensors, an ImageTable or a dataset; "
+            f"got {type(images).__name__}"
+        )
+    if len(images) == 0:
+        raise ValueError("embed_images: no images")
+    if not isinstance(images[0], torch.Tensor) and transform is None:  # the first row decides (tables are lazy)
+        if image_size is None:
+            raise ValueError(
+                "embed_images: encoded images need image_size (for the protocol's eval_transform) or a transform"
+            )
+        transform = eval_transform(image_size)
+    return _embed_gathered(model, _Rows(images, transform), batch_size, dev, num_workers).cpu()
+
+
+class _TableImages:
+    """A table's image column as a sequence (``ShardedTable.images`` reads rows on demand)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        return self.table.images[i]
 
 
 def _evaluate(model: nn.Module, val_set, config: TrainConfig, device: torch.device) -> dict[str, float]:
@@ -295,16 +450,24 @@ def train_fold(
 
     ``model`` must have a ``.trunk`` submodule (its other parameters form the embedder group) and
     map an image batch to raw embeddings; ``loss(embeddings, labels)`` returns a scalar.  Both
-    datasets yield ``(image_tensor, label)`` and expose ``.labels``.  Afterwards ``model``/``loss``
+    datasets yield ``(image_tensor, label)`` and expose ``.labels`` (for a table of images pass
+    ``ImageDataset(table, train_transform(size))`` / ``eval_transform``).  Afterwards ``model``/``loss``
     hold the *final* weights; the best ones are in ``FoldResult.best_state``.
+
+    ``val_set=None``: fixed budget (module docstring) — ``max_epochs × iters_per_epoch`` iterations, no
+    validation, ``best_state`` = the final state (empty if the loss diverged).
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
     t0 = time.perf_counter()
     device = _resolve_device(config.device)
     world, rank = get_world_size(), get_rank()
+    _check_dataset(train_set, "train_set", "train_transform")
     train_labels = _labels_of(train_set, "train_set")
-    _labels_of(val_set, "val_set")
+    fixed_budget = val_set is None
+    if not fixed_budget:
+        _check_dataset(val_set, "val_set", "eval_transform")
+        _labels_of(val_set, "val_set")
 
     classes = np.unique(train_labels)
     n_loss_classes = getattr(loss, "num_classes", None)
@@ -322,10 +485,11 @@ def train_fold(
     model.to(device)
     loss.to(device)
     broadcast_module_(loss)  # proxies may be initialised differently per rank
-    optimizers = _optimizers(model, loss, config)
+    optimizer = _optimizer(model, loss, config)
     loss_params = [p for p in loss.parameters() if p.requires_grad]
+    distributed = is_distributed()
     net: nn.Module = model
-    if is_distributed():
+    if distributed:
         # DDP broadcasts rank 0's weights at construction and averages gradients in backward.
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -348,7 +512,8 @@ def train_fold(
     )
     use_amp = config.amp and device.type == "cuda"
     amp_dtype = _AMP_DTYPES[config.amp_dtype]
-    scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
+    # Loss scaling only for fp16; one scaler step over all parameter groups (an overflow skips the whole step).
+    scaler = torch.amp.GradScaler("cuda") if use_amp and amp_dtype == torch.float16 else None
 
     history: list[dict[str, Any]] = []
     best: dict[str, Any] = {"metrics": {}, "epoch": 0, "state": {}}
@@ -356,29 +521,46 @@ def train_fold(
     loss_count = 0
     iteration = 0
 
-    def evaluate(epoch: int) -> None:
+    def train_loss() -> float | None:
+        return float(loss_sum.item() / loss_count) if loss_count else None
+
+    def report(record: dict[str, Any]) -> None:
         nonlocal loss_count
-        te = time.perf_counter()
-        metrics = _evaluate(model, val_set, config, device)
-        is_best = not history or metrics[config.primary_metric] > best["metrics"][config.primary_metric]
-        if is_best:
-            best.update(metrics=metrics, epoch=epoch, state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
-        record = {
-            "epoch": epoch,
-            "iteration": iteration,
-            "metrics": metrics,
-            "train_loss": float(loss_sum.item() / loss_count) if loss_count else None,
-            "seconds": time.perf_counter() - t0,
-            "eval_seconds": time.perf_counter() - te,
-            "is_best": is_best,
-            "best_epoch": best["epoch"],
-        }
         history.append(record)
         loss_sum.zero_()
         loss_count = 0
         if on_eval is not None and rank == 0:
             on_eval(record)
+
+    def evaluate(epoch: int) -> None:
+        te = time.perf_counter()
+        metrics = _evaluate(model, val_set, config, device)
+        is_best = not history or metrics[config.primary_metric] > best["metrics"][config.primary_metric]
+        if is_best:
+            best.update(metrics=metrics, epoch=epoch, state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
+        report({
+            "epoch": epoch,
+            "iteration": iteration,
+            "metrics": metrics,
+            "train_loss": train_loss(),
+            "seconds": time.perf_counter() - t0,
+            "eval_seconds": time.perf_counter() - te,
+            "is_best": is_best,
+            "best_epoch": best["epoch"],
+        })
         model.train()
+
+    def log_train_loss(epoch: int) -> None:  # fixed-budget mode: the loss curve only
+        report({
+            "epoch": epoch,
+            "iteration": iteration,
+            "metrics": {},
+            "train_loss": train_loss(),
+            "seconds": time.perf_counter() - t0,
+            "eval_seconds": 0.0,
+            "is_best": False,
+            "best_epoch": 0,
+        })
 
     def result(status: str, reason: str, epochs: int, stopped_early: bool = False) -> FoldResult:
         return FoldResult(
@@ -396,33 +578,54 @@ def train_fold(
 
     model.train()
     loss.train()
-    evaluate(0)  # untrained model (MLRC check_untrained_accuracy)
+    if not fixed_budget:
+        evaluate(0)  # untrained model (MLRC check_untrained_accuracy)
     for epoch in range(1, config.max_epochs + 1):
         sampler.set_epoch(epoch)
+        # The per-iteration work is what a bare loop does plus the divergence check; everything that does not
+        # change per iteration (DDP, AMP, loss scaling) is decided above, so the single-process path pays nothing.
         for images, labels in loader:
             iteration += 1
             images = images.to(device, non_blocking=True)
             labels = torch.searchsorted(class_table, labels.to(device, non_blocking=True))
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
+            if use_amp:
+                with torch.autocast(device.type, dtype=amp_dtype):
+                    emb = net(images)
+            else:
                 emb = net(images)
-            value = loss(all_gather_with_grad(emb.float()), all_gather_no_grad(labels))
-            # The one per-iteration sync.  Every rank computes the same global loss; the AND over
-            # ranks only guards against a rank-local difference ending training on some ranks alone.
-            if not all_ranks_true(torch.isfinite(value)):
+            if distributed:
+                value = loss(all_gather_with_grad(emb.float()), all_gather_no_grad(labels))
+                # Every rank computes the same global loss; the AND over ranks only guards against a rank-local
+                # difference ending training on some ranks alone.
+                finite = all_ranks_true(torch.isfinite(value))
+            else:
+                value = loss(emb.float(), labels)
+                finite = bool(torch.isfinite(value))  # the one per-iteration host sync (a no-op wait on CPU)
+            if not finite:
                 return result(
                     "diverged", f"non-finite loss {value.item()} at iteration {iteration} (epoch {epoch})", epoch
                 )
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            scaler.scale(value).backward()
-            all_reduce_mean_([p.grad for p in loss_params if p.grad is not None])
-            for opt in optimizers:
-                scaler.step(opt)
-            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is None:
+                value.backward()
+            else:
+                scaler.scale(value).backward()
+            if distributed:
+                all_reduce_mean_([p.grad for p in loss_params if p.grad is not None])
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
             loss_sum += value.detach()
             loss_count += 1
         if epoch % config.eval_every == 0:
+            if fixed_budget:
+                log_train_loss(epoch)
+                continue
             evaluate(epoch)
             if config.patience is not None and epoch - best["epoch"] > config.patience:
                 return result("ok", f"early stop at epoch {epoch}: best epoch {best['epoch']}", epoch, True)
+    if fixed_budget:
+        best.update(epoch=config.max_epochs, state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
     return result("ok", "", config.max_epochs)

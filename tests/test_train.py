@@ -14,7 +14,7 @@ from torch import nn
 import dml_core.train as train_mod
 from dml_core.data import ImageDataset, synthetic, train_transform
 from dml_core.models import EmbeddingModel
-from dml_core.train import FoldResult, TrainConfig, _optimizers, embed, train_fold
+from dml_core.train import FoldResult, TrainConfig, _optimizer, embed, train_fold
 
 IMAGE = 16
 
@@ -217,12 +217,12 @@ def test_amp_is_ignored_on_cpu():
 def test_optimiser_groups_trunk_embedder_loss():
     model = make_model()
     cfg = config()
-    opts = _optimizers(model, PairLoss(), cfg)
-    assert len(opts) == 2, "no loss optimiser for a loss without parameters"
-    opts = _optimizers(model, ProxyLoss(4, 8), config(loss_lr=0.25, loss_weight_decay=0.0))
-    assert len(opts) == 3
-    assert all(isinstance(o, torch.optim.RMSprop) for o in opts)
-    trunk, emb, loss = (o.param_groups[0] for o in opts)
+    opt = _optimizer(model, PairLoss(), cfg)
+    assert [g["name"] for g in opt.param_groups] == ["trunk", "embedder"], "no loss group without parameters"
+    opt = _optimizer(model, ProxyLoss(4, 8), config(loss_lr=0.25, loss_weight_decay=0.0))
+    assert isinstance(opt, torch.optim.RMSprop)
+    assert [g["name"] for g in opt.param_groups] == ["trunk", "embedder", "loss"]
+    trunk, emb, loss = opt.param_groups
     assert (trunk["lr"], trunk["weight_decay"], trunk["momentum"]) == (1e-6, 1e-4, 0.9)  # protocol §3
     assert (emb["lr"], emb["weight_decay"], emb["momentum"]) == (1e-6, 1e-4, 0.9)
     assert (loss["lr"], loss["weight_decay"], loss["momentum"]) == (0.25, 0.0, 0.9)

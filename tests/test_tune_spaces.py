@@ -73,3 +73,32 @@ def test_malformed_file_errors_name_file_and_field(tmp_path):
     (tmp_path / "bad.yaml").unlink()
     with pytest.raises(SpaceError, match="no search space for loss 'nope'"):
         load_space("nope", tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(SPACES))
+def test_every_searched_parameter_has_a_paper_default_inside_its_bounds(name):
+    """A direct caller (and the sweep's 'defaults' corner) gets a sourced value, never a midpoint or a library
+    fallback such as TrainConfig.loss_lr (issue 11.4)."""
+    space = SPACES[name]
+    missing = sorted(set(space.params) - set(space.paper_defaults))
+    assert not missing, f"{space.path.name}: searched without a paper_defaults value: {missing}"
+    for key, p in space.params.items():
+        value = space.paper_defaults[key]
+        assert p.contains(value), f"{space.path.name}: {key}={value!r} outside {p.describe()}"
+
+
+def test_every_paper_default_is_commented_with_its_source():
+    """Each paper_defaults line (or the comment block just above it) cites a spec/paper section ('§')."""
+    for name, space in SPACES.items():
+        lines = space.path.read_text(encoding="utf-8").splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("paper_defaults:"))
+        comment_above = False
+        for line in lines[start + 1:]:
+            if not line.startswith(" "):
+                break
+            if line.strip().startswith("#"):
+                comment_above = comment_above or "§" in line or "Table" in line
+                continue
+            cited = "§" in line or "Table" in line or comment_above or "MLRC" in line
+            assert cited, f"{space.path.name}: paper_defaults line without a source: {line.strip()!r}"
+            comment_above = False

@@ -11,6 +11,11 @@ special-cases a loss by name:
                        anchors per class for Group Loss).
 * ``model``          – the model recipe of the paper (pooling, LayerNorm); the pipeline
                        applies it unless the user's config overrides it.
+* ``loss_weight_decay`` – weight decay of the loss-parameter optimiser.
+
+:func:`build_loss` records the registry name on the module it returns (``module.registry_name``), so
+:func:`dml_core.train.train_fold` finds the loss's own ``loss_weight_decay`` without the caller
+passing it: a direct caller trains exactly as the sweep does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+# MLRC's loss-optimiser weight decay (protocol spec §3) lives with TrainConfig's other defaults.
+from dml_core.train import MLRC_LOSS_WEIGHT_DECAY
 
 __all__ = [
     "BatchSpec",
@@ -31,6 +39,8 @@ __all__ = [
     "build_loss",
     "list_losses",
     "loss_info",
+    "MLRC_LOSS_WEIGHT_DECAY",
+    "registered_info",
 ]
 
 
@@ -72,7 +82,7 @@ class LossInfo:
     description: str = ""
     #: Weight decay of the loss-parameter optimiser.  MLRC: RMSprop with weight decay 1e-4 for
     #: proxies/class weights, but none for Margin's beta (protocol spec §3, "*_no_weight_decay" runs).
-    loss_weight_decay: float = 1e-4
+    loss_weight_decay: float = MLRC_LOSS_WEIGHT_DECAY
 
 
 _REGISTRY: dict[str, LossInfo] = {}
@@ -88,7 +98,7 @@ def register(
     batch: BatchSpec | None = None,
     model: ModelRecipe | None = None,
     description: str = "",
-    loss_weight_decay: float = 1e-4,
+    loss_weight_decay: float = MLRC_LOSS_WEIGHT_DECAY,
 ):
     """Class/function decorator adding a loss factory to the registry.
 
@@ -199,4 +209,12 @@ def build_loss(name: str, *, num_classes: int, embedding_dim: int, **params: Any
     for w in wrappers:
         _check_params(f"loss wrapper {w!r}", _WRAPPERS[w], wrapper_params[w], {"base"})
         module = _WRAPPERS[w](module, **wrapper_params[w])
+    # Plain attribute (not a buffer): invisible to state_dict, survives pickling and deepcopy.
+    module.registry_name = name
     return module
+
+
+def registered_info(loss: torch.nn.Module) -> LossInfo | None:
+    """The registry metadata of a module built by :func:`build_loss` (``None`` for any other module)."""
+    name = getattr(loss, "registry_name", None)
+    return loss_info(name) if isinstance(name, str) else None
