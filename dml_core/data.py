@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -268,31 +267,12 @@ def read_parquet_manifest(uri, *, endpoint_url: str | None = None, cache_dir=Non
 def iter_omniglot(zip_dir: str | os.PathLike):
     """Yield (relpath 'Alphabet/characterNN/file.png', png bytes, source zip name), deduplicated across zips.
 
-    The two `images_background_small*.zip` files both contain Greek and Latin with identical files; a relpath
-    seen twice must have identical bytes (else ValueError naming both zips)."""
-    import hashlib
+    The reading (entry names kept inside the zip, corrupt zips and members named, the two small background zips'
+    shared Greek and Latin files checked identical) is :func:`dml_core.datasets.omniglot.iter_zips`'."""
+    from dml_core.datasets.omniglot import iter_zips
 
-    zip_dir = Path(zip_dir)
-    zips = sorted(zip_dir.glob("images_*.zip"))
-    if not zips:
-        raise FileNotFoundError(f"no Omniglot images_*.zip files in {zip_dir}")
-    seen: dict[str, tuple[str, str]] = {}
-    for zpath in zips:
-        with zipfile.ZipFile(zpath) as zf:
-            for name in sorted(zf.namelist()):
-                parts = name.split("/")
-                # <zip root>/<alphabet>/<character>/<file>.png; skip directories and OS litter
-                if len(parts) != 4 or not parts[3].lower().endswith(".png") or parts[0].startswith("__MACOSX"):
-                    continue
-                rel = "/".join(parts[1:])
-                data = zf.read(name)
-                digest = hashlib.sha256(data).hexdigest()
-                if rel in seen:
-                    if seen[rel][1] != digest:
-                        raise ValueError(f"Omniglot: {rel} differs between {seen[rel][0]} and {zpath.name}")
-                    continue
-                seen[rel] = (zpath.name, digest)
-                yield rel, data, zpath.name
+    for rel, data, source in iter_zips(zip_dir):
+        yield rel, data, Path(source.split(": ")[0]).name
 
 
 def read_omniglot(zip_dir: str | os.PathLike) -> ImageTable:

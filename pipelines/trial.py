@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from dml_core.losses import loss_info
 from pipelines.fold import METRIC_KEYS, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS, fold_worker
 from pipelines.spaces import LOSS_LR
 
@@ -97,8 +96,6 @@ def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fo
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
     train = dict(ctx.train, seed=seed + fold.index)
-    # The loss's own weight decay (e.g. 0 for Margin's beta, as MLRC ran it) unless the config sets one.
-    train.setdefault("loss_weight_decay", loss_info(ctx.loss).loss_weight_decay)
     if LOSS_LR in values:
         train["loss_lr"] = float(values[LOSS_LR])
     return {

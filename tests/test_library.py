@@ -120,7 +120,7 @@ def test_sweep_protocol_defaults_are_the_library_defaults():
     """One place decides: the sweep's schema defaults equal TrainConfig's field defaults."""
     config = pytest.importorskip("pipelines.config")
     lib = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    proto = {f.name: f.default for f in dataclasses.fields(config.ProtocolSpec)}
+    proto = {name: f.default for name, f in config.ProtocolSpec.model_fields.items()}  # pydantic schema
     for key in ("iters_per_epoch", "max_epochs", "eval_every", "patience"):
         assert proto[key] == lib[key], f"ProtocolSpec.{key} = {proto[key]} but TrainConfig.{key} = {lib[key]}"
     presets = pytest.importorskip("pipelines.presets")
