@@ -27,6 +27,7 @@ neighbour indices, so nothing of size N×N (or #classes × N) is ever allocated.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -35,6 +36,8 @@ import faiss
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from dml_core.knn import self_knn
 
 __all__ = ["RetrievalDetails", "retrieval_details", "retrieval_metrics", "ndcg_at_k", "normalized_mutual_info"]
 
@@ -292,7 +295,11 @@ def _kmeans_assignments(x: np.ndarray, n_clusters: int, use_gpu: bool) -> np.nda
 # ----------------------------------------------------------------------------------------------------
 # the public entry points
 
-BACKENDS = ("auto", "faiss")
+BACKENDS = ("auto", "torch", "faiss")
+
+#: The symmetric torch search keeps every row's top-k in memory at once (int64): above this many
+#: entries (N × (depth + 1)) ``backend="auto"`` uses faiss's query-blocked search instead.
+SYMMETRIC_MAX_ENTRIES = 1 << 27
 
 
 @dataclass
@@ -321,10 +328,25 @@ class RetrievalDetails:
     per_class: dict[int, dict[str, float]]
 
 
-def _check_backend(backend: str) -> str:
+def _check_backend(backend: str, loo: bool) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "torch" and not loo:
+        raise ValueError("backend 'torch' (symmetric search) is for leave-one-out only; "
+                         "a query set is searched with backend 'faiss' or 'auto'")
     return backend
+
+
+@contextlib.contextmanager
+def _faiss_threads():
+    """faiss (its own OpenMP pool) uses torch's thread count for the call: one knob, and no
+    oversubscription inside Ray workers, whose torch thread count follows the task's CPUs."""
+    old = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(max(1, torch.get_num_threads()))
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(old)
 
 
 def _evaluate(
@@ -343,9 +365,19 @@ def _evaluate(
     """The single implementation behind ``retrieval_metrics`` and ``retrieval_details``."""
     recall_ks = _ks(recall_ks, "recall_ks")
     ndcg_ks = _ks(ndcg_ks, "ndcg_ks")
-    _check_backend(backend)
     if (query_embeddings is None) != (query_labels is None):
         raise ValueError("query_embeddings and query_labels must be given together")
+    _check_backend(backend, loo=query_embeddings is None)
+    with _faiss_threads():
+        return _evaluate_checked(
+            embeddings, labels, query_embeddings=query_embeddings, query_labels=query_labels,
+            recall_ks=recall_ks, ndcg_ks=ndcg_ks, normalize=normalize, nmi=nmi, backend=backend,
+            details=details,
+        )
+
+
+def _evaluate_checked(embeddings, labels, *, query_embeddings, query_labels, recall_ks, ndcg_ks, normalize,
+                      nmi, backend, details):
 
     use_gpu = (_is_cuda(embeddings) or _is_cuda(query_embeddings)) and _gpu_available()
     ref_t = _embedding_matrix(embeddings, "embeddings")
@@ -361,14 +393,12 @@ def _evaluate(
                 f"query_embeddings have {q_t.shape[1]} dims but embeddings have {ref_t.shape[1]}"
             )
 
-    def to_numpy(t: torch.Tensor) -> np.ndarray:
-        if normalize:
-            t = F.normalize(t, p=2, dim=1)
-        return np.ascontiguousarray(t.cpu().numpy(), dtype=np.float32)
-
-    ref = to_numpy(ref_t)
-    query = ref if loo else to_numpy(q_t)
-    del ref_t, q_t
+    if normalize:
+        ref_t = F.normalize(ref_t, p=2, dim=1)
+        q_t = ref_t if loo else F.normalize(q_t, p=2, dim=1)
+    ref = np.ascontiguousarray(ref_t.cpu().numpy(), dtype=np.float32)
+    query = ref if loo else np.ascontiguousarray(q_t.cpu().numpy(), dtype=np.float32)
+    del q_t
     n_self = 1 if loo else 0
     n_q = len(query)
 
@@ -390,14 +420,21 @@ def _evaluate(
     # alone search only the queries they average over.
     max_r = int(r_all[valid].max()) if valid.any() else 0
     depth = min(max(max_r, max(recall_ks + ndcg_ks, default=1)), len(ref) - n_self)
-    searched = np.arange(n_q) if details else np.flatnonzero(valid)
+    if backend == "auto":
+        backend = "torch" if loo and n_q * (depth + 1) <= SYMMETRIC_MAX_ENTRIES else "faiss"
+    searched = np.arange(n_q) if details or backend == "torch" else np.flatnonzero(valid)
     knn_idx = np.zeros((n_q, depth), dtype=np.int64) if details else None
     knn_sim = np.zeros((n_q, depth), dtype=np.float32) if details else None
     if depth >= 1 and len(searched):
-        search = _FlatL2Search(ref, depth + n_self, use_gpu)
-        for block in _query_blocks(len(searched), depth + n_self, ref.shape[1]):
-            rows = searched[block]
-            idx = search(query[rows])
+        if backend == "torch":
+            # one search of the whole set against itself, each pair's distance computed once
+            _, idx = self_knn(ref_t, depth + 1)
+            blocks = [(searched, idx.cpu().numpy())]
+        else:
+            search = _FlatL2Search(ref, depth + n_self, use_gpu)
+            blocks = ((searched[b], search(query[searched[b]]))
+                      for b in _query_blocks(len(searched), depth + n_self, ref.shape[1]))
+        for rows, idx in blocks:
             if loo:
                 idx = _remove_self(idx, rows)
             if details:
@@ -409,7 +446,8 @@ def _evaluate(
                 match = ref_codes[idx] == q_codes[rows][:, None]
                 for name, value in _per_query(match, r_all[rows], recall_ks, ndcg_ks).items():
                     per_query[name][rows] = value
-        del search
+        del blocks
+    del ref_t
 
     n_valid = int(valid.sum())
     out = {name: (float(np.mean(per_query[name][valid])) if n_valid else float("nan")) for name in names}
