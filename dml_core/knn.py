@@ -41,7 +41,7 @@ TILE_CPU = 2048
 TILE_CUDA = 8192
 
 #: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
-CHUNK = 64
+CHUNK = 32
 
 #: Number of sample columns used to start every row's threshold (at least 4·k, at most N).
 SAMPLE = 256
@@ -76,15 +76,16 @@ def _ieee_fp32(device: torch.device):
 
 
 def _keys(norm_t: torch.Tensor, norm_r: torch.Tensor, sim: torch.Tensor) -> torch.Tensor:
-    """float32 squared L2 distance from norms and dot products, as faiss forms it; −0 and negative
-    round-off become +0 so that the float bits order like the values."""
-    d = (norm_t + norm_r) - 2.0 * sim
-    return torch.where(d > 0, d, torch.zeros_like(d))
+    """float32 squared L2 distance from norms and dot products as faiss forms it, (n_t + n_r) − 2·s
+    (one rounding after the sum: 2·s is exact), negative round-off clamped to 0."""
+    return torch.sub(norm_t + norm_r, sim, alpha=2).clamp_min_(0)
 
 
 def _composite(keys: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """int64 (key bits << 32 | reference index): orders like (key, index) for keys >= +0."""
-    return (keys.contiguous().view(torch.int32).to(torch.int64) << _IDX_BITS) | ref
+    """int64 (key bits << 32 | reference index): orders like (key, index) for keys >= 0 (−0 made +0,
+    whose bits would sort first)."""
+    keys = torch.where(keys > 0, keys, torch.zeros_like(keys))
+    return (keys.view(torch.int32).to(torch.int64) << _IDX_BITS) | ref
 
 
 def _decode_keys(comp: torch.Tensor) -> torch.Tensor:
