@@ -23,7 +23,7 @@ neighbours whose distances agree to float32 precision.
 
 Memory is O(N·k + tile²): the running top-k (int64 composite keys) and one tile at a time, never N×N.
 Most of a tile is never looked at elementwise: per row (and per column) the maximum similarity of each
-64-wide chunk is compared with that row's admission threshold (derived from its current k-th distance), and
+``CHUNK``-wide chunk is compared with that row's admission threshold (derived from its current k-th distance), and
 only the chunks that can hold a better neighbour are gathered.  Runs on CPU or CUDA tensors with torch's
 thread count (``torch.get_num_threads()``); CUDA matmuls run in full fp32 (TF32 off for the call).
 """
@@ -59,20 +59,18 @@ def _ieee_fp32(device: torch.device):
         yield
         return
     m = torch.backends.cuda.matmul
-    if hasattr(m, "fp32_precision"):
-        old = m.fp32_precision
-        m.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            m.fp32_precision = old
-    else:  # older torch
+    try:  # the legacy flag, unless the caller has used torch's newer fp32_precision API (mixing raises)
         old = m.allow_tf32
         m.allow_tf32 = False
-        try:
-            yield
-        finally:
-            m.allow_tf32 = old
+        restore = lambda: setattr(m, "allow_tf32", old)  # noqa: E731
+    except RuntimeError:
+        old = m.fp32_precision
+        m.fp32_precision = "ieee"
+        restore = lambda: setattr(m, "fp32_precision", old)  # noqa: E731
+    try:
+        yield
+    finally:
+        restore()
 
 
 def _keys(norm_t: torch.Tensor, norm_r: torch.Tensor, sim: torch.Tensor) -> torch.Tensor:

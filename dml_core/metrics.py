@@ -4,11 +4,12 @@
 
 * ``precision_at_1``, ``r_precision``, ``map_at_r`` -- Musgrave et al., "A Metric Learning Reality
   Check" (ECCV 2020) §3.2.  MAP@R(q) = (1/R) Σ_{i=1..R} P(i)·rel(i), R = number of references of the
-  query's class (minus the query itself when it is part of the reference set).  Values equal
-  pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")`` (spec
-  ``protocol_reality_check.md`` §5): same lone-query exclusion, same self-exclusion (the query's own
-  index is removed wherever it ranks; if it is not among the k+1 results the last column is dropped),
-  same faiss ``IndexFlatL2`` search, queries averaged micro (one query = one vote).
+  query's class (minus the query itself when it is part of the reference set); R-Precision(q) = (hits
+  among the first R)/R.  Values equal pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")``
+  (spec ``protocol_reality_check.md`` §5): same lone-query exclusion, same self-exclusion (the query's
+  own index is removed wherever it ranks; if it is not among the k+1 results the last column is
+  dropped), the same exact L2 ranking with ties broken by the smaller index (faiss ``IndexFlatL2``),
+  queries averaged micro (one query = one vote).
 * ``recall_at_{k}`` -- the "Recall@k" of DML papers: the fraction of queries with at least one
   same-class item among their k nearest neighbours (MPA paper §4 / spec ``loss_multi_proxy_anchor.md``
   §1.7).  ``recall_at_1 == precision_at_1``.
@@ -20,9 +21,16 @@
   default seed, exactly PML's ``FaissKMeans(niter=20)``; NMI with sklearn's
   ``normalized_mutual_info_score`` semantics (arithmetic mean of the two entropies).
 
-Memory: the kNN search runs over query blocks and keeps only ``k = max R`` neighbours per query
-(plus the largest requested recall/nDCG k), and the metrics are computed block by block from the
-neighbour indices, so nothing of size N×N (or #classes × N) is ever allocated.
+kNN search (``backend``): leave-one-out sets go by default (``"auto"``) through ``dml_core.knn.self_knn``,
+an exact symmetric search in torch (CPU or CUDA, where the embeddings are) that computes each pair's
+distance once and returns faiss's (distance, index) order; a query set (In-Shop), or a top-k state too
+large for memory (``SYMMETRIC_MAX_ENTRIES``), goes through faiss's flat search (``"faiss"``; a GPU
+index for CUDA inputs when faiss has GPUs).  faiss runs with ``torch.get_num_threads()`` threads.
+
+Memory: the searches keep only ``k = max R`` neighbours per query (plus the largest requested
+recall/nDCG k) -- faiss over query blocks, the symmetric search over tiles -- and the metrics are
+computed block by block from the neighbour indices, so nothing of size N×N (or #classes × N) is ever
+allocated.  ``retrieval_details`` also returns the neighbours, per-query and per-class values.
 """
 
 from __future__ import annotations
@@ -517,11 +525,13 @@ def retrieval_metrics(
     global values are the means of the per-query values (``retrieval_details`` exposes them).
 
     Embeddings are L2-normalised (``normalize=True``, torch ``F.normalize``) and searched with exact L2
-    distance through faiss; on CUDA inputs a faiss GPU index is used when faiss has GPUs.  Inputs are
-    torch tensors (CPU or CUDA) or numpy arrays; labels are integer class ids.  Returns python floats.
+    distance, ties broken by the smaller index.  ``backend="auto"``: leave-one-out through the
+    symmetric torch search (``dml_core.knn.self_knn``, on the embeddings' device), a query set through
+    faiss (a GPU index on CUDA inputs when faiss has GPUs); ``"torch"`` / ``"faiss"`` force one.  Inputs
+    are torch tensors (CPU or CUDA) or numpy arrays; labels are integer class ids.  Returns python floats.
 
     ``nmi=False`` skips the k-means clustering (and the ``nmi`` key): it is most of the cost on large sets
-    and checkpoint selection needs only MAP@R.  ``backend`` picks the kNN search (``"auto"``, ``"faiss"``).
+    and checkpoint selection needs only MAP@R.
     """
     return _evaluate(
         embeddings, labels, query_embeddings=query_embeddings, query_labels=query_labels,
