@@ -219,6 +219,7 @@ def main() -> None:
                 if "ours" in runs and "ours-faiss" in runs:
                     same = {k: k for k in runs["ours"][0]["values"]}
                     checks.append(f"max|ours − ours-faiss| {max(_max_diff(a['values'], b['values'], same) for a, b in zip(runs['ours'], runs['ours-faiss'])):.1e}")
+                print(f"  N={n} threads={threads}: " + "; ".join(checks), flush=True)
                 details.append((n, threads, runs, checks))
     print(f"loadavg_after={' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for n, threads, runs, checks in details:

@@ -23,9 +23,11 @@
 
 kNN search (``backend``): leave-one-out sets go by default (``"auto"``) through ``dml_core.knn.self_knn``,
 an exact symmetric search in torch (CPU or CUDA, where the embeddings are) that computes each pair's
-distance once and returns faiss's (distance, index) order; a query set (In-Shop), or a top-k state too
-large for memory (``SYMMETRIC_MAX_ENTRIES``), goes through faiss's flat search (``"faiss"``; a GPU
-index for CUDA inputs when faiss has GPUs).  faiss runs with ``torch.get_num_threads()`` threads.
+distance once and returns faiss's (distance, index) order -- on CPU from ``SYMMETRIC_MIN_ROWS_CPU`` rows
+on, where it is the faster one.  A query set (In-Shop), a small CPU set, or a top-k state too large for
+memory (``SYMMETRIC_MAX_ENTRIES``) goes through faiss's flat search (``"faiss"``; a GPU index for CUDA
+inputs when faiss has GPUs).  Both give the same neighbours on exact ties (tests/test_knn.py).  faiss
+runs with ``torch.get_num_threads()`` threads.
 
 Memory: the searches keep only ``k = max R`` neighbours per query (plus the largest requested
 recall/nDCG k) -- faiss over query blocks, the symmetric search over tiles -- and the metrics are
@@ -309,6 +311,11 @@ BACKENDS = ("auto", "torch", "faiss")
 #: entries (N × (depth + 1)) ``backend="auto"`` uses faiss's query-blocked search instead.
 SYMMETRIC_MAX_ENTRIES = 1 << 27
 
+#: Below this many rows, CPU leave-one-out goes through faiss under ``backend="auto"``: the symmetric
+#: search's per-tile overhead outweighs the halved GEMM on small sets (bench/README_metrics.md: 1.4× faiss's
+#: time at 10k, 0.76× at 100k, one thread).  CUDA inputs always take the symmetric search.
+SYMMETRIC_MIN_ROWS_CPU = 50_000
+
 
 @dataclass
 class RetrievalDetails:
@@ -429,7 +436,8 @@ def _evaluate_checked(embeddings, labels, *, query_embeddings, query_labels, rec
     max_r = int(r_all[valid].max()) if valid.any() else 0
     depth = min(max(max_r, max(recall_ks + ndcg_ks, default=1)), len(ref) - n_self)
     if backend == "auto":
-        backend = "torch" if loo and n_q * (depth + 1) <= SYMMETRIC_MAX_ENTRIES else "faiss"
+        big_enough = n_q >= SYMMETRIC_MIN_ROWS_CPU or ref_t.is_cuda
+        backend = "torch" if loo and big_enough and n_q * (depth + 1) <= SYMMETRIC_MAX_ENTRIES else "faiss"
     searched = np.arange(n_q) if details or backend == "torch" else np.flatnonzero(valid)
     knn_idx = np.zeros((n_q, depth), dtype=np.int64) if details else None
     knn_sim = np.zeros((n_q, depth), dtype=np.float32) if details else None
@@ -526,8 +534,9 @@ def retrieval_metrics(
 
     Embeddings are L2-normalised (``normalize=True``, torch ``F.normalize``) and searched with exact L2
     distance, ties broken by the smaller index.  ``backend="auto"``: leave-one-out through the
-    symmetric torch search (``dml_core.knn.self_knn``, on the embeddings' device), a query set through
-    faiss (a GPU index on CUDA inputs when faiss has GPUs); ``"torch"`` / ``"faiss"`` force one.  Inputs
+    symmetric torch search (``dml_core.knn.self_knn``, on the embeddings' device; on CPU from
+    ``SYMMETRIC_MIN_ROWS_CPU`` rows), otherwise and for a query set through faiss (a GPU index on CUDA
+    inputs when faiss has GPUs); ``"torch"`` / ``"faiss"`` force one.  Inputs
     are torch tensors (CPU or CUDA) or numpy arrays; labels are integer class ids.  Returns python floats.
 
     ``nmi=False`` skips the k-means clustering (and the ``nmi`` key): it is most of the cost on large sets

@@ -190,7 +190,7 @@ def test_metrics_identical_to_faiss_backend_and_pml_on_tied_uneven_data(make, no
     ref = pml(F.normalize(torch.from_numpy(x)) if normalize else x, y)
     for k, pk in PML_KEYS.items():
         assert abs(ours.metrics[k] - ref[pk]) <= 1e-12, k  # PML sums in another order
-    assert retrieval_metrics(x, y, normalize=normalize, nmi=False, **KS) == ours.metrics  # auto = torch
+    assert retrieval_metrics(x, y, normalize=normalize, nmi=False, **KS) == ours.metrics  # auto
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -211,6 +211,10 @@ def test_auto_backend_picks_symmetric_for_leave_one_out_and_faiss_for_a_query_se
     real = M._FlatL2Search.__call__
     monkeypatch.setattr(M._FlatL2Search, "__call__", lambda s, q: used.append("faiss") or real(s, q))
     x, y = clustered(12)
+    retrieval_metrics(x, y, nmi=False)
+    assert set(used) == {"faiss"}  # a small CPU set: faiss is faster there
+    used.clear()
+    monkeypatch.setattr(M, "SYMMETRIC_MIN_ROWS_CPU", 100)
     retrieval_metrics(x, y, nmi=False)
     assert set(used) == {"torch"}
     used.clear()
