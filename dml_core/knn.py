@@ -15,16 +15,22 @@ Result semantics are faiss's exact flat L2 search of the set against itself (``f
   lexicographic (distance, index) order; here the order is made exact by ranking 64-bit composite keys
   (float bits << 32 | index), which have no ties at all.
 
-Rows and columns see the same float32 key for a pair (the key is computed once per pair), so the result is
-the same whichever of the two tiles' directions produced it.  Keys equal faiss's bit for bit when the
-products and sums are exact (quantised data) or the vectors are duplicates; on generic data the two GEMMs
-(faiss's BLAS vs torch's) may round a pair's distance differently in the last bit, which can only swap two
-neighbours whose distances agree to float32 precision.
+Off a diagonal tile, row i and row j see the very same float32 key for the pair (it is computed once);
+a diagonal tile holds both orders of its pairs.  Every GEMM has the same tile × tile shape (X is padded with
+masked zero rows), because BLAS libraries choose kernels -- and summation orders -- by shape: duplicated
+rows then get bit-identical keys wherever they sit, and tie.  Keys equal faiss's bit for bit when the
+products and sums are exact (quantised data); on generic data the two GEMMs (faiss's BLAS vs torch's) may
+round a pair's distance differently in the last bit, which can only swap two neighbours whose distances
+agree to float32 precision.
+
+Order of work: rows are grouped into blocks by a few Lloyd iterations (near rows together); the diagonal
+tiles run first and in full, so every row starts with its k best within its block as an exact threshold;
+then the off-diagonal tiles, nearest block pairs first.
 
 Memory is O(N·k + tile²): the running top-k (int64 composite keys) and one tile at a time, never N×N.
 Most of a tile is never looked at elementwise: per row (and per column) the maximum similarity of each
-``CHUNK``-wide chunk is compared with that row's admission threshold (derived from its current k-th distance), and
-only the chunks that can hold a better neighbour are gathered.  Runs on CPU or CUDA tensors with torch's
+``CHUNK``-wide chunk is compared with that row's admission threshold (from its current k-th distance),
+and only the chunks that can hold a better neighbour are gathered.  Runs on CPU or CUDA tensors with torch's
 thread count (``torch.get_num_threads()``); CUDA matmuls run in full fp32 (TF32 off for the call).
 """
 
@@ -42,9 +48,6 @@ TILE_CUDA = 8192
 
 #: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
 CHUNK = 32
-
-#: Number of sample columns used to start every row's threshold (at least 4·k, at most N).
-SAMPLE = 256
 
 _IDX_BITS = 32
 _IDX_MASK = (1 << _IDX_BITS) - 1
