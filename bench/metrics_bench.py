@@ -1,23 +1,28 @@
-"""Benchmark: dml_core.metrics.retrieval_metrics vs pytorch-metric-learning's AccuracyCalculator.
+"""Benchmark: dml_core.metrics.retrieval_metrics (symmetric search and faiss backend) vs
+pytorch-metric-learning's AccuracyCalculator vs faiss's raw exact flat search.
 
-For each N (default 10k and 100k, D = 128, CPU) it builds a clustered data set with realistic class
-structure (~10 images per class, sizes 2..18, plus 1% singleton classes, like SOP), then runs each side
-in its own subprocess so that peak RSS is attributable:
+For each N (default 10k and 100k, D = 128, CPU) and each thread count (default 1 and 2) it builds a
+clustered data set with realistic class structure (~10 images per class, sizes 2..18, plus 1% singleton
+classes, like SOP), then runs each side in its own subprocess so that peak RSS is attributable:
 
-* ours: ``retrieval_metrics(x, labels)`` (normalises; P@1, RP, MAP@R, Recall@{1,2,4,8}, nDCG@{2,4,8}, NMI)
-* PML:  ``AccuracyCalculator(k="max_bin_count", include=(P@1, RP, MAP@R, NMI))`` on ``F.normalize(x)``
-  (PML's other default metrics -- AMI, MAP, MRR -- are excluded: we do not compute them).
+* ours:       ``retrieval_metrics(x, labels, backend="torch")``: the symmetric leave-one-out search
+              (``dml_core.knn.self_knn``: each X·Xᵀ tile once); P@1, RP, MAP@R, Recall@{1,2,4,8}, nDCG@{2,4,8}
+* ours-faiss: ``retrieval_metrics(x, labels, backend="faiss")``: the same metrics over faiss's flat search
+* PML:        ``AccuracyCalculator(k="max_bin_count", include=(P@1, RP, MAP@R))`` on ``F.normalize(x)``
+* faiss-raw:  ``faiss.knn(xn, xn, depth + 1)`` alone on the normalised data (the exact flat search both
+              ours-faiss and PML run; the floor the symmetric search is measured against)
 
-Each child reports the wall time of the metric call and its peak RSS (``ru_maxrss``), plus the RSS
-right before the call (imports + data) so the call's own footprint is visible.  The parent prints the
-values, the largest absolute difference over the shared metrics, the time ratio and the size of an
-N×N float32 matrix for comparison.
+NMI (k-means) is off by default (``--nmi`` adds it to ours, ours-faiss and PML): it is the same faiss
+k-means on every side and would dominate the times.  Each child reports the wall time of its call, its
+CPU time and its peak RSS (``ru_maxrss``) plus the RSS right before the call (imports + data).  Sides
+alternate their order between repeats; ratios are given both as ratio of the fastest runs and as the
+median of the per-repeat (paired) ratios, which is the number to trust on a shared machine.
 
-    python bench/metrics_bench.py                      # N = 10k, 100k
-    python bench/metrics_bench.py --sizes 2000 20000   # quick
-    python bench/metrics_bench.py --sizes 1000000 --sides ours --no-nmi --repeats 1
-                                                       # 1M × 128: ours only (PML's class × N matrix would be
-                                                       # ~100 GB); kNN metrics only (k-means on 1M would take hours)
+    python bench/metrics_bench.py                                  # N = 10k, 100k; 1 and 2 threads
+    python bench/metrics_bench.py --sizes 2000 20000 --threads 1   # quick
+    python bench/metrics_bench.py --sizes 1000000 --sides ours --repeats 1 --threads 2
+                                                                   # 1M × 128: ours only (PML's class × N
+                                                                   # matrix would be ~100 GB)
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ SHARED = {  # ours -> PML key
     "map_at_r": "mean_average_precision_at_r",
     "nmi": "NMI",
 }
+SIDES = ("ours", "ours-faiss", "pml", "faiss-raw")
 
 
 def make_data(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -75,6 +81,12 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _depth(labels: np.ndarray, ks=(8,)) -> int:
+    """retrieval_metrics' search depth: max(largest R, largest recall/nDCG k), capped at N − 1."""
+    r_max = int(np.bincount(np.unique(labels, return_inverse=True)[1]).max()) - 1
+    return min(max(r_max, *ks), len(labels) - 1)
+
+
 def child(side: str, path: str, threads: int, nmi: bool) -> None:
     """One measurement in a fresh process; prints one JSON line."""
     import faiss
@@ -87,7 +99,7 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
     x, labels = data["x"], data["labels"]
     spent = {"knn": 0.0, "kmeans": 0.0}
 
-    def timed(fn, key):  # wall time inside the faiss kNN search / k-means, to split the total
+    def timed(fn, key):  # wall time inside the kNN search / k-means, to split the total
         def wrapper(*a, **kw):
             t = time.perf_counter()
             try:
@@ -97,17 +109,18 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
 
         return wrapper
 
-    if side == "ours":
+    if side in ("ours", "ours-faiss"):
         import dml_core.metrics as M
 
-        search_call = M._FlatL2Search.__call__
-        M._FlatL2Search.__call__ = timed(search_call, "knn")
+        M.self_knn = timed(M.self_knn, "knn")
+        M._FlatL2Search.__call__ = timed(M._FlatL2Search.__call__, "knn")
         M._kmeans_assignments = timed(M._kmeans_assignments, "kmeans")
+        backend = "torch" if side == "ours" else "faiss"
         rss0, cpu0 = _rss_mb(), _cpu_s()
         t0 = time.perf_counter()
-        values = M.retrieval_metrics(x, labels, nmi=nmi)
+        values = M.retrieval_metrics(x, labels, nmi=nmi, backend=backend)
         seconds = time.perf_counter() - t0
-    else:
+    elif side == "pml":
         from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
         include = tuple(v for k, v in SHARED.items() if nmi or k != "nmi")
@@ -118,9 +131,17 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
         t0 = time.perf_counter()
         values = calc.get_accuracy(F.normalize(torch.from_numpy(x), p=2, dim=1), torch.from_numpy(labels))
         seconds = time.perf_counter() - t0
+    else:  # faiss-raw: the exact flat search alone, same depth as ours (k + 1 with the query itself)
+        xn = np.ascontiguousarray(F.normalize(torch.from_numpy(x), p=2, dim=1).numpy())
+        k = _depth(labels) + 1
+        rss0, cpu0 = _rss_mb(), _cpu_s()
+        t0 = time.perf_counter()
+        faiss.knn(xn, xn, k)
+        seconds = time.perf_counter() - t0
+        spent["knn"] = seconds
+        values = {}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    cpu = resource.getrusage(resource.RUSAGE_SELF)
-    cpu_s = cpu.ru_utime + cpu.ru_stime - cpu0
+    cpu_s = _cpu_s() - cpu0
     print(json.dumps({"seconds": seconds, "rss_before_mb": rss0, "peak_rss_mb": peak, "values": values,
                       "knn_s": spent["knn"], "kmeans_s": spent["kmeans"], "cpu_s": cpu_s}))
 
@@ -136,9 +157,13 @@ def run_side(side: str, path: str, threads: int, nmi: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _pick(runs: list[dict]) -> dict:
-    """The fastest run: on a shared machine the minimum is the run least disturbed by other load."""
-    return min(runs, key=lambda r: r["seconds"])
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def _max_diff(a: dict, b: dict, keys: dict) -> float:
+    return max(abs(a[k] - b[pk]) for k, pk in keys.items())
 
 
 def main() -> None:
@@ -146,78 +171,65 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per side, alternating which side goes first")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="faiss/torch threads in both children (1 = least sensitive to other load)")
-    ap.add_argument("--sides", nargs="+", choices=("ours", "pml"), default=["ours", "pml"],
+    ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternating the side order")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                    help="faiss/torch thread counts to measure (each child uses one)")
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
                     help="which implementations to run (PML cannot run at 1M: its class × N matrix)")
-    ap.add_argument("--no-nmi", dest="nmi", action="store_false",
-                    help="kNN metrics only, on both sides (skips the k-means clustering for NMI)")
+    ap.add_argument("--nmi", action="store_true", help="also NMI (faiss k-means) on ours, ours-faiss and PML")
     ap.add_argument("--child", nargs=4, metavar=("SIDE", "NPZ", "THREADS", "NMI"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]), bool(int(args.child[3])))
         return
 
-    import faiss
-
-    print(f"cpus={os.cpu_count()} threads={args.threads} repeats={args.repeats} "
+    print(f"cpus={os.cpu_count()} threads={args.threads} repeats={args.repeats} nmi={args.nmi} "
           f"loadavg_before={' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    header = ("N", "D", "classes", "max|class|", "ours s (min)", "PML s (min)", "ratio of mins",
-              "median paired ratio", "ours CPU s (min)", "PML CPU s (min)", "CPU ratio",
-              "ours peak MB", "PML peak MB", "N×N f32 MB", "max|Δ|")
+    header = ("N", "threads", "side", "wall s (min)", "CPU s (min)", "kNN s", "peak RSS MB",
+              "× PML (paired median)", "× faiss-raw (paired median)")
     print(" | ".join(header))
-    rows = []
     shared = {k: pk for k, pk in SHARED.items() if args.nmi or k != "nmi"}
-    na = "—"
+    details = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.sizes:
             x, labels = make_data(n, args.dim, args.seed)
             path = str(Path(tmp) / f"data_{n}.npz")
             np.savez(path, x=x, labels=labels)
             del x
-            runs = {side: [] for side in args.sides}
-            for rep in range(args.repeats):
-                for side in args.sides if rep % 2 == 0 else args.sides[::-1]:
-                    load = os.getloadavg()[0]
-                    runs[side].append(run_side(side, path, args.threads, args.nmi) | {"load": load})
-            best = {side: _pick(r) for side, r in runs.items()}
-            ours, ref = best.get("ours"), best.get("pml")
-            cpu = {side: min(r["cpu_s"] for r in rs) for side, rs in runs.items()}
-            peak = {side: max(r["peak_rss_mb"] for r in rs) for side, rs in runs.items()}
-            if ours and ref:
-                diff = f"{max(abs(o['values'][k] - p['values'][pk]) for o, p in zip(runs['ours'], runs['pml']) for k, pk in shared.items()):.1e}"
-                paired = sorted(o["seconds"] / p["seconds"] for o, p in zip(runs["ours"], runs["pml"]))
-                ratios = (f"{ours['seconds'] / ref['seconds']:.3f}", f"{paired[len(paired) // 2]:.3f}",
-                          f"{cpu['ours'] / cpu['pml']:.3f}")
-            else:
-                diff, ratios = na, (na, na, na)
-            counts = np.bincount(labels)
+            for threads in args.threads:
+                runs = {side: [] for side in args.sides}
+                for rep in range(args.repeats):
+                    for side in args.sides if rep % 2 == 0 else args.sides[::-1]:
+                        load = os.getloadavg()[0]
+                        runs[side].append(run_side(side, path, threads, args.nmi) | {"load": load})
+                for side, rs in runs.items():
+                    def paired(other):
+                        if other not in runs or other == side:
+                            return "—"
+                        return f"{_median([a['seconds'] / b['seconds'] for a, b in zip(rs, runs[other])]):.3f}"
 
-            def fmt(side, value, spec):
-                return format(value, spec) if side in best else na
-
-            row = (n, args.dim, len(counts), int(counts.max()),
-                   fmt("ours", ours and ours["seconds"], ".2f"), fmt("pml", ref and ref["seconds"], ".2f"),
-                   ratios[0], ratios[1], fmt("ours", cpu.get("ours"), ".1f"), fmt("pml", cpu.get("pml"), ".1f"),
-                   ratios[2], fmt("ours", peak.get("ours"), ".0f"), fmt("pml", peak.get("pml"), ".0f"),
-                   f"{n * n * 4 / 2**20:.0f}", diff)
-            rows.append((row, runs, best))
-            print(" | ".join(str(v) for v in row), flush=True)
+                    best = min(rs, key=lambda r: r["seconds"])
+                    row = (n, threads, side, f"{best['seconds']:.2f}", f"{min(r['cpu_s'] for r in rs):.1f}",
+                           f"{best['knn_s']:.2f}", f"{max(r['peak_rss_mb'] for r in rs):.0f}",
+                           paired("pml"), paired("faiss-raw"))
+                    print(" | ".join(str(v) for v in row), flush=True)
+                checks = []
+                if "ours" in runs and "pml" in runs:
+                    checks.append(f"max|ours − PML| {max(_max_diff(a['values'], b['values'], shared) for a, b in zip(runs['ours'], runs['pml'])):.1e}")
+                if "ours" in runs and "ours-faiss" in runs:
+                    same = {k: k for k in runs["ours"][0]["values"]}
+                    checks.append(f"max|ours − ours-faiss| {max(_max_diff(a['values'], b['values'], same) for a, b in zip(runs['ours'], runs['ours-faiss'])):.1e}")
+                print(f"  N={n} threads={threads}: " + "; ".join(checks), flush=True)
+                details.append((n, threads, runs, checks))
     print(f"loadavg_after={' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    for row, runs, best in rows:
-        names = {"ours": "ours", "pml": "PML"}
-        print(f"\nN={row[0]}: RSS before the call (imports + data) "
-              + ", ".join(f"{names[s]} {b['rss_before_mb']:.0f} MB" for s, b in best.items()))
+    for n, threads, runs, checks in details:
+        print(f"\nN={n} threads={threads}: " + "; ".join(checks))
         for side, rs in runs.items():
             walls = ", ".join(f"{r['seconds']:.2f} (CPU {r['cpu_s']:.1f}, load {r['load']:.1f})" for r in rs)
-            print(f"  {names[side]:4s} all runs [s]: {walls}")
-        for side, r in best.items():
-            rest = r["seconds"] - r["knn_s"] - r["kmeans_s"]
-            print(f"  {names[side]:4s} fastest {r['seconds']:.2f} s = faiss kNN {r['knn_s']:.2f} + k-means (NMI) "
-                  f"{r['kmeans_s']:.2f} + rest {rest:.2f}; process CPU {r['cpu_s']:.1f} s")
-        for side, r in best.items():
-            print(f"  {names[side] + ':':5s}", {k: round(v, 6) for k, v in r["values"].items()})
+            print(f"  {side:10s} runs [s]: {walls}; RSS before the call {rs[0]['rss_before_mb']:.0f} MB")
+        if "ours" in runs:
+            print("  ours values:", {k: round(v, 6) for k, v in runs["ours"][0]["values"].items()})
+
 
 if __name__ == "__main__":
     main()

@@ -4,11 +4,12 @@
 
 * ``precision_at_1``, ``r_precision``, ``map_at_r`` -- Musgrave et al., "A Metric Learning Reality
   Check" (ECCV 2020) §3.2.  MAP@R(q) = (1/R) Σ_{i=1..R} P(i)·rel(i), R = number of references of the
-  query's class (minus the query itself when it is part of the reference set).  Values equal
-  pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")`` (spec
-  ``protocol_reality_check.md`` §5): same lone-query exclusion, same self-exclusion (the query's own
-  index is removed wherever it ranks; if it is not among the k+1 results the last column is dropped),
-  same faiss ``IndexFlatL2`` search, queries averaged micro (one query = one vote).
+  query's class (minus the query itself when it is part of the reference set); R-Precision(q) = (hits
+  among the first R)/R.  Values equal pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")``
+  (spec ``protocol_reality_check.md`` §5): same lone-query exclusion, same self-exclusion (the query's
+  own index is removed wherever it ranks; if it is not among the k+1 results the last column is
+  dropped), the same exact L2 ranking with ties broken by the smaller index (faiss ``IndexFlatL2``),
+  queries averaged micro (one query = one vote).
 * ``recall_at_{k}`` -- the "Recall@k" of DML papers: the fraction of queries with at least one
   same-class item among their k nearest neighbours (MPA paper §4 / spec ``loss_multi_proxy_anchor.md``
   §1.7).  ``recall_at_1 == precision_at_1``.
@@ -20,14 +21,25 @@
   default seed, exactly PML's ``FaissKMeans(niter=20)``; NMI with sklearn's
   ``normalized_mutual_info_score`` semantics (arithmetic mean of the two entropies).
 
-Memory: the kNN search runs over query blocks and keeps only ``k = max R`` neighbours per query
-(plus the largest requested recall/nDCG k), and the metrics are computed block by block from the
-neighbour indices, so nothing of size N×N (or #classes × N) is ever allocated.
+kNN search (``backend``): leave-one-out sets go by default (``"auto"``) through ``dml_core.knn.self_knn``,
+an exact symmetric search in torch (CPU or CUDA, where the embeddings are) that computes each pair's
+distance once and returns faiss's (distance, index) order -- on CPU from ``SYMMETRIC_MIN_ROWS_CPU`` rows
+on, where it is the faster one.  A query set (In-Shop), a small CPU set, or a top-k state too large for
+memory (``SYMMETRIC_MAX_ENTRIES``) goes through faiss's flat search (``"faiss"``; a GPU index for CUDA
+inputs when faiss has GPUs).  Both give the same neighbours on exact ties (tests/test_knn.py).  faiss
+runs with ``torch.get_num_threads()`` threads.
+
+Memory: the searches keep only ``k = max R`` neighbours per query (plus the largest requested
+recall/nDCG k) -- faiss over query blocks, the symmetric search over tiles -- and the metrics are
+computed block by block from the neighbour indices, so nothing of size N×N (or #classes × N) is ever
+allocated.  ``retrieval_details`` also returns the neighbours, per-query and per-class values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import faiss
@@ -35,7 +47,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["retrieval_metrics", "ndcg_at_k", "normalized_mutual_info"]
+from dml_core.knn import self_knn
+
+__all__ = ["RetrievalDetails", "retrieval_details", "retrieval_metrics", "ndcg_at_k", "normalized_mutual_info"]
 
 # Budget for one query block, in kNN-matrix entries (rows × neighbours).  The per-block arrays are a few
 # of these (int64 indices, bool matches, float sums), i.e. a few hundred MB at most.  Tests shrink it
@@ -141,13 +155,14 @@ def _discounts(n: int) -> tuple[np.ndarray, np.ndarray]:
     return disc, np.cumsum(disc)
 
 
-def _block_sums(
+def _per_query(
     match: np.ndarray,
     r: np.ndarray,
     recall_ks: tuple[int, ...],
     ndcg_ks: tuple[int, ...],
-) -> dict[str, float]:
-    """Sums over a block of queries of the per-query metrics.
+) -> dict[str, np.ndarray]:
+    """Per-query metric values (float64) of a block of queries: the one definition every global,
+    per-class and per-query number is derived from.
 
     ``match[q, j]``: the (j+1)-th neighbour of query q has q's class (self already removed).
     ``r[q] >= 1``: the query's R (= n_q).  Every array here is (block × depth) at most.
@@ -162,19 +177,19 @@ def _block_sums(
     cum = np.cumsum(hits_r, axis=1, dtype=np.int32 if depth < 2**31 else np.int64)
     ap = (np.where(hits_r, cum, 0) / (cols + 1.0)[None, :]).sum(axis=1) / r
     out = {
-        "precision_at_1": float(match[:, 0].sum()),
-        "r_precision": float((n_hits_r / r).sum()),
-        "map_at_r": float(ap.sum()),
+        "precision_at_1": match[:, 0].astype(np.float64),
+        "r_precision": n_hits_r / r,  # MLRC §3.2: hits among the first R, over R
+        "map_at_r": ap,
     }
     for k in recall_ks:
-        out[f"recall_at_{k}"] = float(match[:, :k].any(axis=1).sum())
+        out[f"recall_at_{k}"] = match[:, :k].any(axis=1).astype(np.float64)
     if ndcg_ks:
         disc, ideal = _discounts(max(ndcg_ks))
         for k in ndcg_ks:
             kk = min(k, depth)
             dcg = match[:, :kk] @ disc[:kk]  # Eq. 19 with binary r_i: 2^r − 1 = r
             best = ideal[np.minimum(k, r) - 1]  # Eq. 20 denominator: min(k, n_q) relevant items first
-            out[f"ndcg_at_{k}"] = float((dcg / best).sum())
+            out[f"ndcg_at_{k}"] = dcg / best
     return out
 
 
@@ -288,40 +303,96 @@ def _kmeans_assignments(x: np.ndarray, n_clusters: int, use_gpu: bool) -> np.nda
 
 
 # ----------------------------------------------------------------------------------------------------
-# the public entry point
+# the public entry points
+
+BACKENDS = ("auto", "torch", "faiss")
+
+#: The symmetric torch search keeps every row's top-k in memory at once (int64): above this many
+#: entries (N × (depth + 1)) ``backend="auto"`` uses faiss's query-blocked search instead.
+SYMMETRIC_MAX_ENTRIES = 1 << 27
+
+#: Below this many rows, CPU leave-one-out goes through faiss under ``backend="auto"``: the symmetric
+#: search's per-tile overhead outweighs the halved GEMM on small sets (bench/README_metrics.md: 1.4× faiss's
+#: time at 10k, 0.76× at 100k, one thread).  CUDA inputs always take the symmetric search.
+SYMMETRIC_MIN_ROWS_CPU = 50_000
 
 
-def retrieval_metrics(
+@dataclass
+class RetrievalDetails:
+    """Everything behind one ``retrieval_metrics`` call (``retrieval_details`` returns it).
+
+    * ``metrics``: exactly what ``retrieval_metrics`` returns for the same inputs.
+    * ``knn_indices``: (N_queries, depth) int64; row i = the reference indices of query i's neighbours in
+      rank order, the query itself excluded in leave-one-out mode (PML's self removal), i.e. the very
+      neighbours the metrics were computed from.  depth = max(largest R, largest recall/nDCG k), capped at
+      the number of other references.  Lone queries (excluded from the metrics) still get their neighbours.
+    * ``knn_similarity``: (N_queries, depth) float32 cosine similarity of each query to each neighbour
+      (dot product of the L2-normalised embeddings).
+    * ``per_query``: metric name -> (N_queries,) float64 value per query; NaN for queries excluded from the
+      metrics (no other reference of their class).  Keys: every kNN metric of ``metrics``
+      (``map_at_r``, ``r_precision``, ``precision_at_1``, ``recall_at_k``, ``ndcg_at_k``).
+    * ``per_class``: query class id -> {metric: mean over the class's evaluated queries, ..., "count":
+      number of evaluated queries}; only classes with at least one evaluated query.  The count-weighted
+      mean over classes equals the global value (queries are averaged micro, one query = one vote).
+    """
+
+    metrics: dict[str, float]
+    knn_indices: np.ndarray
+    knn_similarity: np.ndarray
+    per_query: dict[str, np.ndarray]
+    per_class: dict[int, dict[str, float]]
+
+
+def _check_backend(backend: str, loo: bool) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "torch" and not loo:
+        raise ValueError("backend 'torch' (symmetric search) is for leave-one-out only; "
+                         "a query set is searched with backend 'faiss' or 'auto'")
+    return backend
+
+
+@contextlib.contextmanager
+def _faiss_threads():
+    """faiss (its own OpenMP pool) uses torch's thread count for the call: one knob, and no
+    oversubscription inside Ray workers, whose torch thread count follows the task's CPUs."""
+    old = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(max(1, torch.get_num_threads()))
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(old)
+
+
+def _evaluate(
     embeddings,
     labels,
     *,
-    query_embeddings=None,
-    query_labels=None,
-    recall_ks: Sequence[int] = (1, 2, 4, 8),
-    ndcg_ks: Sequence[int] = (2, 4, 8),
-    normalize: bool = True,
-    nmi: bool = True,
-) -> dict[str, float]:
-    """MAP@R, R-Precision, P@1, Recall@k, nDCG@k and NMI of a labelled embedding set.
-
-    Without a query set every row is a query against all the *other* rows (leave-one-out,
-    PML ``ref_includes_query=True``): R = count of the query's class − 1 and queries whose class has no
-    other member are excluded.  With ``query_embeddings``/``query_labels`` (In-Shop style) the queries
-    are searched against ``embeddings``: R = count of the query's class in the reference set and
-    queries whose class is absent from it are excluded.  If every query is excluded the kNN metrics are
-    NaN (PML's behaviour).  NMI clusters the query embeddings (the whole set without a query set).
-
-    Embeddings are L2-normalised (``normalize=True``, torch ``F.normalize``) and searched with exact L2
-    distance through faiss; on CUDA inputs a faiss GPU index is used when faiss has GPUs.  Inputs are
-    torch tensors (CPU or CUDA) or numpy arrays; labels are integer class ids.  Returns python floats.
-
-    ``nmi=False`` skips the k-means clustering (and the ``nmi`` key): it is most of the cost on large sets
-    and checkpoint selection needs only MAP@R.
-    """
+    query_embeddings,
+    query_labels,
+    recall_ks: Sequence[int],
+    ndcg_ks: Sequence[int],
+    normalize: bool,
+    nmi: bool,
+    backend: str,
+    details: bool,
+):
+    """The single implementation behind ``retrieval_metrics`` and ``retrieval_details``."""
     recall_ks = _ks(recall_ks, "recall_ks")
     ndcg_ks = _ks(ndcg_ks, "ndcg_ks")
     if (query_embeddings is None) != (query_labels is None):
         raise ValueError("query_embeddings and query_labels must be given together")
+    _check_backend(backend, loo=query_embeddings is None)
+    with _faiss_threads():
+        return _evaluate_checked(
+            embeddings, labels, query_embeddings=query_embeddings, query_labels=query_labels,
+            recall_ks=recall_ks, ndcg_ks=ndcg_ks, normalize=normalize, nmi=nmi, backend=backend,
+            details=details,
+        )
+
+
+def _evaluate_checked(embeddings, labels, *, query_embeddings, query_labels, recall_ks, ndcg_ks, normalize,
+                      nmi, backend, details):
 
     use_gpu = (_is_cuda(embeddings) or _is_cuda(query_embeddings)) and _gpu_available()
     ref_t = _embedding_matrix(embeddings, "embeddings")
@@ -337,15 +408,14 @@ def retrieval_metrics(
                 f"query_embeddings have {q_t.shape[1]} dims but embeddings have {ref_t.shape[1]}"
             )
 
-    def to_numpy(t: torch.Tensor) -> np.ndarray:
-        if normalize:
-            t = F.normalize(t, p=2, dim=1)
-        return np.ascontiguousarray(t.cpu().numpy(), dtype=np.float32)
-
-    ref = to_numpy(ref_t)
-    query = ref if loo else to_numpy(q_t)
-    del ref_t, q_t
+    if normalize:
+        ref_t = F.normalize(ref_t, p=2, dim=1)
+        q_t = ref_t if loo else F.normalize(q_t, p=2, dim=1)
+    ref = np.ascontiguousarray(ref_t.cpu().numpy(), dtype=np.float32)
+    query = ref if loo else np.ascontiguousarray(q_t.cpu().numpy(), dtype=np.float32)
+    del q_t
     n_self = 1 if loo else 0
+    n_q = len(query)
 
     # R per query: reference count of its class, minus itself in leave-one-out mode.
     classes, ref_codes, ref_counts = np.unique(ref_labels, return_inverse=True, return_counts=True)
@@ -354,32 +424,148 @@ def retrieval_metrics(
     known = classes[pos] == q_labels
     q_codes = np.where(known, pos, -1)
     r_all = np.where(known, ref_counts[pos], 0) - n_self
-    valid = np.flatnonzero(r_all >= 1)
+    valid = r_all >= 1
 
     names = ["precision_at_1", "r_precision", "map_at_r"]
     names += [f"recall_at_{k}" for k in recall_ks] + [f"ndcg_at_{k}" for k in ndcg_ks]
-    sums = dict.fromkeys(names, 0.0)
+    per_query = {name: np.full(n_q, np.nan) for name in names}
 
-    if len(valid):
-        # kNN depth: PML's k="max_bin_count" (the largest R), deepened to the largest recall/nDCG k,
-        # never more than the number of other references.
-        depth = int(max(r_all[valid].max(), max(recall_ks + ndcg_ks, default=1)))
-        depth = min(depth, len(ref) - n_self)
-        search = _FlatL2Search(ref, depth + n_self, use_gpu)
-        for block in _query_blocks(len(valid), depth + n_self, ref.shape[1]):
-            rows = valid[block]
-            idx = search(query[rows])
+    # kNN depth: PML's k="max_bin_count" (the largest R), deepened to the largest recall/nDCG k, never
+    # more than the number of other references.  Details need every query's neighbours; the metrics
+    # alone search only the queries they average over.
+    max_r = int(r_all[valid].max()) if valid.any() else 0
+    depth = min(max(max_r, max(recall_ks + ndcg_ks, default=1)), len(ref) - n_self)
+    if backend == "auto":
+        big_enough = n_q >= SYMMETRIC_MIN_ROWS_CPU or ref_t.is_cuda
+        backend = "torch" if loo and big_enough and n_q * (depth + 1) <= SYMMETRIC_MAX_ENTRIES else "faiss"
+    searched = np.arange(n_q) if details or backend == "torch" else np.flatnonzero(valid)
+    knn_idx = np.zeros((n_q, depth), dtype=np.int64) if details else None
+    knn_sim = np.zeros((n_q, depth), dtype=np.float32) if details else None
+    if depth >= 1 and len(searched):
+        if backend == "torch":
+            # one search of the whole set against itself, each pair's distance computed once
+            _, idx = self_knn(ref_t, depth + 1)
+            blocks = [(searched, idx.cpu().numpy())]
+        else:
+            search = _FlatL2Search(ref, depth + n_self, use_gpu)
+            blocks = ((searched[b], search(query[searched[b]]))
+                      for b in _query_blocks(len(searched), depth + n_self, ref.shape[1]))
+        for rows, idx in blocks:
             if loo:
                 idx = _remove_self(idx, rows)
-            match = ref_codes[idx] == q_codes[rows][:, None]
-            for name, value in _block_sums(match, r_all[rows], recall_ks, ndcg_ks).items():
-                sums[name] += value
-        del search
-    n_valid = len(valid)
-    out = {name: (sums[name] / n_valid if n_valid else float("nan")) for name in names}
+            if details:
+                knn_idx[rows] = idx
+                knn_sim[rows] = _cosine(query, rows, ref, idx, normalized=normalize)
+            ok = valid[rows]
+            rows, idx = rows[ok], idx[ok]
+            if len(rows):
+                match = ref_codes[idx] == q_codes[rows][:, None]
+                for name, value in _per_query(match, r_all[rows], recall_ks, ndcg_ks).items():
+                    per_query[name][rows] = value
+        del blocks
+    del ref_t
 
+    n_valid = int(valid.sum())
+    out = {name: (float(np.mean(per_query[name][valid])) if n_valid else float("nan")) for name in names}
     if nmi:
         n_clusters = len(np.unique(q_labels))
         assign = _kmeans_assignments(query, n_clusters, use_gpu)
         out["nmi"] = float(normalized_mutual_info(q_labels, assign))
-    return {k: float(v) for k, v in out.items()}
+    out = {k: float(v) for k, v in out.items()}
+    if not details:
+        return out
+    return RetrievalDetails(
+        metrics=out,
+        knn_indices=knn_idx,
+        knn_similarity=knn_sim,
+        per_query=per_query,
+        per_class=_per_class(per_query, q_labels, valid),
+    )
+
+
+def _cosine(query: np.ndarray, rows: np.ndarray, ref: np.ndarray, idx: np.ndarray, *, normalized: bool) -> np.ndarray:
+    """float32 cosine similarity of each query row to each of its neighbours, in chunks of ~1M floats."""
+    out = np.empty(idx.shape, dtype=np.float32)
+    if idx.shape[1] == 0:
+        return out
+    step = max(1, (1 << 20) // (idx.shape[1] * ref.shape[1]))
+    for a in range(0, len(rows), step):
+        q = torch.from_numpy(query[rows[a : a + step]])
+        r = torch.from_numpy(ref[idx[a : a + step]])
+        if not normalized:
+            q, r = F.normalize(q, p=2, dim=-1), F.normalize(r, p=2, dim=-1)
+        out[a : a + step] = torch.einsum("bd,bkd->bk", q, r).numpy()
+    return out
+
+
+def _per_class(per_query: dict[str, np.ndarray], q_labels: np.ndarray, valid: np.ndarray) -> dict[int, dict[str, float]]:
+    """Class id -> mean of each per-query metric over the class's evaluated queries, plus their count."""
+    cls, inv, counts = np.unique(q_labels[valid], return_inverse=True, return_counts=True)
+    inv = inv.ravel()
+    means = {name: np.bincount(inv, weights=v[valid], minlength=len(cls)) / counts for name, v in per_query.items()}
+    return {
+        int(c): {name: float(m[i]) for name, m in means.items()} | {"count": int(counts[i])}
+        for i, c in enumerate(cls)
+    }
+
+
+def retrieval_metrics(
+    embeddings,
+    labels,
+    *,
+    query_embeddings=None,
+    query_labels=None,
+    recall_ks: Sequence[int] = (1, 2, 4, 8),
+    ndcg_ks: Sequence[int] = (2, 4, 8),
+    normalize: bool = True,
+    nmi: bool = True,
+    backend: str = "auto",
+) -> dict[str, float]:
+    """MAP@R, R-Precision, P@1, Recall@k, nDCG@k and NMI of a labelled embedding set.
+
+    Without a query set every row is a query against all the *other* rows (leave-one-out,
+    PML ``ref_includes_query=True``): R = count of the query's class − 1 and queries whose class has no
+    other member are excluded.  With ``query_embeddings``/``query_labels`` (In-Shop style) the queries
+    are searched against ``embeddings``: R = count of the query's class in the reference set and
+    queries whose class is absent from it are excluded.  If every query is excluded the kNN metrics are
+    NaN (PML's behaviour).  NMI clusters the query embeddings (the whole set without a query set).
+    MAP@R and R-Precision as defined in Musgrave et al., "A Metric Learning Reality Check", §3.2; the
+    global values are the means of the per-query values (``retrieval_details`` exposes them).
+
+    Embeddings are L2-normalised (``normalize=True``, torch ``F.normalize``) and searched with exact L2
+    distance, ties broken by the smaller index.  ``backend="auto"``: leave-one-out through the
+    symmetric torch search (``dml_core.knn.self_knn``, on the embeddings' device; on CPU from
+    ``SYMMETRIC_MIN_ROWS_CPU`` rows), otherwise and for a query set through faiss (a GPU index on CUDA
+    inputs when faiss has GPUs); ``"torch"`` / ``"faiss"`` force one.  Inputs
+    are torch tensors (CPU or CUDA) or numpy arrays; labels are integer class ids.  Returns python floats.
+
+    ``nmi=False`` skips the k-means clustering (and the ``nmi`` key): it is most of the cost on large sets
+    and checkpoint selection needs only MAP@R.
+    """
+    return _evaluate(
+        embeddings, labels, query_embeddings=query_embeddings, query_labels=query_labels,
+        recall_ks=recall_ks, ndcg_ks=ndcg_ks, normalize=normalize, nmi=nmi, backend=backend, details=False,
+    )
+
+
+def retrieval_details(
+    embeddings,
+    labels,
+    *,
+    query_embeddings=None,
+    query_labels=None,
+    recall_ks: Sequence[int] = (1, 2, 4, 8),
+    ndcg_ks: Sequence[int] = (2, 4, 8),
+    normalize: bool = True,
+    nmi: bool = True,
+    backend: str = "auto",
+) -> RetrievalDetails:
+    """``retrieval_metrics`` plus the neighbours and the per-query / per-class values behind it.
+
+    Same arguments and the same code path as ``retrieval_metrics`` (its ``metrics`` field is identical);
+    see ``RetrievalDetails`` for the fields.  Memory: O(N · depth) for the neighbour arrays.
+    """
+    return _evaluate(
+        embeddings, labels, query_embeddings=query_embeddings, query_labels=query_labels,
+        recall_ks=recall_ks, ndcg_ks=ndcg_ks, normalize=normalize, nmi=nmi, backend=backend, details=True,
+    )

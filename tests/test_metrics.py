@@ -246,8 +246,9 @@ def test_table3_rankings_through_the_block_metrics():
     """The same five rankings through the vectorised path: nDCG@10, MAP@R (R=4), Recall@10 = 1."""
     match = np.array([row for row, *_ in TABLE3], dtype=bool)
     r = np.full(len(match), 4)
+    per_query = M._per_query(match, r, (10,), (10,))
     for i in range(len(match)):
-        s = M._block_sums(match[i : i + 1], r[i : i + 1], (10,), (10,))
+        s = {k: float(v[i]) for k, v in per_query.items()}
         assert round(100 * s["ndcg_at_10"], 2) == TABLE3[i][1]
         assert round(100 * s["map_at_r"], 2) == TABLE3[i][2]
         assert s["recall_at_10"] == 1.0
@@ -440,3 +441,62 @@ def test_nmi_false_skips_only_the_clustering():
     fast = retrieval_metrics(emb, labels, nmi=False)
     assert "nmi" not in fast and "nmi" in full
     assert fast == {k: v for k, v in full.items() if k != "nmi"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# retrieval_details: the neighbours and per-query / per-class values behind retrieval_metrics
+
+
+@pytest.mark.parametrize("query_set", [False, True])
+def test_details_metrics_equal_retrieval_metrics_and_per_class_averages_back(query_set):
+    x, y = clustered(20, n_classes=30, singletons=4)
+    kw = {}
+    if query_set:
+        split = np.arange(len(y)) % 3 == 0
+        kw = dict(query_embeddings=x[split], query_labels=y[split])
+        x, y = x[~split], y[~split]
+    d = M.retrieval_details(x, y, **kw)
+    assert d.metrics == retrieval_metrics(x, y, **kw)
+    q_labels = kw.get("query_labels", y)
+    valid = ~np.isnan(d.per_query["map_at_r"])
+    assert (~valid).sum() >= 1  # some queries are excluded (singletons / classes absent from the reference)
+    assert sum(c["count"] for c in d.per_class.values()) == valid.sum()
+    assert set(d.per_class) == set(np.unique(q_labels[valid]).tolist())
+    for name, values in d.per_query.items():
+        assert values.shape == (len(q_labels),) and values.dtype == np.float64
+        assert d.metrics[name] == pytest.approx(values[valid].mean(), abs=1e-12)
+        weighted = sum(c[name] * c["count"] for c in d.per_class.values()) / valid.sum()
+        assert weighted == pytest.approx(d.metrics[name], abs=1e-12), name
+    for name in ("map_at_r", "r_precision", "precision_at_1"):
+        assert 0.05 < d.metrics[name] < 0.95
+
+
+def test_details_neighbours_are_the_ranked_leave_one_out_list():
+    x, y = clustered(21, n_classes=20)
+    d = M.retrieval_details(x, y, nmi=False)
+    xn = unit(x).double().numpy()
+    sim = xn @ xn.T
+    np.fill_diagonal(sim, -np.inf)  # leave-one-out: the query itself is never its own neighbour
+    depth = d.knn_indices.shape[1]
+    assert depth == max(np.bincount(y).max() - 1, 8)
+    assert d.knn_indices.dtype == np.int64 and d.knn_similarity.dtype == np.float32
+    expect = np.argsort(-sim, axis=1, kind="stable")[:, :depth]
+    np.testing.assert_array_equal(d.knn_indices, expect)  # continuous data: no ties
+    np.testing.assert_allclose(d.knn_similarity, np.take_along_axis(sim, expect, axis=1), atol=1e-6)
+    # the per-query values are recomputable from those neighbours (MLRC §3.2)
+    i = int(np.flatnonzero(np.bincount(y)[y] > 3)[0])
+    r = int((y == y[i]).sum()) - 1
+    rel = (y[d.knn_indices[i, :r]] == y[i]).astype(float)
+    assert d.per_query["map_at_r"][i] == pytest.approx((np.cumsum(rel) / np.arange(1, r + 1) * rel).sum() / r)
+    assert d.per_query["r_precision"][i] == pytest.approx(rel.mean())
+    assert d.per_query["precision_at_1"][i] == rel[0]
+
+
+def test_details_of_lone_queries_have_neighbours_but_no_values():
+    x, y = clustered(22, n_classes=10, singletons=3)
+    d = M.retrieval_details(x, y, nmi=False)
+    lone = np.bincount(y)[y] == 1
+    assert lone.sum() == 3
+    assert np.isnan(d.per_query["map_at_r"][lone]).all() and not np.isnan(d.per_query["map_at_r"][~lone]).any()
+    assert (d.knn_indices[lone] != np.flatnonzero(lone)[:, None]).all()
+    assert all(int(c) not in d.per_class for c in y[lone])

@@ -1,0 +1,267 @@
+"""Exact k-nearest-neighbour search of a set against itself, computing each pair's distance once.
+
+The Metric Learning Reality Check evaluates leave-one-out on one set (Musgrave et al., "A Metric Learning
+Reality Check", §3.2; PML ``AccuracyCalculator`` with ``ref_includes_query=True``): queries = references,
+so the distance matrix is symmetric and a flat search (faiss ``IndexFlatL2``, what PML uses) computes
+every pair twice.  ``self_knn`` computes the tile X_a·X_bᵀ of each block pair a ≤ b once and merges it
+into the running top-k of *both* its row block and its column block.
+
+Result semantics are faiss's exact flat L2 search of the set against itself (``faiss.knn(x, x, k)``):
+
+* key of (query i, reference j): the squared L2 distance in float32, ``(‖x_i‖² + ‖x_j‖²) − 2·x_i·x_j``
+  (faiss ``exhaustive_L2sqr_blas``), negative round-off clamped to 0;
+* the k smallest keys per row, the query itself included, **ties broken by the smaller reference
+  index** -- faiss's heap (``CMax`` with id tie-break, k < 100) and reservoir (k ≥ 100) both return the
+  lexicographic (distance, index) order; here the order is made exact by ranking 64-bit composite keys
+  (float bits << 32 | index), which have no ties at all.
+
+Off a diagonal tile, row i and row j see the very same float32 key for the pair (it is computed once);
+a diagonal tile holds both orders of its pairs.  Every GEMM has the same tile × tile shape (X is padded with
+masked zero rows), because BLAS libraries choose kernels -- and summation orders -- by shape: duplicated
+rows then get bit-identical keys wherever they sit, and tie.  Keys equal faiss's bit for bit when the
+products and sums are exact (quantised data); on generic data the two GEMMs (faiss's BLAS vs torch's) may
+round a pair's distance differently in the last bit, which can only swap two neighbours whose distances
+agree to float32 precision.
+
+Order of work: rows are grouped into blocks by a few Lloyd iterations (near rows together); the diagonal
+tiles run first and in full, so every row starts with its k best within its block as an exact threshold;
+then the off-diagonal tiles, nearest block pairs first.
+
+Memory is O(N·k + tile²): the running top-k (int64 composite keys) and one tile at a time, never N×N.
+Most of a tile is never looked at elementwise: per row (and per column) the maximum similarity of each
+``CHUNK``-wide chunk is compared with that row's admission threshold (from its current k-th distance),
+and only the chunks that can hold a better neighbour are gathered.  Runs on CPU or CUDA tensors with torch's
+thread count (``torch.get_num_threads()``); CUDA matmuls run in full fp32 (TF32 off for the call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["self_knn", "TILE_CPU", "TILE_CUDA"]
+
+#: Block edge of one tile on CPU / CUDA (rows of X per block).  A CPU tile of 2048² float32 is 16 MB.
+TILE_CPU = 2048
+TILE_CUDA = 8192
+
+#: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
+CHUNK = 32
+
+_IDX_BITS = 32
+_IDX_MASK = (1 << _IDX_BITS) - 1
+# +inf key with the largest index: sorts after every real entry and decodes to +inf.
+_EMPTY = (0x7F800000 << _IDX_BITS) | 0x7FFFFFFF
+
+
+@contextlib.contextmanager
+def _ieee_fp32(device: torch.device):
+    """Full-precision fp32 matmuls on CUDA for the duration (no TF32), restored afterwards."""
+    if device.type != "cuda":
+        yield
+        return
+    m = torch.backends.cuda.matmul
+    try:  # the legacy flag, unless the caller has used torch's newer fp32_precision API (mixing raises)
+        old = m.allow_tf32
+        m.allow_tf32 = False
+        restore = lambda: setattr(m, "allow_tf32", old)  # noqa: E731
+    except RuntimeError:
+        old = m.fp32_precision
+        m.fp32_precision = "ieee"
+        restore = lambda: setattr(m, "fp32_precision", old)  # noqa: E731
+    try:
+        yield
+    finally:
+        restore()
+
+
+def _keys(norm_t: torch.Tensor, norm_r: torch.Tensor, sim: torch.Tensor) -> torch.Tensor:
+    """float32 squared L2 distance from norms and dot products as faiss forms it, (n_t + n_r) − 2·s
+    (one rounding after the sum: 2·s is exact), negative round-off clamped to 0."""
+    return torch.sub(norm_t + norm_r, sim, alpha=2).clamp_min_(0)
+
+
+def _composite(keys: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """int64 (key bits << 32 | reference index): orders like (key, index) for keys >= 0 (−0 made +0,
+    whose bits would sort first)."""
+    keys = torch.where(keys > 0, keys, torch.zeros_like(keys))
+    return (keys.view(torch.int32).to(torch.int64) << _IDX_BITS) | ref
+
+
+def _decode_keys(comp: torch.Tensor) -> torch.Tensor:
+    return (comp >> _IDX_BITS).to(torch.int32).view(torch.float32)
+
+
+class _TopK:
+    """Running exact top-k (smallest composite keys) of every row, plus each row's admission threshold."""
+
+    def __init__(self, n: int, k: int, bound: torch.Tensor):
+        self.k = k
+        self.best = torch.full((n, k), _EMPTY, dtype=torch.int64, device=bound.device)
+        self.bound = bound  # a float32 upper bound of each row's final k-th key (never tightened below it)
+        self.thr = bound.clone()
+
+    def merge(self, target: torch.Tensor, ref: torch.Tensor, keys: torch.Tensor, grouped: bool = False) -> None:
+        """Merge candidate (target row, reference index, key) triples, each pair at most once overall;
+        ``grouped``: the triples of one target are already contiguous."""
+        keep = keys <= self.thr[target]
+        if not bool(keep.all()):
+            target, ref, keys = target[keep], ref[keep], keys[keep]
+        if target.numel() == 0:
+            return
+        comp = _composite(keys, ref)
+        if not grouped:
+            order = torch.argsort(target, stable=True)
+            target, comp = target[order], comp[order]
+        rows, counts = torch.unique_consecutive(target, return_counts=True)
+        width = int(counts.max())
+        slot = torch.arange(target.numel(), device=target.device)
+        slot -= torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        pad = torch.full((rows.numel(), width), _EMPTY, dtype=torch.int64, device=target.device)
+        pad[torch.repeat_interleave(torch.arange(rows.numel(), device=target.device), counts), slot] = comp
+        merged = torch.cat([self.best[rows], pad], dim=1)
+        if merged.shape[1] > self.k:
+            merged = torch.topk(merged, self.k, dim=1, largest=False, sorted=True).values
+        else:
+            merged = torch.sort(merged, dim=1).values
+        self.best[rows] = merged
+        self.thr[rows] = torch.minimum(self.bound[rows], _decode_keys(merged[:, -1]))
+
+
+def _row_candidates(s: torch.Tensor, need: torch.Tensor):
+    """(row, column, similarity) of the entries s[i, j] >= need[i] of a tile (sides multiples of CHUNK)."""
+    r, c = s.shape
+    blocks = s.view(r, c // CHUNK, CHUNK)
+    live = (blocks.amax(dim=2) >= need[:, None]).nonzero()
+    if live.numel() == 0:
+        return None
+    ri, ci = live[:, 0], live[:, 1]
+    vals = blocks[ri, ci]  # (pairs, CHUNK)
+    hit = (vals >= need[ri, None]).nonzero()
+    p, o = hit[:, 0], hit[:, 1]
+    return ri[p], ci[p] * CHUNK + o, vals[p, o]
+
+
+def _col_candidates(s: torch.Tensor, need: torch.Tensor):
+    """(row, column, similarity) of the entries s[i, j] >= need[j] of a tile (sides multiples of CHUNK),
+    ordered by column (the target)."""
+    r, c = s.shape
+    v = s.view(r // CHUNK, CHUNK, c)
+    h = CHUNK // 2
+    m = torch.maximum(v[:, :h], v[:, h:])
+    while h > 1:  # halving maximum over the rows of each chunk, in place: contiguous, vectorised
+        h //= 2
+        torch.maximum(m[:, :h], m[:, h : 2 * h], out=m[:, :h])
+    live = (m[:, 0, :].T >= need[:, None]).nonzero()  # (column, row chunk), column-major
+    if live.numel() == 0:
+        return None
+    cj, ri = live[:, 0], live[:, 1]
+    offsets = torch.arange(CHUNK, device=s.device) * c
+    vals = s.view(-1)[(ri * (CHUNK * c) + cj)[:, None] + offsets[None, :]]  # (pairs, CHUNK)
+    hit = (vals >= need[cj, None]).nonzero()
+    p, o = hit[:, 0], hit[:, 1]
+    return ri[p] * CHUNK + o, cj[p], vals[p, o]
+
+
+def _need(norms: torch.Tensor, thr: torch.Tensor, other_min: float, slack: torch.Tensor) -> torch.Tensor:
+    """Similarity a pair must reach for its key to possibly be <= thr: key = n_t + n_r − 2s <= thr ⇔
+    s >= (n_t + n_r − thr)/2, lowered to the smallest n_r of the other side and by a rounding slack."""
+    need = (norms + other_min - thr) * 0.5 - slack
+    return need.clamp_min(torch.finfo(torch.float32).min)  # an unbounded row still rejects the −inf padding
+
+
+def _cluster_order(x: torch.Tensor, tile: int, iters: int = 4) -> torch.Tensor:
+    """A row order that puts near rows in the same block: rows sorted by their cluster in a few Lloyd
+    iterations with ceil(N / tile) centres (started at evenly spaced rows).  Only the speed depends on it
+    (diagonal tiles then give tight thresholds, so later tiles admit fewer candidates); the result is
+    exact for any order."""
+    n = x.shape[0]
+    c = -(-n // tile)
+    if c <= 1:
+        return torch.arange(n, device=x.device)
+    centres = x[torch.linspace(0, n - 1, c, device=x.device).round().to(torch.int64)]
+    assign = torch.empty(n, dtype=torch.int64, device=x.device)
+    for it in range(iters + 1):
+        half_norms = 0.5 * (centres * centres).sum(dim=1)
+        for a in range(0, n, tile):  # nearest centre in L2: argmax x·c − ‖c‖²/2
+            assign[a : a + tile] = (x[a : a + tile] @ centres.T - half_norms).argmax(dim=1)
+        if it == iters:
+            break
+        sums = torch.zeros_like(centres).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=c).to(x.dtype)
+        centres = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], centres)
+    return torch.argsort(assign, stable=True)
+
+
+def _pair_order(x: torch.Tensor, starts: range, tile: int, n: int) -> list[tuple[int, int]]:
+    """Off-diagonal block pairs (a < b), nearest block means first: thresholds tighten early."""
+    means = torch.stack([x[a : min(a + tile, n)].mean(dim=0) for a in starts])
+    dist = torch.cdist(means[None], means[None])[0].cpu()
+    pairs = [(i, j) for i in range(len(starts)) for j in range(i + 1, len(starts))]
+    pairs.sort(key=lambda p: float(dist[p]))
+    return [(starts[i], starts[j]) for i, j in pairs]
+
+
+def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k nearest rows of every row of ``x`` (itself included), exact, like ``faiss.knn(x, x, k)``.
+
+    ``x``: (N, D) float32 tensor on CPU or CUDA; ``1 <= k <= N``.  Returns (distances, indices): (N, k)
+    float32 squared L2 distances (float32 formula of faiss's BLAS path, clamped at 0) and int64 indices,
+    ascending by (distance, index).  Each tile of X·Xᵀ with block a ≤ block b is computed once.
+    """
+    if x.ndim != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be a 2-D float32 tensor, got {tuple(x.shape)} {x.dtype}")
+    n = x.shape[0]
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in 1..{n}, got {k}")
+    if tile is None:
+        tile = TILE_CUDA if x.is_cuda else TILE_CPU
+    tile = max(CHUNK, min(tile - tile % CHUNK, -(-n // CHUNK) * CHUNK))
+    inf = float("inf")
+    with _ieee_fp32(x.device), torch.no_grad():
+        perm = _cluster_order(x, tile)  # block order only; indices below are mapped back through perm
+        starts = range(0, n, tile)
+        # Every GEMM has the same tile × tile shape (x padded with zero rows, masked below): BLAS
+        # libraries pick kernels, and with them summation orders, by shape, and a pair's dot product
+        # must not depend on where it sits -- duplicated rows must give bit-identical keys to tie.
+        x = torch.nn.functional.pad(x[perm], (0, 0, 0, len(starts) * tile - n)).contiguous()
+        norms = (x * x).sum(dim=1)
+        # Diagonal tiles first, in full: each row's k-th smallest key within its own block (near rows,
+        # ``_cluster_order``) is an exact upper bound of its final k-th key and starts its threshold.
+        bound = torch.full((n,), inf, device=x.device)
+        diag = []
+        for a in starts:
+            xa, na = x[a : a + tile], norms[a : a + tile]
+            ra = min(tile, n - a)
+            keys = _keys(na[:, None], na[None, :], xa @ xa.T)[:ra, :ra]
+            if ra >= k:
+                bound[a : a + ra] = torch.topk(keys, k, dim=1, largest=False, sorted=False).values.amax(dim=1)
+            i, j = (keys <= bound[a : a + ra, None]).nonzero().unbind(1)
+            diag.append((i + a, perm[j + a], keys[i, j]))
+        top = _TopK(n, k, bound)
+        for cand in diag:
+            top.merge(*cand, grouped=True)
+        del diag
+        nmin = float(norms[:n].min())
+        slack = 2.0**-20 * (norms[:n] + float(norms.max()) + bound.clamp_max(torch.finfo(torch.float32).max))
+        for a, b in _pair_order(x, starts, tile, n):  # a < b: block a is never the ragged last one
+            xa, na, xb, nb = x[a : a + tile], norms[a : a + tile], x[b : b + tile], norms[b : b + tile]
+            rb = min(tile, n - b)
+            s = xa @ xb.T
+            if rb < tile:
+                s[:, rb:] = -inf  # padding rows of x: never a neighbour
+            # rows of block a against the columns of block b
+            cand = _row_candidates(s, _need(na, top.thr[a : a + tile], nmin, slack[a : a + tile]))
+            if cand is not None:
+                i, j, v = cand
+                top.merge(i + a, perm[j + b], _keys(na[i], nb[j], v), grouped=True)
+            # rows of block b against the columns of block a, from the same tile
+            need = _need(nb[:rb], top.thr[b : b + rb], nmin, slack[b : b + rb])
+            cand = _col_candidates(s, torch.nn.functional.pad(need, (0, tile - rb), value=inf))
+            if cand is not None:
+                i, j, v = cand
+                top.merge(j + b, perm[i + a], _keys(nb[j], na[i], v), grouped=True)
+        best = torch.empty_like(top.best)
+        best[perm] = top.best
+    return _decode_keys(best), best & _IDX_MASK
