@@ -3,10 +3,13 @@
 Rows are losses; columns are dataset × metric, each as ``mean ± half-width`` of the 95 % t-interval
 across reproductions, for the concatenated and the separated evaluation (MLRC §1.4/§8 step 5).
 Written as markdown, CSV, HTML and a PNG bar chart with CI whiskers, and logged to MLflow as a
-``stage=report`` run.  Where the study runs carry the visuals of :mod:`pipelines.visuals`, the HTML gets one page
-(section) per dataset with the losses' retrieval galleries side by side on the same queries, their embedding maps
-and their worst classes (with the classes they are confused with); images are embedded, so the file works offline.  Where two losses were reproduced on the same folds and seeds, a paired t-test
+``stage=report`` run.  Where two losses were reproduced on the same folds and seeds, a paired t-test
 on the reproduction runs gives a p-value per pair (``dml_core.stats.paired_t_test``).
+
+Where the study runs carry the visuals of :mod:`pipelines.visuals`, the HTML gets one page (section) per dataset:
+the losses' retrieval galleries side by side on the same queries, their embedding maps and their worst classes
+(with the classes they are confused with); the markdown lists the worst classes.  Images are embedded as data URIs,
+so the HTML stays one file that works offline.
 
 The run tree it reads is documented in ``docs/architecture.md`` ("MLflow tree").
 """
@@ -247,7 +250,7 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
     parts = ["<!doctype html><meta charset='utf-8'><title>Reality-check report</title>",
              "<style>body{font-family:sans-serif}td,th{padding:2px 8px;border:1px solid #ccc}"
              "table{border-collapse:collapse}.row{display:flex;gap:16px;overflow-x:auto;align-items:flex-start}"
-             "figure{margin:0;flex:0 0 auto}img.gallery{width:620px}img.map{width:560px}.warn{color:#d73027}"
+             "figure{margin:0;flex:0 0 auto}img.gallery{width:720px}img.map{width:560px}.warn{color:#d73027}"
              "nav a{margin-right:12px}</style>",
              "<h1>Reality-check report</h1>"]
     datasets = sorted({s.dataset for s in studies})

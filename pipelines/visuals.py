@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import sys
 import time
@@ -189,7 +188,7 @@ def _png(fig, quantize: bool = False) -> bytes:
     plt.close(fig)
     if not quantize:
         return buf.getvalue()
-    im = Image.open(io.BytesIO(buf.getvalue())).convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT)
+    im = Image.open(io.BytesIO(buf.getvalue())).convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE)
     out = io.BytesIO()
     im.save(out, format="PNG", optimize=True)
     return out.getvalue()
@@ -217,8 +216,9 @@ def draw_gallery(gallery: dict[str, Any], images: dict[int, np.ndarray], title: 
             for s in ax.spines.values():
                 s.set_visible(True), s.set_color(colour), s.set_linewidth(3.5)
             ax.set_title(_short(item["class_name"], 15), fontsize=6.5, color=colour, pad=2)
-            ax.text(0.03, 0.97, mark, transform=ax.transAxes, ha="left", va="top", fontsize=7 if mark == "query" else 10,
-                    color="white", fontweight="bold", bbox=dict(boxstyle="square,pad=0.1", fc=colour, ec="none"))
+            ax.text(0.03, 0.97, mark, transform=ax.transAxes, ha="left", va="top",
+                    fontsize=7 if mark == "query" else 10, color="white", fontweight="bold",
+                    bbox=dict(boxstyle="square,pad=0.1", fc=colour, ec="none"))
         if "map_at_r" in q:
             row[0].set_xlabel(f"AP@R {q['map_at_r']:.2f}", fontsize=6.5, labelpad=1)
     fig.suptitle(title, fontsize=9)

@@ -3,7 +3,6 @@ cluster, no server; MLflow on a sqlite file)."""
 
 from __future__ import annotations
 
-import io
 import json
 import types
 from pathlib import Path
