@@ -6,17 +6,24 @@ Written as markdown, CSV, HTML and a PNG bar chart with CI whiskers, and logged 
 ``stage=report`` run.  Where two losses were reproduced on the same folds and seeds, a paired t-test
 on the reproduction runs gives a p-value per pair (``dml_core.stats.paired_t_test``).
 
+Where the study runs carry the visuals of :mod:`pipelines.visuals`, the HTML gets one page (section) per dataset:
+the losses' retrieval galleries side by side on the same queries, their embedding maps and their worst classes
+(with the classes they are confused with); the markdown lists the worst classes.  Images are embedded as data URIs,
+so the HTML stays one file that works offline.
+
 The run tree it reads is documented in ``docs/architecture.md`` ("MLflow tree").
 """
 
 from __future__ import annotations
 
+import base64
 import csv
 import html
 import io
 import itertools
 import json
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +53,9 @@ class Study:
     reproductions: dict[int, dict[str, float]] = field(default_factory=dict)
     #: reproduction index → seed (pairing requires equal seeds)
     seeds: dict[int, str] = field(default_factory=dict)
+    #: the study's ``visuals/`` artifacts (pipelines.visuals), if it has them: gallery/per_class (parsed JSON),
+    #: gallery_png/map_png (bytes)
+    visuals: dict[str, Any] = field(default_factory=dict)
 
     def cell(self, mode: str, metric: str) -> tuple[float, float, float]:
         key = f"test.{mode}.{metric}"
@@ -75,6 +85,32 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
         study.reproductions[i] = {k: v for k, v in run.data.metrics.items() if k.startswith("test.")}
         study.seeds[i] = run.data.tags.get("seed", "")
     return sorted(studies.values(), key=lambda s: (s.dataset, s.loss))
+
+
+_VISUALS = {"gallery": "visuals/gallery.json", "per_class": "visuals/per_class.json",
+            "gallery_png": "visuals/gallery.png", "map_png": "visuals/embedding_map.png"}
+
+
+def collect_visuals(client: MlflowClient, studies: list[Study]) -> None:
+    """Fill ``study.visuals`` from each study run's ``visuals/`` artifacts (absent for sweeps that predate them)."""
+    for s in studies:
+        have = {a.path for a in client.list_artifacts(s.run_id, "visuals")}
+        with tempfile.TemporaryDirectory() as tmp:
+            for key, path in _VISUALS.items():
+                if path not in have:
+                    continue
+                data = Path(client.download_artifacts(s.run_id, path, tmp)).read_bytes()
+                s.visuals[key] = json.loads(data) if path.endswith(".json") else data
+
+
+def _worst(s: Study, n: int) -> list[dict[str, Any]]:
+    pc = s.visuals.get("per_class") or {}
+    by_label = {c["label"]: c for c in pc.get("classes", [])}
+    return [by_label[l] for l in pc.get("worst", [])[:n] if l in by_label]
+
+
+def _confused(c: dict[str, Any]) -> str:
+    return ", ".join(f"{x['class_name']} ({x['count']})" for x in c.get("confused_with", [])) or "–"
 
 
 def _fmt(mean: float, low: float, high: float) -> str:
@@ -143,13 +179,85 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
                 f"{100 * c['mean_diff']:+.2f} | {c['t']:.3f} | {c['p']:.4f} |"
             )
         lines.append("")
+    with_pc = [s for s in studies if _worst(s, 1)]
+    if with_pc:
+        lines += ["## Worst test classes (reproduction 0, concatenated embedding)", "",
+                  "Per-class MAP@R ×100; in brackets how often the class's queries retrieved another class within R.",
+                  ""]
+        for s in with_pc:
+            lines.append(f"- **{s.dataset} / {s.loss}**: " + "; ".join(
+                f"{c['class_name']} {100 * c['map_at_r']:.1f} (confused with {_confused(c)})" for c in _worst(s, 5)))
+        lines.append("")
     return "\n".join(lines)
+
+
+def _data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def _dataset_page(dataset: str, studies: list[Study]) -> list[str]:
+    """One dataset's page: galleries side by side (same queries), embedding maps, worst classes per loss."""
+    esc = html.escape
+    shown = [s for s in studies if s.visuals]
+    out = [f"<section class='page' id='{esc(_anchor(dataset))}'><h2>{esc(dataset)}</h2>"]
+    if not shown:
+        return out + ["<p>No visuals logged for this dataset's studies.</p></section>"]
+    queries = {s.loss: [q["test_index"] for q in s.visuals.get("gallery", {}).get("queries", [])] for s in shown}
+    same = len({tuple(v) for v in queries.values()}) == 1
+    g = next((s.visuals["gallery"] for s in shown if "gallery" in s.visuals), {})
+    out.append(f"<h3>Retrieval galleries</h3><p>The same {len(g.get('queries', []))} test queries (seed "
+               f"{g.get('seed')}) for every loss, one per row: the query (blue) then its top-{g.get('k')} references "
+               "among the other test images, <span style='color:#1a9850'>✓ green = same class</span>, "
+               "<span style='color:#d73027'>✗ red = another class</span>; captions are the class names. "
+               "Embedding: reproduction 0, fold embeddings concatenated (MLRC §2.3).</p>")
+    if not same:
+        out.append("<p class='warn'>Warning: these studies' galleries use different queries (different test sets "
+                   "or settings); rows do not correspond.</p>")
+    out.append("<div class='row'>")
+    for s in shown:
+        if "gallery_png" in s.visuals:
+            out.append(f"<figure><figcaption><b>{esc(s.loss)}</b> — MAP@R {_fmt(*s.cell('concat', 'map_at_r'))}"
+                       f"</figcaption><img class='gallery' alt='retrieval gallery of {esc(s.loss)}' "
+                       f"src='{_data_uri(s.visuals['gallery_png'])}'></figure>")
+    out.append("</div><h3>Embedding maps</h3><p>PCA of the test embeddings of the same sampled classes for every "
+               "loss, coloured by class.</p><div class='row'>")
+    for s in shown:
+        if "map_png" in s.visuals:
+            out.append(f"<figure><figcaption><b>{esc(s.loss)}</b></figcaption><img class='map' alt='embedding map of "
+                       f"{esc(s.loss)}' src='{_data_uri(s.visuals['map_png'])}'></figure>")
+    out.append("</div><h3>Worst classes</h3><p>Per-class metrics ×100 (the class's queries averaged); "
+               "'confused with': the other classes among its queries' first R neighbours, with counts.</p>"
+               "<div class='row'>")
+    for s in shown:
+        worst = _worst(s, 10)
+        if not worst:
+            continue
+        out.append(f"<figure><figcaption><b>{esc(s.loss)}</b></figcaption><table><tr><th>class</th><th>queries</th>"
+                   "<th>MAP@R</th><th>RP</th><th>P@1</th><th>confused with</th></tr>")
+        out += [f"<tr><td>{esc(c['class_name'])}</td><td>{c['queries']}</td><td>{100 * c['map_at_r']:.1f}</td>"
+                f"<td>{100 * c['r_precision']:.1f}</td><td>{100 * c['precision_at_1']:.1f}</td>"
+                f"<td>{esc(_confused(c))}</td></tr>" for c in worst]
+        out.append("</table></figure>")
+    out.append("</div></section>")
+    return out
+
+
+def _anchor(dataset: str) -> str:
+    return "dataset-" + "".join(ch if ch.isalnum() else "-" for ch in dataset)
 
 
 def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
     parts = ["<!doctype html><meta charset='utf-8'><title>Reality-check report</title>",
-             "<style>td,th{padding:2px 8px;border:1px solid #ccc}table{border-collapse:collapse}</style>",
-             "<h1>Reality-check report</h1><p>×100, mean ± half-width of the 95 % t-interval across reproductions.</p>"]
+             "<style>body{font-family:sans-serif}td,th{padding:2px 8px;border:1px solid #ccc}"
+             "table{border-collapse:collapse}.row{display:flex;gap:16px;overflow-x:auto;align-items:flex-start}"
+             "figure{margin:0;flex:0 0 auto}img.gallery{width:720px}img.map{width:560px}.warn{color:#d73027}"
+             "nav a{margin-right:12px}</style>",
+             "<h1>Reality-check report</h1>"]
+    datasets = sorted({s.dataset for s in studies})
+    if any(s.visuals for s in studies):
+        parts.append("<nav>Dataset pages: " + " ".join(
+            f"<a href='#{html.escape(_anchor(d))}'>{html.escape(d)}</a>" for d in datasets) + "</nav>")
+    parts.append("<p>×100, mean ± half-width of the 95 % t-interval across reproductions.</p>")
     for mode in MODES:
         header, rows = _rows(studies, mode)
         parts.append(f"<h2>{html.escape(mode)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
@@ -163,6 +271,9 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
             for c in comparisons
         ]
         parts.append("</table>")
+    if any(s.visuals for s in studies):
+        for d in datasets:
+            parts += _dataset_page(d, [s for s in studies if s.dataset == d])
     return "\n".join(parts)
 
 
@@ -207,6 +318,7 @@ def write_report(tracking_uri: str, experiment: str, out_dir: str | Path, *, log
     if not studies:
         raise ValueError(f"--experiment {experiment!r}: no finished study runs (tag stage=study with test.* metrics) yet")
     comparisons = paired_comparisons(studies)
+    collect_visuals(client, studies)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {ext: out / f"report.{ext}" for ext in ("md", "csv", "html", "json", "png")}
@@ -217,7 +329,8 @@ def write_report(tracking_uri: str, experiment: str, out_dir: str | Path, *, log
         {"experiment": experiment,
          "studies": [{"dataset": s.dataset, "loss": s.loss, "run_id": s.run_id,
                       "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
-                      "n_reproductions": len(s.reproductions)} for s in studies],
+                      "n_reproductions": len(s.reproductions),
+                      **({"worst_classes": _worst(s, 10)} if _worst(s, 1) else {})} for s in studies],
          "paired_tests": comparisons}, indent=2, default=float))
     _bar_chart(studies, paths["png"])
     if log_to_mlflow:

@@ -369,6 +369,9 @@ class _Sweep:
         t.log_text(run_id, md, "ci_report.md")
         t.log_json(run_id, doc, "ci_report.json")
         self._log_models(run_id, reps[0])
+        from pipelines.visuals import log_study_visuals  # gallery, per-class metrics, embedding map (issue 17)
+
+        log_study_visuals(t, run_id, plan, reps)
         summary.seconds = time.time() - t0
         t.set_tags(run_id, {"done": "true", "status": "ok", "seconds": round(summary.seconds, 1)})
         t.finish(run_id, "FINISHED")

@@ -1,0 +1,143 @@
+"""Study visuals end to end (slow): a tiny two-loss sweep against a real ``mlflow server``; every study run carries
+its gallery, per-class metrics and embedding map; ``dmlrc report`` and the MLflow run page are opened in headless
+Chromium and screenshotted (under the test's temp dir; the path is printed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+LOSSES = ["contrastive", "ntxent"]
+VISUALS = {"gallery.png", "gallery.json", "per_class.csv", "per_class.json", "embedding_map.png",
+           "embedding_map.json"}
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _config(tmp: Path, uri: str) -> Path:
+    doc = {
+        "name": "viz", "seed": 3,
+        "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
+        "losses": LOSSES,
+        "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
+        "protocol": {"trials": 1, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 4, "eval_every": 1,
+                     "patience": 1, "max_epochs": 2,
+                     "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
+                               "eval_batch_size": 64}},
+        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
+        "tracking": {"uri": uri, "experiment": "viz-experiment"},
+        "storage": str(tmp / "runs"),
+    }
+    path = tmp / "viz.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    from tests.mlflow_server import mlflow_server
+
+    tmp = tmp_path_factory.mktemp("viz")
+    with mlflow_server(tmp / "server") as uri:
+        cfg = _config(tmp, uri)
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp, capture_output=True,
+                             text=True, timeout=1500, env=env)
+        assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+        yield uri, tmp, cfg
+
+
+def _studies(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name("viz-experiment")
+    return c, exp, c.search_runs([exp.experiment_id], "tags.stage = 'study'")
+
+
+@pytest.mark.timeout(1800)
+def test_every_study_has_visuals_that_match_its_labels_and_metrics(swept):
+    from pipelines.config import load_config
+    from pipelines.preflight import preflight
+
+    uri, tmp, cfg_path = swept
+    c, exp, studies = _studies(uri)
+    assert sorted(s.data.tags["loss"] for s in studies) == sorted(LOSSES)
+    plan = preflight(load_config(cfg_path))[0]
+    table = plan.dataset.table
+    queries = {}
+    for s in studies:
+        sid, loss = s.info.run_id, s.data.tags["loss"]
+        assert "visuals.error" not in s.data.tags, s.data.tags.get("visuals.error")
+        assert {a.path.split("/")[-1] for a in c.list_artifacts(sid, "visuals")} == VISUALS
+        assert s.data.metrics["visuals.seconds"] > 0
+        read = lambda name: json.loads(Path(c.download_artifacts(sid, f"visuals/{name}", str(tmp))).read_text())  # noqa: E731
+        gallery, per_class = read("gallery.json"), read("per_class.json")
+
+        # marked hits are exactly the same-label neighbours, labels read back from the dataset table by row
+        test_classes = set(plan.dataset.manifest.test_classes)
+        for q in gallery["queries"]:
+            assert table.labels[q["table_row"]] == q["label"] and q["label"] in test_classes
+            assert len(q["neighbours"]) == gallery["k"]
+            for nb in q["neighbours"]:
+                assert nb["label"] == table.labels[nb["table_row"]] and nb["label"] in test_classes
+                assert nb["hit"] == (nb["label"] == q["label"])
+        queries[loss] = [q["table_row"] for q in gallery["queries"]]
+
+        # per-class values average back (query-weighted) to the reproduction-0 test.concat metrics the CI used
+        rep0 = c.search_runs([exp.experiment_id], f"tags.stage = 'reproduction' and tags.reproduction = '0' and "
+                                                   f"tags.`mlflow.parentRunId` = '{sid}'")[0]
+        n = sum(x["queries"] for x in per_class["classes"])
+        assert n == len(plan.dataset.table.subset(test_classes))
+        for m in ("map_at_r", "r_precision", "precision_at_1"):
+            avg = sum(x["queries"] * x[m] for x in per_class["classes"]) / n
+            assert avg == pytest.approx(rep0.data.metrics[f"test.concat.{m}"], abs=1e-9), m
+
+    # the same queries for every loss of the dataset
+    assert len({tuple(v) for v in queries.values()}) == 1 and len(queries) == len(LOSSES)
+
+
+def _screenshot(url: str, path: Path, size: str = "1500,2200") -> None:
+    profile = path.parent / f".chromium-{path.stem}"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+           f"--user-data-dir={profile}", f"--window-size={size}", "--virtual-time-budget=20000",
+           f"--screenshot={path}", url]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert path.exists() and path.stat().st_size > 10_000, out.stderr[-3000:]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium (Debian package `chromium`) on PATH")
+def test_report_page_and_mlflow_run_page_in_headless_chromium(swept):
+    from PIL import Image
+
+    from pipelines.report import write_report
+
+    uri, tmp, _ = swept
+    paths = write_report(uri, "viz-experiment", tmp / "report", log_to_mlflow=False)
+    page = paths["html"].read_text()
+    assert page.count("alt='retrieval gallery of") == len(LOSSES) and "different queries" not in page
+
+    shots = tmp / "screenshots"
+    shots.mkdir()
+    _screenshot(paths["html"].as_uri() + "#dataset-synthetic", shots / "report.png")
+    c, exp, studies = _studies(uri)
+    sid = studies[0].info.run_id
+    _screenshot(f"{uri}/#/experiments/{exp.experiment_id}/runs/{sid}/artifacts/visuals/gallery.png",
+                shots / "mlflow_run.png", size="1500,1100")
+    print(f"\nscreenshots: {shots}")
+    for name in ("report.png", "mlflow_run.png"):
+        im = np.asarray(Image.open(shots / name).convert("RGB"), dtype=np.int16)
+        # the galleries' hit/miss frames are on screen: pixels of the green (#1a9850) and red (#d73027) frames
+        green = (np.abs(im - (0x1A, 0x98, 0x50)).sum(-1) < 40).sum()
+        red = (np.abs(im - (0xD7, 0x30, 0x27)).sum(-1) < 40).sum()
+        assert green > 200 and red > 200, (name, green, red)
