@@ -247,9 +247,11 @@ def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def reproduction_test_metrics(outcomes: list[dict[str, Any]], embeddings: list[np.ndarray], labels: list[np.ndarray]) -> dict:
-    """``test.separated.<metric>`` (mean over fold models) and ``test.concat.<metric>`` (concatenated embedding)."""
-    from dml_core.metrics import retrieval_metrics
+def reproduction_test_metrics(outcomes: list[dict[str, Any]], embeddings: list[np.ndarray], labels: list[np.ndarray]
+                              ) -> tuple[dict[str, float], Any]:
+    """``test.separated.<metric>`` (mean over fold models) and ``test.concat.<metric>`` (concatenated embedding),
+    with the concatenated search's ``RetrievalDetails`` (neighbours, per-query and per-class values)."""
+    from dml_core.metrics import retrieval_details
 
     out: dict[str, float] = {}
     keys = sorted(set.intersection(*(set(o["test_metrics"]) for o in outcomes)))
@@ -258,11 +260,11 @@ def reproduction_test_metrics(outcomes: list[dict[str, Any]], embeddings: list[n
     for lab in labels[1:]:
         if not np.array_equal(lab, labels[0]):
             raise RuntimeError("fold models embedded the test set in different row orders")
-    concat = retrieval_metrics(concatenated_embeddings(embeddings), labels[0], normalize=True)
-    for k, v in concat.items():
+    details = retrieval_details(concatenated_embeddings(embeddings), labels[0], normalize=True)
+    for k, v in details.metrics.items():
         if isinstance(v, float) and math.isfinite(v):
             out[f"test.concat.{k}"] = float(v)
-    return out
+    return out, details
 
 
 def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
@@ -334,8 +336,11 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
 
     summary = reduce_folds(outcomes)
     metrics = {k: v for k, v in summary.items() if k.startswith("val.")}
+    details_uri = None
     if reproduction and summary["status"] == "ok":
-        metrics.update(reproduction_test_metrics(outcomes, embeddings, labels))
+        test_metrics, details = reproduction_test_metrics(outcomes, embeddings, labels)
+        metrics.update(test_metrics)
+        details_uri = _store_details(ctx, prefix, details)
     tracker.log_metrics(run_id, metrics)
     tracker.set_tags(run_id, {"status": summary["status"], "reason": summary["reason"][:4000]})
     tracker.finish(run_id, "FINISHED")
@@ -356,7 +361,18 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     })
     if reproduction:
         report[REPRODUCTION] = int(rep)
+        report["concat_details"] = details_uri
     tune.report(report)
+
+
+def _store_details(ctx: StudyContext, prefix: str, details) -> str:
+    """The concatenated test search's neighbours, next to the folds' results, for the study's visuals."""
+    from dml_core.storage import open_storage
+    from pipelines.visuals import details_to_bytes
+
+    folder = ctx.fold_storage.rstrip("/") + f"/{prefix}-concat"
+    open_storage(folder).put_bytes(details_to_bytes(details), "details.npz")
+    return folder + "/details.npz"
 
 
 def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpoint: str,

@@ -145,6 +145,35 @@ def _details(embeddings: np.ndarray, labels: np.ndarray):
     return retrieval_details(embeddings, labels, normalize=True, nmi=False)
 
 
+def details_to_bytes(details) -> bytes:
+    """A ``RetrievalDetails`` as one ``.npz`` (arrays + JSON; no pickle), so the reproduction that ran the
+    concatenated test search hands its neighbours to the study's visuals instead of a second search."""
+    import io
+    import json
+
+    buf = io.BytesIO()
+    meta = {"metrics": details.metrics, "per_class": {str(k): v for k, v in details.per_class.items()},
+            "per_query": sorted(details.per_query)}
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), knn_indices=details.knn_indices,
+             knn_similarity=details.knn_similarity, **{f"q_{k}": v for k, v in details.per_query.items()})
+    return buf.getvalue()
+
+
+def details_from_bytes(data: bytes):
+    """Inverse of :func:`details_to_bytes`."""
+    import io
+    import json
+
+    from dml_core.metrics import RetrievalDetails
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        meta = json.loads(z["meta"].tobytes().decode())
+        return RetrievalDetails(metrics=meta["metrics"], knn_indices=z["knn_indices"],
+                                knn_similarity=z["knn_similarity"],
+                                per_query={k: z[f"q_{k}"] for k in meta["per_query"]},
+                                per_class={int(k): v for k, v in meta["per_class"].items()})
+
+
 def _per_class_rows(details) -> list[dict[str, Any]]:
     """The per-class table of ``retrieval_details`` as rows (label, queries, MAP@R, RP, P@1)."""
     # Classes of a single image have no leave-one-out query (PML excludes them) and no entry.
@@ -262,11 +291,13 @@ def draw_map(xy: np.ndarray, labels: np.ndarray, names: dict[int, str], ratio: n
 
 
 def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.ndarray, *,
-                  settings: VisualSettings = VisualSettings(), title: str = "") -> StudyVisuals:
+                  settings: VisualSettings = VisualSettings(), title: str = "", details=None) -> StudyVisuals:
     """The visuals of one embedded test set.
 
     ``embeddings``/``labels``: test-set rows (in ``table.subset(test_classes)`` order); ``rows[i]`` = table row of
-    test row i (:func:`table_rows`); ``table``: the dataset's ImageTable / ShardedTable (images read by row)."""
+    test row i (:func:`table_rows`); ``table``: the dataset's ImageTable / ShardedTable (images read by row);
+    ``details``: the ``RetrievalDetails`` the metrics already computed for these embeddings (searched here if
+    absent)."""
     labels = np.asarray(labels, dtype=np.int64)
     if len(rows) != len(labels) or not np.array_equal(np.asarray(table.labels)[rows], labels):
         raise ValueError("test embeddings' labels do not match the dataset table's test rows")
@@ -274,7 +305,8 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
     names = {int(c): str(n) for c, n in zip(all_classes, table.class_names or [str(c) for c in all_classes])}
     s = settings
 
-    details = _details(embeddings, labels)
+    if details is None:
+        details = _details(embeddings, labels)
     knn = np.asarray(details.knn_indices)
     sims = np.asarray(details.knn_similarity) if details.knn_similarity is not None else None
 
@@ -357,7 +389,13 @@ def log_study_visuals(tracker, run_id: str, plan, reps: list[dict[str, Any]], *,
         emb, labels = reproduction_embeddings(reps[0]["fold_checkpoints"])
         table = plan.dataset.table
         rows = table_rows(table.labels, plan.dataset.manifest.test_classes)
-        v = build_visuals(emb, labels, table, rows, settings=settings,
+        details = None
+        if reps[0].get("concat_details"):  # the reproduction's own concatenated search: no second search
+            from dml_core.storage import open_storage
+
+            folder, _, name = reps[0]["concat_details"].rpartition("/")
+            details = details_from_bytes(open_storage(folder).get_bytes(name))
+        v = build_visuals(emb, labels, table, rows, settings=settings, details=details,
                           title=f"{plan.key} — reproduction 0, concatenated embedding")
         logged = reps[0].get("test_concat_map_at_r")
         if logged is not None and not math.isclose(v.per_class["global"]["map_at_r"], logged, abs_tol=1e-6):

@@ -216,3 +216,19 @@ def test_a_reproduction_whose_metrics_disagree_gets_no_visuals_but_a_reason(tmp_
     assert log_study_visuals(t, run_id, plan, reps) is None
     assert "differs from the reproduction" in t.run(run_id).data.tags["visuals.error"]
     assert t.artifact_names(run_id, "visuals") == []
+
+
+def test_visuals_reuse_the_reproductions_search_instead_of_searching_again(setup, monkeypatch):
+    """The reproduction's concatenated search is handed over as bytes (no pickle) and the visuals use it as is."""
+    import pipelines.visuals as pv
+    from dml_core.metrics import retrieval_details
+
+    table, rows, labels, emb, v = setup
+    details = pv.details_from_bytes(pv.details_to_bytes(retrieval_details(emb, labels, nmi=False)))
+
+    def no_search(*a, **k):
+        raise AssertionError("a second kNN search")
+
+    monkeypatch.setattr(pv, "_details", no_search)
+    again = build_visuals(emb, labels, table, rows, title="t", details=details)
+    assert again.gallery == v.gallery and again.per_class == v.per_class
