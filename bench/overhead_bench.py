@@ -53,9 +53,32 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
 
+    @staticmethod
+    def _ours() -> set[int]:
+        """This process's descendants (the Ray it started), not other programs' Ray processes on the machine."""
+        import os
+
+        parent: dict[int, int] = {}
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                parent[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        ours, me = set(), os.getpid()
+        for pid in parent:
+            p, seen = pid, 0
+            while p in parent and p != me and seen < 64:
+                p, seen = parent[p], seen + 1
+            if p == me:
+                ours.add(pid)
+        return ours
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            ours = self._ours()
             for proc in Path("/proc").glob("[0-9]*"):
+                if int(proc.name) not in ours:
+                    continue
                 try:
                     cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                     if not cmd.startswith("ray::"):
