@@ -40,8 +40,9 @@ from typing import Any
 
 from pipelines.config import ConfigError, SweepConfig
 from pipelines.preflight import StudyPlan, preflight, study_dirname
-from pipelines.ray_runtime import (RAY_ENV, S3_ENV, check_storage_reachable, check_tracking_reachable,  # noqa: F401
-                                    s3_compat_env, start_ray, warn_multi_node)
+from pipelines.ray_runtime import (RAY_ENV, S3_ENV, check_cluster_resources, check_storage_reachable,  # noqa: F401
+                                    check_tracking_reachable, redact_uri, s3_compat_env, scrub, start_ray, stop_ray,
+                                    warn_multi_node)
 from pipelines.trial import OBJECTIVE, PARAMS, REPRODUCTION, StudyContext, run_trial
 
 __all__ = ["run_sweep", "StudySummary", "SweepOutcome", "ci_table", "RAY_ENV", "CI_MODES"]
@@ -450,38 +451,66 @@ class _Sweep:
 
 
 def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = None, out=None) -> SweepOutcome:
-    """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything starts."""
+    """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything starts.
+
+    Ctrl-C stops it within seconds, closes the runs it leaves (``KILLED``, reason ``interrupted``) and raises
+    :class:`pipelines.stopping.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed study's
+    leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.stopping`).
+    """
+    from pipelines.stopping import INTERRUPTED, close_open_runs, reopen_interrupted, resume_command, stop_on_sigint
+
     out = out or sys.stdout
     t0 = time.time()
     _check_resume(cfg, resume)
     plans = preflight(cfg)
     uri = cfg.tracking_uri()
+    shown = redact_uri(uri)  # what is printed: never a password
     check_tracking_reachable(uri)
     check_storage_reachable(cfg)
 
     local = cfg.local_dir()
-    local.mkdir(parents=True, exist_ok=True)
-
-    from pipelines.tracking import Tracker
-
-    tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
-    if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
-        raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {uri} already has runs of a sweep "
-                                  f"named {cfg.name!r}; pass --resume to continue it, or choose another name")
-    if not (local / _CONFIG_FILE).exists():
-        if resume:
-            print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
-        (local / _CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+    tracker = None
     started = start_ray(cfg, address)
-    warn_multi_node(cfg, uri, out)
-    print(f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}); "
-          f"MLflow {uri} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}", file=out, flush=True)
     try:
-        sweep = _Sweep(cfg, plans, tracker, out)
-        studies = [sweep.run_study(plan) for plan in plans]
-    finally:
-        if started:
-            import ray
+        check_cluster_resources(cfg)  # before anything is written: a ConfigError here leaves no trace
+        from pipelines.tracking import Tracker
 
-            ray.shutdown()
-    return SweepOutcome(cfg.name, local, uri, cfg.experiment_name(), tracker.experiment_id, studies, time.time() - t0)
+        local.mkdir(parents=True, exist_ok=True)
+        tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
+        if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
+            raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
+                                      f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
+        if not (local / _CONFIG_FILE).exists():
+            if resume:
+                print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
+            (local / _CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+        elif resume:
+            reopen_interrupted(tracker, cfg.name)
+        warn_multi_node(cfg, uri, out)
+        print(f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}); "
+              f"MLflow {shown} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}", file=out, flush=True)
+        message = (f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}")
+        with stop_on_sigint(message, out):
+            sweep = _Sweep(cfg, plans, tracker, out)
+            studies = [sweep.run_study(plan) for plan in plans]
+    except BaseException as e:
+        # Stop Ray first: no worker may write to a run after it is closed.
+        stop_ray(started)
+        started = False
+        if tracker is not None and not isinstance(e, ConfigError):
+            try:
+                if isinstance(e, KeyboardInterrupt):
+                    close_open_runs(tracker, cfg.name, reason=INTERRUPTED, status="KILLED")
+                else:
+                    close_open_runs(tracker, cfg.name, reason=scrub(f"{type(e).__name__}: {e}", uri))
+            except Exception as close_error:  # noqa: BLE001 - e.g. the tracking store is what failed: report e
+                print(f"warning: could not close the sweep's MLflow runs ({type(close_error).__name__})", file=out,
+                      flush=True)
+        raise
+    finally:
+        stop_ray(started)
+    for s in studies:
+        if s.status != "ok":
+            close_open_runs(tracker, cfg.name, study=s.study, reason=f"study failed: {s.reason}")
+    return SweepOutcome(cfg.name, local, shown, cfg.experiment_name(), tracker.experiment_id, studies,
+                        time.time() - t0)
