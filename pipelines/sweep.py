@@ -469,17 +469,21 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     check_storage_reachable(cfg)
 
     local = cfg.local_dir()
-    tracker = None
-    started = start_ray(cfg, address)
-    try:
-        check_cluster_resources(cfg)  # before anything is written: a ConfigError here leaves no trace
-        from pipelines.tracking import Tracker
+    local.mkdir(parents=True, exist_ok=True)
 
-        local.mkdir(parents=True, exist_ok=True)
-        tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
-        if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
-            raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
-                                      f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
+    from pipelines.tracking import Tracker
+
+    tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
+    if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
+        raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
+                                  f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
+    try:
+        started = start_ray(cfg, address)
+    except BaseException:
+        stop_ray(False)  # undo what it changed in this process (credentials, loopback switch)
+        raise
+    try:
+        check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
         if not (local / _CONFIG_FILE).exists():
             if resume:
                 print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
@@ -489,7 +493,7 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         warn_multi_node(cfg, uri, out)
         print(f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}); "
               f"MLflow {shown} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}", file=out, flush=True)
-        message = (f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}")
+        message = f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}"
         with stop_on_sigint(message, out):
             sweep = _Sweep(cfg, plans, tracker, out)
             studies = [sweep.run_study(plan) for plan in plans]
@@ -497,7 +501,7 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         # Stop Ray first: no worker may write to a run after it is closed.
         stop_ray(started)
         started = False
-        if tracker is not None and not isinstance(e, ConfigError):
+        if not isinstance(e, ConfigError):
             try:
                 if isinstance(e, KeyboardInterrupt):
                     close_open_runs(tracker, cfg.name, reason=INTERRUPTED, status="KILLED")
