@@ -5,13 +5,16 @@
     dmlrc data prepare|verify ...                          datasets as parquet shards (pipelines.data_cli)
     dmlrc report --experiment NAME ...                     one table over every study (pipelines.report)
 
-Bad input exits with status 2 and one line ``config error: <field>: <problem>`` — before Ray or MLflow start.
+Bad input exits with status 2 and one line ``config error: <field>: <problem>`` (``data error: <file>: ...`` for
+``dmlrc data``) — before Ray or MLflow start and before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from pipelines.config import ConfigError
 
@@ -48,27 +51,83 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_parser(sub)
     add_report_parser(sub)
+    report = sub.choices["report"]
+    report.set_defaults(func=_checked_report(report.get_default("func")))
     return parser
 
 
-def _finish(outcome) -> int:
-    from pipelines.sweep import ci_table
+def _check_report_args(args) -> None:
+    """What ``dmlrc report`` is given, checked before MLflow is asked (which would retry an unreachable server
+    for minutes, or create an empty sqlite DB at a mistyped path)."""
+    from pipelines.config import check_tracking_uri, redact_uri
+    from pipelines.preflight import _check_dir_writable, health_url
+
+    if not str(args.experiment).strip():
+        raise ConfigError("--experiment", "must not be empty")
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    where = "--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI"
+    if uri:
+        check_tracking_uri(uri, where)
+        if uri.startswith("sqlite:///"):
+            db = Path(uri[len("sqlite:///"):])
+            if not db.is_file():
+                raise ConfigError(where, f"no sqlite DB at {str(db)!r} (the report only reads)")
+        if uri.startswith(("http://", "https://")):
+            import urllib.error
+            import urllib.request
+
+            try:
+                with urllib.request.urlopen(health_url(uri), timeout=10) as r:
+                    r.read()
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                raise ConfigError(where, f"MLflow server {redact_uri(uri)} is not reachable "
+                                         f"({redact_uri(str(e))})") from None
+    _check_dir_writable(Path(args.out).resolve(), "--out", "report folder")
+
+
+def _checked_report(run):
+    def run_report(args) -> int:
+        _check_report_args(args)
+        try:
+            return run(args)
+        except ValueError as e:  # the report's own input errors start with the option they are about
+            text = " ".join(str(e).split())
+            if not text.startswith("--"):
+                raise
+            option, _, problem = text.partition(" ")
+            raise ConfigError(option.rstrip(":"), problem) from None
+
+    return run_report
+
+
+def _finish(outcome, reference: str = "") -> int:
+    from pipelines.config import redact_uri
+    from pipelines.study_results import ci_table, params_table
 
     print()
     print(f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
           "mean ± half-width of the 95 % t-interval across reproductions:")
     print(ci_table(outcome.studies))
+    if reference:
+        print(reference)
     print()
-    print("Browse the runs (study → trial → fold, reproductions) with:")
-    print(f"  {outcome.mlflow_ui_command()}")
+    print("Winning hyperparameters (best BO trial of each study):")
+    print(params_table(outcome.studies))
+    print()
+    print("Next: browse the runs (study → trial → fold, reproductions) with")
+    print(f"  {redact_uri(outcome.mlflow_ui_command())}")  # a tracking URI may hold a password
+    print("and write one report over every study (markdown, CSV, HTML, paired comparisons) with")
+    print(f"  dmlrc report --experiment {outcome.experiment} --tracking-uri {redact_uri(outcome.tracking_uri)}")
     return 0 if all(s.status == "ok" for s in outcome.studies) else 1
 
 
 def _run_sweep(args) -> int:
     from pipelines.config import load_config
+    from pipelines.preflight import check_local_gpus
     from pipelines.sweep import run_sweep
 
     cfg = load_config(args.config, name=args.name)
+    check_local_gpus(cfg, args.address)
     return _finish(run_sweep(cfg, resume=args.resume, address=args.address))
 
 
@@ -78,7 +137,19 @@ def _run_demo(args) -> int:
     from pipelines.sweep import run_sweep
 
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
-    return _finish(run_sweep(cfg, address=args.address))
+    outcome = run_sweep(cfg, address=args.address)
+    return _finish(outcome, _untrained_reference(cfg))
+
+
+def _untrained_reference(cfg) -> str:
+    """The demo's floor: the same network with its initial weights on the same test classes."""
+    from pipelines.preflight import preflight
+    from pipelines.presets import untrained_test_metrics
+
+    plan = preflight(cfg)[0]
+    m = untrained_test_metrics(plan, cfg.protocol.seed)
+    return (f"untrained network (same architecture, initial weights) on the same test classes: "
+            f"P@1 {100 * m['precision_at_1']:.2f}  RP {100 * m['r_precision']:.2f}  MAP@R {100 * m['map_at_r']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print("config error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -5,10 +5,15 @@ A config names the datasets, the losses, the model, the protocol (MLRC §1–§2
 "epochs", evaluation interval and patience), the resources, MLflow tracking and storage.  The documented examples
 are ``configs/{demo,omniglot,mlrc-cub200}.yaml``; the ``demo`` preset is also built in (:mod:`pipelines.presets`).
 
-:func:`parse_config` checks *shape* (keys, types, ranges, URIs) and never touches the disk or the network;
-:func:`pipelines.preflight.preflight` then loads the datasets and builds every loss once.  Both raise
-:class:`ConfigError` whose message names the field, e.g.
-``losses[1].name: unknown loss 'mpaa' (known: ...)``.  Nothing (no Ray, no MLflow run) starts before both pass.
+The schema is a set of pydantic models (``extra="forbid"``, strict types, bounds); :func:`sweep_json_schema`
+publishes it as JSON Schema (``docs/sweep-config.schema.json``, which editors use to complete and check YAML).
+Protocol training defaults are :class:`dml_core.train.TrainConfig`'s field defaults — that dataclass is the one
+place deciding them.  :func:`load_config` reads the file (UTF-8, bounded size, duplicate keys and alias bombs
+rejected); :func:`parse_config` checks *shape* (keys, types, ranges, URIs) and that every loss exists with a
+search space, and never touches the disk or the network; :func:`pipelines.preflight.preflight` then checks
+paths, loads the datasets and builds every loss once.  All raise :class:`ConfigError` whose message names the
+field, e.g. ``losses[1].name: unknown loss 'mpaa' (known: ...)``.  Nothing (no Ray, no MLflow run, no folder)
+starts before they pass.
 
 This module imports neither Ray nor MLflow.
 """
@@ -20,10 +25,21 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Union
+from urllib.parse import urlsplit
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from dml_core.train import _AMP_DTYPES, _OPTIMIZERS, TrainConfig
 from pipelines.spaces import LOSS_LR, SearchSpace, SpaceError, load_space, spaces_dir
 
 __all__ = [
@@ -34,32 +50,35 @@ __all__ = [
     "ProtocolSpec",
     "ResourcesSpec",
     "TrackingSpec",
+    "TrainSpec",
     "SweepConfig",
+    "SweepDocument",
     "parse_config",
     "load_config",
+    "load_yaml",
+    "sweep_json_schema",
+    "check_uri",
+    "check_tracking_uri",
+    "redact_uri",
     "DATASET_KINDS",
     "TRAIN_KEYS",
+    "SEED_MAX",
 ]
 
 #: Dataset kinds: generated data, the Omniglot zips, a prepared parquet manifest (engineer C's format), an image folder.
 DATASET_KINDS = ("synthetic", "omniglot", "parquet", "folder")
-#: ``protocol.train`` keys forwarded to :class:`dml_core.train.TrainConfig` (MLRC §3 defaults where they exist).
-TRAIN_KEYS = (
-    "classes_per_batch",
-    "m",
-    "trunk_lr",
-    "embedder_lr",
-    "weight_decay",
-    "momentum",
-    "eval_batch_size",
-    "num_workers",
-    "loss_weight_decay",
-    "optimizer",
-    "amp",
-    "amp_dtype",
-)
+#: numpy/Optuna seeds are 32-bit; every seed a sweep derives (folds, reproductions) must stay below this.
+SEED_MAX = 2**32 - 1
+#: A config file larger than this is not a sweep config (and would be slow to parse).
+MAX_CONFIG_BYTES = 1 << 20
+#: YAML aliases may share a node many times over ("billion laughs"): bound the expanded document.
+MAX_YAML_NODES = 20_000
+#: Synthetic data is generated in memory (``num_classes × per_class`` H×W×3 uint8 images).
+MAX_SYNTHETIC_BYTES = 4 << 30
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "file")
+_TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql")
+#: TrainConfig's field defaults: the single source of protocol training defaults (MLRC §1.5, §3).
+_TC = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 class ConfigError(ValueError):
@@ -67,128 +86,435 @@ class ConfigError(ValueError):
 
     def __init__(self, field_path: str, message: str):
         self.field = field_path
+        self.problem = message
         super().__init__(f"{field_path}: {message}" if field_path else message)
 
 
-_REQUIRED = object()
+class _At(ValueError):
+    """Raised inside a validator: ``path`` is relative to the validated object (``"params.margin"``)."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(message)
 
 
-def _get(d: dict, key: str, where: str, kind: type | tuple[type, ...], default: Any = _REQUIRED) -> Any:
-    """``d[key]`` checked against ``kind`` (bools are not ints; ints are accepted as floats)."""
-    path = f"{where}.{key}" if where else key
-    if key not in d or d[key] is None:
-        if default is _REQUIRED:
-            raise ConfigError(path, "is required")
-        return default
-    v = d[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if float in kinds and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
-    if isinstance(v, bool) and bool not in kinds:
-        raise ConfigError(path, f"expected {_kind_name(kinds)}, got {v!r}")
-    if not isinstance(v, kinds):
-        raise ConfigError(path, f"expected {_kind_name(kinds)}, got {v!r}")
-    return v
+# --------------------------------------------------------------------------------------------------- URIs
+
+_USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
 
 
-def _kind_name(kinds: tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "a mapping", list: "a list"}
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
+def redact_uri(text: str) -> str:
+    """Replace the password of every ``scheme://user:password@host`` in ``text`` by ``***``."""
+    return _USERINFO_RE.sub(r"\1:***@", text) if isinstance(text, str) else text
 
 
-def _int(d: dict, key: str, where: str, default: Any = _REQUIRED, lo: int | None = None, hi: int | None = None) -> int:
-    v = _get(d, key, where, int, default)
-    if v is not None:
-        _range(v, f"{where}.{key}", lo, hi)
-    return v
-
-
-def _float(d: dict, key: str, where: str, default: Any = _REQUIRED, lo: float | None = None, hi: float | None = None,
-           open_lo: bool = False) -> float:
-    v = _get(d, key, where, float, default)
-    if v is not None:
-        _range(v, f"{where}.{key}", lo, hi, open_lo)
-    return v
-
-
-def _range(v: float, path: str, lo: float | None, hi: float | None, open_lo: bool = False) -> None:
-    if lo is not None and (v < lo or (open_lo and v == lo)):
-        raise ConfigError(path, f"{v!r} must be {'>' if open_lo else '>='} {lo}")
-    if hi is not None and v > hi:
-        raise ConfigError(path, f"{v!r} must be <= {hi}")
-
-
-def _no_unknown(d: dict, allowed: set[str] | tuple[str, ...], where: str) -> None:
-    unknown = sorted(set(d) - set(allowed))
-    if unknown:
-        first = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise ConfigError(first, f"unknown key (allowed here: {', '.join(sorted(allowed))})")
-
-
-def _mapping(v: Any, where: str) -> dict:
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise ConfigError(where, f"expected a mapping, got {v!r}")
-    return v
+def _short(v: Any, n: int = 60) -> str:
+    """``repr(v)`` cut to ``n`` characters, credentials removed (messages never echo a password)."""
+    r = redact_uri(repr(v))
+    return r if len(r) <= n else r[: n - 3] + "..."
 
 
 def check_uri(uri: str, where: str, *, allow_s3: bool = True) -> str:
     """A local path or ``s3://bucket[/prefix]``; any other ``scheme://`` is an error naming ``where``."""
     if not isinstance(uri, str) or not uri.strip():
-        raise ConfigError(where, f"expected a path or URI, got {uri!r}")
+        raise ConfigError(where, f"expected a path or URI, got {_short(uri)}")
+    if "\x00" in uri:
+        raise ConfigError(where, "contains a NUL character")
     m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", uri)
     if not m:
         return uri
     scheme, rest = m.group(1).lower(), m.group(2)
     if scheme == "s3" and allow_s3:
         if not rest or rest.startswith("/") or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest):
-            raise ConfigError(where, f"{uri!r} is not a valid s3://bucket/prefix URI")
+            raise ConfigError(where, f"{_short(uri)} is not a valid s3://bucket/prefix URI")
         return uri
     if scheme == "file":
         if not rest.startswith("/"):
-            raise ConfigError(where, f"{uri!r}: a file:// URI must be absolute (file:///...)")
+            raise ConfigError(where, f"{_short(uri)}: a file:// URI must be absolute (file:///...)")
         return rest
     allowed = "a local path or s3://bucket/prefix" if allow_s3 else "a local path"
-    raise ConfigError(where, f"unsupported URI scheme {scheme!r} in {uri!r} (expected {allowed})")
+    raise ConfigError(where, f"unsupported URI scheme {scheme!r} in {_short(uri)} (expected {allowed})")
 
 
 def check_tracking_uri(uri: str, where: str = "tracking.uri") -> str:
-    """An MLflow tracking URI: ``http(s)://host[:port]``, ``sqlite:///path``, ``postgresql://...``, ``file:///path``."""
-    m = re.match(r"^([A-Za-z][A-Za-z0-9+]*)(\+[A-Za-z0-9]+)?://(.*)$", uri or "")
+    """An MLflow tracking URI: ``http(s)://[user[:password]@]host[:port]``, ``sqlite:///path``,
+    ``postgresql[+psycopg2]://user[:password]@host[:port]/database``.  ``file://`` stores are refused: MLflow 3
+    no longer accepts them as a tracking store (use ``sqlite:///path/mlflow.db``)."""
+    shown = _short(uri)
+    m = re.match(r"^([A-Za-z][A-Za-z0-9]*)(\+[A-Za-z0-9_]+)?://(.*)$", uri or "")
     if not m:
-        raise ConfigError(where, f"{uri!r} is not a URI (expected one of {', '.join(s + '://' for s in _TRACKING_SCHEMES)})")
-    scheme, rest = m.group(1).lower(), m.group(3)
+        raise ConfigError(where, f"{shown} is not a URI (expected one of "
+                                 f"{', '.join(s + '://' for s in _TRACKING_SCHEMES)})")
+    scheme, driver, rest = m.group(1).lower(), (m.group(2) or "")[1:].lower(), m.group(3)
+    if scheme == "file":
+        raise ConfigError(where, f"{shown}: file:// tracking stores are not supported by MLflow 3; "
+                                 "use sqlite:///path/mlflow.db (or an http:// server)")
     if scheme not in _TRACKING_SCHEMES:
-        raise ConfigError(where, f"unsupported scheme {scheme!r} in {uri!r} (expected one of {', '.join(_TRACKING_SCHEMES)})")
-    if scheme in ("http", "https"):
-        if not re.match(r"^[A-Za-z0-9.\-\[\]:]+(:\d+)?(/.*)?$", rest) or rest.startswith(":"):
-            raise ConfigError(where, f"{uri!r}: missing or malformed host")
-        port = re.match(r"^[^/\[]*:(\d+)", rest)
-        if port and not 0 < int(port.group(1)) < 65536:
-            raise ConfigError(where, f"{uri!r}: port out of range")
+        raise ConfigError(where, f"unsupported scheme {scheme!r} in {shown} (expected one of "
+                                 f"{', '.join(_TRACKING_SCHEMES)})")
+    if driver and scheme != "postgresql":
+        raise ConfigError(where, f"{shown}: a '+driver' suffix is only meaningful for postgresql")
+    if driver and driver not in ("psycopg2", "psycopg"):
+        raise ConfigError(where, f"{shown}: unknown PostgreSQL driver {driver!r} (use postgresql+psycopg2://)")
+    if scheme in ("http", "https", "postgresql"):
+        try:
+            parts = urlsplit(f"{scheme}://{rest}")
+            host, port = parts.hostname, parts.port
+        except ValueError as e:
+            raise ConfigError(where, f"{shown}: malformed host or port ({redact_uri(str(e))})") from None
+        if not host or not re.match(r"^[A-Za-z0-9.\-_:]+$", host):
+            raise ConfigError(where, f"{shown}: missing or malformed host")
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(where, f"{shown}: port out of range")
+        if scheme == "postgresql" and not parts.path.strip("/"):
+            raise ConfigError(where, f"{shown}: expected postgresql://user[:password]@host[:port]/database")
     if scheme == "sqlite":
-        if not rest.startswith("/") or rest == "/":
-            raise ConfigError(where, f"{uri!r}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
-    if scheme == "file" and not rest.startswith("/"):
-        raise ConfigError(where, f"{uri!r}: a file:// URI must be absolute (file:///...)")
-    if scheme == "postgresql" and "/" not in rest:
-        raise ConfigError(where, f"{uri!r}: expected postgresql://user[:password]@host[:port]/database")
+        if not rest.startswith("/") or rest == "/" or rest.endswith("/"):
+            raise ConfigError(where, f"{shown}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
     return uri
 
 
-def _abs(path: str | None) -> str | None:
-    return None if path is None else str(Path(path).resolve())
-
-
 def absolute_tracking_uri(uri: str) -> str:
-    """Make a ``sqlite:///relative.db`` URI absolute (workers must never resolve relative paths: ray #18387)."""
+    """Make a ``sqlite:///relative.db`` URI absolute (workers must never resolve relative paths: ray #18387), and
+    pin ``postgresql://`` to the installed driver (SQLAlchemy 2.1 maps the bare scheme to psycopg 3)."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    if uri.startswith("postgresql://"):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + uri[len("postgresql://"):]
     return uri
 
 
 # --------------------------------------------------------------------------------------------------- schema
+
+
+class _Strict(BaseModel):
+    """Base of every config section: unknown keys rejected, no type coercion (``"5"`` is not 5, ``true`` is not
+    1), no NaN/inf, immutable; a YAML ``null`` means "the default"."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False,
+                              hide_input_in_errors=True, use_attribute_docstrings=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+def _check_name(v: str) -> str:
+    if not _NAME_RE.match(v):
+        raise ValueError(f"{_short(v)}: use letters, digits, '_', '-', '.' (max 64, no '/')")
+    return v
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+Path_ = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class _DatasetBase(_Strict):
+    name: Name | None = None
+    """The MLflow ``dataset`` tag (default: the kind)."""
+    classes: int | None = Field(None, ge=2, le=10**7)
+    """Keep only the first N sorted classes (quick runs on big datasets; null = all)."""
+
+
+class SyntheticDataset(_DatasetBase):
+    """Generated compositional toy classes (``dml_core.data.synthetic``)."""
+
+    kind: Literal["synthetic"]
+    num_classes: int = Field(ge=2, le=100_000)
+    per_class: int = Field(ge=2, le=100_000)
+    image_size: int = Field(16, ge=8, le=512)
+    """Side of the generated images in pixels."""
+    seed: Seed | None = None
+    """Generator seed (default: the sweep's ``seed``)."""
+
+    @model_validator(mode="after")
+    def _fits_in_memory(self):
+        nbytes = self.num_classes * self.per_class * self.image_size ** 2 * 3
+        if nbytes > MAX_SYNTHETIC_BYTES:
+            raise _At("num_classes", f"{self.num_classes} classes × {self.per_class} images of {self.image_size}² "
+                                     f"pixels need {nbytes / 2**30:.0f} GiB in memory (limit "
+                                     f"{MAX_SYNTHETIC_BYTES >> 30} GiB)")
+        return self
+
+
+class _PathDataset(_DatasetBase):
+    path: Path_
+    image_size: int = Field(227, ge=8, le=1024)
+    """Side of the protocol transforms' output (MLRC §3: 227 crops of 256 resizes; 16–32 for smoke runs)."""
+
+
+class OmniglotDataset(_PathDataset):
+    """The Omniglot zips (``path``: the folder holding them)."""
+
+    kind: Literal["omniglot"]
+
+
+class FolderDataset(_PathDataset):
+    """An image folder (``path``: root with one sub-folder per class)."""
+
+    kind: Literal["folder"]
+
+
+class ParquetDataset(_PathDataset):
+    """Shards prepared by ``dmlrc data prepare`` (``path``: local folder, manifest.json or s3:// URI)."""
+
+    kind: Literal["parquet"]
+
+
+DatasetEntry = Annotated[Union[SyntheticDataset, OmniglotDataset, FolderDataset, ParquetDataset],
+                         Field(discriminator="kind")]
+
+
+class LossEntry(_Strict):
+    """A loss to study; a bare string is its name."""
+
+    name: str = Field(min_length=1, max_length=128)
+    """Registry name (``dml_core.losses``), e.g. ``contrastive``, ``mpa``, ``xbm:contrastive``."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Pinned hyperparameters (removed from the searched space)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+
+def _set_keys(train: TrainSpec) -> dict[str, Any]:
+    # Only what the config sets: unset keys fall back to TrainConfig, the recipe's batch or the loss's metadata.
+    return train.model_dump(exclude_unset=True)
+
+
+class TrainSpec(_Strict):
+    """``protocol.train``: further :class:`dml_core.train.TrainConfig` fields (defaults are TrainConfig's)."""
+
+    classes_per_batch: int | None = Field(None, ge=2, le=100_000)
+    """Classes per batch (null = the protocol's shared batch, MLRC 8, or the loss paper's with recipe: paper)."""
+    m: int | None = Field(None, ge=1, le=10_000)
+    """Images per class in a batch (null = as classes_per_batch)."""
+    trunk_lr: float = Field(_TC["trunk_lr"], gt=0, le=100)
+    embedder_lr: float = Field(_TC["embedder_lr"], gt=0, le=100)
+    weight_decay: float = Field(_TC["weight_decay"], ge=0, le=100)
+    momentum: float = Field(_TC["momentum"], ge=0, le=1)
+    eval_batch_size: int = Field(_TC["eval_batch_size"], ge=1, le=65_536)
+    num_workers: int = Field(_TC["num_workers"], ge=0, le=256)
+    loss_weight_decay: float | None = Field(None, ge=0, le=100)
+    """Weight decay of the loss's own parameters (null = the loss's metadata, else TrainConfig's)."""
+    optimizer: Literal[_OPTIMIZERS] = _TC["optimizer"]  # type: ignore[valid-type]
+    amp: bool = _TC["amp"]
+    amp_dtype: Literal[tuple(_AMP_DTYPES)] = _TC["amp_dtype"]  # type: ignore[valid-type]
+
+
+#: ``protocol.train`` keys forwarded to :class:`dml_core.train.TrainConfig` (MLRC §3 defaults where they exist).
+TRAIN_KEYS = tuple(TrainSpec.model_fields)
+
+
+class ModelSpec(_Strict):
+    """``dml_core.models.build_model`` arguments.  ``pooling``/``layer_norm`` null = the protocol's (or, with
+    ``recipe: paper``, the loss paper's) recipe."""
+
+    trunk: Literal["tiny", "resnet18", "resnet50", "googlenet"] = "tiny"
+    pooling: str | None = Field(None, max_length=64)
+    """avg | max | avg+max | gem | gem:P | kmax:K (null = the recipe's)."""
+    layer_norm: bool | None = None
+    embedding_dim: int = Field(128, ge=2, le=4096)
+    pretrained: Path_ | None = None
+    """A local torchvision state_dict file for the trunk (loaded with weights_only=True)."""
+    freeze_bn: bool = True
+
+    @field_validator("pooling")
+    @classmethod
+    def _pooling(cls, v: str | None) -> str | None:
+        if v is not None:
+            from dml_core.models import parse_pooling
+
+            parse_pooling(v)  # its ValueError says what is accepted
+        return v
+
+    @field_validator("pretrained")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if "\x00" in v:
+            raise ValueError("contains a NUL character")
+        return str(Path(v).expanduser().resolve())
+
+    def kwargs(self, recipe: Any | None = None) -> dict[str, Any]:
+        """Arguments for ``build_model``: explicit values win over the loss's :class:`ModelRecipe`."""
+        pooling = self.pooling or (recipe.pooling if recipe is not None else "avg")
+        layer_norm = self.layer_norm if self.layer_norm is not None else bool(recipe.layer_norm if recipe else False)
+        return {
+            "trunk": self.trunk,
+            "pooling": pooling,
+            "layer_norm": layer_norm,
+            "embedding_dim": self.embedding_dim,
+            "pretrained": self.pretrained,
+            "freeze_bn": self.freeze_bn,
+        }
+
+
+class ProtocolSpec(_Strict):
+    """MLRC protocol (spec protocol_reality_check.md §1.3–§2.3).
+
+    ``eval_every`` and ``patience`` are in epochs of ``iters_per_epoch`` iterations (MLRC §1.5: CUB 2 / 9).
+    ``train`` holds further :class:`dml_core.train.TrainConfig` fields (``TRAIN_KEYS``), as a dict of the keys
+    the config sets.
+    """
+
+    name: str = Field("mlrc", min_length=1, max_length=64)
+    folds: int = Field(4, ge=2, le=10)
+    """Class-disjoint cross-validation folds (MLRC §1.3; the mlrc layout has exactly 4)."""
+    fold_layout: Literal["mlrc", "kfold"] = "mlrc"
+    trials: int = Field(50, ge=1, le=100_000)
+    """Bayesian-optimisation trials per study (MLRC: 50)."""
+    startup_trials: int = Field(5, ge=0, le=100_000)
+    """Random trials before the GP takes over (MLRC: 5 Sobol trials)."""
+    sampler: Literal["gp", "tpe"] = "gp"
+    """Optuna GPSampler (gp) or TPESampler (tpe)."""
+    reproductions: int = Field(10, ge=2, le=1000)
+    """Retrainings of the best config; the CI is across these (MLRC: 10)."""
+    iters_per_epoch: int = Field(_TC["iters_per_epoch"], ge=1, le=10**7)
+    eval_every: int = Field(_TC["eval_every"], ge=1, le=10**6)
+    patience: int = Field(_TC["patience"], ge=0, le=10**6)
+    max_epochs: int = Field(_TC["max_epochs"], ge=1, le=10**6)
+    seed: Seed | None = None
+    """Seed of the BO sampler and of fold training (default: the sweep's ``seed``)."""
+    train: Annotated[TrainSpec, AfterValidator(_set_keys)] = Field(default_factory=dict)
+    #: "protocol": every loss gets the reality check's batch (8 × 4) and model unless ``train``/``model`` say
+    #: otherwise (a fair comparison); "paper": each loss's own BatchSpec/ModelRecipe (``loss_info``).
+    recipe: Literal["protocol", "paper"] = "protocol"
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.fold_layout == "mlrc" and self.folds != 4:
+            raise _At("folds", f"the mlrc layout has exactly 4 folds (got {self.folds}); use fold_layout: kfold")
+        if self.max_epochs < self.eval_every:
+            raise _At("max_epochs", f"{self.max_epochs} must be >= eval_every ({self.eval_every})")
+        return self
+
+
+class ResourcesSpec(_Strict):
+    """Ray resources.  ``num_cpus``: logical CPUs of a *local* Ray (null = enough for ``max_concurrent_trials``
+    trials × folds × workers; oversubscribing physical cores is fine for tiny models)."""
+
+    workers_per_fold: int = Field(2, ge=1, le=1024)
+    """DDP workers per fold (gloo on CPU, NCCL with GPUs)."""
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0, le=1024)
+    gpus_per_worker: float = Field(1.0, gt=0, le=64)
+    """With use_gpu; a fraction (e.g. 0.25) lets small folds share a GPU."""
+    #: restarts of a fold whose worker died (OOM kill, lost node): Ray Train FailureConfig(max_failures); the fold
+    #: restarts from scratch with the same seed.  A failure after the retries fails the trial (status=failed).
+    fold_retries: int = Field(1, ge=0, le=100)
+    max_concurrent_trials: int = Field(1, ge=1, le=1024)
+    num_cpus: int | None = Field(None, ge=1, le=1_000_000)
+    fold_executor: Literal["auto", "warm", "train"] = "auto"
+    """How a fold runs: "warm" = single-worker folds on reused Ray worker processes (workers_per_fold 1 only),
+    "train" = always a Ray Train TorchTrainer, "auto" = warm when workers_per_fold is 1, else train."""
+    max_concurrent_studies: int | None = Field(None, ge=1, le=1024)
+    """Studies (dataset × loss) in flight at once (null = no limit)."""
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.fold_executor == "warm" and self.workers_per_fold != 1:
+            raise _At("fold_executor", f"'warm' runs single-worker folds; workers_per_fold is "
+                                       f"{self.workers_per_fold} (use 'train' or 'auto')")
+        need = self.workers_per_fold * self.cpus_per_worker
+        if self.num_cpus is not None and self.num_cpus < need:
+            raise _At("num_cpus", f"{self.num_cpus} CPUs cannot hold one fold's {self.workers_per_fold} workers × "
+                                  f"{self.cpus_per_worker} CPUs = {need:g} (its placement group would wait forever)")
+        return self
+
+
+class TrackingSpec(_Strict):
+    """MLflow: ``uri`` null = ``$MLFLOW_TRACKING_URI`` if set, else a sqlite DB inside the sweep's local directory;
+    ``experiment`` null = the sweep name."""
+
+    uri: str | None = Field(None, max_length=4096)
+    """http(s)://host[:port], sqlite:///path.db or postgresql[+psycopg2]://user@host[:port]/database."""
+    experiment: str | None = Field(None, max_length=256)
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                check_tracking_uri(v, "")
+            except ConfigError as e:
+                raise ValueError(e.problem) from None
+        return v
+
+    @field_validator("experiment")
+    @classmethod
+    def _experiment(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+class SweepDocument(_Strict):
+    """A sweep config file (``dmlrc sweep CONFIG.yaml``); see configs/demo.yaml for a commented example."""
+
+    model_config = ConfigDict(title="dmlrc sweep config")
+
+    name: Name
+    """Sweep name: MLflow experiment (unless tracking.experiment) and folder <storage>/<name>/."""
+    seed: Seed = 0
+    """Base seed (BO sampler, fold training; reproduction i uses seed + 1000·(i+1))."""
+    tune_spaces: Path_ | None = None
+    """Folder of <loss>.yaml search spaces (default: the repository's tune_spaces/)."""
+    datasets: list[DatasetEntry] = Field(min_length=1, max_length=100)
+    losses: list[LossEntry] = Field(min_length=1, max_length=200)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    protocol: ProtocolSpec = Field(default_factory=ProtocolSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    storage: Path_ = "runs"
+    """Local folder (<storage>/<name>/) or s3://bucket/prefix for Ray Tune/Train state."""
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, v: str) -> str:
+        try:
+            return check_uri(v, "")
+        except ConfigError as e:
+            raise ValueError(e.problem) from None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        for key, items in (("datasets", self.datasets), ("losses", self.losses)):
+            seen: dict[str, int] = {}
+            for i, item in enumerate(items):
+                n = item.name or getattr(item, "kind", None)
+                if n in seen:
+                    raise _At(f"{key}[{i}].name", f"{n!r} already listed as {key}[{seen[n]}]")
+                seen[n] = i
+        p = self.protocol
+        base = p.seed if p.seed is not None else self.seed
+        top = base + 1000 * p.reproductions + p.folds - 1  # pipelines.trial.reproduction_seed + fold index
+        if top > SEED_MAX:
+            raise _At("protocol.seed" if p.seed is not None else "seed",
+                      f"{base} is too large: reproduction and fold seeds reach {top} > 2**32-1 = {SEED_MAX}")
+        return self
+
+
+def sweep_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a sweep config (published as ``docs/sweep-config.schema.json``)."""
+    schema = SweepDocument.model_json_schema()
+    # A loss may be a bare name (LossEntry's before-validator), which pydantic's schema cannot see.
+    schema["properties"]["losses"]["items"] = {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/LossEntry"}]}
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema
+
+
+# --------------------------------------------------------------------------------------------------- results
 
 
 @dataclass(frozen=True)
@@ -227,83 +553,6 @@ class LossSpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """``dml_core.models.build_model`` arguments.  ``pooling``/``layer_norm`` ``null`` = the protocol's (or, with ``recipe: paper``, the loss paper's) recipe."""
-
-    trunk: str = "tiny"
-    pooling: str | None = None
-    layer_norm: bool | None = None
-    embedding_dim: int = 128
-    pretrained: str | None = None
-    freeze_bn: bool = True
-
-    def kwargs(self, recipe: Any | None = None) -> dict[str, Any]:
-        """Arguments for ``build_model``: explicit values win over the loss's :class:`ModelRecipe`."""
-        pooling = self.pooling or (recipe.pooling if recipe is not None else "avg")
-        layer_norm = self.layer_norm if self.layer_norm is not None else bool(recipe.layer_norm if recipe else False)
-        return {
-            "trunk": self.trunk,
-            "pooling": pooling,
-            "layer_norm": layer_norm,
-            "embedding_dim": self.embedding_dim,
-            "pretrained": self.pretrained,
-            "freeze_bn": self.freeze_bn,
-        }
-
-
-@dataclass(frozen=True)
-class ProtocolSpec:
-    """MLRC protocol (spec protocol_reality_check.md §1.3–§2.3).
-
-    ``eval_every`` and ``patience`` are in epochs of ``iters_per_epoch`` iterations (MLRC §1.5: CUB 2 / 9).
-    ``train`` holds further :class:`dml_core.train.TrainConfig` fields (``TRAIN_KEYS``); ``classes_per_batch`` and
-    ``m`` default to the protocol's shared batch (or the paper's with ``recipe: paper``).
-    """
-
-    name: str = "mlrc"
-    folds: int = 4
-    fold_layout: str = "mlrc"
-    trials: int = 50
-    startup_trials: int = 5
-    sampler: str = "gp"
-    reproductions: int = 10
-    iters_per_epoch: int = 100
-    eval_every: int = 2
-    patience: int = 9
-    max_epochs: int = 1000
-    seed: int = 0
-    train: dict[str, Any] = field(default_factory=dict)
-    #: "protocol": every loss gets the reality check's batch (8 × 4) and model unless ``train``/``model`` say
-    #: otherwise (a fair comparison); "paper": each loss's own BatchSpec/ModelRecipe (``loss_info``).
-    recipe: str = "protocol"
-
-
-@dataclass(frozen=True)
-class ResourcesSpec:
-    """Ray resources.  ``num_cpus``: logical CPUs of a *local* Ray (``null`` = enough for ``max_concurrent_trials``
-    trials × folds × workers; oversubscribing physical cores is fine for tiny models)."""
-
-    workers_per_fold: int = 2
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 1.0  # with use_gpu; a fraction (e.g. 0.25) lets small folds share a GPU
-    #: restarts of a fold whose worker died (OOM kill, lost node): Ray Train FailureConfig(max_failures); the fold
-    #: restarts from scratch with the same seed.  A failure after the retries fails the trial (status=failed).
-    fold_retries: int = 1
-    max_concurrent_trials: int = 1
-    num_cpus: int | None = None
-
-
-@dataclass(frozen=True)
-class TrackingSpec:
-    """MLflow: ``uri`` ``null`` = ``$MLFLOW_TRACKING_URI`` if set, else a sqlite DB inside the sweep's local directory;
-    ``experiment`` ``null`` = the sweep name."""
-
-    uri: str | None = None
-    experiment: str | None = None
-
-
-@dataclass(frozen=True)
 class SweepConfig:
     name: str
     datasets: tuple[DatasetSpec, ...]
@@ -334,7 +583,8 @@ class SweepConfig:
 
     def tracking_uri(self) -> str:
         """Absolute MLflow tracking URI (workers get exactly this string): ``tracking.uri``, else
-        ``$MLFLOW_TRACKING_URI``, else a sqlite DB in the sweep's local directory."""
+        ``$MLFLOW_TRACKING_URI``, else a sqlite DB in the sweep's local directory.  It may hold a password:
+        print :func:`redact_uri` of it."""
         uri = self.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
         if uri:
             return absolute_tracking_uri(uri)
@@ -344,15 +594,20 @@ class SweepConfig:
         return self.tracking.experiment or self.name
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-data form (what ``--resume`` compares against the stored copy)."""
+        """Plain-data form (what ``--resume`` compares against the stored copy, ``sweep_config.json``, MLflow):
+        passwords in URIs are redacted."""
 
         def plain(obj):
+            if isinstance(obj, BaseModel):
+                return {k: plain(getattr(obj, k)) for k in type(obj).model_fields}
             if dataclasses.is_dataclass(obj) and not isinstance(obj, SearchSpace):
                 return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name != "space"}
             if isinstance(obj, (list, tuple)):
                 return [plain(x) for x in obj]
             if isinstance(obj, dict):
                 return {k: plain(v) for k, v in obj.items()}
+            if isinstance(obj, str):
+                return redact_uri(obj)
             return obj
 
         d = plain(self)
@@ -360,212 +615,258 @@ class SweepConfig:
         return d
 
 
+# --------------------------------------------------------------------------------------------------- errors
+
+_KIND_NAMES = {"int": "an integer", "float": "a number", "string": "a string", "bool": "true/false",
+               "dict": "a mapping", "model": "a mapping", "list": "a list"}
+
+
+def _path(loc: tuple) -> str:
+    """Pydantic error location → ``losses[1].params.margin`` (discriminated-union tags dropped)."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and not (i >= 1 and loc[i - 1] == "params"):
+            out += f"[{part}]"
+            continue
+        if part in DATASET_KINDS and i >= 2 and loc[i - 2] == "datasets" and isinstance(loc[i - 1], int):
+            continue
+        out += f".{part}" if out else str(part)
+    return out
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The model class validating the object at ``loc`` (for "allowed here" lists)."""
+    model: Any = SweepDocument
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        if model is SweepDocument and part == "datasets":
+            if len(parts) >= 2 and isinstance(parts[0], int):
+                model = {"synthetic": SyntheticDataset, "omniglot": OmniglotDataset, "folder": FolderDataset,
+                         "parquet": ParquetDataset}.get(parts[1])
+                parts = parts[2:]
+                continue
+            return None
+        if model is SweepDocument and part == "losses":
+            model = LossEntry
+            parts = parts[1:]
+            continue
+        sub = {"model": ModelSpec, "protocol": ProtocolSpec, "resources": ResourcesSpec, "tracking": TrackingSpec,
+               "train": TrainSpec}.get(part) if isinstance(part, str) else None
+        if sub is None or part not in getattr(model, "model_fields", {}):
+            return None
+        model = sub
+    return model
+
+
+def _to_config_error(e: ValidationError) -> ConfigError:
+    """The first pydantic error as one ``<field>: <problem>`` (plus how many more there are)."""
+    errors = e.errors(include_url=False)
+    err = errors[0]
+    loc, kind, ctx, value = tuple(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
+    where = _path(loc)
+    if kind == "value_error" and isinstance(ctx.get("error"), _At):
+        rel = ctx["error"].path
+        where = f"{where}.{rel}" if where and not rel.startswith("[") else f"{where}{rel}"
+        problem = str(ctx["error"])
+    elif kind in ("value_error", "assertion_error"):
+        problem = redact_uri(str(ctx.get("error") or err["msg"]))
+    elif kind == "missing":
+        problem = "is required"
+    elif kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        allowed = f" (allowed here: {', '.join(sorted(model.model_fields))})" if model else ""
+        problem = f"unknown key{allowed}"
+    elif kind.endswith("_type") and kind[: -len("_type")] in _KIND_NAMES:
+        problem = f"expected {_KIND_NAMES[kind[: -len('_type')]]}, got {_short(value)}"
+    elif kind == "finite_number":
+        problem = f"{_short(value)} must be a finite number"
+    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        op, bound = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+                     "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}[kind]
+        problem = f"{_short(value)} must be {op} {ctx[bound]}"
+    elif kind == "literal_error":
+        problem = f"{_short(value)} is not one of {ctx.get('expected')}"
+    elif kind == "too_short" and loc in (("datasets",), ("losses",)):
+        problem = f"needs at least one {loc[0][:-1] if loc[0] == 'datasets' else 'loss'}"
+    elif kind == "too_long":
+        problem = f"has more than {ctx.get('max_length')} entries"
+    elif kind == "string_too_long":
+        problem = f"longer than {ctx.get('max_length')} characters"
+    elif kind == "string_too_short":
+        problem = "must not be empty"
+    elif kind == "union_tag_not_found":
+        where, problem = f"{where}.kind", f"is required (one of {', '.join(DATASET_KINDS)})"
+    elif kind == "union_tag_invalid":
+        where = f"{where}.kind"
+        problem = f"unknown dataset kind {_short(ctx.get('tag'))} (known: {', '.join(DATASET_KINDS)})"
+    else:
+        problem = redact_uri(err["msg"])
+    if len(errors) > 1:
+        problem += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return ConfigError(where or "config", problem)
+
+
 # --------------------------------------------------------------------------------------------------- parsing
 
 
-def _parse_dataset(d: Any, where: str, default_seed: int) -> DatasetSpec:
-    d = _mapping(d, where)
-    kind = _get(d, "kind", where, str)
-    if kind not in DATASET_KINDS:
-        raise ConfigError(f"{where}.kind", f"unknown dataset kind {kind!r} (known: {', '.join(DATASET_KINDS)})")
-    common = {"name", "kind", "image_size", "classes"}
-    name = _get(d, "name", where, str, kind)
-    if not _NAME_RE.match(name):
-        raise ConfigError(f"{where}.name", f"{name!r}: use letters, digits, '_', '-', '.' (max 64)")
-    classes = _int(d, "classes", where, None, lo=2)
-    if kind == "synthetic":
-        _no_unknown(d, common | {"num_classes", "per_class", "seed"}, where)
-        num_classes = _int(d, "num_classes", where, lo=2)
-        per_class = _int(d, "per_class", where, lo=2)
-        image_size = _int(d, "image_size", where, 16, lo=8, hi=512)
-        return DatasetSpec(name, kind, image_size, num_classes=num_classes, per_class=per_class,
-                           seed=_int(d, "seed", where, default_seed), classes=classes)
-    _no_unknown(d, common | {"path"}, where)
-    path = check_uri(_get(d, "path", where, str), f"{where}.path", allow_s3=(kind == "parquet"))
-    if not path.startswith("s3://"):
-        # Absolute, because Ray Train workers run in their own working directory (and may open shards lazily).
-        path = str(Path(path).resolve())
-    image_size = _int(d, "image_size", where, 227, lo=8, hi=1024)
-    return DatasetSpec(name, kind, image_size, path=path, classes=classes)
-
-
-def _parse_loss(d: Any, where: str, space_dir: Path) -> LossSpec:
-    if isinstance(d, str):
-        d = {"name": d}
-    d = _mapping(d, where)
-    _no_unknown(d, {"name", "params"}, where)
-    name = _get(d, "name", where, str)
-    # The registry decides what exists; imported here so that a config error never needs Ray or MLflow.
+def _loss_spec(entry: LossEntry, where: str, space_dir: Path, custom_spaces: bool) -> LossSpec:
+    """The registry decides what exists; imported here so that a config error never needs Ray or MLflow."""
     from dml_core.losses import list_losses, list_wrappers, loss_info
 
+    name = entry.name
     try:
         loss_info(name)
     except ValueError:
         known = list_losses() + [f"{w}:<base>" for w in list_wrappers()]
-        raise ConfigError(f"{where}.name", f"unknown loss {name!r} (known: {', '.join(known)})") from None
+        raise ConfigError(f"{where}.name", f"unknown loss {_short(name)} (known: {', '.join(known)})") from None
     try:
         space = load_space(name, space_dir)
     except SpaceError as e:
-        raise ConfigError(f"{where}.name", str(e)) from None
-    params = dict(_mapping(d.get("params"), f"{where}.params"))
-    for k, v in params.items():
+        # A broken file in the user's own tune_spaces folder is that folder's fault; a missing space is the loss's.
+        blame = "tune_spaces" if custom_spaces and not str(e).startswith("no search space") else f"{where}.name"
+        raise ConfigError(blame, " ".join(str(e).split())) from None
+    for k, v in entry.params.items():
         p = space.params.get(k)
+        if k == LOSS_LR and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+            raise ConfigError(f"{where}.params.{k}", f"{_short(v)} must be a positive number")
         if p is not None and not p.contains(v):
-            raise ConfigError(f"{where}.params.{k}", f"{v!r} is outside the search space of {name!r} ({p.describe()})")
-        if k == LOSS_LR and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
-            raise ConfigError(f"{where}.params.{k}", f"{v!r} must be a positive number")
-    return LossSpec(name, params, space)
+            raise ConfigError(f"{where}.params.{k}",
+                              f"{_short(v)} is outside the search space of {name!r} ({p.describe()})")
+    return LossSpec(name, dict(entry.params), space)
 
 
-def _named_list(doc: dict[str, Any], key: str, noun: str, parse) -> tuple:
-    """A non-empty list of specs with distinct ``name``s; errors name the entry (``losses[2].name``)."""
-    raw = _get(doc, key, "", list)
-    if not raw:
-        raise ConfigError(key, f"needs at least one {noun}")
-    items = tuple(parse(x, f"{key}[{i}]") for i, x in enumerate(raw))
-    seen: dict[str, int] = {}
-    for i, item in enumerate(items):
-        if item.name in seen:
-            raise ConfigError(f"{key}[{i}].name", f"{item.name!r} already listed as {key}[{seen[item.name]}]")
-        seen[item.name] = i
-    return items
+def _dataset_spec(d: Any, where: str, default_seed: int) -> DatasetSpec:
+    name = d.name or d.kind
+    if d.kind == "synthetic":
+        return DatasetSpec(name, d.kind, d.image_size, num_classes=d.num_classes, per_class=d.per_class,
+                           seed=d.seed if d.seed is not None else default_seed, classes=d.classes)
+    path = check_uri(d.path, f"{where}.path", allow_s3=(d.kind == "parquet"))
+    if not path.startswith("s3://"):
+        # Absolute, because Ray Train workers run in their own working directory (and may open shards lazily).
+        path = str(Path(path).expanduser().resolve())
+    return DatasetSpec(name, d.kind, d.image_size, path=path, classes=d.classes)
 
 
 def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
     """Validate a config mapping (already YAML-parsed) and return the typed :class:`SweepConfig`.
 
-    Checks keys, types, ranges and URI shapes, that every loss exists in the registry and has a search space, and
-    that pinned parameters lie inside it.  Building every loss and loading every dataset is :mod:`pipelines.preflight`.
+    Checks keys, types, ranges and URI shapes (the pydantic :class:`SweepDocument`), that every loss exists in the
+    registry and has a search space, and that pinned parameters lie inside it.  Building every loss and loading
+    every dataset is :mod:`pipelines.preflight`.
     """
     if not isinstance(doc, dict):
-        raise ConfigError("", f"{source or 'config'}: expected a mapping at the top level")
-    top = {"name", "seed", "datasets", "losses", "model", "protocol", "resources", "tracking", "storage", "tune_spaces"}
-    _no_unknown(doc, top, "")
-    name = _get(doc, "name", "", str)
-    if not _NAME_RE.match(name):
-        raise ConfigError("name", f"{name!r}: use letters, digits, '_', '-', '.' (max 64, no '/')")
-    seed = _int(doc, "seed", "", 0, lo=0)
+        raise ConfigError(source or "config", f"expected a mapping at the top level, got {type(doc).__name__}")
+    try:
+        d = SweepDocument.model_validate(doc)
+    except ValidationError as e:
+        raise _to_config_error(e) from None
+    except RecursionError:
+        raise ConfigError(source or "config", "nested too deeply") from None
 
-    tune_spaces = _get(doc, "tune_spaces", "", str, None)
-    space_dir = Path(tune_spaces) if tune_spaces else spaces_dir()
-    if tune_spaces is not None and not space_dir.is_dir():
-        raise ConfigError("tune_spaces", f"directory {tune_spaces!r} does not exist")
+    space_dir = Path(d.tune_spaces) if d.tune_spaces else spaces_dir()
+    if d.tune_spaces is not None and not space_dir.is_dir():
+        raise ConfigError("tune_spaces", f"directory {_short(d.tune_spaces)} does not exist")
+    datasets = tuple(_dataset_spec(x, f"datasets[{i}]", d.seed) for i, x in enumerate(d.datasets))
+    losses = tuple(_loss_spec(x, f"losses[{i}]", space_dir, d.tune_spaces is not None)
+                   for i, x in enumerate(d.losses))
 
-    datasets = _named_list(doc, "datasets", "dataset", lambda x, where: _parse_dataset(x, where, seed))
-    losses = _named_list(doc, "losses", "loss", lambda x, where: _parse_loss(x, where, space_dir))
-
-    m = _mapping(doc.get("model"), "model")
-    _no_unknown(m, {"trunk", "pooling", "layer_norm", "embedding_dim", "pretrained", "freeze_bn"}, "model")
-    pooling = _get(m, "pooling", "model", str, None)
-    if pooling is not None:
-        from dml_core.models import parse_pooling
-
-        try:
-            parse_pooling(pooling)
-        except ValueError as e:
-            raise ConfigError("model.pooling", str(e)) from None
-    trunk = _get(m, "trunk", "model", str, "tiny")
-    if trunk not in ("tiny", "resnet18", "resnet50", "googlenet"):
-        raise ConfigError("model.trunk", f"unknown trunk {trunk!r} (known: tiny, resnet18, resnet50, googlenet)")
-    model = ModelSpec(
-        trunk=trunk,
-        pooling=pooling,
-        layer_norm=_get(m, "layer_norm", "model", bool, None),
-        embedding_dim=_int(m, "embedding_dim", "model", 128, lo=2, hi=4096),
-        pretrained=_abs(_get(m, "pretrained", "model", str, None)),
-        freeze_bn=_get(m, "freeze_bn", "model", bool, True),
-    )
-
-    p = _mapping(doc.get("protocol"), "protocol")
-    pkeys = {f.name for f in dataclasses.fields(ProtocolSpec)}
-    _no_unknown(p, pkeys, "protocol")
-    folds = _int(p, "folds", "protocol", 4, lo=2, hi=10)
-    layout = _get(p, "fold_layout", "protocol", str, "mlrc")
-    if layout not in ("mlrc", "kfold"):
-        raise ConfigError("protocol.fold_layout", f"{layout!r} is not 'mlrc' or 'kfold'")
-    if layout == "mlrc" and folds != 4:
-        raise ConfigError("protocol.folds", f"the mlrc layout has exactly 4 folds (got {folds}); use fold_layout: kfold")
-    trials = _int(p, "trials", "protocol", 50, lo=1)
-    startup = _int(p, "startup_trials", "protocol", 5, lo=0)
-    sampler = _get(p, "sampler", "protocol", str, "gp")
-    if sampler not in ("gp", "tpe"):
-        raise ConfigError("protocol.sampler", f"{sampler!r} is not 'gp' (Optuna GPSampler) or 'tpe' (TPESampler)")
-    train = dict(_mapping(p.get("train"), "protocol.train"))
-    _no_unknown(train, TRAIN_KEYS, "protocol.train")
-    for k in ("classes_per_batch", "m", "eval_batch_size"):
-        if k in train:
-            _int(train, k, "protocol.train", lo=1 if k != "classes_per_batch" else 2)
-    if "num_workers" in train:
-        _int(train, "num_workers", "protocol.train", lo=0)
-    for k in ("trunk_lr", "embedder_lr"):
-        if k in train:
-            _float(train, k, "protocol.train", lo=0.0, open_lo=True)
-    for k in ("weight_decay", "momentum"):
-        if k in train:
-            train[k] = _float(train, k, "protocol.train", lo=0.0)
-    recipe = _get(p, "recipe", "protocol", str, "protocol")
-    if recipe not in ("protocol", "paper"):
-        raise ConfigError("protocol.recipe", f"{recipe!r} is not 'protocol' (one batch and model for every loss) or 'paper'")
-    eval_every = _int(p, "eval_every", "protocol", 2, lo=1)
-    protocol = ProtocolSpec(
-        recipe=recipe,
-        name=_get(p, "name", "protocol", str, "mlrc"),
-        folds=folds,
-        fold_layout=layout,
-        trials=trials,
-        startup_trials=startup,
-        sampler=sampler,
-        reproductions=_int(p, "reproductions", "protocol", 10, lo=2),
-        iters_per_epoch=_int(p, "iters_per_epoch", "protocol", 100, lo=1),
-        eval_every=eval_every,
-        patience=_int(p, "patience", "protocol", 9, lo=0),
-        max_epochs=_int(p, "max_epochs", "protocol", 1000, lo=eval_every),
-        seed=_int(p, "seed", "protocol", seed, lo=0),
-        train=train,
-    )
-
-    r = _mapping(doc.get("resources"), "resources")
-    _no_unknown(r, {f.name for f in dataclasses.fields(ResourcesSpec)}, "resources")
-    resources = ResourcesSpec(
-        workers_per_fold=_int(r, "workers_per_fold", "resources", 2, lo=1, hi=1024),
-        use_gpu=_get(r, "use_gpu", "resources", bool, False),
-        cpus_per_worker=_float(r, "cpus_per_worker", "resources", 1.0, lo=0.0, open_lo=True),
-        gpus_per_worker=_float(r, "gpus_per_worker", "resources", 1.0, lo=0.0, open_lo=True),
-        fold_retries=_int(r, "fold_retries", "resources", 1, lo=0),
-        max_concurrent_trials=_int(r, "max_concurrent_trials", "resources", 1, lo=1),
-        num_cpus=_int(r, "num_cpus", "resources", None, lo=1),
-    )
-
-    t = _mapping(doc.get("tracking"), "tracking")
-    _no_unknown(t, {"uri", "experiment"}, "tracking")
-    uri = _get(t, "uri", "tracking", str, None)
-    if uri is not None:
-        check_tracking_uri(uri)
-    elif os.environ.get("MLFLOW_TRACKING_URI"):
+    protocol = d.protocol
+    if protocol.seed is None:
+        protocol = protocol.model_copy(update={"seed": d.seed})
+    if d.tracking.uri is None and os.environ.get("MLFLOW_TRACKING_URI"):
         check_tracking_uri(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI (environment, used as tracking.uri)")
-    experiment = _get(t, "experiment", "tracking", str, None)
-    if experiment is not None and not experiment.strip():
-        raise ConfigError("tracking.experiment", "must not be empty")
-    tracking = TrackingSpec(uri=uri, experiment=experiment)
-
-    storage = check_uri(_get(doc, "storage", "", str, "runs"), "storage")
-
-    return SweepConfig(name, datasets, losses, model, protocol, resources, tracking, storage,
+    return SweepConfig(d.name, datasets, losses, d.model, protocol, d.resources, d.tracking, d.storage,
                        str(space_dir), source)
 
 
+# --------------------------------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader; :func:`load_yaml` inspects the composed node graph before constructing it."""
+
+
+def _check_nodes(root: yaml.Node, source: str) -> None:
+    """Reject duplicate mapping keys and documents whose aliases expand beyond ``MAX_YAML_NODES`` nodes."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def walk(node: yaml.Node, path: str) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise ConfigError(source, f"recursive YAML alias at {path or 'the top level'}")
+        active.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    name = (k.tag, k.value)
+                    sub = f"{path}.{k.value}" if path else str(k.value)
+                    if k.tag != "tag:yaml.org,2002:str":
+                        raise ConfigError(sub, f"keys must be strings; YAML reads {k.value!r} as "
+                                               f"{k.tag.rsplit(':', 1)[-1]} (quote it)")
+                    if name in seen:
+                        raise ConfigError(sub, f"duplicate key (lines {seen[name] + 1} and {k.start_mark.line + 1})")
+                    seen[name] = k.start_mark.line
+                else:
+                    sub = path
+                total += walk(k, sub) + walk(v, sub)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                total += walk(v, f"{path}[{i}]")
+        active.discard(key)
+        sizes[key] = total
+        if total > MAX_YAML_NODES:
+            raise ConfigError(source, f"the document (its YAML aliases expanded) has more than {MAX_YAML_NODES} "
+                                      "nodes")
+        return total
+
+    walk(root, "")
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse one YAML document safely: no duplicate keys, bounded alias expansion, errors as one line."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, source)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ConfigError(source, "not valid YAML: " + " ".join(str(e).split())) from None
+    except RecursionError:
+        raise ConfigError(source, "not valid YAML: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str | os.PathLike, *, name: str | None = None) -> SweepConfig:
-    """Read and validate ``CONFIG.yaml``; a missing or unparsable file is a :class:`ConfigError` naming it.
+    """Read and validate ``CONFIG.yaml``; a missing, unreadable, non-UTF-8 or unparsable file is a
+    :class:`ConfigError` naming it.
 
     ``name`` overrides the sweep name (e.g. a dated name for scheduled re-runs of the same config).
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(str(path), "config file not found")
+    src = str(path)
     try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(str(path), f"not valid YAML: {e}") from None
+        if not path.is_file():
+            raise ConfigError(src, "is a directory, not a config file" if path.is_dir() else "config file not found")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(src, f"{path.stat().st_size} bytes is too large for a sweep config "
+                                   f"(limit {MAX_CONFIG_BYTES})")
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(src, f"cannot read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(src, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    doc = load_yaml(text, src)
     if name is not None and isinstance(doc, dict):
         doc = {**doc, "name": name}
-    return parse_config(doc, source=str(path))
+    return parse_config(doc, source=src)

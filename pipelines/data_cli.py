@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
 
 from dml_core.datasets import DATASETS
 
@@ -54,7 +55,38 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     return data
 
 
+def _data_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:  # pragma: no cover
+        return ()
+    return BotoCoreError, ClientError
+
+
 def run_data(args: argparse.Namespace) -> int:
+    """`dmlrc data ...`; a bad source, destination or shard is one line ``data error: <file>[: row N]: <problem>``
+    on stderr and exit status 2 (the readers name the file; where an error does not, the argument is named)."""
+    from pipelines.config import redact_uri
+
+    errors = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError, zipfile.BadZipFile,
+              *_data_errors())
+    try:
+        return _run_data(args)
+    except MemoryError:
+        print("data error: out of memory", file=sys.stderr)
+        return 2
+    except errors as e:
+        text = " ".join(str(e).split()) or type(e).__name__
+        if isinstance(e, (KeyError, TypeError, IndexError, AttributeError, EOFError, zipfile.BadZipFile)):
+            text = f"{type(e).__name__}: {text}"
+        where = str(args.src if args.data_command == "prepare" else args.uri)
+        if where not in text and not text.startswith(("/", "s3://", ".")):
+            text = f"{where}: {text}"
+        print(f"data error: {redact_uri(text)}", file=sys.stderr)
+        return 2
+
+
+def _run_data(args: argparse.Namespace) -> int:
     if args.data_command == "prepare":
         from dml_core.datasets import prepare, reader
 

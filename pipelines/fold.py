@@ -1,21 +1,29 @@
-"""One cross-validation fold as a Ray Train job: the per-worker function :func:`fold_worker`.
+"""One cross-validation fold: :func:`run_fold`, shared by both ways a fold runs on Ray.
 
 MLRC §1.4: each fold trains an independent model on the fold's train classes, evaluates on its val classes
 (compared to self), and keeps the checkpoint with the best val MAP@R (early stopping §1.5).  That is
-:func:`dml_core.train.train_fold`; this module only wires it into Ray Train:
+:func:`dml_core.train.train_fold`; :func:`run_fold` wires it to the sweep:
 
-* ``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs); ``train_fold`` detects it, wraps
+* rank 0 logs every evaluation to the fold's MLflow run (``val.<metric>``, step = iteration) through an explicit run
+  id and prints one progress line per evaluation;
+* at the end rank 0 writes the fold's *result directory*: ``outcome.json`` (status, best val metrics, history, time
+  span, process id, node id) and — for reproductions — the test-set embeddings of the best model
+  (``test_embeddings.npy``/``test_labels.npy``, for the concatenated evaluation) and the model state (``model.pt``).
+
+The two executors (chosen by :func:`pipelines.trial.fold_executor`) only differ in how the process is obtained and
+where the result directory goes:
+
+* **warm** (:mod:`pipelines.warm_folds`, single-worker folds): a Ray task on a reused worker process; the directory
+  is copied to the sweep's storage;
+* **train** (:func:`fold_worker` here, ``workers_per_fold > 1`` or forced): a Ray Train ``TorchTrainer`` job.
+  ``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs); ``train_fold`` detects it, wraps
   the model in DDP and draws its rank's slice of every m-per-class batch from
   :class:`~dml_core.samplers.MPerClassBatchSampler`.  We never call ``ray.train.torch.prepare_data_loader``: it
-  would replace the m-per-class sampler by a ``DistributedSampler`` (spec ray_mlflow_notes §5.7).
-* Rank 0 logs every evaluation to the fold's MLflow run (``val.<metric>``, step = iteration) through an explicit run
-  id, and prints one progress line per evaluation.
-* At the end every rank calls ``ray.train.report`` once (Ray Train needs the same number of reports from all ranks);
-  rank 0 attaches a checkpoint directory holding ``outcome.json`` (status, best val metrics, history, time span),
-  and — for reproductions — the test-set embeddings of the best model (``test_embeddings.npy``, for the
-  concatenated evaluation) and the model state (``model.pt``).
-* Resume: if Ray Train restored a checkpoint for this run name (the fold finished before the sweep was killed),
-  the worker returns at once; ``TorchTrainer.fit()`` then returns the stored result without retraining.
+  would replace the m-per-class sampler by a ``DistributedSampler`` (spec ray_mlflow_notes §5.7).  The directory is
+  rank 0's Ray Train checkpoint.
+
+Both keep the same resume story: a fold whose result directory exists (it finished before the sweep was killed) is
+not trained again.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["fold_worker", "OUTCOME_FILE", "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE", "METRIC_KEYS"]
+__all__ = ["run_fold", "fold_worker", "worker_env", "OUTCOME_FILE", "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE",
+           "METRIC_KEYS"]
 
 OUTCOME_FILE = "outcome.json"
 TEST_EMBEDDINGS = "test_embeddings.npy"
@@ -40,23 +49,49 @@ MODEL_FILE = "model.pt"
 #: The metrics logged per evaluation (all of retrieval_metrics' keys are kept in outcome.json).
 METRIC_KEYS = ("map_at_r", "r_precision", "precision_at_1")
 
+#: The dataset table of the last fold this process ran, by object-ref id: a reused (warm) worker fetches and
+#: deserialises it once per study, not once per fold.
+_TABLE_CACHE: dict[str, Any] = {}
+
 
 def _finite(d: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
 
 
-def fold_worker(cfg: dict[str, Any]) -> None:
-    """Ray Train ``train_loop_per_worker`` for one fold (keys of ``cfg``: see :func:`pipelines.trial.fold_config`)."""
+def _table(ref) -> Any:
+    import ray
+
+    key = ref.hex()
+    if key not in _TABLE_CACHE:
+        _TABLE_CACHE.clear()  # one study's table at a time: bounded memory in a long-lived process
+        _TABLE_CACHE[key] = ray.get(ref)
+    return _TABLE_CACHE[key]
+
+
+def _rss_peak_mb() -> float:
+    """This process's peak resident memory so far (Linux reports ``ru_maxrss`` in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def quiet_worker_logs() -> None:
+    """Ray sets the root logger to INFO in workers (and Train logs every report under root); faiss's loader logs
+    each CPU-feature probe.  Progress lines are our prints."""
     import logging
 
-    import ray
-    import ray.train
-    import torch
-
-    # Quiet workers: Ray Train sets the root logger to INFO (and logs every report through a logger named by a file
-    # path, i.e. under root); faiss's loader logs each CPU-feature probe.  Progress lines are our prints.
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("faiss").setLevel(logging.WARNING)
+
+
+def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, out_dir: Path,
+             node_id: str = "") -> dict[str, Any]:
+    """Train and evaluate one fold (keys of ``cfg``: see :func:`pipelines.trial._fold_config`).
+
+    Every rank calls it; rank 0 writes the result directory ``out_dir``.  Returns the small summary every rank
+    reports (status, fold, best val metrics, time span).
+    """
+    import torch
 
     from dml_core.data import ImageDataset, eval_transform, train_transform
     from dml_core.losses import build_loss
@@ -64,25 +99,15 @@ def fold_worker(cfg: dict[str, Any]) -> None:
     from dml_core.models import build_model
     from dml_core.train import TrainConfig, embed, train_fold
 
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    if ray.train.get_checkpoint() is not None:
-        return  # finished before a restart: fit() returns the stored checkpoint's result
-
     torch.set_num_threads(max(1, int(cfg["threads"])))
     torch.manual_seed(cfg["train"]["seed"])
     time_start = time.time()
 
-    table = ray.get(cfg["table_ref"][0])
+    table = _table(cfg["table_ref"][0])
     fold = cfg["fold"]
     train_set = ImageDataset(table.subset(fold["train_classes"]), train_transform(cfg["image_size"]))
     val_set = ImageDataset(table.subset(fold["val_classes"]), eval_transform(cfg["image_size"]))
 
-    device = "cpu"
-    if cfg["use_gpu"]:
-        import ray.train.torch
-
-        device = str(ray.train.torch.get_device())
     model = build_model(**cfg["model"])
     num_classes = len(fold["train_classes"])
     loss = build_loss(cfg["loss"], num_classes=num_classes, embedding_dim=cfg["model"]["embedding_dim"],
@@ -91,17 +116,19 @@ def fold_worker(cfg: dict[str, Any]) -> None:
 
     tracker = None
     fold_run_id = cfg["fold_run_id"]
+    label = cfg["label"]
     if rank == 0:
         from pipelines.tracking import Tracker
 
         tracker = Tracker.from_uri(cfg["tracking_uri"], cfg["experiment_id"])
         if tracker.run(fold_run_id).data.metrics:
-            # Ray Train restarted this worker group (a worker died, e.g. an OOM kill; FailureConfig(max_failures)):
-            # the fold starts from scratch, so it gets a fresh run and the half-logged one is soft-deleted.
+            # This fold is being run again after its process died (an OOM kill, a lost node; Ray retried the task
+            # or restarted the worker group): the fold starts from scratch, so it gets a fresh run and the
+            # half-logged one is soft-deleted.
             fold_run_id, _ = tracker.get_or_create(cfg["fold_run_tags"], parent=cfg["parent_run_id"],
-                                                   run_name=f"fold {cfg['fold']['index']}", reuse_unfinished=False)
-            tracker.set_tags(fold_run_id, {"restarted": "true"})
-    label = cfg["label"]
+                                                   run_name=f"fold {fold['index']}", reuse_unfinished=False)
+            tracker.set_tags(fold_run_id, {**cfg.get("fold_run_extra_tags", {}), "restarted": "true"})
+        tracker.set_tags(fold_run_id, {"pid": os.getpid(), "node_id": node_id})
 
     def on_eval(record: dict[str, Any]) -> None:  # rank 0 only (train_fold's contract)
         metrics = {f"val.{k}": v for k, v in record["metrics"].items() if k in METRIC_KEYS}
@@ -134,7 +161,10 @@ def fold_worker(cfg: dict[str, Any]) -> None:
         "time_start": time_start,
         "time_train_start": time_train_start,
         "time_end": time_end,
-        "world_size": ctx.get_world_size(),
+        "world_size": world_size,
+        "pid": os.getpid(),
+        "node_id": node_id,
+        "rss_peak_mb": _rss_peak_mb(),
         "history": [
             {"epoch": r["epoch"], "iteration": r["iteration"], "train_loss": r.get("train_loss"),
              "metrics": _finite({k: v for k, v in r["metrics"].items() if k in METRIC_KEYS})}
@@ -154,22 +184,47 @@ def fold_worker(cfg: dict[str, Any]) -> None:
             # "separated" (MLRC §2.3): this fold model alone on all test classes, compared to self.
             outcome["test_metrics"] = _finite(retrieval_metrics(test_emb, test_labels))
 
-    metrics = {"status": outcome["status"], "fold": fold["index"], "train_seconds": outcome["train_seconds"],
-               "time_start": time_start, "time_end": time_end,
-               **{f"val_{k}": v for k, v in outcome["best_metrics"].items()}}
-    if rank != 0:
-        ray.train.report(metrics)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / OUTCOME_FILE).write_text(json.dumps(outcome))
+    if rank == 0:
+        (out_dir / OUTCOME_FILE).write_text(json.dumps(outcome))
         if test_emb is not None:
-            np.save(Path(tmp) / TEST_EMBEDDINGS, test_emb)
-            np.save(Path(tmp) / TEST_LABELS, test_labels)
+            np.save(out_dir / TEST_EMBEDDINGS, test_emb)
+            np.save(out_dir / TEST_LABELS, test_labels)
         if cfg["save_model"] and result.status == "ok":
             torch.save({"model": result.best_state["model"], "loss": result.best_state["loss"],
                         "model_kwargs": cfg["model"], "loss_name": cfg["loss"], "loss_params": cfg["loss_params"],
-                        "num_classes": num_classes, "fold": fold}, Path(tmp) / MODEL_FILE)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                        "num_classes": num_classes, "fold": fold}, out_dir / MODEL_FILE)
+    return {"status": outcome["status"], "fold": fold["index"], "train_seconds": outcome["train_seconds"],
+            "time_start": time_start, "time_end": time_end,
+            **{f"val_{k}": v for k, v in outcome["best_metrics"].items()}}
+
+
+def fold_worker(cfg: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker`` for one fold: :func:`run_fold` on every rank, rank 0's result directory
+    as the run's checkpoint (Ray Train needs the same number of reports from all ranks).
+
+    Resume: if Ray Train restored a checkpoint for this run name (the fold finished before the sweep was killed),
+    the worker returns at once; ``TorchTrainer.fit()`` then returns the stored result without retraining.
+    """
+    import ray
+    import ray.train
+
+    quiet_worker_logs()
+    ctx = ray.train.get_context()
+    if ray.train.get_checkpoint() is not None:
+        return
+    device = "cpu"
+    if cfg["use_gpu"]:
+        import ray.train.torch
+
+        device = str(ray.train.torch.get_device())
+    rank = ctx.get_world_rank()
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = run_fold(cfg, rank=rank, world_size=ctx.get_world_size(), device=device, out_dir=Path(tmp),
+                           node_id=ray.get_runtime_context().get_node_id())
+        if rank != 0:
+            ray.train.report(summary)
+        else:
+            ray.train.report(summary, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
 def worker_env() -> dict[str, str]:

@@ -292,32 +292,14 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
 
 
 def check_cluster_resources(cfg: SweepConfig) -> None:
-    """Fail before any trial starts when the running Ray cannot place one fold's Train workers.
-
-    Otherwise Ray Train would retry its worker-group start-up forever ("startup timed out"): a fold needs
-    ``workers_per_fold`` workers of ``cpus_per_worker`` CPUs (and ``gpus_per_worker`` GPUs with ``use_gpu``),
-    each on one node.  Names the field and says what the cluster has.
-    """
+    """Right after Ray starts (also a cluster's, with ``--address``), before any trial: the config's resources
+    against ``ray.cluster_resources()`` (:func:`pipelines.preflight.check_cluster_resources` names the field and
+    what the cluster has).  Otherwise Ray Train would retry its worker-group start-up forever."""
     import ray
 
-    r = cfg.resources
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    total = ray.cluster_resources()
-    has = (f"the Ray cluster has {total.get('CPU', 0):g} CPU(s) and {total.get('GPU', 0):g} GPU(s) on "
-           f"{len(nodes)} node(s)")
-    if r.use_gpu:
-        need = r.workers_per_fold * r.gpus_per_worker
-        largest = max((n.get("GPU", 0) for n in nodes), default=0)
-        if total.get("GPU", 0) < need or largest < r.gpus_per_worker:
-            raise ConfigError("resources.use_gpu", f"a fold needs {need:g} GPU(s) ({r.workers_per_fold} worker(s) × "
-                                                   f"{r.gpus_per_worker:g}) but {has}; set use_gpu: false or run "
-                                                   "on a cluster with GPUs")
-    need = r.workers_per_fold * r.cpus_per_worker
-    largest = max((n.get("CPU", 0) for n in nodes), default=0)
-    if total.get("CPU", 0) < need or largest < r.cpus_per_worker:
-        field = "resources.num_cpus" if r.num_cpus else "resources.cpus_per_worker"
-        raise ConfigError(field, f"a fold needs {need:g} CPU(s) ({r.workers_per_fold} worker(s) × "
-                                 f"{r.cpus_per_worker:g}) but {has}")
+    from pipelines.preflight import check_cluster_resources as check
+
+    check(cfg, ray.cluster_resources())
 
 
 def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import yaml
 
 __all__ = ["Param", "SearchSpace", "SpaceError", "spaces_dir", "load_space", "all_spaces", "LOSS_LR"]
 
@@ -146,21 +145,29 @@ def _parse_param(path: Path, name: str, spec: Any) -> Param:
 
 
 def _load_file(path: Path) -> SearchSpace:
+    from pipelines.config import ConfigError, load_yaml  # (config imports this module)
+
     try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SpaceError(f"{path.name}: not valid YAML: {e}") from None
+        doc = load_yaml(path.read_bytes().decode("utf-8"), path.name)  # no duplicate keys, no alias bombs
+    except ConfigError as e:
+        raise SpaceError(str(e)) from None
+    except UnicodeDecodeError as e:
+        raise SpaceError(f"{path.name}: not UTF-8 text (offset {e.start})") from None
+    except OSError as e:
+        raise SpaceError(f"{path.name}: cannot read: {e.strerror or e}") from None
     if not isinstance(doc, dict):
         raise SpaceError(f"{path.name}: expected a mapping at top level")
     unknown = set(doc) - _TOP_KEYS
     if unknown:
         raise SpaceError(f"{path.name}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    if not all(isinstance(k, str) for k in doc):
+        raise SpaceError(f"{path.name}: keys must be strings")
     if not isinstance(doc.get("loss"), str):
         raise SpaceError(f"{path.name}: 'loss' (the registry name) is missing")
     for key in ("space", "fixed", "paper_defaults"):
         if doc.get(key) is not None and not isinstance(doc[key], dict):
             raise SpaceError(f"{path.name}: '{key}' must be a mapping")
-    params = {n: _parse_param(path, n, s) for n, s in (doc.get("space") or {}).items()}
+    params = {str(n): _parse_param(path, str(n), s) for n, s in (doc.get("space") or {}).items()}
     fixed = dict(doc.get("fixed") or {})
     both = sorted(set(fixed) & set(params))
     if both:

@@ -1,14 +1,16 @@
 """The reality-check sweep: per (dataset, loss) study, Bayesian optimisation → best config → reproductions → CIs.
 
+This module is the study loop; the parts it calls each live in their own module: Ray start-up, the searcher and
+best-trial choice (:mod:`pipelines.search`), one trial (:mod:`pipelines.trial`), one fold (:mod:`pipelines.fold`,
+:mod:`pipelines.warm_folds`), the intervals and tables (:mod:`pipelines.study_results`).
+
 For each study (MLRC §2, spec protocol_reality_check.md):
 
 1. **Search** — one Ray Tune ``Tuner`` (never nested: ray #36024) over :func:`pipelines.trial.run_trial` with
-   ``OptunaSearch``; sampler ``optuna.samplers.GPSampler`` (a GP with expected-improvement-type acquisition, the
-   closest Optuna analogue of MLRC's Ax GPEI) after ``startup_trials`` random trials (MLRC: 5 Sobol trials), seeded;
-   ``TPESampler`` selectable.  ``protocol.trials`` trials (MLRC: 50), at most ``max_concurrent_trials`` at a time.
-   Objective: mean over the folds of best-checkpoint val MAP@R (SEM recorded), MLRC §1.6.
-2. **Best** — the trial with the highest *observed* mean (MLRC §2.2: a SQL max over raw values, not the GP's
-   prediction); ties go to the earlier trial.
+   ``OptunaSearch`` (:func:`pipelines.search.make_searcher`).  ``protocol.trials`` trials (MLRC: 50), at most
+   ``max_concurrent_trials`` at a time.  Objective: mean over the folds of best-checkpoint val MAP@R (SEM
+   recorded), MLRC §1.6.
+2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.search.best_result`, MLRC §2.2).
 3. **Reproductions** — a second ``Tuner`` runs ``reproductions`` retrainings of the best config (grid over the
    reproduction index; each a full 4-fold trial with seed ``pipelines.trial.reproduction_seed(seed, i)``), each tested
    on the test classes, separated and concatenated (MLRC §2.3).
@@ -16,25 +18,23 @@ For each study (MLRC §2, spec protocol_reality_check.md):
    study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints).
 
 Resources: a trial is a driver reserving 0.01 CPU (its Tune actor is reused from trial to trial, which saves a
-process start and its imports per trial — the trainable keeps no state); its four folds' ``TorchTrainer`` workers reserve
-``cpus_per_worker`` CPUs (and a GPU each with ``use_gpu``).  A local Ray gets ``num_cpus`` *logical* CPUs, by default
+process start and its imports per trial — the trainable keeps no state); each of its four folds reserves
+``cpus_per_worker`` CPUs (and a GPU with ``use_gpu``) per worker, as a warm Ray task or a Ray Train worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default
 enough for ``max_concurrent_trials`` × folds × workers — on a 2-core machine that oversubscribes the cores, which
 is fine for tiny models and is what lets the four folds overlap.
 
 Resume: every Tuner lives at a fixed path under the sweep's storage, so ``--resume`` restores it
 (``Tuner.restore``: finished trials are kept with the searcher's history, unfinished ones rerun under the same
-trial id); MLflow runs are found again by tags; fold runs that finished keep their Ray Train checkpoint and are
-not retrained.
+trial id); MLflow runs are found again by tags; folds that finished keep their result directory (a warm fold's
+``result/`` or a Ray Train checkpoint) and are not retrained.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,29 +43,13 @@ from pipelines.preflight import StudyPlan, preflight, study_dirname
 from pipelines.ray_runtime import (RAY_ENV, S3_ENV, check_cluster_resources, check_storage_reachable,  # noqa: F401
                                     check_tracking_reachable, redact_uri, s3_compat_env, scrub, start_ray, stop_ray,
                                     warn_multi_node)
+from pipelines.search import best_result, grid_rows, make_searcher
+from pipelines.study_results import StudySummary, ci_report, confidence_intervals, fmt_ci
 from pipelines.trial import OBJECTIVE, PARAMS, REPRODUCTION, StudyContext, run_trial
 
-__all__ = ["run_sweep", "StudySummary", "SweepOutcome", "ci_table", "RAY_ENV", "CI_MODES"]
+__all__ = ["run_sweep", "SweepOutcome", "RAY_ENV"]
 
-CI_MODES = ("concat", "separated")
 _CONFIG_FILE = "sweep_config.json"
-
-
-@dataclass
-class StudySummary:
-    study: str
-    dataset: str
-    loss: str
-    run_id: str
-    status: str  # ok | failed
-    reason: str = ""
-    best_trial: str | None = None
-    best_params: dict[str, Any] = field(default_factory=dict)
-    best_val: tuple[float, float] | None = None  # (mean, sem)
-    ci: dict[str, dict[str, tuple[float, float, float]]] = field(default_factory=dict)  # mode -> metric -> (m, lo, hi)
-    n_reproductions: int = 0
-    trials: int = 0
-    seconds: float = 0.0
 
 
 @dataclass
@@ -116,132 +100,6 @@ def _check_resume(cfg: SweepConfig, resume: bool) -> None:
                                    "Tuner.restore cannot change what is searched")
 
 
-# ------------------------------------------------------------------------------------------------------ search
-
-
-def optuna_space(searched: dict) -> dict:
-    """``pipelines.spaces.Param`` → Optuna distributions (log-uniform / uniform / int / categorical)."""
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
-    out = {}
-    for name, p in searched.items():
-        if p.type == "categorical":
-            out[name] = CategoricalDistribution(list(p.choices))
-        elif p.type == "int":
-            out[name] = IntDistribution(int(p.low), int(p.high), log=p.log)
-        else:
-            out[name] = FloatDistribution(float(p.low), float(p.high), log=p.log)
-    return out
-
-
-def make_searcher(plan: StudyPlan, cfg: SweepConfig):
-    """OptunaSearch with GPSampler (default) or TPESampler; ``startup_trials`` random trials first; seeded."""
-    import optuna
-    from ray.tune.search.optuna import OptunaSearch
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    seed = cfg.protocol.seed
-    n0 = cfg.protocol.startup_trials
-    if cfg.protocol.sampler == "gp":
-        sampler = optuna.samplers.GPSampler(seed=seed, n_startup_trials=n0)
-    else:
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n0)
-    return OptunaSearch(space=optuna_space(plan.searched), metric=OBJECTIVE, mode="max", sampler=sampler)
-
-
-def best_result(results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Highest observed objective among trials that finished ``ok`` (MLRC §2.2); earliest trial wins ties."""
-    ok = [r for r in results if r.get("status") == "ok" and isinstance(r.get(OBJECTIVE), (int, float))]
-    if not ok:
-        return None
-    return max(sorted(ok, key=lambda r: r["trial_id"]), key=lambda r: r[OBJECTIVE])
-
-
-def _grid_rows(grid) -> list[dict[str, Any]]:
-    rows = []
-    for r in grid:
-        m = dict(r.metrics or {})
-        m["trial_id"] = m.get("trial_id") or (r.path.rstrip("/").split("/")[-1] if r.path else "")
-        m["config"] = dict(r.config or {})
-        m["error"] = r.error
-        rows.append(m)
-    return rows
-
-
-# ------------------------------------------------------------------------------------------------------ CIs
-
-
-def confidence_intervals(reps: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """mode → metric → (mean, ci_low, ci_high) across reproductions (MLRC §2.3: t-interval across runs)."""
-    from dml_core.stats import confidence_interval
-
-    out: dict[str, dict[str, tuple[float, float, float]]] = {}
-    for mode in CI_MODES:
-        prefix = f"test_{mode}_"
-        keys = sorted(set.intersection(*(
-            {k[len(prefix):] for k in r if k.startswith(prefix)} for r in reps))) if reps else []
-        out[mode] = {k: confidence_interval([r[prefix + k] for r in reps]) for k in keys}
-    return out
-
-
-def ci_report(summary: StudySummary, reps: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """The study's CI report as markdown and JSON."""
-    doc = {
-        "study": summary.study, "dataset": summary.dataset, "loss": summary.loss, "level": 0.95,
-        "interval": "Student-t across reproductions: scipy.stats.t.interval(0.95, n-1, mean, sem)",
-        "best_trial": summary.best_trial, "best_params": summary.best_params,
-        "best_val_map_at_r": {"mean": summary.best_val[0], "sem": summary.best_val[1]} if summary.best_val else None,
-        "n_reproductions": len(reps),
-        "reproductions": [{"reproduction": r[REPRODUCTION], "seed": r.get("seed"),
-                           **{k: v for k, v in r.items() if k.startswith("test_")}} for r in reps],
-        "metrics": {mode: {k: {"mean": m, "ci_low": lo, "ci_high": hi} for k, (m, lo, hi) in d.items()}
-                    for mode, d in summary.ci.items()},
-    }
-    lines = [f"# {summary.study}: test-set results", "",
-             f"Best configuration: trial {summary.best_trial} — "
-             + ", ".join(f"`{k}={v}`" for k, v in summary.best_params.items()), "",
-             f"{len(reps)} reproductions; values ×100, mean ± half-width of the 95 % Student-t interval [low, high].",
-             "", "| metric | concatenated | separated |", "|---|---|---|"]
-    metrics = sorted(set(summary.ci.get("concat", {})) | set(summary.ci.get("separated", {})),
-                     key=lambda k: (k not in ("precision_at_1", "r_precision", "map_at_r"), k))
-    for k in metrics:
-        cells = []
-        for mode in CI_MODES:
-            t = summary.ci.get(mode, {}).get(k)
-            cells.append(_fmt_ci(t) if t else "–")
-        lines.append(f"| {k} | {cells[0]} | {cells[1]} |")
-    return "\n".join(lines) + "\n", doc
-
-
-def _fmt_ci(t: tuple[float, float, float]) -> str:
-    m, lo, hi = t
-    if not (isinstance(lo, float) and math.isfinite(lo)):
-        return f"{100 * m:.2f} (n < 2: no interval)"
-    return f"{100 * m:.2f} ± {100 * (hi - lo) / 2:.2f} [{100 * lo:.2f}, {100 * hi:.2f}]"
-
-
-def ci_table(studies: list[StudySummary]) -> str:
-    """The end-of-sweep table: one row per study, P@1 / RP / MAP@R concatenated and separated (×100, ± CI half-width)."""
-    head = ["dataset", "loss"] + [f"{mode} {lab}" for mode in CI_MODES for lab in ("P@1", "RP", "MAP@R")]
-    rows = []
-    for s in studies:
-        row = [s.dataset, s.loss]
-        for mode in CI_MODES:
-            for k in ("precision_at_1", "r_precision", "map_at_r"):
-                t = s.ci.get(mode, {}).get(k)
-                if t is None:
-                    row.append("–" if s.status == "ok" else s.status)
-                elif isinstance(t[1], float) and math.isfinite(t[1]):
-                    row.append(f"{100 * t[0]:.2f} ± {100 * (t[2] - t[1]) / 2:.2f}")
-                else:
-                    row.append(f"{100 * t[0]:.2f}")
-        rows.append(row)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
 # ------------------------------------------------------------------------------------------------------ the study
 
 
@@ -278,6 +136,7 @@ class _Sweep:
             workers_per_fold=cfg.resources.workers_per_fold, use_gpu=cfg.resources.use_gpu,
             cpus_per_worker=cfg.resources.cpus_per_worker, base_seed=cfg.protocol.seed,
             gpus_per_worker=cfg.resources.gpus_per_worker, fold_retries=cfg.resources.fold_retries,
+            fold_executor=cfg.resources.fold_executor,
         )
 
     def _open_study_run(self, plan: StudyPlan) -> str:
@@ -350,7 +209,7 @@ class _Sweep:
                 failure_config=tune.FailureConfig(max_failures=0)))
 
         grid = self._tuner(plan, "search", trainable, new_search).fit()
-        rows = _grid_rows(grid)
+        rows = grid_rows(grid)
         summary.trials = len(rows)
         best = best_result(rows)
         if best is None:
@@ -381,7 +240,7 @@ class _Sweep:
                                                         callbacks=[TrialProgress(plan.key, n, "reproduction")],
                                                         failure_config=tune.FailureConfig(max_failures=0)))
 
-        reps = [r for r in _grid_rows(self._tuner(plan, "reproductions", trainable, new_reps).fit())
+        reps = [r for r in grid_rows(self._tuner(plan, "reproductions", trainable, new_reps).fit())
                 if r.get("status") == "ok" and any(k.startswith("test_concat_") for k in r)]
         reps.sort(key=lambda r: r[REPRODUCTION])
         summary.n_reproductions = len(reps)
@@ -405,7 +264,7 @@ class _Sweep:
         t.finish(run_id, "FINISHED")
         c, s_ = summary.ci["concat"].get("map_at_r"), summary.ci["separated"].get("map_at_r")
         self.say(f"[{plan.key}] done in {format_duration(summary.seconds)}: best val MAP@R {summary.best_val[0]:.4f} "
-                 f"(trial {summary.best_trial}); test MAP@R concat {_fmt_ci(c)}, separated {_fmt_ci(s_)} "
+                 f"(trial {summary.best_trial}); test MAP@R concat {fmt_ci(c)}, separated {fmt_ci(s_)} "
                  f"({len(reps)} reproductions)")
         return summary
 

@@ -1,13 +1,15 @@
-"""A Bayesian-optimisation trial (or a reproduction): 4 folds as 4 concurrent Ray Train jobs, one objective.
+"""A Bayesian-optimisation trial (or a reproduction): 4 concurrent folds on Ray, one objective.
 
 :func:`run_trial` is the Ray Tune *function trainable* (the Train-V2 composition: a Tune trial is a light driver that
 builds ``TorchTrainer``\\ s; spec ray_mlflow_notes §5.1).  Per trial it
 
 1. finds or creates its MLflow run (``stage=trial``, child of the study run; tags ``trial_id``, ``status``), or for a
    reproduction the ``stage=reproduction`` run (tags ``reproduction``, ``seed``), and one ``stage=fold`` child per fold;
-2. starts one ``TorchTrainer`` per fold **from 4 threads**, so the folds run concurrently when the cluster has the
-   CPUs/GPUs for their workers (each worker group reserves its own placement group; a fold whose workers do not fit
-   yet waits in Ray's queue).  The trial itself reserves only 0.01 CPU (see :mod:`pipelines.sweep`);
+2. runs the 4 folds concurrently through one of two executors (:func:`fold_executor`), both around the same
+   :func:`pipelines.fold.run_fold`: **warm** — single-worker folds as Ray tasks on reused worker processes
+   (:mod:`pipelines.warm_folds`); **train** — one Ray Train ``TorchTrainer`` per fold, started from 4 threads (DDP
+   folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The trial itself
+   reserves only 0.01 CPU (see :mod:`pipelines.sweep`);
 3. reduces the folds (MLRC §1.6): objective = mean over folds of each fold's best-checkpoint val MAP@R, with its SEM
    (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score 0 and the trial
    run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
@@ -41,7 +43,7 @@ from dml_core.losses import loss_info
 from pipelines.fold import METRIC_KEYS, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS, fold_worker
 from pipelines.spaces import LOSS_LR
 
-__all__ = ["StudyContext", "run_trial", "REPRODUCTION", "PARAMS", "OBJECTIVE", "reproduction_seed"]
+__all__ = ["StudyContext", "run_trial", "fold_executor", "REPRODUCTION", "PARAMS", "OBJECTIVE", "reproduction_seed"]
 
 #: Tune config keys of a reproduction trial (a search trial's config is the sampled hyperparameters themselves).
 REPRODUCTION = "__reproduction__"
@@ -78,11 +80,20 @@ class StudyContext:
     cpus_per_worker: float
     base_seed: int
     gpus_per_worker: float = 1.0
-    fold_retries: int = 1  # Ray Train FailureConfig(max_failures): restarts of a fold whose worker died
+    fold_retries: int = 1  # restarts of a fold whose process died (Ray task retries / Train FailureConfig)
+    fold_executor: str = "auto"  # auto | warm | train (resources.fold_executor)
+
+
+def fold_executor(ctx: StudyContext) -> str:
+    """``warm`` for single-worker folds (the reality check's own setting), ``train`` for DDP folds, unless forced."""
+    if ctx.fold_executor != "auto":
+        return ctx.fold_executor
+    return "warm" if ctx.workers_per_fold == 1 else "train"
 
 
 def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fold_run_id: str,
-                 reproduction: bool, manifest, parent_run_id: str) -> dict[str, Any]:
+                 reproduction: bool, manifest, parent_run_id: str, extra_tags: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
     train = dict(ctx.train, seed=seed + fold.index)
@@ -105,6 +116,7 @@ def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fo
         "experiment_id": ctx.experiment_id,
         "fold_run_id": fold_run_id,
         "fold_run_tags": _fold_tags(ctx, fold.index),
+        "fold_run_extra_tags": extra_tags or {},
         "parent_run_id": parent_run_id,
         "evaluate_test": reproduction,
         "save_model": reproduction,
@@ -116,8 +128,9 @@ def _fold_tags(ctx: StudyContext, index: int) -> dict[str, Any]:
     return {"sweep": ctx.sweep, "study": ctx.study, "stage": "fold", "fold": index}
 
 
-def _run_fold(ctx: StudyContext, name: str, cfg: dict[str, Any]):
-    """One fold = one ``TorchTrainer.fit()`` (called from a thread of the trial driver)."""
+def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
+    """One fold = one ``TorchTrainer.fit()`` (called from a thread of the trial driver); returns the URI of rank 0's
+    result directory (the run's checkpoint)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -136,19 +149,65 @@ def _run_fold(ctx: StudyContext, name: str, cfg: dict[str, Any]):
                                        # Train logs every worker-group start and report at INFO; progress is ours.
                                        logging_config=ray.train.LoggingConfig(log_level="WARNING")),
     )
-    return trainer.fit()
-
-
-def _read_outcome(result) -> tuple[dict[str, Any], np.ndarray | None, np.ndarray | None, str]:
-    ckpt = result.checkpoint
+    ckpt = trainer.fit().checkpoint
     if ckpt is None:
-        raise RuntimeError(f"fold run {result.path} finished without a checkpoint")
-    with ckpt.as_directory() as d:
+        raise RuntimeError(f"fold run {name} finished without a checkpoint")
+    return checkpoint_uri(ckpt)
+
+
+def _run_folds(ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
+               ) -> tuple[dict[int, str], dict[int, tuple[float, float]], dict[int, BaseException]]:
+    """Run every fold concurrently; ``(result URIs, (submit, done) wall times, errors)`` by fold index."""
+    import ray
+
+    uris: dict[int, str] = {}
+    spans: dict[int, tuple[float, float]] = {}
+    errors: dict[int, BaseException] = {}
+    t_submit = time.time()
+    if fold_executor(ctx) == "warm":
+        from pipelines.warm_folds import result_uri, warm_fold_ref
+
+        gpus = ctx.gpus_per_worker if ctx.use_gpu else 0.0
+        refs = {k: warm_fold_ref(cfg, result_uri(ctx.fold_storage, f"{prefix}-fold{k}"), cpus=ctx.cpus_per_worker,
+                                 gpus=gpus, retries=ctx.fold_retries) for k, cfg in cfgs.items()}
+        pending = {ref: k for k, ref in refs.items()}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            k = pending.pop(done[0])
+            try:
+                uris[k] = ray.get(done[0])
+                spans[k] = (t_submit, time.time())
+            except BaseException as e:  # noqa: BLE001 - collected, re-raised after the other folds finished
+                errors[k] = e
+        return uris, spans, errors
+
+    lock = threading.Lock()
+
+    def one(k: int) -> None:
+        try:
+            t_fit = time.time()
+            uri = _fit_train(ctx, f"{prefix}-fold{k}", cfgs[k])
+            with lock:
+                uris[k], spans[k] = uri, (t_fit, time.time())
+        except BaseException as e:  # noqa: BLE001 - collected, re-raised after the other folds finished
+            with lock:
+                errors[k] = e
+
+    with ThreadPoolExecutor(max_workers=len(cfgs), thread_name_prefix="fold") as pool:
+        list(pool.map(one, cfgs))
+    return uris, spans, errors
+
+
+def _read_outcome(uri: str) -> tuple[dict[str, Any], np.ndarray | None, np.ndarray | None]:
+    """A fold's result directory (local path or ``s3://``), whichever executor wrote it."""
+    import ray.train
+
+    with ray.train.Checkpoint(uri).as_directory() as d:
         d = Path(d)
         outcome = json.loads((d / OUTCOME_FILE).read_text())
         emb = np.load(d / TEST_EMBEDDINGS) if (d / TEST_EMBEDDINGS).exists() else None
         labels = np.load(d / TEST_LABELS) if (d / TEST_LABELS).exists() else None
-    return outcome, emb, labels, checkpoint_uri(ckpt)
+    return outcome, emb, labels
 
 
 def checkpoint_uri(ckpt) -> str:
@@ -236,36 +295,21 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     tracker.log_params(run_id, hparams)
 
     fold_runs = {}
+    extra = {"loss": ctx.loss, "dataset": ctx.dataset, "trial_id": trial_id}
     for fold in manifest.folds:
         fid, _ = tracker.get_or_create(_fold_tags(ctx, fold.index), parent=run_id,
                                        run_name=f"fold {fold.index}", reuse_unfinished=False)
-        tracker.set_tags(fid, {"loss": ctx.loss, "dataset": ctx.dataset, "trial_id": trial_id})
+        tracker.set_tags(fid, extra)
         fold_runs[fold.index] = fid
 
     prefix = f"rep{int(rep)}" if reproduction else trial_id
     t0 = time.time()
-    results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
-    lock = threading.Lock()
+    cfgs = {fold.index: _fold_config(ctx, fold, hparams, seed, fold_runs[fold.index], reproduction, manifest, run_id,
+                                     extra)
+            for fold in manifest.folds}
+    uris, fit_spans, errors = _run_folds(ctx, prefix, cfgs)
 
-    fit_spans: dict[int, tuple[float, float]] = {}
-
-    def one(fold):
-        cfg = _fold_config(ctx, fold, hparams, seed, fold_runs[fold.index], reproduction, manifest, run_id)
-        try:
-            t_fit = time.time()
-            r = _run_fold(ctx, f"{prefix}-fold{fold.index}", cfg)
-            with lock:
-                results[fold.index] = r
-                fit_spans[fold.index] = (t_fit, time.time())
-        except BaseException as e:  # noqa: BLE001 - collected, re-raised after the other folds finished
-            with lock:
-                errors[fold.index] = e
-
-    with ThreadPoolExecutor(max_workers=len(manifest.folds), thread_name_prefix="fold") as pool:
-        list(pool.map(one, manifest.folds))
-
-    # A fold restarted by Ray Train logs to a replacement run (see fold_worker): look the live ones up again.
+    # A fold run again after its process died logs to a replacement run (see run_fold): look the live ones up again.
     for fold in manifest.folds:
         live = tracker.find({**_fold_tags(ctx, fold.index), PARENT: run_id})
         if live:
@@ -282,15 +326,14 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
         raise RuntimeError(f"{ctx.study} {'reproduction ' + str(rep) if reproduction else trial_id}: {reason}") \
             from errors[k]
 
-    outcomes, embeddings, labels, checkpoints = [], [], [], {}
+    outcomes, embeddings, labels = [], [], []
     for fold in manifest.folds:
-        outcome, emb, lab, path = _read_outcome(results[fold.index])
+        outcome, emb, lab = _read_outcome(uris[fold.index])
         outcomes.append(outcome)
-        checkpoints[fold.index] = path
         if emb is not None:
             embeddings.append(emb)
             labels.append(lab)
-        _finish_fold_run(tracker, fold_runs[fold.index], outcome, path, fit_spans[fold.index])
+        _finish_fold_run(tracker, fold_runs[fold.index], outcome, uris[fold.index], fit_spans[fold.index])
 
     summary = reduce_folds(outcomes)
     metrics = {k: v for k, v in summary.items() if k.startswith("val.")}
@@ -310,7 +353,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
         "fold_spans": [[o["time_start"], o["time_end"]] for o in outcomes],
         "fold_fit_spans": [list(fit_spans[f.index]) for f in manifest.folds],
         "fold_train_seconds": [o["train_seconds"] for o in outcomes],
-        "fold_checkpoints": [checkpoints[f.index] for f in manifest.folds],
+        "fold_checkpoints": [uris[f.index] for f in manifest.folds],
         "trial_seconds": time.time() - t0,
         "seed": seed,
     })
@@ -334,14 +377,15 @@ def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpo
             tracker.log_metrics(fold_run_id, m, step=rec["iteration"])
     summary = {f"best.val.{k}": v for k, v in outcome["best_metrics"].items() if k in METRIC_KEYS}
     summary.update({f"test.{k}": v for k, v in outcome.get("test_metrics", {}).items()})
-    # Wall-clock marks (s since the epoch) for the overhead benchmark: fit() called → worker function starts →
-    # train_fold starts → worker function ends → fit() returns.
+    # Wall-clock marks (s since the epoch) for the overhead benchmark: fold submitted (fit() called) → fold function
+    # starts → train_fold starts → fold function ends → the trial has its result.
     summary.update({"best_epoch": outcome["best_epoch"], "train_seconds": outcome["train_seconds"],
                     "time.fit_start": fit_span[0], "time.start": outcome["time_start"],
                     "time.train_start": outcome.get("time_train_start", outcome["time_start"]),
                     "time.end": outcome["time_end"], "time.fit_end": fit_span[1],
-                    "iterations": outcome["iterations"]})
+                    "iterations": outcome["iterations"], "process.rss_peak_mb": outcome.get("rss_peak_mb")})
     tracker.log_metrics(fold_run_id, summary)
     tracker.set_tags(fold_run_id, {"status": outcome["status"], "reason": outcome["reason"][:4000],
-                                   "checkpoint": checkpoint, "world_size": outcome["world_size"]})
+                                   "checkpoint": checkpoint, "world_size": outcome["world_size"],
+                                   "pid": outcome.get("pid", ""), "node_id": outcome.get("node_id", "")})
     tracker.finish(fold_run_id, "FINISHED")

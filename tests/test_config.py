@@ -38,9 +38,10 @@ def _error(doc) -> ConfigError:
     return info.value
 
 
-@pytest.mark.parametrize("name", ["demo", "omniglot", "mlrc-cub200"])
-def test_shipped_presets_parse(name):
-    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+@pytest.mark.parametrize("path", ["pipelines/demo.yaml", "configs/omniglot.yaml", "configs/mlrc-cub200.yaml"])
+def test_shipped_presets_parse(path):
+    cfg = load_config(ROOT / path)
+    name = Path(path).stem
     assert cfg.name == name
     assert cfg.protocol.folds == 4 and cfg.protocol.fold_layout == "mlrc"
     assert all(ls.space is not None for ls in cfg.losses)
@@ -53,18 +54,12 @@ def test_mlrc_preset_is_the_papers_protocol():
     assert p.train["classes_per_batch"] * p.train["m"] == 32 and p.train["trunk_lr"] == 1e-6
 
 
-def test_builtin_demo_equals_configs_demo_yaml():
-    from_file = load_config(ROOT / "configs" / "demo.yaml").to_dict()
-    built_in = parse_config(demo_config("demo")).to_dict()
-    assert from_file == built_in
-
-
-def test_demo_has_three_losses_two_from_seed_papers_and_two_gloo_workers():
+def test_demo_has_three_losses_two_from_seed_papers_and_warm_folds():
     cfg = parse_config(DEMO)
     names = [ls.name for ls in cfg.losses]
     assert len(names) >= 3 and len({"proxynca_pp", "mpa", "rsw", "group_loss"} & set(names)) >= 2
-    assert cfg.resources.workers_per_fold == 2 and not cfg.resources.use_gpu
-    assert cfg.protocol.reproductions == 2
+    assert cfg.resources.workers_per_fold == 1 and not cfg.resources.use_gpu  # warm single-worker folds
+    assert cfg.protocol.reproductions >= 3  # so that the demo's intervals mean something
 
 
 def test_demo_names_are_fresh():
@@ -142,6 +137,8 @@ def test_bad_fields_are_named(changes, field):
         ({"tracking.uri": "http://host:99999"}, "tracking.uri"),
         ({"tracking.uri": "mlruns"}, "tracking.uri"),
         ({"tracking.uri": "sqlite://mlflow.db"}, "tracking.uri"),
+        ({"tracking.uri": "file:///abs/mlruns"}, "tracking.uri"),
+        ({"tracking.uri": "mysql+psycopg2://u@h/db"}, "tracking.uri"),
         ({"storage": "gs://bucket/x"}, "storage"),
         ({"storage": "s3://"}, "storage"),
         ({"storage": "s3://Bad_Bucket/x"}, "storage"),
@@ -155,7 +152,8 @@ def test_bad_uris_are_named(uri, field):
 
 def test_good_uris_pass():
     for uri in ("http://127.0.0.1:5000", "https://mlflow.example.org/", "sqlite:///runs/x.db",
-                "sqlite:////abs/x.db", "postgresql://u:p@db:5432/mlflow", "file:///abs/mlruns"):
+                "sqlite:////abs/x.db", "postgresql://u:p@db:5432/mlflow",
+                "postgresql+psycopg2://u@127.0.0.1:5432/mlflow", "http://user:pw@host:5000"):
         assert check_tracking_uri(uri) == uri
     assert check_uri("s3://bucket/prefix", "storage") == "s3://bucket/prefix"
     assert check_uri("runs", "storage") == "runs"
@@ -238,13 +236,25 @@ def test_batch_must_split_across_workers():
     assert info.value.field == "resources.workers_per_fold" and "8 × 4 = 32" in str(info.value)
 
 
-def test_bad_train_setting_is_named():
-    from pipelines.preflight import preflight
+@pytest.mark.parametrize("train, field", [
+    ({"optimizer": "lbfgs"}, "protocol.train.optimizer"),
+    ({"momentum": float("nan")}, "protocol.train.momentum"),
+    ({"trunk_lr": float("inf")}, "protocol.train.trunk_lr"),
+    ({"amp_dtype": "int8"}, "protocol.train.amp_dtype"),
+    ({"m": 0}, "protocol.train.m"),
+])
+def test_bad_train_setting_names_its_own_field(train, field):
+    assert _error(_cfg(**{"protocol.train": train})).field == field
 
-    cfg = parse_config(_cfg(**{"protocol.train": {"optimizer": "lbfgs"}}))
-    with pytest.raises(ConfigError) as info:
-        preflight(cfg)
-    assert info.value.field == "protocol.train.optimizer"
+
+def test_train_config_errors_left_to_preflight_name_their_own_field():
+    """What only dml_core.train.TrainConfig rejects is mapped by the field it names, not by a substring."""
+    from pipelines.preflight import _train_config_field
+
+    assert _train_config_field("TrainConfig.momentum must be a finite non-negative number, got nan") == \
+        "protocol.train.momentum"
+    assert _train_config_field("TrainConfig.iters_per_epoch must be a positive integer") == "protocol.iters_per_epoch"
+    assert _train_config_field("something else") == "protocol.train"
 
 
 def test_preflight_builds_one_plan_per_dataset_and_loss():
@@ -383,3 +393,339 @@ def test_lists_must_be_non_empty_with_distinct_names(key):
         parse_config(doc)
     n = len(doc[key]) - 1
     assert info.value.field == f"{key}[{n}].name" and f"already listed as {key}[0]" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------- schema (pydantic) and JSON Schema
+
+
+def test_published_json_schema_is_the_models_current_schema():
+    from pipelines.config import sweep_json_schema
+
+    published = json.loads((ROOT / "docs" / "sweep-config.schema.json").read_text())
+    assert published == json.loads(json.dumps(sweep_json_schema())), \
+        "regenerate docs/sweep-config.schema.json (see its test) after changing pipelines/config.py"
+
+
+def test_shipped_configs_pass_the_published_json_schema_and_bad_ones_do_not():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "docs" / "sweep-config.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for path in [*sorted((ROOT / "configs").glob("*.yaml")), ROOT / "infra" / "reeval" / "omniglot-weekly.yaml"]:
+        assert not list(validator.iter_errors(yaml.safe_load(path.read_text()))), path
+    assert list(validator.iter_errors(_cfg(**{"protocol.trials": 0})))
+    assert list(validator.iter_errors(_cfg(**{"resources.gpus": 1})))
+
+
+def test_protocol_training_defaults_are_train_configs():
+    """dml_core.train.TrainConfig decides the protocol's training defaults; the schema repeats no literal."""
+    import dataclasses
+
+    from dml_core.train import TrainConfig
+    from pipelines.config import ProtocolSpec, TrainSpec
+
+    tc = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    p = ProtocolSpec()
+    assert (p.iters_per_epoch, p.max_epochs, p.eval_every, p.patience) == \
+        (tc["iters_per_epoch"], tc["max_epochs"], tc["eval_every"], tc["patience"])
+    for name, f in TrainSpec.model_fields.items():
+        if f.default is not None:
+            assert f.default == tc[name], name
+    source = (ROOT / "pipelines" / "config.py").read_text()
+    assert "_TC[\"iters_per_epoch\"]" in source and "= Field(100," not in source
+
+
+def test_unset_train_keys_stay_unset_so_recipe_and_loss_defaults_apply():
+    cfg = parse_config(_cfg(**{"protocol.train": {"momentum": 0.5, "optimizer": None}}))
+    assert cfg.protocol.train == {"momentum": 0.5}
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"resources.fold_executor": "warm", "resources.workers_per_fold": 2}, "resources.fold_executor"),
+    ({"resources.fold_executor": "fast"}, "resources.fold_executor"),
+    ({"resources.max_concurrent_studies": 0}, "resources.max_concurrent_studies"),
+    ({"resources.max_concurrent_studies": True}, "resources.max_concurrent_studies"),
+])
+def test_fold_executor_and_study_concurrency_are_checked(changes, field):
+    assert _error(_cfg(**changes)).field == field
+
+
+def test_fold_executor_and_study_concurrency_defaults_and_valid_values():
+    r = parse_config(_cfg()).resources
+    assert (r.fold_executor, r.max_concurrent_studies) == ("auto", None)
+    r = parse_config(_cfg(**{"resources.fold_executor": "warm", "resources.workers_per_fold": 1,
+                             "resources.max_concurrent_studies": 3})).resources
+    assert (r.fold_executor, r.workers_per_fold, r.max_concurrent_studies) == ("warm", 1, 3)
+    assert parse_config(_cfg(**{"resources.fold_executor": "train"})).resources.fold_executor == "train"
+
+
+def test_seed_bounds_include_the_seeds_the_sweep_derives():
+    assert _error(_cfg(seed=2**32)).field == "seed"
+    e = _error(_cfg(seed=2**32 - 1))  # reproduction seeds add 1000·(i+1): they would pass 2**32-1
+    assert e.field == "seed" and "reproduction" in str(e)
+    top = 2**32 - 1 - 1000 * DEMO["protocol"]["reproductions"] - 3
+    assert parse_config(_cfg(seed=top)).protocol.seed == top
+
+
+# ---------------------------------------------------------------------------------------- YAML file
+
+
+def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_cfg()) + "x-batch: &b {classes_per_batch: 8, m: 4}\n")
+    text = path.read_text().replace("x-batch:", "x_unused:")
+    doc = yaml.safe_load(text)
+    doc.pop("x_unused")
+    base = yaml.safe_dump(doc)
+    path.write_text("_batch: &b {classes_per_batch: 8, m: 4}\n" + base)
+    with pytest.raises(ConfigError) as info:  # an anchor's holder is an unknown key...
+        load_config(path)
+    assert info.value.field == "_batch"
+    doc["protocol"]["train"] = {"<<": {"classes_per_batch": 8, "m": 4}, "m": 4}
+    path.write_text(yaml.safe_dump(doc).replace("'<<'", "<<"))
+    assert load_config(path).protocol.train["m"] == 4  # ...but merge keys may repeat what they merge
+
+
+def test_duplicate_key_names_both_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: demo\nseed: 1\nseed: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.field == "seed" and "lines 2 and 3" in str(info.value)
+
+
+def test_not_utf8_names_the_file_and_the_offset(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"name: d\xe9mo\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.field == str(path) and "not UTF-8" in str(info.value) and "offset 7" in str(info.value)
+
+
+def test_alias_bomb_is_refused_quickly(tmp_path):
+    import time
+
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 12)]
+    path = tmp_path / "c.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="more than 20000 nodes"):
+        load_config(path)
+    assert time.perf_counter() - t0 < 5
+
+
+# ---------------------------------------------------------------------------------------- credentials in URIs
+
+
+def test_passwords_in_uris_are_never_echoed_nor_stored(monkeypatch):
+    from pipelines.config import redact_uri
+
+    e = _error(_cfg(**{"tracking.uri": "http://user:hunter2@host:99999"}))
+    assert e.field == "tracking.uri" and "hunter2" not in str(e) and "user:***@host" in str(e)
+    cfg = parse_config(_cfg(**{"tracking.uri": "postgresql+psycopg2://mlflow:hunter2@127.0.0.1:5432/mlflow"}))
+    assert "hunter2" in cfg.tracking_uri()  # workers need it ...
+    assert "hunter2" not in json.dumps(cfg.to_dict())  # ... sweep_config.json and MLflow params do not
+    assert cfg.to_dict()["tracking"]["uri"] == "postgresql+psycopg2://mlflow:***@127.0.0.1:5432/mlflow"
+    assert redact_uri("see http://a:b@h:1/x and s3://bucket/k") == "see http://a:***@h:1/x and s3://bucket/k"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "htp://user:hunter2@host")
+    assert "hunter2" not in str(_error(_cfg()))
+
+
+def test_postgresql_uris_use_the_installed_driver():
+    import importlib.util
+
+    for uri in ("postgresql://u:p@127.0.0.1:5432/mlflow", "postgresql+psycopg2://u:p@127.0.0.1:5432/mlflow"):
+        cfg = parse_config(_cfg(**{"tracking.uri": uri}))
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            assert cfg.tracking_uri() == "postgresql+psycopg2://u:p@127.0.0.1:5432/mlflow"
+
+
+# ---------------------------------------------------------------------------------------- preflight: locations, resources
+
+
+def _preflight_error(cfg) -> ConfigError:
+    from pipelines.preflight import preflight
+
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg)
+    return info.value
+
+
+def test_unwritable_storage_and_sqlite_fail_fast_naming_the_field(tmp_path, monkeypatch):
+    """No MLflow retries (minutes) on an unwritable sqlite DB: preflight checks with os.access, writing nothing."""
+    import os
+    import time
+
+    import pipelines.preflight as pf
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(pf.os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    e = _preflight_error(parse_config(_cfg(storage=str(locked))))
+    assert e.field == "storage" and "not writable" in str(e)
+    t0 = time.perf_counter()
+    e = _preflight_error(parse_config(_cfg(storage=str(tmp_path / "ok"),
+                                           tracking={"uri": f"sqlite:///{locked}/sub/mlflow.db"})))
+    assert e.field == "tracking.uri" and "not writable" in str(e) and time.perf_counter() - t0 < 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locked"]
+
+
+@pytest.mark.skipif(hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
+                    reason="root may write anywhere: the os.access variant above covers it")
+def test_unwritable_storage_by_permissions(tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert _preflight_error(parse_config(_cfg(storage=str(locked)))).field == "storage"
+
+
+def test_use_gpu_without_gpus_fails_before_launch(monkeypatch):
+    import torch
+
+    from pipelines.preflight import check_cluster_resources, check_local_gpus
+
+    cfg = parse_config(_cfg(**{"resources.use_gpu": True}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError) as info:
+        check_local_gpus(cfg)
+    assert info.value.field == "resources.use_gpu" and "0 GPUs" in str(info.value)
+    check_local_gpus(cfg, address="ray://head:10001")  # a cluster's GPUs are known only once Ray is up
+    with pytest.raises(ConfigError) as info:
+        check_cluster_resources(cfg, {"CPU": 16.0, "memory": 1e9})
+    assert info.value.field == "resources.use_gpu" and "the Ray cluster has 0 GPUs and 16 CPUs" in str(info.value)
+    check_cluster_resources(cfg, {"CPU": 16.0, "GPU": 2.0})
+    with pytest.raises(ConfigError) as info:
+        check_cluster_resources(parse_config(_cfg(**{"resources.cpus_per_worker": 4, "resources.workers_per_fold": 2})),
+                                {"CPU": 6.0})
+    assert info.value.field == "resources.cpus_per_worker"
+
+
+def test_pretrained_weights_are_checked_in_preflight(tmp_path):
+    import torch
+    import torchvision
+
+    good = tmp_path / "resnet18.pt"
+    torch.save(torchvision.models.resnet18().state_dict(), good)
+    from pipelines.preflight import check_pretrained
+
+    check_pretrained(parse_config(_cfg(model={"trunk": "resnet18", "pretrained": str(good)})))
+    torch.save([torch.zeros(1)], tmp_path / "list.pt")
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    for name, words in (("nope.pt", "not found"), ("list.pt", "state_dict"), ("junk.pt", "could not be read")):
+        e = _preflight_error(parse_config(_cfg(model={"trunk": "resnet18", "pretrained": str(tmp_path / name)})))
+        assert e.field == "model.pretrained" and words in str(e) and name in str(e)
+
+
+def test_corrupt_omniglot_zip_names_the_file(tmp_path):
+    (tmp_path / "images_background.zip").write_bytes(b"PK\x03\x04 truncated")
+    e = _preflight_error(parse_config(_cfg(datasets=[{"kind": "omniglot", "path": str(tmp_path), "image_size": 16}])))
+    assert e.field == "datasets[0].path" and "images_background.zip" in str(e)
+
+
+def test_every_image_row_header_is_checked():
+    import io as _io
+
+    import numpy as np
+    from PIL import Image
+
+    from pipelines.preflight import check_image_rows
+
+    buf = _io.BytesIO()
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(buf, format="PNG")
+
+    class Table:
+        images = [buf.getvalue()] * 3 + [b"\x89PNG\r\n\x1a\n but not really"] + [buf.getvalue()]
+
+        def __len__(self):
+            return len(self.images)
+
+        def row_name(self, i):
+            return f"manifest.json: shards/part-00000.parquet row {i}"
+
+    with pytest.raises(ConfigError) as info:
+        check_image_rows(Table(), "datasets[1]")
+    assert info.value.field == "datasets[1].path" and "row 3" in str(info.value)
+    Table.images = Table.images[:3]
+    check_image_rows(Table(), "datasets[1]")
+
+
+def test_prepared_parquet_rows_are_read_in_preflight(tmp_path, monkeypatch):
+    """A real prepared dataset goes through check_image_rows (every row read once, sha256 checked)."""
+    import io as _io
+
+    import numpy as np
+    from PIL import Image
+
+    import pipelines.preflight as pf
+    from dml_core.shards import Record, write_shards
+
+    def png(v):
+        buf = _io.BytesIO()
+        Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    records = [Record(f"c{c}/{i}.png", c, f"c{c}", "train", (lambda v=c * 7 + i: png(v)))
+               for c in range(32) for i in range(6)]
+    write_shards(records, tmp_path / "pq", dataset="toy", progress=False, row_group_rows=16)
+    seen = []
+    real = pf.check_image_rows
+    monkeypatch.setattr(pf, "check_image_rows", lambda table, where: (seen.append(len(table)), real(table, where)))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = parse_config(_cfg(storage=str(tmp_path / "runs"),
+                            datasets=[{"kind": "parquet", "path": str(tmp_path / "pq"), "image_size": 16}]))
+    pf.preflight(cfg)
+    assert seen == [32 * 6]
+
+
+# ---------------------------------------------------------------------------------------- dmlrc data / dmlrc report
+
+
+def _cli(argv, capsys):
+    from pipelines.cli import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+@pytest.mark.parametrize("argv_tail, words", [
+    (["verify", "{tmp}/nowhere"], "nowhere"),
+    (["verify", "{tmp}/notjson"], "notjson"),
+    (["prepare", "omniglot", "--src", "{tmp}/badzip", "--dest", "{tmp}/out", "--no-progress"], "badzip"),
+    (["prepare", "cub200", "--src", "{tmp}/empty", "--dest", "{tmp}/out", "--no-progress"], "empty"),
+])
+def test_data_errors_are_one_line_exit_2(tmp_path, capsys, argv_tail, words):
+    (tmp_path / "notjson").mkdir()
+    (tmp_path / "notjson" / "manifest.json").write_text("[1, 2")
+    (tmp_path / "badzip").mkdir()
+    (tmp_path / "badzip" / "images_background.zip").write_bytes(b"not a zip")
+    (tmp_path / "empty").mkdir()
+    rc, err = _cli(["data", *[a.replace("{tmp}", str(tmp_path)) for a in argv_tail]], capsys)
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("data error: ") and words in err, err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_report_bad_input_is_one_config_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    rc, err = _cli(["report", "--experiment", "x", "--tracking-uri", f"sqlite:///{tmp_path}/nope.db"], capsys)
+    assert rc == 2 and err.startswith("config error: --tracking-uri: no sqlite DB") and not (tmp_path / "nope.db").exists()
+    rc, err = _cli(["report", "--experiment", "x", "--tracking-uri", "http://u:hunter2@127.0.0.1:9"], capsys)
+    assert rc == 2 and err.startswith("config error: --tracking-uri: MLflow server") and "hunter2" not in err
+    rc, err = _cli(["report", "--experiment", "x", "--tracking-uri", "file:///x"], capsys)
+    assert rc == 2 and err.startswith("config error: --tracking-uri: ")
+    from pipelines.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    Tracker.open(uri, "real")
+    capsys.readouterr()  # MLflow's own start-up log lines
+    (tmp_path / "afile").write_text("x")
+    rc, err = _cli(["report", "--experiment", "real", "--tracking-uri", uri, "--out", str(tmp_path / "afile" / "r")],
+                   capsys)
+    assert rc == 2 and err.startswith("config error: --out: ")
+    rc, err = _cli(["report", "--experiment", "nope", "--tracking-uri", uri, "--out", str(tmp_path / "r")], capsys)
+    assert rc == 2 and err.startswith("config error: --experiment: no MLflow experiment named 'nope'"), err
+    assert len(err.splitlines()) == 1

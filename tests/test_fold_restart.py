@@ -1,7 +1,8 @@
-"""Fault tolerance inside a trial: SIGKILL a fold's Ray Train worker mid-training (what an OOM kill does).
+"""Fault tolerance inside a trial: SIGKILL a fold's process mid-training (what an OOM kill does), on both executors.
 
-``resources.fold_retries`` is Ray Train's ``FailureConfig(max_failures)``: the fold's worker group is started again
-and the fold trains from scratch.  Checked afterwards: the sweep still finishes (exit 0, study done, CIs logged);
+``resources.fold_retries`` is Ray's own retry: the warm executor's fold task is resubmitted by Ray
+(``max_retries``) onto another worker process; Ray Train's ``FailureConfig(max_failures)`` starts the fold's worker
+group again.  Either way the fold trains from scratch.  Checked afterwards: the sweep still finishes (exit 0, study done, CIs logged);
 a fold killed after it had logged evaluations continues in a fresh MLflow run tagged ``restarted=true`` and the
 half-logged run is soft-deleted (so no fold's history mixes two attempts); every trial and reproduction keeps
 exactly four live fold runs, all FINISHED with their summary; and the trial's objective is the mean of the folds'
@@ -30,13 +31,18 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _train_workers(root: int) -> list[int]:
-    """Ray Train worker processes below ``root`` (Ray sets their process title to ``ray::RayTrainWorker...``)."""
-    return [p for p in _descendants(root) if "RayTrainWorker" in _cmdline(p) and _alive(p)]
+#: The process title Ray gives a process while it runs a fold, per executor.
+_FOLD_TITLE = {"warm": "ray::_warm_fold", "train": "RayTrainWorker"}
+
+
+def _fold_processes(root: int, executor: str) -> list[int]:
+    """Processes below ``root`` running a fold right now (found by the title Ray sets)."""
+    return [p for p in _descendants(root) if _FOLD_TITLE[executor] in _cmdline(p) and _alive(p)]
 
 
 @pytest.mark.slow
-def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path):
+@pytest.mark.parametrize("executor", ["warm", "train"])
+def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path, executor):
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs /proc to find the sweep's Ray Train worker processes")
     from mlflow.entities import ViewType
@@ -54,7 +60,8 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path):
         "protocol": {"trials": 1, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 12,
                      "eval_every": 1, "patience": 50, "max_epochs": 6,
                      "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1},
+        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1,
+                      "fold_executor": executor},
         "storage": str(tmp_path / "runs"),
     }
     cfg = tmp_path / "restart.yaml"
@@ -69,7 +76,7 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path):
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         # Wait until some fold of the search trial has logged two evaluations and is still running, then kill every
-        # Ray Train worker alive at that moment (each one's fold restarts; at least that fold had logged metrics).
+        # fold process alive at that moment (each one's fold restarts; at least that fold had logged metrics).
         deadline = time.time() + 900
         killed: list[int] = []
         while not killed:
@@ -87,7 +94,7 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path):
             except Exception:  # noqa: BLE001 - the DB may be mid-creation
                 continue
             if busy:
-                for pid in _train_workers(proc.pid):
+                for pid in _fold_processes(proc.pid, executor):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
         rc = proc.wait(timeout=1500)
@@ -132,3 +139,10 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path):
         assert sorted(int(r.data.tags["fold"]) for r in kids) == [0, 1, 2, 3]
         best = [r.data.metrics["best.val.map_at_r"] for r in kids]
         assert parent.data.metrics["val.map_at_r.mean"] == pytest.approx(sum(best) / 4, abs=1e-9)
+
+    if executor == "warm":
+        # Warm processes outlive a fold: the study's 16 folds ran on the 4 processes of its first trial plus the
+        # replacements for the killed ones, so some process ran several folds.
+        pids = [r.data.tags["pid"] for r in stage("fold")]
+        assert len(set(pids)) <= 4 + len(killed), pids
+        assert max(pids.count(p) for p in set(pids)) >= 2, pids

@@ -1,4 +1,4 @@
-"""Resume: SIGKILL the sweep driver mid-study, then ``dmlrc sweep CONFIG --resume`` finishes it.
+"""Resume: SIGKILL the sweep driver mid-study, then ``dmlrc sweep CONFIG --resume`` finishes it (both executors).
 
 Checked afterwards: every trial ran exactly once to completion (the trial that had finished before the kill was not
 rerun: its MLflow metrics and its folds' start times were logged once), the Bayesian optimiser's history was kept
@@ -55,7 +55,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path):
+@pytest.mark.parametrize("executor", ["warm", "train"])
+def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, executor):
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs /proc to find the killed driver's child processes")
     from mlflow.tracking import MlflowClient
@@ -72,7 +73,7 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path):
         "protocol": {"trials": trials, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 4,
                      "eval_every": 1, "patience": 1, "max_epochs": 2,
                      "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
+        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_executor": executor},
         "storage": str(tmp_path / "runs"),
     }
     cfg = tmp_path / "resume.yaml"

@@ -53,7 +53,7 @@ def test_a_diverged_fold_scores_the_trial_zero_and_says_why():
 
 
 def test_best_trial_is_the_highest_observed_mean_among_ok_trials():
-    from pipelines.sweep import best_result
+    from pipelines.search import best_result
 
     rows = [
         {"trial_id": "a_00000", OBJECTIVE: 0.30, "status": "ok"},
@@ -78,7 +78,7 @@ def test_concatenated_embedding_normalises_each_fold_model_first():
 def test_confidence_intervals_are_student_t_across_reproductions():
     from scipy import stats
 
-    from pipelines.sweep import ci_report, ci_table, confidence_intervals, StudySummary
+    from pipelines.study_results import ci_report, ci_table, confidence_intervals, StudySummary
 
     reps = [{REPRODUCTION: i, "test_concat_map_at_r": v, "test_separated_map_at_r": v - 0.05}
             for i, v in enumerate([0.30, 0.34, 0.32])]
@@ -96,7 +96,7 @@ def test_optuna_space_follows_the_tune_space_scales():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     from pipelines.spaces import Param
-    from pipelines.sweep import optuna_space
+    from pipelines.search import optuna_space
 
     sp = optuna_space({"a": Param("a", 1e-6, 1.0, log=True), "k": Param("k", 1, 10, type="int"),
                        "m": Param("m", -0.2, 2.0), "c": Param("c", type="categorical", choices=(0.05, 0.1))})
