@@ -32,9 +32,6 @@ trial id); MLflow runs are found again by tags; folds that finished keep their r
 from __future__ import annotations
 
 import json
-import logging
-import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -43,24 +40,15 @@ from typing import Any
 
 from pipelines.config import ConfigError, SweepConfig
 from pipelines.preflight import StudyPlan, preflight, study_dirname
+from pipelines.ray_runtime import (RAY_ENV, S3_ENV, check_cluster_resources, check_storage_reachable,  # noqa: F401
+                                    check_tracking_reachable, redact_uri, s3_compat_env, scrub, start_ray, stop_ray,
+                                    warn_multi_node)
 from pipelines.search import best_result, grid_rows, make_searcher
 from pipelines.study_results import StudySummary, ci_report, confidence_intervals, fmt_ci
 from pipelines.trial import OBJECTIVE, PARAMS, REPRODUCTION, StudyContext, run_trial
 
 __all__ = ["run_sweep", "SweepOutcome", "RAY_ENV"]
 
-#: Set before Ray is imported/started: Train V2, quiet start-up, no usage stats, all worker lines shown.
-RAY_ENV = {
-    "RAY_TRAIN_V2_ENABLED": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_DEDUP_LOGS": "0",
-    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-    "TUNE_GLOBAL_CHECKPOINT_S": "2",
-    "RAY_TRAIN_ENABLE_STATE_TRACKING": "0",
-    "RAY_TRAIN_METRICS_ENABLED": "0",
-    "RAY_AIR_NEW_OUTPUT": "0",
-    "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "60",
-}
 _CONFIG_FILE = "sweep_config.json"
 
 
@@ -83,90 +71,6 @@ class SweepOutcome:
 # ------------------------------------------------------------------------------------------------------ set-up
 
 
-#: S3 settings the driver hands to its Ray workers.  Credentials are not among them: local workers inherit the
-#: driver's environment, and a remote cluster's nodes use their own (instance roles, pod secrets).
-S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "MLFLOW_S3_ENDPOINT_URL",
-          "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
-
-
-def s3_compat_env() -> None:
-    """With a non-AWS S3 endpoint, send request checksums only where the API requires them.
-
-    Recent AWS SDKs (the C++ one inside pyarrow, which Ray uses for its storage) default to streaming
-    checksum trailers on uploads; S3-compatible servers that predate them (SeaweedFS, older MinIO/Ceph)
-    reject those multipart uploads with a misleading auth error.  An explicit setting in the environment wins.
-    """
-    if os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3"):
-        os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
-        os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
-
-
-def check_storage_reachable(cfg: SweepConfig) -> None:
-    """Fail before Ray starts when ``storage: s3://bucket/...`` cannot be reached (names ``storage``)."""
-    if not cfg.storage_is_s3:
-        return
-    import boto3
-    import botocore.exceptions
-
-    from dml_core.storage import split_s3_uri
-
-    bucket, _ = split_s3_uri(cfg.storage)
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
-    try:
-        boto3.client("s3").head_bucket(Bucket=bucket)
-    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
-        raise ConfigError("storage", f"S3 bucket {bucket!r} at {endpoint} is not reachable ({e}); set "
-                                     "AWS_ENDPOINT_URL and credentials for a non-AWS server") from None
-
-
-def _default_num_cpus(cfg: SweepConfig) -> int:
-    r = cfg.resources
-    need = r.max_concurrent_trials * cfg.protocol.folds * r.workers_per_fold * r.cpus_per_worker
-    return int(max(os.cpu_count() or 1, math.ceil(need) + 1))
-
-
-def start_ray(cfg: SweepConfig, address: str | None) -> bool:
-    """Start (or connect to) Ray; returns whether we started it (and so must shut it down)."""
-    for k, v in RAY_ENV.items():
-        os.environ.setdefault(k, v)
-    s3_compat_env()
-    import ray
-
-    from pipelines.fold import worker_env
-
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = dict(
-        include_dashboard=False,
-        log_to_driver=True,
-        logging_level=logging.WARNING,
-        # Workers, Train controllers and their placement-group cleaners log at INFO/WARNING a lot (the cleaners
-        # poll the State API, which needs the dashboard we do not start); our progress lines are prints.
-        logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
-        runtime_env={"env_vars": {**worker_env(), **{k: os.environ[k] for k in RAY_ENV},
-                                  **{k: os.environ[k] for k in S3_ENV if k in os.environ}}},
-    )
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
-        # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-        kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
-        for attempt in range(3):
-            try:
-                ray.init(num_cpus=cfg.resources.num_cpus or _default_num_cpus(cfg), **kwargs)
-                break
-            except Exception as e:  # noqa: BLE001 - only Ray's start-up timeout is retried
-                # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.
-                if "timed out during startup" not in str(e) or attempt == 2:
-                    raise
-                ray.shutdown()
-                time.sleep(5)
-    for name in ("ray.tune", "ray.train", "ray.air", "ray.data"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    return True
-
-
 def _artifact_location(cfg: SweepConfig) -> str | None:
     """Artifacts next to the sweep's storage (``<storage>/<name>/mlartifacts``, on S3 when it is ``s3://``) for a
     file/sqlite/postgres tracking DB; an HTTP server chooses its own (proxied) store."""
@@ -175,20 +79,6 @@ def _artifact_location(cfg: SweepConfig) -> str | None:
     if cfg.storage_is_s3:
         return cfg.storage.rstrip("/") + "/" + cfg.name + "/mlartifacts"
     return (cfg.local_dir() / "mlartifacts").as_uri()
-
-
-def check_tracking_reachable(uri: str) -> None:
-    """Fail before Ray starts when an HTTP tracking server does not answer (names ``tracking.uri``)."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as r:
-            r.read()
-    except (urllib.error.URLError, OSError) as e:
-        raise ConfigError("tracking.uri", f"MLflow server {uri} is not reachable ({e})") from None
 
 
 def _check_resume(cfg: SweepConfig, resume: bool) -> None:
@@ -422,28 +312,21 @@ class _Sweep:
 # ------------------------------------------------------------------------------------------------------ entry
 
 
-def _warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
-    """On a multi-node cluster, local storage and a sqlite/file tracking store only work through a shared mount."""
-    import ray
-
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) < 2:
-        return
-    if not cfg.storage_is_s3:
-        print(f"warning: storage: {cfg.ray_storage()} is a local path on a {len(nodes)}-node cluster; it must be a "
-              "shared mount (NFS) on every node, else use s3://", file=out, flush=True)
-    if not uri.startswith(("http://", "https://", "postgresql")):
-        print(f"warning: tracking.uri: {uri} on a {len(nodes)}-node cluster; fold workers on other nodes log to "
-              "MLflow too — use an MLflow server (http(s)://)", file=out, flush=True)
-
-
 def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = None, out=None) -> SweepOutcome:
-    """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything starts."""
+    """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything starts.
+
+    Ctrl-C stops it within seconds, closes the runs it leaves (``KILLED``, reason ``interrupted``) and raises
+    :class:`pipelines.stopping.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed study's
+    leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.stopping`).
+    """
+    from pipelines.stopping import INTERRUPTED, close_open_runs, reopen_interrupted, resume_command, stop_on_sigint
+
     out = out or sys.stdout
     t0 = time.time()
     _check_resume(cfg, resume)
     plans = preflight(cfg)
     uri = cfg.tracking_uri()
+    shown = redact_uri(uri)  # what is printed: never a password
     check_tracking_reachable(uri)
     check_storage_reachable(cfg)
 
@@ -454,22 +337,46 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
 
     tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
     if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
-        raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {uri} already has runs of a sweep "
-                                  f"named {cfg.name!r}; pass --resume to continue it, or choose another name")
-    if not (local / _CONFIG_FILE).exists():
-        if resume:
-            print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
-        (local / _CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
-    started = start_ray(cfg, address)
-    _warn_multi_node(cfg, uri, out)
-    print(f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}); "
-          f"MLflow {uri} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}", file=out, flush=True)
+        raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
+                                  f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
     try:
-        sweep = _Sweep(cfg, plans, tracker, out)
-        studies = [sweep.run_study(plan) for plan in plans]
+        started = start_ray(cfg, address)
+    except BaseException:
+        stop_ray(False)  # undo what it changed in this process (credentials, loopback switch)
+        raise
+    try:
+        check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
+        if not (local / _CONFIG_FILE).exists():
+            if resume:
+                print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
+            (local / _CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+        elif resume:
+            reopen_interrupted(tracker, cfg.name)
+        warn_multi_node(cfg, uri, out)
+        print(f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}); "
+              f"MLflow {shown} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}", file=out, flush=True)
+        message = f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}"
+        with stop_on_sigint(message, out):
+            sweep = _Sweep(cfg, plans, tracker, out)
+            studies = [sweep.run_study(plan) for plan in plans]
+    except BaseException as e:
+        # Stop Ray first: no worker may write to a run after it is closed.
+        stop_ray(started)
+        started = False
+        if not isinstance(e, ConfigError):
+            try:
+                if isinstance(e, KeyboardInterrupt):
+                    close_open_runs(tracker, cfg.name, reason=INTERRUPTED, status="KILLED")
+                else:
+                    close_open_runs(tracker, cfg.name, reason=scrub(f"{type(e).__name__}: {e}", uri))
+            except Exception as close_error:  # noqa: BLE001 - e.g. the tracking store is what failed: report e
+                print(f"warning: could not close the sweep's MLflow runs ({type(close_error).__name__})", file=out,
+                      flush=True)
+        raise
     finally:
-        if started:
-            import ray
-
-            ray.shutdown()
-    return SweepOutcome(cfg.name, local, uri, cfg.experiment_name(), tracker.experiment_id, studies, time.time() - t0)
+        stop_ray(started)
+    for s in studies:
+        if s.status != "ok":
+            close_open_runs(tracker, cfg.name, study=s.study, reason=f"study failed: {s.reason}")
+    return SweepOutcome(cfg.name, local, shown, cfg.experiment_name(), tracker.experiment_id, studies,
+                        time.time() - t0)

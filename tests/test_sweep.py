@@ -377,7 +377,7 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
 
 
 def test_s3_compat_env_only_for_a_custom_endpoint_and_never_over_the_users_choice(monkeypatch):
-    from pipelines.sweep import s3_compat_env
+    from pipelines.ray_runtime import s3_compat_env
 
     keys = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REQUEST_CHECKSUM_CALCULATION",
             "AWS_RESPONSE_CHECKSUM_VALIDATION")

@@ -1,0 +1,317 @@
+"""Ray start-up and the infrastructure checks a sweep makes before Ray starts.
+
+Everything here runs on the driver: the environment Ray and its workers get (:data:`RAY_ENV`, :data:`S3_ENV`),
+the reachability checks for the sweep's storage and tracking store (each fails with a one-line
+``config error: <field>: …`` before anything expensive starts), :func:`start_ray` / :func:`stop_ray`, and the
+check of the cluster's resources against the config (:func:`check_cluster_resources`).
+
+Security (issue #16):
+
+* **Loopback only.**  A Ray the sweep starts itself binds GCS, raylet, object manager, runtime-env agent, driver
+  and workers to 127.0.0.1: Ray's own switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (meant for laptops) makes
+  it pick the loopback address as the node IP, and every Ray server then listens on that address only.
+  (``ray.init(_node_ip_address="127.0.0.1")`` does not do it: Ray replaces a loopback address by the machine's
+  routable one.)  The folds' gloo connections use the loopback interface (``GLOO_SOCKET_IFNAME=lo``).  Connecting
+  to a cluster (``--address``) leaves the cluster's own settings alone.  Not covered: the rendezvous store of each
+  fold's ``torch.distributed`` group (a ``TCPStore`` on Train worker 0, set up by Ray Train) listens on all
+  interfaces — torch's TCPStore has no bind-address option, only a pre-bound socket that Ray Train does not pass.
+* **No credentials in Ray's runtime_env.**  Ray Tune copies ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+  ``AWS_SESSION_TOKEN`` and ``AWS_SECURITY_TOKEN`` from the driver's environment into every trainable's
+  ``runtime_env`` (``ray/tune/execution/class_cache.py``, ``ENV_VARS_TO_PROPAGATE``; Ray 2.60 has no switch
+  for it), and Ray's runtime-env agent logs each runtime_env in plain text under the session directory.  For the
+  duration of the sweep :func:`start_ray` therefore moves those variables out of the environment into a private
+  AWS shared-credentials file (mode 0600 in a 0700 directory, on the memory-backed ``/dev/shm`` where there is
+  one) named by ``AWS_SHARED_CREDENTIALS_FILE`` — the SDKs' standard second source, read by boto3 (MLflow) and by
+  pyarrow's AWS SDK (Ray storage) alike — and :func:`stop_ray` puts them back and deletes the file.  Workers of a
+  local Ray inherit the driver's environment (so the file's path); on a cluster the nodes use their own
+  environment or instance role: credentials are never shipped through Ray.
+* **No passwords printed.**  :func:`redact_uri` turns ``scheme://user:password@host`` into
+  ``scheme://user:***@host`` for every message.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+from pipelines.config import ConfigError, SweepConfig
+
+__all__ = ["RAY_ENV", "S3_ENV", "AWS_SECRET_ENV", "s3_compat_env", "check_storage_reachable",
+           "check_tracking_reachable", "default_num_cpus", "start_ray", "stop_ray", "check_cluster_resources",
+           "warn_multi_node", "redact_uri", "scrub"]
+
+#: Set before Ray is imported/started: Train V2, quiet start-up, no usage stats, all worker lines shown.
+RAY_ENV = {
+    "RAY_TRAIN_V2_ENABLED": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "TUNE_GLOBAL_CHECKPOINT_S": "2",
+    "RAY_TRAIN_ENABLE_STATE_TRACKING": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    "RAY_AIR_NEW_OUTPUT": "0",
+    "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "60",
+    # Ctrl-C is the sweep's (pipelines.stopping): Tune's handler would end only the current Tuner, quietly, and let
+    # the sweep go on with the next one.
+    "TUNE_DISABLE_SIGINT_HANDLER": "1",
+}
+
+#: S3 settings the driver hands to its Ray workers.  Credentials are not among them: local workers inherit the
+#: driver's environment, and a remote cluster's nodes use their own (instance roles, pod secrets).
+S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "MLFLOW_S3_ENDPOINT_URL",
+          "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
+
+
+#: What Ray Tune copies into every trainable's runtime_env (ray/tune/execution/class_cache.py): kept out of the
+#: environment while Ray runs (see the module docstring).
+AWS_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+_CREDENTIAL_FILE_KEYS = {"AWS_ACCESS_KEY_ID": "aws_access_key_id", "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
+                         "AWS_SESSION_TOKEN": "aws_session_token", "AWS_SECURITY_TOKEN": "aws_security_token"}
+#: Ray's switch that makes a local node use the loopback address (ray/_private/ray_constants.py).
+_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://[^/@:]*):([^/]*)@")
+
+
+def redact_uri(uri: str | None) -> str | None:
+    """``scheme://user:password@host/...`` → ``scheme://user:***@host/...`` (anything else unchanged)."""
+    if not uri:
+        return uri
+    return _USERINFO.sub(r"\1:***@", uri, count=1)
+
+
+def scrub(text: str, uri: str | None) -> str:
+    """``text`` with ``uri``'s password (if any) replaced by ``***`` wherever it occurs (e.g. in a driver's error)."""
+    m = _USERINFO.match(uri or "")
+    if not m or not m.group(2):
+        return text
+    from urllib.parse import unquote
+
+    for secret in {m.group(2), unquote(m.group(2))}:
+        text = text.replace(secret, "***")
+    return text
+
+
+def s3_compat_env() -> None:
+    """With a non-AWS S3 endpoint, send request checksums only where the API requires them.
+
+    Recent AWS SDKs (the C++ one inside pyarrow, which Ray uses for its storage) default to streaming
+    checksum trailers on uploads; S3-compatible servers that predate them (SeaweedFS, older MinIO/Ceph)
+    reject those multipart uploads with a misleading auth error.  An explicit setting in the environment wins.
+    """
+    if os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3"):
+        os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+
+
+def check_storage_reachable(cfg: SweepConfig) -> None:
+    """Fail before Ray starts when ``storage: s3://bucket/...`` cannot be reached (names ``storage``)."""
+    if not cfg.storage_is_s3:
+        return
+    import boto3
+    import botocore.exceptions
+
+    from dml_core.storage import split_s3_uri
+
+    bucket, _ = split_s3_uri(cfg.storage)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+    try:
+        boto3.client("s3").head_bucket(Bucket=bucket)
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+        raise ConfigError("storage", f"S3 bucket {bucket!r} at {endpoint} is not reachable ({e}); set "
+                                     "AWS_ENDPOINT_URL and credentials for a non-AWS server") from None
+
+
+def check_tracking_reachable(uri: str) -> None:
+    """Fail before Ray starts when an HTTP tracking server or a PostgreSQL store does not answer, or the
+    PostgreSQL driver the URI names is not installed (names ``tracking.uri``; never prints a password)."""
+    if uri.startswith("postgresql"):
+        _check_postgres(uri)
+        return
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as r:
+            r.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise ConfigError("tracking.uri", scrub(f"MLflow server {redact_uri(uri)} is not reachable ({e})", uri)) \
+            from None
+
+
+def _check_postgres(uri: str) -> None:
+    """Connect once, through SQLAlchemy as MLflow will (``postgresql://`` = psycopg 3 since SQLAlchemy 2.1,
+    ``postgresql+psycopg2://`` = psycopg2), with a short connect timeout instead of MLflow's minutes of retries."""
+    import sqlalchemy
+
+    shown = redact_uri(uri)
+    try:
+        engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": 10}, poolclass=sqlalchemy.pool.NullPool)
+    except ModuleNotFoundError as e:
+        raise ConfigError("tracking.uri", f"{shown}: the PostgreSQL driver is not installed ({e}); install "
+                                          "psycopg (pip install 'psycopg[binary]') or name psycopg2 in the URI: "
+                                          "postgresql+psycopg2://...") from None
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy's URL/argument errors: one line, the field named
+        raise ConfigError("tracking.uri", scrub(f"{shown}: {e}", uri)) from None
+    try:
+        with engine.connect():
+            pass
+    except Exception as e:  # noqa: BLE001 - OperationalError & co.: say which server, keep it to one line
+        detail = " ".join(str(getattr(e, "orig", None) or e).split())
+        raise ConfigError("tracking.uri", scrub(f"PostgreSQL {shown} is not reachable ({detail})", uri)) from None
+    finally:
+        engine.dispose()
+
+
+def default_num_cpus(cfg: SweepConfig) -> int:
+    r = cfg.resources
+    need = r.max_concurrent_trials * cfg.protocol.folds * r.workers_per_fold * r.cpus_per_worker
+    return int(max(os.cpu_count() or 1, math.ceil(need) + 1))
+
+
+#: What :func:`start_ray` changed in this process, for :func:`stop_ray` to undo.
+_UNDO: list[Any] = []
+
+
+def _hide_credentials() -> None:
+    """Move the AWS secrets out of ``os.environ`` into a private shared-credentials file (module docstring)."""
+    secrets = {k: os.environ[k] for k in AWS_SECRET_ENV if os.environ.get(k)}
+    if not secrets:
+        return
+    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    shm = "/dev/shm"
+    folder = tempfile.mkdtemp(prefix="dmlrc-aws-", dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
+    path = os.path.join(folder, "credentials")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"[{profile}]\n" + "".join(f"{_CREDENTIAL_FILE_KEYS[k]} = {v}\n" for k, v in secrets.items()))
+    previous_file = os.environ.get("AWS_SHARED_CREDENTIALS_FILE")
+    for k in secrets:
+        del os.environ[k]
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = path
+
+    def undo() -> None:
+        os.environ.update(secrets)
+        if previous_file is None:
+            os.environ.pop("AWS_SHARED_CREDENTIALS_FILE", None)
+        else:
+            os.environ["AWS_SHARED_CREDENTIALS_FILE"] = previous_file
+        shutil.rmtree(folder, ignore_errors=True)
+
+    _UNDO.append(undo)
+
+
+def _loopback_only() -> None:
+    """Make the local Ray about to start use 127.0.0.1 as its node address (module docstring)."""
+    previous = os.environ.get(_LOOPBACK_SWITCH)
+    os.environ[_LOOPBACK_SWITCH] = "0"
+    from ray._private import ray_constants  # read at import; Ray may have been imported before this call
+
+    constant = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+    def undo() -> None:
+        ray_constants.ENABLE_RAY_CLUSTER = constant
+        if previous is None:
+            os.environ.pop(_LOOPBACK_SWITCH, None)
+        else:
+            os.environ[_LOOPBACK_SWITCH] = previous
+
+    _UNDO.append(undo)
+
+
+def stop_ray(started: bool) -> None:
+    """Shut down the Ray :func:`start_ray` started (if it did) and undo its changes to this process."""
+    try:
+        if started:
+            import ray
+
+            ray.shutdown()
+    finally:
+        while _UNDO:
+            _UNDO.pop()()
+
+
+def start_ray(cfg: SweepConfig, address: str | None) -> bool:
+    """Start (or connect to) Ray; returns whether we started it (and so must shut it down with :func:`stop_ray`,
+    which is also what undoes the credential and loopback settings below — call it either way)."""
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    s3_compat_env()
+    _hide_credentials()
+    import ray
+
+    from pipelines.fold import worker_env
+
+    if ray.is_initialized():
+        return False
+    if not address:
+        _loopback_only()
+    kwargs: dict[str, Any] = dict(
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+        # Workers, Train controllers and their placement-group cleaners log at INFO/WARNING a lot (the cleaners
+        # poll the State API, which needs the dashboard we do not start); our progress lines are prints.
+        logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
+        runtime_env={"env_vars": {**worker_env(), **{k: os.environ[k] for k in RAY_ENV},
+                                  **{k: os.environ[k] for k in S3_ENV if k in os.environ}}},
+    )
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+        if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo") and \
+                "GLOO_SOCKET_IFNAME" not in os.environ:
+            # The folds' gloo (CPU DDP) connections between workers of one machine: over loopback only.
+            kwargs["runtime_env"]["env_vars"]["GLOO_SOCKET_IFNAME"] = "lo"
+        for attempt in range(3):
+            try:
+                ray.init(num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg), **kwargs)
+                break
+            except Exception as e:  # noqa: BLE001 - only Ray's start-up timeout is retried
+                # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.
+                if "timed out during startup" not in str(e) or attempt == 2:
+                    raise
+                ray.shutdown()
+                time.sleep(5)
+    for name in ("ray.tune", "ray.train", "ray.air", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return True
+
+
+def check_cluster_resources(cfg: SweepConfig) -> None:
+    """Right after Ray starts (also a cluster's, with ``--address``), before any trial: the config's resources
+    against ``ray.cluster_resources()`` (:func:`pipelines.preflight.check_cluster_resources` names the field and
+    what the cluster has).  Otherwise Ray Train would retry its worker-group start-up forever."""
+    import ray
+
+    from pipelines.preflight import check_cluster_resources as check
+
+    check(cfg, ray.cluster_resources())
+
+
+def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
+    """On a multi-node cluster, local storage and a sqlite/file tracking store only work through a shared mount."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return
+    if not cfg.storage_is_s3:
+        print(f"warning: storage: {cfg.ray_storage()} is a local path on a {len(nodes)}-node cluster; it must be a "
+              "shared mount (NFS) on every node, else use s3://", file=out, flush=True)
+    if not uri.startswith(("http://", "https://", "postgresql")):
+        print(f"warning: tracking.uri: {redact_uri(uri)} on a {len(nodes)}-node cluster; fold workers on other nodes log to "
+              "MLflow too — use an MLflow server (http(s)://)", file=out, flush=True)

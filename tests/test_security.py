@@ -1,0 +1,252 @@
+"""Security of a sweep's own Ray (issue #16): no credentials anywhere Ray or MLflow write, loopback-only sockets,
+no password in what is printed, and the cluster's resources checked before any trial starts.
+
+The slow tests run ``dmlrc sweep`` on a tiny config (2 class-disjoint folds, 1 trial, 2 reproductions) in a
+subprocess with its own Ray temp dir (``RAY_TMPDIR``), so that the whole Ray session directory can be searched.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def tiny_sweep_config(tmp_path: Path, tracking_uri: str, *, name: str, max_epochs: int = 1,
+                      iters_per_epoch: int = 2, **resources) -> Path:
+    """The smallest real sweep: 1 loss, 2 kfold folds, 1 trial + 2 reproductions, 1 gloo worker per fold."""
+    doc = {
+        "name": name,
+        "seed": 1,
+        "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 16, "per_class": 6, "image_size": 16}],
+        "losses": ["contrastive"],
+        "model": {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
+        "protocol": {"folds": 2, "fold_layout": "kfold", "trials": 1, "startup_trials": 1, "reproductions": 2,
+                     "iters_per_epoch": iters_per_epoch, "eval_every": 1, "patience": 1, "max_epochs": max_epochs,
+                     "train": {"classes_per_batch": 4, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
+                               "eval_batch_size": 64}},
+        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, **resources},
+        "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
+        "storage": str(tmp_path / "runs"),
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def sweep_env(ray_tmp: str, **extra: str) -> dict[str, str]:
+    """The test's environment for a sweep subprocess: this checkout first, its own Ray temp dir."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI" and not k.startswith("AWS_")}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["RAY_TMPDIR"] = ray_tmp
+    env.update(extra)
+    return env
+
+
+def ray_tmpdir() -> str:
+    """A short private directory for Ray (its unix sockets live under it: paths must stay < 108 bytes)."""
+    return tempfile.mkdtemp(prefix="dmlrc-ray-")
+
+
+def files_containing(root: Path, needles: list[bytes]) -> list[str]:
+    """Every file under ``root`` whose bytes contain one of ``needles`` (binary files included)."""
+    hits = []
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            try:
+                data = p.read_bytes()
+            except OSError:
+                continue
+            if any(n in data for n in needles):
+                hits.append(str(p))
+    return hits
+
+
+def _descendants(pid: int) -> set[int]:
+    import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)} | {pid}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _listening(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, process title, address, port) of every TCP socket in LISTEN state owned by one of ``pids``."""
+    import psutil
+
+    out = []
+    for c in psutil.net_connections("inet"):
+        if c.pid in pids and c.status == psutil.CONN_LISTEN:
+            try:
+                proc = psutil.Process(c.pid)
+                title = f"{proc.name()} {' '.join(proc.cmdline())[:100]}"
+            except psutil.NoSuchProcess:
+                title = "?"
+            out.append((c.pid, title, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+# ------------------------------------------------------------------------------------------------ fast units
+
+
+def test_redact_uri_hides_only_the_password():
+    from pipelines.ray_runtime import redact_uri, scrub
+
+    assert redact_uri("postgresql://alice:s3cr%40t@db:5432/mlflow") == "postgresql://alice:***@db:5432/mlflow"
+    assert redact_uri("postgresql+psycopg2://u:p@127.0.0.1/x") == "postgresql+psycopg2://u:***@127.0.0.1/x"
+    assert redact_uri("http://bob:pw@host:5000") == "http://bob:***@host:5000"
+    for same in ("http://host:5000/x", "sqlite:////tmp/a:b@c.db", "postgresql://u@h/db", "", None):
+        assert redact_uri(same) == same
+    # a driver error quoting the password (raw or URL-decoded) loses it too
+    assert scrub("auth failed for s3cr@t and s3cr%40t", "postgresql://alice:s3cr%40t@db/m") == \
+        "auth failed for *** and ***"
+
+
+def test_failure_reason_says_why_each_trial_failed():
+    from pipelines.stopping import failure_reason
+
+    rows = [{"trial_id": "t1", "status": "diverged", "reason": "fold 0: loss is NaN"},
+            {"trial_id": "t2", "error": RuntimeError("fold 1: worker died")},
+            {"trial_id": "t3"}, {"trial_id": "t4"}]
+    text = failure_reason(rows)
+    assert "diverged: fold 0: loss is NaN [t1]" in text
+    assert "RuntimeError: fold 1: worker died [t2]" in text
+    assert "stopped before reporting a result" in text and "[t3, t4]" in text
+    assert "?" not in text
+    assert failure_reason([]) == "no trial ran"
+
+
+def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monkeypatch):
+    """``use_gpu: true`` against a running Ray without GPUs (e.g. a cluster given with ``--address``): one config
+    error naming ``resources.use_gpu`` and what the cluster has, right after Ray starts — no trial, no stored
+    config, no run (before: Ray Train retried its worker-group start-up forever).  Ray itself is stubbed here."""
+    import ray
+
+    from pipelines import sweep
+    from pipelines.config import ConfigError, parse_config
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    doc = yaml.safe_load(tiny_sweep_config(tmp_path, f"sqlite:///{tmp_path / 'm.db'}", name="gpu",
+                                           use_gpu=True).read_text())
+    cfg = parse_config(doc)
+    started = []
+    monkeypatch.setattr(sweep, "start_ray", lambda cfg, address: started.append(address) or False)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    monkeypatch.setattr(sweep._Sweep, "run_study", lambda self, plan: pytest.fail("a study started"))
+    with pytest.raises(ConfigError) as e:
+        sweep.run_sweep(cfg, address="ray://cluster:10001")
+    assert started == ["ray://cluster:10001"]
+    assert e.value.field == "resources.use_gpu" and "0 GPUs" in str(e.value) and "8 CPUs" in str(e.value)
+    assert not (cfg.local_dir() / "sweep_config.json").exists()
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    exp = c.get_experiment_by_name("gpu-experiment")
+    assert exp is None or c.search_runs([exp.experiment_id]) == []
+
+
+# ------------------------------------------------------------------------------------------------ the real sweep
+
+
+@pytest.fixture(scope="module")
+def sweep_with_credentials(tmp_path_factory):
+    """One tiny sweep with fake AWS credentials in its environment; its sockets sampled while it runs."""
+    tmp = tmp_path_factory.mktemp("secure")
+    ray_tmp = ray_tmpdir()
+    secret = {"AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
+              "AWS_SECRET_ACCESS_KEY": "fake-secret-" + secrets.token_hex(16),
+              "AWS_SESSION_TOKEN": "fake-token-" + secrets.token_hex(16)}
+    # 2 workers per fold: the gloo connections between them are checked too
+    cfg = tiny_sweep_config(tmp, f"sqlite:///{tmp / 'mlflow.db'}", name="secure", workers_per_fold=2)
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=sweep_env(ray_tmp, **secret))
+    sockets: set[tuple[int, str, str, int]] = set()
+    import threading
+
+    output: list[bytes] = []
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    deadline = time.time() + 400
+    while proc.poll() is None and time.time() < deadline:
+        sockets.update(_listening(_descendants(proc.pid)))
+        time.sleep(0.5)
+    if proc.poll() is None:
+        proc.kill()
+    rc = proc.wait(timeout=60)
+    reader.join(timeout=60)
+    yield {"rc": rc, "out": b"".join(output), "tmp": tmp, "ray_tmp": Path(ray_tmp), "secret": secret,
+           "sockets": sockets}
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_aws_credentials_never_reach_ray_logs_mlflow_or_the_sweep_folder(sweep_with_credentials):
+    s = sweep_with_credentials
+    assert s["rc"] == 0, s["out"].decode(errors="replace")[-5000:]
+    sessions = list((s["ray_tmp"] / "ray").glob("session_2*"))
+    assert sessions, "the sweep's Ray did not use the test's RAY_TMPDIR"
+    assert any(sessions[0].rglob("runtime_env_agent.log")), "no runtime-env agent log: nothing was checked"
+    needles = [v.encode() for v in s["secret"].values()]
+    for root in (s["ray_tmp"], s["tmp"]):  # Ray's whole session dir; MLflow DB, artifacts, Ray storage, config
+        assert files_containing(root, needles) == []
+    assert not any(n in s["out"] for n in needles)
+    # the private credentials file the sweep used while Ray ran is gone
+    leftovers = [p for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)
+                 for p in Path(d).glob("dmlrc-aws-*")]
+    assert files_containing_any(leftovers, needles) == []
+
+
+def files_containing_any(paths: list[Path], needles: list[bytes]) -> list[str]:
+    hits = []
+    for p in paths:
+        hits += files_containing(p, needles) if p.is_dir() else []
+    return hits
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_the_sweeps_own_ray_listens_on_loopback_only(sweep_with_credentials):
+    s = sweep_with_credentials
+    assert s["rc"] == 0, s["out"].decode(errors="replace")[-5000:]
+    titles = " | ".join(sorted({t for _, t, _, _ in s["sockets"]}))
+    # GCS, raylet, the runtime-env agent and Train workers must have been seen, or the sampling checked nothing
+    for process in ("gcs_server", "raylet", "RuntimeEnvAgent", "RayTrainWo"):
+        assert process in titles, titles
+    # A process's title changes with the task it runs (a Train worker shows "ray::RayTrainWorker", then e.g.
+    # "ray::execute._setup_torch_process_group"): classify processes by every title seen for their pid.
+    titles_of: dict[int, set[str]] = {}
+    for pid, title, _, _ in s["sockets"]:
+        titles_of.setdefault(pid, set()).add(title)
+    public = sorted({(pid, ip, port) for pid, _, ip, port in s["sockets"] if not _is_loopback(ip)})
+    # The one known exception: each fold's torch.distributed rendezvous store (a TCPStore that rank 0 of the Train
+    # worker group opens; torch has no bind-address option for it) — at most one such socket per Train worker,
+    # and never anywhere else.
+    per_pid: dict[int, int] = {}
+    for pid, ip, port in public:
+        assert any("RayTrainWo" in t for t in titles_of[pid]), [(p, i, o, titles_of[p]) for p, i, o in public]
+        per_pid[pid] = per_pid.get(pid, 0) + 1
+    assert all(n == 1 for n in per_pid.values()), public
