@@ -38,6 +38,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--storage", default=None, help="parent folder of the sweep (default: ./runs)")
     p.add_argument("--name", default=None, help="sweep name (default: demo-<timestamp>)")
     p.add_argument("--address", default=None, help="Ray cluster address; default: start a local Ray")
+    p.add_argument("--resume", action="store_true", help="continue the demo sweep of this --name (after Ctrl-C)")
     p.set_defaults(func=_run_demo)
 
 
@@ -137,7 +138,7 @@ def _run_demo(args) -> int:
     from pipelines.sweep import run_sweep
 
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
-    outcome = run_sweep(cfg, address=args.address)
+    outcome = run_sweep(cfg, resume=args.resume, address=args.address)
     return _finish(outcome, _untrained_reference(cfg))
 
 

@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Any
 
-from pipelines.config import ConfigError, SweepConfig
+from pipelines.config import ConfigError, SweepConfig, redact_uri
 
 __all__ = ["RAY_ENV", "S3_ENV", "AWS_SECRET_ENV", "s3_compat_env", "check_storage_reachable",
            "check_tracking_reachable", "default_num_cpus", "start_ray", "stop_ray", "check_cluster_resources",
@@ -78,13 +78,6 @@ _CREDENTIAL_FILE_KEYS = {"AWS_ACCESS_KEY_ID": "aws_access_key_id", "AWS_SECRET_A
 _LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://[^/@:]*):([^/]*)@")
-
-
-def redact_uri(uri: str | None) -> str | None:
-    """``scheme://user:password@host/...`` → ``scheme://user:***@host/...`` (anything else unchanged)."""
-    if not uri:
-        return uri
-    return _USERINFO.sub(r"\1:***@", uri, count=1)
 
 
 def scrub(text: str, uri: str | None) -> str:

@@ -40,14 +40,14 @@ from typing import Any
 
 from pipelines.config import ConfigError, SweepConfig
 from pipelines.preflight import StudyPlan, preflight, study_dirname
-from pipelines.ray_runtime import (RAY_ENV, S3_ENV, check_cluster_resources, check_storage_reachable,  # noqa: F401
-                                    check_tracking_reachable, redact_uri, s3_compat_env, scrub, start_ray, stop_ray,
-                                    warn_multi_node)
+from pipelines.ray_runtime import (check_cluster_resources, check_storage_reachable, check_tracking_reachable,
+                                    redact_uri, scrub, start_ray, stop_ray, warn_multi_node)
 from pipelines.search import best_result, grid_rows, make_searcher
+from pipelines.stopping import failure_reason
 from pipelines.study_results import StudySummary, ci_report, confidence_intervals, fmt_ci
 from pipelines.trial import OBJECTIVE, PARAMS, REPRODUCTION, StudyContext, run_trial
 
-__all__ = ["run_sweep", "SweepOutcome", "RAY_ENV"]
+__all__ = ["run_sweep", "SweepOutcome"]
 
 _CONFIG_FILE = "sweep_config.json"
 
@@ -213,8 +213,7 @@ class _Sweep:
         summary.trials = len(rows)
         best = best_result(rows)
         if best is None:
-            reasons = "; ".join(sorted({str(r.get("reason") or r.get("error") or "?")[:200] for r in rows}))
-            return self._fail(summary, f"no trial finished ok ({reasons})", t0)
+            return self._fail(summary, f"no trial finished ok ({failure_reason(rows)})", t0)
         params = {k: v for k, v in best["config"].items() if not k.startswith("__")}
         summary.best_trial, summary.best_params = best["trial_id"], params
         summary.best_val = (best[OBJECTIVE], best.get("val_map_at_r_sem", float("nan")))
