@@ -437,6 +437,9 @@ class _Sweep:
             self.say(f"[{plan.key}] already finished (MLflow run {run_id}); skipped")
             return self._summary_from_run(summary, run)
         t.set_tags(run_id, {"status": "running"})
+        from pipelines.registry import on_study_end, on_study_start  # reg hook (#10)
+
+        on_study_start(t, run_id, plan)
 
         table_ref = ray.put(plan.dataset.table)
         ctx = self._context(plan, run_id, table_ref)
@@ -509,6 +512,8 @@ class _Sweep:
         t.log_text(run_id, md, "ci_report.md")
         t.log_json(run_id, doc, "ci_report.json")
         self._log_models(run_id, reps[0])
+        on_study_end(t, study_run_id=run_id, experiment=cfg.experiment_name(), sweep=cfg.name, plan=plan,
+                     reps=reps, ci=summary.ci, say=self.say)  # reg hook (#10): pyfunc models, registry
         summary.seconds = time.time() - t0
         t.set_tags(run_id, {"done": "true", "status": "ok", "seconds": round(summary.seconds, 1)})
         t.finish(run_id, "FINISHED")
