@@ -76,6 +76,8 @@ class FoldEnsembleEmbedder(_Base):
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         batch = int(params.get("batch_size", 256))
+        if isinstance(model_input, dict):  # a named tensor input arrives as {"images": array}
+            model_input = model_input["images"] if "images" in model_input else next(iter(model_input.values()))
         x = np.asarray(model_input, dtype=np.float32)
         parts = []
         with torch.inference_mode():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.test_registry import parquet_dataset, run_cli, run_registered_sweep
+from tests.test_registry import check_registered, parquet_dataset, run_cli, run_registered_sweep
 
 
 # ------------------------------------------------------------------------------------------------ fast units
@@ -121,6 +121,7 @@ def test_reeval_ok_regressed_failed_and_s3(tmp_path):
 
     with mlflow_server(tmp_path / "server") as uri:
         data, experiment = run_registered_sweep(tmp_path, uri)
+        check_registered(uri, experiment, data)  # tests/test_registry.py's checks, on the same sweep
         c = MlflowClient(uri)
         name = registered_model_name(experiment, "shapes", "contrastive")
 

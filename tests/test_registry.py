@@ -199,3 +199,42 @@ def test_sweep_registers_one_version_per_study_with_its_tags_sqlite(tmp_path):
     with mlflow_server(tmp_path / "server") as uri:
         data, experiment = run_registered_sweep(tmp_path, uri)
         check_registered(uri, experiment, data)
+
+
+def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unpickling(tmp_path):
+    """Fast: pipelines.registry on a sqlite store from 4 untrained fold checkpoints (no Ray cluster, no server)."""
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from dml_core.models import build_model
+    from pipelines.registry import ALIAS
+    from pipelines.trial import concatenated_embeddings
+    from tests.test_mlflow_ui import _fake_study
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp_id, run_id, name = _fake_study(tmp_path, uri, "unit")
+    c = MlflowClient(uri)
+    assert c.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    run = c.get_run(run_id)
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["shapes"]
+    assert "map_at_r" in run.data.tags["mlflow.note.content"]
+    (v,) = c.search_model_versions(f"name = '{name}'")
+    assert v.run_id == run_id and v.tags["seed"] == "1003" and v.tags["study_run_id"] == run_id
+    assert float(v.tags["test.concat.map_at_r.ci_low"]) == 0.45
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"models:/{name}@{ALIAS}")
+    # the model is the code file + state dicts: no pickle in its artifacts
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@{ALIAS}"))
+    assert not list(local.rglob("*.pkl")) and (local / "pyfunc_model.py").exists()
+    x = np.random.default_rng(0).standard_normal((5, 3, 16, 16)).astype(np.float32)
+    parts = []
+    for k in range(4):
+        state = torch.load(tmp_path / f"ckpt{k}" / "model.pt", weights_only=True)
+        m = build_model(**state["model_kwargs"])
+        m.load_state_dict(state["model"])
+        with torch.no_grad():
+            parts.append(m.eval()(torch.from_numpy(x)).numpy())
+    np.testing.assert_allclose(model.predict(x, params={"output": "folds"}), np.concatenate(parts, 1), atol=1e-6)
+    np.testing.assert_allclose(model.predict(x), concatenated_embeddings(parts), atol=1e-6)
+    assert model.metadata.get_input_schema().inputs[0].shape == (-1, 3, 16, 16)
