@@ -281,9 +281,30 @@ def on_study_start(tracker, study_run_id: str, plan) -> None:
                       "trainval+test")
 
 
+def experiment_note(tracker) -> str:
+    """The experiment's description: one row per study run with test metrics (shown above the runs table)."""
+    from pipelines.tracking import search_all
+
+    runs = search_all(tracker.client, tracker.experiment_id, "tags.stage = 'study'")
+    lines = ["Reality-check studies — test metrics ×100, mean over reproductions (95 % t-intervals on each study "
+             "run's page). Models: Models tab / registered models `dmlrc.<experiment>.<dataset>.<loss>`.", "",
+             "| sweep | study | " + " | ".join(f"concat {m}" for m in HEADLINE) + " | registered model |",
+             "|---|---|" + "---|" * (len(HEADLINE) + 1)]
+    for r in sorted(runs, key=lambda r: (r.data.tags.get("sweep", ""), r.data.tags.get("study", ""))):
+        m = r.data.metrics
+        if "test.concat.map_at_r.mean" not in m:
+            continue
+        cells = [f"{100 * m[f'test.concat.{k}.mean']:.2f}" if f"test.concat.{k}.mean" in m else "–" for k in HEADLINE]
+        lines.append(f"| {r.data.tags.get('sweep', '')} | {r.data.tags.get('study', '')} | " + " | ".join(cells)
+                     + f" | {r.data.tags.get('registered_model', '–')} |")
+    return "\n".join(lines) + "\n"
+
+
 def on_study_end(tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps, ci,
                  say: Callable[[str], None] = print) -> str | None:
-    """Hook at a study's end: the description table and the registered models."""
+    """Hook at a study's end: the description tables (run, experiment) and the registered models."""
     tracker.set_tags(study_run_id, {NOTE_TAG: study_note(plan.key, ci, len(reps))})
-    return register_study(tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan,
-                          reps=reps, ci=ci, say=say)
+    ref = register_study(tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan,
+                         reps=reps, ci=ci, say=say)
+    tracker.client.set_experiment_tag(tracker.experiment_id, NOTE_TAG, experiment_note(tracker))
+    return ref

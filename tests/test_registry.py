@@ -219,6 +219,7 @@ def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unp
     run = c.get_run(run_id)
     assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["shapes"]
     assert "map_at_r" in run.data.tags["mlflow.note.content"]
+    assert "shapes/contrastive" in c.get_experiment(exp_id).tags["mlflow.note.content"]
     (v,) = c.search_model_versions(f"name = '{name}'")
     assert v.run_id == run_id and v.tags["seed"] == "1003" and v.tags["study_run_id"] == run_id
     assert float(v.tags["test.concat.map_at_r.ci_low"]) == 0.45
