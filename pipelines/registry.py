@@ -304,7 +304,13 @@ def on_study_end(tracker, *, study_run_id: str, experiment: str, sweep: str, pla
                  say: Callable[[str], None] = print) -> str | None:
     """Hook at a study's end: the description tables (run, experiment) and the registered models."""
     tracker.set_tags(study_run_id, {NOTE_TAG: study_note(plan.key, ci, len(reps))})
-    ref = register_study(tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan,
-                         reps=reps, ci=ci, say=say)
+    try:
+        ref = register_study(tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan,
+                             reps=reps, ci=ci, say=say)
+    except Exception as e:  # noqa: BLE001 - the study's results are logged; a registry problem must not undo them
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
+        say(f"[{plan.key}] WARNING: models not registered ({reason})")
+        tracker.set_tags(study_run_id, {"registered_model": f"failed: {reason}"})
+        ref = None
     tracker.client.set_experiment_tag(tracker.experiment_id, NOTE_TAG, experiment_note(tracker))
     return ref
