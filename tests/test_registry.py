@@ -239,3 +239,21 @@ def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unp
     np.testing.assert_allclose(model.predict(x, params={"output": "folds"}), np.concatenate(parts, 1), atol=1e-6)
     np.testing.assert_allclose(model.predict(x), concatenated_embeddings(parts), atol=1e-6)
     assert model.metadata.get_input_schema().inputs[0].shape == (-1, 3, 16, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sweep_registers_one_version_per_study_with_its_tags_postgresql(tmp_path):
+    from tests.mlflow_server import PostgresUnavailable, mlflow_server, postgres_database
+
+    try:
+        pg = postgres_database()
+        pg_uri = pg.__enter__()
+    except PostgresUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        with mlflow_server(tmp_path / "server", backend_uri=pg_uri) as uri:
+            data, experiment = run_registered_sweep(tmp_path, uri)
+            check_registered(uri, experiment, data)
+    finally:
+        pg.__exit__(None, None, None)
