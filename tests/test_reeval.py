@@ -198,3 +198,36 @@ def test_reeval_ok_regressed_failed_and_s3(tmp_path):
             for mode in ("concat", "separated"):
                 assert s3_run.data.metrics[f"test.{mode}.map_at_r.mean"] == pytest.approx(
                     float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6)
+
+
+def test_every_model_of_an_experiment_resolves_and_a_dataset_without_its_test_classes_is_a_config_error(tmp_path):
+    """Fast: resolution against a sqlite store (pipelines.registry output of untrained fold models), before Ray."""
+    from mlflow.tracking import MlflowClient
+
+    from dml_core.splits import FoldManifest
+    from pipelines.reeval import ReevalConfig, resolve_versions
+    from tests.test_mlflow_ui import _fake_study
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _, run_id, name = _fake_study(tmp_path, uri, "unit")
+    data = parquet_dataset(tmp_path / "data", num_classes=8, per_class=4)
+    labels = np.repeat(np.arange(8), 4)
+    MlflowClient(uri).log_text(run_id, FoldManifest.from_labels(labels, min_val_samples=2).to_json(), "folds.json")
+
+    cfg = ReevalConfig(schedule="t", tracking_uri=uri, models=[{"experiment": "unit"}], datasets={"shapes": data})
+    (t,) = resolve_versions(cfg)
+    assert (t.name, t.version, t.test_classes) == (name, "1", [4, 5, 6, 7])
+    assert [r["seed"] for r in t.reproductions] == [1003]
+
+    from pipelines.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no registered model of experiment 'other'"):
+        resolve_versions(ReevalConfig("t", uri, [{"experiment": "other"}], {"shapes": data}))
+    with pytest.raises(ConfigError) as e:
+        resolve_versions(ReevalConfig("t", uri, [{"name": name}], {"cars": data}))
+    assert e.value.field == "datasets" if hasattr(e.value, "field") else "datasets" in str(e.value)
+    small = parquet_dataset(tmp_path / "small", num_classes=4, per_class=4)
+    with pytest.raises(ConfigError, match="lacks test classes"):
+        resolve_versions(ReevalConfig("t", uri, [{"name": name, "version": 1}], {"shapes": small}))
+    with pytest.raises(ConfigError, match="no manifest"):
+        resolve_versions(ReevalConfig("t", uri, [{"name": name}], {"shapes": str(tmp_path / "nowhere")}))
