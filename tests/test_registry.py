@@ -177,6 +177,7 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     manifest = FoldManifest.from_json(Path(c.download_artifacts(study.info.run_id, "folds.json")).read_text())
     test = ImageDataset(table.subset(manifest.test_classes), eval_transform(16))
     x = torch.stack([test[i][0] for i in range(len(test))]).numpy()
+    mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model(f"models:/{name}@{ALIAS}")
     out = model.predict(x)
     folds_out = model.predict(x, params={"output": "folds"})
