@@ -65,7 +65,7 @@ def main() -> int:
         print(f"prepared {manifest['num_images']} images, {len(manifest['classes'])} classes, "
               f"{len(manifest['shards'])} shards in {time.time() - t0:.1f} s")
 
-        uri = (tmp / "mlruns").as_uri()
+        uri = f"sqlite:///{tmp / 'mlflow.db'}"
         mlflow.set_tracking_uri(uri)
         kwargs = {"trunk": args.trunk, "embedding_dim": args.dim, "freeze_bn": False}
         reps = []

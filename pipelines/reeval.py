@@ -372,9 +372,7 @@ def evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
     spec = None
     for r in t.reproductions:
         try:
-            local = mlflow.artifacts.download_artifacts(r["model_uri"] + "/artifacts/embedder.json")
-            spec = json.loads(Path(local).read_text())
-            mlflow.pyfunc.load_model(r["model_uri"])
+            spec = mlflow.pyfunc.load_model(r["model_uri"]).unwrap_python_model().spec
         except Exception as e:  # noqa: BLE001
             return VersionResult(t, "failed", f"{t.label}: reproduction {r['reproduction']} model {r['model_uri']} "
                                               f"cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
