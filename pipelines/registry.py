@@ -128,6 +128,13 @@ def log_fold_dataset_input(tracker, fold_run_id: str, study_run_id: str) -> None
             DatasetInput(d, tags=[InputTag("mlflow.data.context", "train")]) for d in datasets])
 
 
+def experiment_url(tracking_uri: str, experiment_id: str) -> str:
+    """The experiment's page on its training-runs view.  MLflow 3.17's UI keeps a per-browser GenAI / Model training
+    switch (localStorage ``mlflow.workflowType``, GenAI by default) that the experiment kind tag does not override;
+    the ``workflowType=machine_learning`` query parameter does, so this is the link to print and share."""
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
 def set_experiment_kind(client, experiment_id: str) -> None:
     """Open the experiment on the training-runs view in MLflow 3's UI (not the GenAI overview)."""
     client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)

@@ -71,9 +71,12 @@ def _fake_study(tmp: Path, uri: str, experiment: str):
 
 
 def check_ui(uri: str, experiment_id: str, run_id: str, model_name: str, out: Path, dataset: str = "shapes") -> None:
-    exp_dom = render(f"{uri}/#/experiments/{experiment_id}", out / "experiment.png")
-    # the runs view lists the study run by name; the GenAI overview would show traces/usage instead
-    assert "shapes/contrastive" in exp_dom, "experiment page does not list the study run (not the runs view?)"
+    from pipelines.registry import experiment_url
+
+    exp_dom = render(experiment_url(uri, experiment_id), out / "experiment.png")
+    # the runs view lists the study run; the GenAI overview shows trace usage ("Detect Issues", "Tool calls")
+    assert "Detect Issues" not in exp_dom and "Tool calls" not in exp_dom, "experiment opened on the GenAI overview"
+    assert "shapes/contrastive" in exp_dom, "experiment page does not list the study run"
     run_dom = render(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}", out / "study_run.png")
     assert dataset in run_dom and model_name in run_dom, "run page lacks the dataset or the registered model"
     model_dom = render(f"{uri}/#/models/{model_name}", out / "registered_model.png")
