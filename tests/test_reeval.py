@@ -137,7 +137,7 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     v = c.get_model_version(name, "1")
     assert v.tags["reeval.status"] == "ok" and "schedule same" in v.tags["reeval.last"]
     exp = c.get_experiment_by_name(experiment).experiment_id
-    runs = search_all(c, exp, "tags.stage = 'reeval'")
+    runs = search_all(c, exp, "tags.stage = 'reeval' and tags.schedule = 'same'")
     assert len(runs) == 1 and runs[0].data.tags["model_version"] == "1"
     verdicts = json.loads(Path(c.download_artifacts(runs[0].info.run_id, "reeval/verdicts.json")).read_text())
     assert verdicts
