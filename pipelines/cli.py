@@ -4,6 +4,7 @@
     dmlrc demo [--storage DIR] [--name NAME]               smoke sweep with the built-in demo preset
     dmlrc data prepare|verify ...                          datasets as parquet shards (pipelines.data_cli)
     dmlrc report --experiment NAME ...                     one table over every study (pipelines.report)
+    dmlrc reeval CONFIG.yaml                               re-evaluate registered models (pipelines.reeval)
 
 Bad input exits with status 2 and one line ``config error: <field>: <problem>`` (``data error: <file>: ...`` for
 ``dmlrc data``) — before Ray or MLflow start and before anything is written.
@@ -48,10 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_demo(sub)
     from pipelines.data_cli import add_data_parser
+    from pipelines.reeval import add_reeval_parser
     from pipelines.report import add_report_parser
 
     add_data_parser(sub)
     add_report_parser(sub)
+    add_reeval_parser(sub)
     report = sub.choices["report"]
     report.set_defaults(func=_checked_report(report.get_default("func")))
     return parser

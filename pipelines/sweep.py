@@ -40,6 +40,8 @@ from typing import Any
 
 from pipelines.config import ConfigError, SweepConfig
 from pipelines.preflight import StudyPlan, preflight, study_dirname
+from pipelines.registry import on_study_end, on_study_start
+from pipelines.visuals import log_study_visuals
 from pipelines.ray_runtime import (check_cluster_resources, check_storage_reachable, check_tracking_reachable,
                                     redact_uri, scrub, start_ray, stop_ray, warn_multi_node)
 from pipelines.search import best_result, grid_rows, make_searcher
@@ -63,9 +65,13 @@ class SweepOutcome:
     seconds: float
 
     def mlflow_ui_command(self) -> str:
+        """How to look at the runs; the link opens the experiment on MLflow 3's training-runs view."""
+        from pipelines.registry import experiment_url
+
         if self.tracking_uri.startswith(("http://", "https://")):
-            return f"open {self.tracking_uri} (experiment {self.experiment!r})"
-        return f"mlflow ui --backend-store-uri {self.tracking_uri}"
+            return f"open {experiment_url(self.tracking_uri, self.experiment_id)}"
+        return (f"mlflow ui --backend-store-uri {self.tracking_uri}  then open "
+                f"{experiment_url('http://127.0.0.1:5000', self.experiment_id)}")
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -188,6 +194,8 @@ class _Sweep:
             return self._summary_from_run(summary, run)
         t.set_tags(run_id, {"status": "running"})
 
+        on_study_start(t, run_id, plan)
+
         table_ref = ray.put(plan.dataset.table)
         ctx = self._context(plan, run_id, table_ref)
         trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx),
@@ -258,9 +266,10 @@ class _Sweep:
         t.log_text(run_id, md, "ci_report.md")
         t.log_json(run_id, doc, "ci_report.json")
         self._log_models(run_id, reps[0])
-        from pipelines.visuals import log_study_visuals  # gallery, per-class metrics, embedding map (issue 17)
-
-        log_study_visuals(t, run_id, plan, reps)
+        log_study_visuals(t, run_id, plan, reps)  # gallery, per-class metrics, embedding map
+        # the reproductions as MLflow pyfunc models, one registered version per study
+        on_study_end(t, study_run_id=run_id, experiment=cfg.experiment_name(), sweep=cfg.name, plan=plan,
+                     reps=reps, ci=summary.ci, say=self.say)
         summary.seconds = time.time() - t0
         t.set_tags(run_id, {"done": "true", "status": "ok", "seconds": round(summary.seconds, 1)})
         t.finish(run_id, "FINISHED")

@@ -272,6 +272,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     from ray import tune
 
     from dml_core.splits import FoldManifest
+    from pipelines.registry import log_fold_dataset_input
     from pipelines.tracking import PARENT, Tracker
 
     trial_id = tune.get_context().get_trial_id()
@@ -299,6 +300,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
         fid, _ = tracker.get_or_create(_fold_tags(ctx, fold.index), parent=run_id,
                                        run_name=f"fold {fold.index}", reuse_unfinished=False)
         tracker.set_tags(fid, extra)
+        log_fold_dataset_input(tracker, fid, ctx.study_run_id)  # the study's dataset as the run's MLflow input
         fold_runs[fold.index] = fid
 
     prefix = f"rep{int(rep)}" if reproduction else trial_id

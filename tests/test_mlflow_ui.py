@@ -1,0 +1,96 @@
+"""What a user sees in MLflow 3's UI (issue #10): headless Chromium against a real ``mlflow server``.
+
+The state is written by the real code (``pipelines.registry``: experiment kind, dataset input, study note, pyfunc
+models, registered version) from fold checkpoints of untrained models, so no sweep is needed; the version's
+``reeval.status`` is set as ``dmlrc reeval`` sets it.  Checks, on the rendered DOM (``chromium --dump-dom``):
+
+* the experiment page opens on the training-runs view (the study run is listed), not on the GenAI overview;
+* the study run's page shows its dataset and its registered model;
+* the registered model's page lists its version with ``reeval.status``.
+
+Screenshots (``*.png``) are saved under the test's temp dir.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+
+
+def render(url: str, png: Path, *, wait_ms: int = 20000) -> str:
+    """Load ``url`` in headless Chromium, save a screenshot to ``png``; return the rendered DOM."""
+    base = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            "--hide-scrollbars", "--window-size=1500,1000", f"--virtual-time-budget={wait_ms}",
+            f"--user-data-dir={png.parent / ('chrome-' + png.stem)}"]
+    subprocess.run(base + [f"--screenshot={png}", url], capture_output=True, timeout=180, check=False)
+    dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=180)
+    (png.with_suffix(".html")).write_text(dom.stdout)
+    return dom.stdout
+
+
+def _fake_study(tmp: Path, uri: str, experiment: str):
+    """A study run + registered version written by pipelines.registry from 4 untrained fold checkpoints."""
+    import torch
+
+    from dml_core.models import build_model
+    from pipelines.config import DatasetSpec
+    from pipelines.registry import on_study_end, on_study_start
+    from pipelines.tracking import Tracker
+
+    kwargs = {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False}
+    ckpts = []
+    for k in range(4):
+        d = tmp / f"ckpt{k}"
+        d.mkdir(parents=True)
+        torch.save({"model": build_model(**kwargs).state_dict(), "model_kwargs": kwargs, "loss_name": "contrastive"},
+                   d / "model.pt")
+        ckpts.append(str(d))
+    t = Tracker.open(uri, experiment)
+    run_id, _ = t.get_or_create({"sweep": "ui", "study": "shapes/contrastive", "stage": "study"},
+                                run_name="shapes/contrastive")
+    t.set_tags(run_id, {"loss": "contrastive", "dataset": "shapes", "git_commit": "abc", "folds_hash": "f" * 64})
+    spec = DatasetSpec("shapes", "synthetic", 16, num_classes=8, per_class=4, seed=0)
+    plan = SimpleNamespace(key="shapes/contrastive", loss=SimpleNamespace(name="contrastive"),
+                           dataset=SimpleNamespace(spec=spec, table=None))
+    on_study_start(t, run_id, plan)
+    ci = {m: {k: (0.5, 0.45, 0.55) for k in ("precision_at_1", "r_precision", "map_at_r")}
+          for m in ("concat", "separated")}
+    t.log_metrics(run_id, {f"test.{m}.{k}.mean": v[0] for m, d in ci.items() for k, v in d.items()})
+    reps = [{"__reproduction__": 0, "seed": 1003, "fold_checkpoints": ckpts, "test_concat_map_at_r": 0.5}]
+    ref = on_study_end(t, study_run_id=run_id, experiment=experiment, sweep="ui", plan=plan, reps=reps, ci=ci)
+    t.finish(run_id)
+    name, version = ref.split("/")
+    t.client.set_model_version_tag(name, version, "reeval.status", "ok")
+    return t.experiment_id, run_id, name
+
+
+def check_ui(uri: str, experiment_id: str, run_id: str, model_name: str, out: Path, dataset: str = "shapes") -> None:
+    from pipelines.registry import experiment_url
+
+    exp_dom = render(experiment_url(uri, experiment_id), out / "experiment.png")
+    # the runs view lists the study run; the GenAI overview shows trace usage ("Detect Issues", "Tool calls")
+    assert "Detect Issues" not in exp_dom and "Tool calls" not in exp_dom, "experiment opened on the GenAI overview"
+    assert "shapes/contrastive" in exp_dom, "experiment page does not list the study run"
+    run_dom = render(f"{uri}/#/experiments/{experiment_id}/runs/{run_id}", out / "study_run.png")
+    assert dataset in run_dom and model_name in run_dom, "run page lacks the dataset or the registered model"
+    model_dom = render(f"{uri}/#/models/{model_name}", out / "registered_model.png")
+    assert "Version 1" in model_dom or ">1<" in model_dom, "registered model page lists no version"
+    assert "reeval.status" in model_dom, "registered model page does not show reeval.status"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ui_opens_on_runs_and_shows_dataset_model_and_reeval_status(tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium not installed (Debian package `chromium`)")
+    from tests.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path / "server") as uri:
+        exp_id, run_id, name = _fake_study(tmp_path, uri, "ui-experiment")
+        check_ui(uri, exp_id, run_id, name, tmp_path)

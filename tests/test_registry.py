@@ -1,0 +1,260 @@
+"""Models in MLflow's format, registered (issue #10 A): naming and dataset digests (fast); a tiny sweep against a
+real ``mlflow server`` that registers one version per study with its tags, and a pyfunc model that returns the fold
+models' embeddings (slow).
+
+:func:`parquet_dataset` and :func:`run_registered_sweep` are shared with ``tests/test_reeval.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ fast units
+
+
+def test_registered_model_name_is_readable_and_uri_safe():
+    from pipelines.registry import registered_model_name
+
+    assert registered_model_name("mlrc", "cub200", "sec:triplet") == "dmlrc.mlrc.cub200.sec-triplet"
+    assert "/" not in registered_model_name("a/b", "c d", "e")
+
+
+def test_dataset_digest_is_the_manifest_hash_or_the_generator_parameters(tmp_path):
+    from pipelines.config import DatasetSpec
+    from pipelines.registry import dataset_info
+
+    a = dataset_info(DatasetSpec("s", "synthetic", 16, num_classes=8, per_class=4, seed=1), None)
+    b = dataset_info(DatasetSpec("s", "synthetic", 16, num_classes=8, per_class=4, seed=2), None)
+    assert a["digest"] != b["digest"] and len(a["digest"]) == 32 and a["sha256"].startswith(a["digest"])
+
+    class T:  # a ShardedTable's manifest is all the digest reads
+        manifest = {"dataset": "x", "shards": [{"sha256": "00"}], "num_images": 1, "classes": [{"label": 0}]}
+
+    p = dataset_info(DatasetSpec("x", "parquet", 16, path="/d"), T())
+    T.manifest = {**T.manifest, "shards": [{"sha256": "01"}]}
+    q = dataset_info(DatasetSpec("x", "parquet", 16, path="/d"), T())
+    assert p["digest"] != q["digest"]
+
+
+# ------------------------------------------------------------------------------------------------ shared set-up
+
+
+def parquet_dataset(dest: Path, *, num_classes: int = 32, per_class: int = 8, image_size: int = 16,
+                    permute_test_fraction: float = 0.0, seed: int = 0, endpoint_url: str | None = None) -> str:
+    """Synthetic images written as parquet shards (``dmlrc data`` format) at ``dest`` (a path or s3:// URI).
+
+    ``permute_test_fraction``: that fraction of the rows of the test classes (second half of the classes, as
+    ``trainval_test_split`` cuts) get their labels shuffled among themselves — a degraded copy of the test data.
+    """
+    from PIL import Image
+
+    from dml_core.data import synthetic
+    from dml_core.shards import Record, write_shards
+
+    table = synthetic(num_classes, per_class, image_size, 0)
+    labels = np.asarray(table.labels).copy()
+    if permute_test_fraction:
+        rng = np.random.default_rng(seed)
+        test = np.flatnonzero(labels >= np.unique(labels)[int(0.5 * len(np.unique(labels)))])
+        pick = rng.choice(test, size=int(permute_test_fraction * len(test)), replace=False)
+        labels[pick] = labels[rng.permutation(pick)]
+
+    def png(img):
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="PNG")
+        return buf.getvalue()
+
+    records = [Record(f"img_{i:05d}.png", int(labels[i]), f"class_{int(labels[i]):03d}", "all",
+                      (lambda img=table.images[i]: png(img))) for i in range(len(labels))]
+    write_shards(records, str(dest), dataset="synthetic-shards", endpoint_url=endpoint_url, progress=False,
+                 row_group_rows=32, max_shard_bytes=20_000)
+    return str(dest)
+
+
+def sweep_config(tmp_path: Path, tracking_uri: str, data_uri: str, *, name: str = "reg") -> Path:
+    doc = {
+        "name": name,
+        "seed": 3,
+        "datasets": [{"name": "shapes", "kind": "parquet", "path": data_uri, "image_size": 16}],
+        "losses": ["contrastive"],
+        "model": {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
+        "protocol": {"trials": 1, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 2,
+                     "eval_every": 1, "patience": 1, "max_epochs": 1,
+                     "train": {"classes_per_batch": 4, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
+                               "eval_batch_size": 64}},
+        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
+        "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
+        "storage": str(tmp_path / "runs"),
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 900, extra_env: dict | None = None):
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra_env or {})
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def run_registered_sweep(tmp_path: Path, uri: str, *, name: str = "reg") -> tuple[str, str]:
+    """Prepare the parquet data set, run the sweep; returns (data URI, experiment name)."""
+    data = parquet_dataset(tmp_path / "data")
+    cfg = sweep_config(tmp_path, uri, data, name=name)
+    out = run_cli(["sweep", str(cfg)], cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+    assert "registered 2 reproduction models as dmlrc." in out.stdout, out.stdout[-3000:]
+    return data, f"{name}-experiment"
+
+
+# ------------------------------------------------------------------------------------------------ slow
+
+
+def check_registered(uri: str, experiment: str, data: str) -> None:
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from dml_core.data import ImageDataset, eval_transform, read_parquet_manifest
+    from dml_core.models import build_model
+    from dml_core.splits import FoldManifest
+    from dml_core.train import embed
+    from pipelines.registry import ALIAS, HEADLINE, registered_model_name
+    from pipelines.tracking import search_all
+    from pipelines.trial import concatenated_embeddings
+
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name(experiment)
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    study = search_all(c, exp.experiment_id, "tags.stage = 'study'")
+    assert len(study) == 1
+    study = study[0]
+    # dataset inputs on the study run and every fold run, digest = manifest hash
+    table = read_parquet_manifest(data)
+    import hashlib
+
+    sha = hashlib.sha256(json.dumps(table.manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    ds = [d.dataset for d in study.inputs.dataset_inputs]
+    assert [(d.name, d.digest) for d in ds] == [("shapes", sha[:32])]
+    folds = search_all(c, exp.experiment_id, "tags.stage = 'fold'")
+    assert folds and all([d.dataset.digest for d in f.inputs.dataset_inputs] == [sha[:32]] for f in folds)
+    assert "test.concat.map_at_r" in study.data.tags["mlflow.note.content"] or "map_at_r" in \
+        study.data.tags["mlflow.note.content"]
+
+    name = registered_model_name(experiment, "shapes", "contrastive")
+    versions = c.search_model_versions(f"name = '{name}'")
+    assert len(versions) == 1, versions  # one version per study
+    v = versions[0]
+    assert c.get_model_version_by_alias(name, ALIAS).version == v.version
+    t = v.tags
+    assert t["study_run_id"] == study.info.run_id and v.run_id == study.info.run_id
+    assert t["sweep"] == "reg" and t["git_commit"] == study.data.tags["git_commit"]
+    assert t["folds_hash"] == study.data.tags["folds_hash"] and t["dataset_digest"] == sha
+    reps = json.loads(t["reproductions"])
+    assert [r["reproduction"] for r in reps] == [0, 1] and t["seeds"] == ",".join(str(r["seed"]) for r in reps)
+    assert t["seed"] == str(reps[0]["seed"])
+    for mode in ("concat", "separated"):
+        for metric in HEADLINE:
+            for part in ("mean", "ci_low", "ci_high"):
+                assert float(t[f"test.{mode}.{metric}.{part}"]) == pytest.approx(
+                    study.data.metrics[f"test.{mode}.{metric}.{part}"], abs=1e-12)
+
+    # pyfunc predict == the fold models' embeddings (fold checkpoints read back from the models/ artifacts)
+    manifest = FoldManifest.from_json(Path(c.download_artifacts(study.info.run_id, "folds.json")).read_text())
+    test = ImageDataset(table.subset(manifest.test_classes), eval_transform(16))
+    x = torch.stack([test[i][0] for i in range(len(test))]).numpy()
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"models:/{name}@{ALIAS}")
+    out = model.predict(x)
+    folds_out = model.predict(x, params={"output": "folds"})
+    parts = []
+    for k in range(4):
+        state = torch.load(c.download_artifacts(study.info.run_id, f"models/fold_{k}.pt"), weights_only=True)
+        m = build_model(**state["model_kwargs"])
+        m.load_state_dict(state["model"])
+        parts.append(embed(m, test, batch_size=64)[0].numpy())
+    np.testing.assert_allclose(folds_out, np.concatenate(parts, axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, concatenated_embeddings(parts), rtol=1e-5, atol=1e-6)
+    assert out.shape == (len(test), 4 * 8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sweep_registers_one_version_per_study_with_its_tags_sqlite(tmp_path):
+    from tests.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path / "server") as uri:
+        data, experiment = run_registered_sweep(tmp_path, uri)
+        check_registered(uri, experiment, data)
+
+
+def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unpickling(tmp_path):
+    """Fast: pipelines.registry on a sqlite store from 4 untrained fold checkpoints (no Ray cluster, no server)."""
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from dml_core.models import build_model
+    from pipelines.registry import ALIAS
+    from pipelines.trial import concatenated_embeddings
+    from tests.test_mlflow_ui import _fake_study
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp_id, run_id, name = _fake_study(tmp_path, uri, "unit")
+    c = MlflowClient(uri)
+    assert c.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    run = c.get_run(run_id)
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["shapes"]
+    assert "map_at_r" in run.data.tags["mlflow.note.content"]
+    assert "shapes/contrastive" in c.get_experiment(exp_id).tags["mlflow.note.content"]
+    (v,) = c.search_model_versions(f"name = '{name}'")
+    assert v.run_id == run_id and v.tags["seed"] == "1003" and v.tags["study_run_id"] == run_id
+    assert float(v.tags["test.concat.map_at_r.ci_low"]) == 0.45
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"models:/{name}@{ALIAS}")
+    # the model is the code file + state dicts: no pickle in its artifacts
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@{ALIAS}"))
+    assert not list(local.rglob("*.pkl")) and (local / "pyfunc_model.py").exists()
+    x = np.random.default_rng(0).standard_normal((5, 3, 16, 16)).astype(np.float32)
+    parts = []
+    for k in range(4):
+        state = torch.load(tmp_path / f"ckpt{k}" / "model.pt", weights_only=True)
+        m = build_model(**state["model_kwargs"])
+        m.load_state_dict(state["model"])
+        with torch.no_grad():
+            parts.append(m.eval()(torch.from_numpy(x)).numpy())
+    np.testing.assert_allclose(model.predict(x, params={"output": "folds"}), np.concatenate(parts, 1), atol=1e-6)
+    np.testing.assert_allclose(model.predict(x), concatenated_embeddings(parts), atol=1e-6)
+    assert model.metadata.get_input_schema().inputs[0].shape == (-1, 3, 16, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sweep_registers_one_version_per_study_with_its_tags_postgresql(tmp_path):
+    from tests.mlflow_server import PostgresUnavailable, mlflow_server, postgres_database
+
+    try:
+        pg = postgres_database()
+        pg_uri = pg.__enter__()
+    except PostgresUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        with mlflow_server(tmp_path / "server", backend_uri=pg_uri) as uri:
+            data, experiment = run_registered_sweep(tmp_path, uri)
+            check_registered(uri, experiment, data)
+    finally:
+        pg.__exit__(None, None, None)
