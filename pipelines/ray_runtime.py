@@ -61,6 +61,8 @@ RAY_ENV = {
     # Ctrl-C is the sweep's (pipelines.stopping): Tune's handler would end only the current Tuner, quietly, and let
     # the sweep go on with the next one.
     "TUNE_DISABLE_SIGINT_HANDLER": "1",
+    # the driver downloads fold models to register them: no progress bar per artifact in the sweep's output
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }
 
 #: S3 settings the driver hands to its Ray workers.  Credentials are not among them: local workers inherit the

@@ -22,10 +22,13 @@ description (``mlflow.note.content``) is its headline test table, which the run 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -166,11 +169,9 @@ def _signature(image_size: int, out_dim: int):
 
 
 def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: list[str], image_size: int,
-                           seed: int | None) -> tuple[str, str]:
-    """Log reproduction ``reproduction``'s fold models as a pyfunc model on ``run_id``; return its ``models:/`` URI and model id.
-
-    Needs the fluent tracking URI set (:func:`register_study` does it).
-    """
+                           seed: int | None, *, tracker_uri: str) -> tuple[str, str]:
+    """Log reproduction ``reproduction``'s fold models as a pyfunc model on ``run_id`` (tracking store
+    ``tracker_uri``); return its ``models:/`` URI and model id."""
     import mlflow
     import torch
 
@@ -189,13 +190,34 @@ def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: lis
                      "reproduction": reproduction})
         (tmp / pyfunc_model.EMBEDDER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True))
         artifacts["embedder"] = str(tmp / pyfunc_model.EMBEDDER_FILE)
-        with mlflow.start_run(run_id=run_id):
+        with _fluent_tracking(tracker_uri), mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+            # the embedder's predict takes a tensor-shaped array; MLflow's hints about type hints and input
+            # examples are for other kinds of models
+            warnings.filterwarnings("ignore", message=".*(type hints|input example).*", category=UserWarning)
             info = mlflow.pyfunc.log_model(
                 name=f"reproduction_{reproduction}", python_model=pyfunc_model.__file__, artifacts=artifacts,
                 signature=_signature(image_size, spec["folds"] * spec["embedding_dim"]),
                 pip_requirements=["torch", "torchvision", "numpy", "mlflow"],
                 tags={"reproduction": str(reproduction), "seed": str(seed)})
     return info.model_uri, info.model_id
+
+
+@contextlib.contextmanager
+def _fluent_tracking(uri: str):
+    """``pyfunc.log_model`` only speaks MLflow's fluent API: point it at ``uri`` for the call alone, then restore the
+    process's tracking URI and ``MLFLOW_TRACKING_URI`` (the driver may run further sweeps with other stores)."""
+    import mlflow
+
+    old_env, old = os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(old)
+        if old_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old_env
 
 
 def _metric_tags(ci: dict[str, dict[str, tuple[float, float, float]]]) -> dict[str, str]:
@@ -234,13 +256,18 @@ def register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, p
     ``reps``: the reproductions' Tune results (``fold_checkpoints``, ``seed``, ``__reproduction__``, ``test_*``).
     Returns ``"<name>/<version>"`` (None when no reproduction has fold checkpoints).
     """
-    import mlflow
+    with _fluent_tracking(tracker.uri):  # MLflow resolves the logged models' URIs through the fluent store
+        return _register_study(tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan,
+                               reps=reps, ci=ci, say=say)
+
+
+def _register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps: list[dict[str, Any]],
+                    ci: dict, say: Callable[[str], None]) -> str | None:
     from mlflow.tracking import MlflowClient
 
     from pipelines.trial import REPRODUCTION
 
     client: MlflowClient = tracker.client
-    mlflow.set_tracking_uri(tracker.uri)
     run = client.get_run(study_run_id)
     tags = run.data.tags
     spec = plan.dataset.spec
@@ -250,7 +277,8 @@ def register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, p
         if not rep.get("fold_checkpoints"):
             continue
         i = int(rep[REPRODUCTION])
-        uri, model_id = log_reproduction_model(study_run_id, i, rep["fold_checkpoints"], spec.image_size, rep.get("seed"))
+        uri, model_id = log_reproduction_model(study_run_id, i, rep["fold_checkpoints"], spec.image_size, rep.get("seed"),
+                                               tracker_uri=tracker.uri)
         entries.append({"reproduction": i, "seed": rep.get("seed"), "model_uri": uri, "model_id": model_id,
                         "metrics": {k.replace("_", ".", 2): float(v) for k, v in rep.items()
                                     if k.startswith("test_") and isinstance(v, (int, float))}})

@@ -101,7 +101,8 @@ def _copy_as_second_version(uri: str, name: str) -> str:
         folds = sorted(search_all(c, exp, f"tags.`mlflow.parentRunId` = '{rep_run.info.run_id}'"),
                        key=lambda f: int(f.data.tags["fold"]))
         model_uri, model_id = log_reproduction_model(study.info.run_id, 10 + r["reproduction"],
-                                                     [f.data.tags["checkpoint"] for f in folds], 16, r["seed"])
+                                                     [f.data.tags["checkpoint"] for f in folds], 16, r["seed"],
+                                                     tracker_uri=uri)
         entries.append({**r, "model_uri": model_uri, "model_id": model_id})
     tags = {**v1.tags, "reproductions": json.dumps(entries)}
     tags = {k: v for k, v in tags.items() if not k.startswith("reeval.")}
