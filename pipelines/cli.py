@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_report_args(args) -> None:
     """What ``dmlrc report`` is given, checked before MLflow is asked (which would retry an unreachable server
     for minutes, or create an empty sqlite DB at a mistyped path)."""
-    from pipelines.config import check_tracking_uri, redact_uri
-    from pipelines.preflight import _check_dir_writable, health_url
+    from pipelines.config import check_tracking_uri
+    from pipelines.preflight import _check_dir_writable, check_mlflow_server
 
     if not str(args.experiment).strip():
         raise ConfigError("--experiment", "must not be empty")
@@ -77,15 +77,7 @@ def _check_report_args(args) -> None:
             if not db.is_file():
                 raise ConfigError(where, f"no sqlite DB at {str(db)!r} (the report only reads)")
         if uri.startswith(("http://", "https://")):
-            import urllib.error
-            import urllib.request
-
-            try:
-                with urllib.request.urlopen(health_url(uri), timeout=10) as r:
-                    r.read()
-            except (urllib.error.URLError, OSError, ValueError) as e:
-                raise ConfigError(where, f"MLflow server {redact_uri(uri)} is not reachable "
-                                         f"({redact_uri(str(e))})") from None
+            check_mlflow_server(uri, where)
     _check_dir_writable(Path(args.out).resolve(), "--out", "report folder")
 
 

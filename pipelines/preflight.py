@@ -152,6 +152,20 @@ def check_image_rows(uri: str, where: str) -> None:
         raise ConfigError(f"{where}.path", _one_line(e)) from None
 
 
+def check_mlflow_server(uri: str, field_name: str) -> None:
+    """An ``http(s)://`` MLflow server answers its ``/health`` (credentials stripped from the probe and from the
+    message), else one ``ConfigError`` naming ``field_name`` — seconds, not MLflow's minutes of retries."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(health_url(uri), timeout=10) as r:
+            r.read()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ConfigError(field_name, f"MLflow server {redact_uri(uri)} is not reachable "
+                                      f"({redact_uri(_one_line(e))})") from None
+
+
 def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
     """``(classes_per_batch, m)``: ``protocol.train`` if set; else the protocol's shared batch (MLRC: 8 × 4 for
     every loss — the point of a fair comparison), or the loss paper's own batch with ``protocol.recipe: paper``."""
@@ -263,15 +277,7 @@ def check_locations(cfg: SweepConfig) -> None:
         else:
             _check_dir_writable(db.parent, uri_field, "folder of the sqlite DB")
     elif uri.startswith(("http://", "https://")):
-        import urllib.error
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(health_url(uri), timeout=10) as r:
-                r.read()
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ConfigError(uri_field, f"MLflow server {redact_uri(uri)} is not reachable "
-                                         f"({redact_uri(_one_line(e))})") from None
+        check_mlflow_server(uri, uri_field)
     elif uri.startswith("postgresql"):
         import importlib.util
 

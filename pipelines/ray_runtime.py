@@ -130,17 +130,10 @@ def check_tracking_reachable(uri: str) -> None:
     if uri.startswith("postgresql"):
         _check_postgres(uri)
         return
-    if not uri.startswith(("http://", "https://")):
-        return
-    import urllib.error
-    import urllib.request
+    if uri.startswith(("http://", "https://")):
+        from pipelines.preflight import check_mlflow_server
 
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10) as r:
-            r.read()
-    except (urllib.error.URLError, OSError) as e:
-        raise ConfigError("tracking.uri", scrub(f"MLflow server {redact_uri(uri)} is not reachable ({e})", uri)) \
-            from None
+        check_mlflow_server(uri, "tracking.uri")
 
 
 def _check_postgres(uri: str) -> None:

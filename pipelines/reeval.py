@@ -173,7 +173,7 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
     for noisy in ("mlflow.store", "alembic"):  # a fresh sqlite store announces its migrations at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if cfg.tracking_uri.startswith(("http://", "https://")):
-        from pipelines.sweep import check_tracking_reachable
+        from pipelines.ray_runtime import check_tracking_reachable
 
         check_tracking_reachable(cfg.tracking_uri)
     client = MlflowClient(cfg.tracking_uri)
