@@ -56,6 +56,8 @@ class Study:
     #: the study's ``visuals/`` artifacts (pipelines.visuals), if it has them: gallery/per_class (parsed JSON),
     #: gallery_png/map_png (bytes)
     visuals: dict[str, Any] = field(default_factory=dict)
+    #: the winning trial's hyperparameters (the study run's ``best.<name>`` params)
+    best_params: dict[str, str] = field(default_factory=dict)
 
     def cell(self, mode: str, metric: str) -> tuple[float, float, float]:
         key = f"test.{mode}.{metric}"
@@ -75,7 +77,9 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
         key = (tags.get("dataset", "?"), tags.get("loss", "?"))
         if key in studies or not any(k.startswith("test.") for k in run.data.metrics):
             continue
-        studies[key] = Study(run.info.run_id, key[0], key[1], dict(run.data.metrics))
+        studies[key] = Study(run.info.run_id, key[0], key[1], dict(run.data.metrics),
+                             best_params={k[len("best."):]: v for k, v in sorted(run.data.params.items())
+                                          if k.startswith("best.")})
     by_id = {s.run_id: s for s in studies.values()}
     for run in search_all(client, exp.experiment_id, "tags.stage = 'reproduction'"):
         study = by_id.get(run.data.tags.get("mlflow.parentRunId", ""))
@@ -162,6 +166,10 @@ def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str =
     return out
 
 
+def _params(s: Study) -> str:
+    return ", ".join(f"{k}={v}" for k, v in s.best_params.items()) or "(nothing searched)"
+
+
 def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
     lines = ["# Reality-check report", "", "Values are ×100, mean ± half-width of the 95 % t-interval across reproductions.", ""]
     for mode in MODES:
@@ -178,6 +186,10 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
                 f"| {c['dataset']} | {c['loss_a']} | {c['loss_b']} | {c['metric']} | {c['n']} | "
                 f"{100 * c['mean_diff']:+.2f} | {c['t']:.3f} | {c['p']:.4f} |"
             )
+        lines.append("")
+    if any(s.best_params for s in studies):
+        lines += ["## Winning hyperparameters (best Bayesian-optimisation trial, retrained by the reproductions)", ""]
+        lines += [f"- **{s.dataset} / {s.loss}**: {_params(s)}" for s in studies]
         lines.append("")
     with_pc = [s for s in studies if _worst(s, 1)]
     if with_pc:
@@ -263,6 +275,11 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
         parts.append(f"<h2>{html.escape(mode)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
+    if any(s.best_params for s in studies):
+        parts.append("<h2>Winning hyperparameters</h2><table><tr><th>dataset</th><th>loss</th><th>best trial</th></tr>")
+        parts += [f"<tr><td>{html.escape(s.dataset)}</td><td>{html.escape(s.loss)}</td><td>{html.escape(_params(s))}</td></tr>"
+                  for s in studies]
+        parts.append("</table>")
     if comparisons:
         parts.append("<h2>Paired t-tests</h2><table><tr><th>dataset</th><th>A</th><th>B</th><th>metric</th><th>n</th><th>t</th><th>p</th></tr>")
         parts += [
@@ -329,7 +346,7 @@ def write_report(tracking_uri: str, experiment: str, out_dir: str | Path, *, log
         {"experiment": experiment,
          "studies": [{"dataset": s.dataset, "loss": s.loss, "run_id": s.run_id,
                       "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
-                      "n_reproductions": len(s.reproductions),
+                      "n_reproductions": len(s.reproductions), "best_params": s.best_params,
                       **({"worst_classes": _worst(s, 10)} if _worst(s, 1) else {})} for s in studies],
          "paired_tests": comparisons}, indent=2, default=float))
     _bar_chart(studies, paths["png"])

@@ -22,6 +22,8 @@ def _populate(uri: str, experiment: str) -> None:
     exp_id = client.create_experiment(experiment)
     for loss, values in REPRO.items():
         study = client.create_run(exp_id, tags={"stage": "study", "loss": loss, "dataset": "synthetic"}).info.run_id
+        client.log_param(study, f"best.margin_{loss}", "0.25")  # the winning trial's hyperparameters (sweep.py)
+        client.log_param(study, "space.margin", "uniform(0, 1)")
         for i, v in enumerate(values):
             r = client.create_run(
                 exp_id, tags={"stage": "reproduction", "mlflow.parentRunId": study, "reproduction": str(i), "seed": str(100 + i)}
@@ -64,6 +66,11 @@ def test_report_tables_chart_and_paired_test(tmp_path):
 
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<table>" in paths["html"].read_text()
+    # the winning hyperparameters of every study: in the markdown, the HTML and the JSON
+    assert "**synthetic / mpa**: margin_mpa=0.25" in md and "space.margin" not in md
+    assert "margin_contrastive=0.25" in paths["html"].read_text()
+    assert {s["loss"]: s["best_params"] for s in report["studies"]} == {
+        "contrastive": {"margin_contrastive": "0.25"}, "mpa": {"margin_mpa": "0.25"}}
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("sweep-x")
     (logged,) = client.search_runs([exp.experiment_id], "tags.stage = 'report'")
