@@ -505,7 +505,7 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
 
 
 def _start_ray(cfg: ReevalConfig) -> bool:
-    from pipelines.sweep import RAY_ENV, S3_ENV, s3_compat_env
+    from pipelines.ray_runtime import RAY_ENV, S3_ENV, s3_compat_env
 
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_resume import _alive, _descendants
+from tests.test_resume import _alive, _descendants, sweep_started
 
 
 def _cmdline(pid: int) -> str:
@@ -83,7 +83,7 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path, ex
             assert proc.poll() is None, "sweep ended before a fold could be killed:\n" + log_path.read_text()[-4000:]
             assert time.time() < deadline, "no fold logged evaluations in time:\n" + log_path.read_text()[-4000:]
             time.sleep(1)
-            if not db.exists():
+            if not sweep_started(log_path):
                 continue
             try:
                 c = MlflowClient(uri)

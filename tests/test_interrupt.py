@@ -6,11 +6,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
+from tests.test_resume import sweep_started
 from tests.test_security import ray_tmpdir, sweep_env, tiny_sweep_config
 
 #: Seconds from SIGINT to exit: Ray shutdown and closing the runs included, on a busy 2-core machine.
@@ -30,17 +30,14 @@ def test_first_sigint_stops_the_sweep_closes_its_runs_and_resume_finishes_it(tmp
     db = tmp_path / "mlflow.db"
     uri = f"sqlite:///{db}"
     # Long enough folds that the SIGINT lands mid-trial (each fold then takes several seconds).
-    cfg = tiny_sweep_config(tmp_path, uri, name="ctrlc", max_epochs=4, iters_per_epoch=4)
+    cfg = tiny_sweep_config(tmp_path, uri, name="ctrlc", max_epochs=4, iters_per_epoch=40)
     env = sweep_env(ray_tmp)
     proc = None
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        out: dict[str, bytes] = {}
-        readers = [threading.Thread(target=lambda k=k, s=s: out.__setitem__(k, s.read()), daemon=True)
-                   for k, s in (("stdout", proc.stdout), ("stderr", proc.stderr))]
-        for r in readers:
-            r.start()
+        out_path, err_path = tmp_path / "first.out", tmp_path / "first.err"
+        with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
+            proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
+                                    stdout=out_f, stderr=err_f, env=env)
 
         # Wait until a fold of the first trial is training (its fold runs exist and are RUNNING).
         deadline = time.time() + 240
@@ -48,7 +45,7 @@ def test_first_sigint_stops_the_sweep_closes_its_runs_and_resume_finishes_it(tmp
             assert proc.poll() is None, f"the sweep ended before it could be interrupted: {proc.returncode}"
             assert time.time() < deadline, "no fold started in time"
             time.sleep(1)
-            if not db.exists():
+            if not sweep_started(out_path):  # opening the sqlite store earlier races the sweep's migration
                 continue
             try:
                 c = MlflowClient(uri)
@@ -70,9 +67,7 @@ def test_first_sigint_stops_the_sweep_closes_its_runs_and_resume_finishes_it(tmp
             proc.wait(timeout=60)
             pytest.fail(f"still running {STOP_WITHIN_S} s after the first SIGINT")
         took = time.time() - t0
-        for r in readers:
-            r.join(timeout=30)
-        stderr = out.get("stderr", b"").decode(errors="replace")
+        stderr = err_path.read_text(errors="replace")
         assert rc == 130, stderr[-4000:]
         assert "interrupted: stopping trials, state is kept; resume with: dmlrc sweep" in stderr, stderr[-4000:]
         assert "--resume" in stderr and "Traceback" not in stderr, stderr[-4000:]

@@ -46,6 +46,15 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def sweep_started(log: Path) -> bool:
+    """The sweep printed its banner, so its MLflow store exists and is migrated.  Opening a sqlite store earlier
+    races the sweep's own schema migration (MLflow migrates a new DB from whichever process opens it first)."""
+    try:
+        return " studies (" in log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -70,8 +79,9 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
         "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
         "losses": ["contrastive"],
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
-        "protocol": {"trials": trials, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 4,
-                     "eval_every": 1, "patience": 1, "max_epochs": 2,
+        # folds long enough (also warm ones, whose trials take seconds) that trial 2 still runs when the driver dies
+        "protocol": {"trials": trials, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 50,
+                     "eval_every": 1, "patience": 3, "max_epochs": 3,
                      "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_executor": executor},
         "storage": str(tmp_path / "runs"),
@@ -92,7 +102,7 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
         assert time.time() < deadline, "no trial finished in time: " + (tmp_path / "first.log").read_text()[-4000:]
         time.sleep(3)
-        if not db.exists():
+        if not sweep_started(tmp_path / "first.log"):
             continue
         try:
             c = MlflowClient(uri)
