@@ -321,7 +321,8 @@ def reproduction_metrics(folds_output: np.ndarray, labels: np.ndarray, n_folds: 
     parts = split_folds(folds_output, n_folds)
     # fold_worker's "separated" call, per fold model: retrieval_metrics(test_emb, test_labels)
     outcomes = [{"test_metrics": _finite(retrieval_metrics(p, labels))} for p in parts]
-    return reproduction_test_metrics(outcomes, parts, [labels] * n_folds)
+    metrics, _ = reproduction_test_metrics(outcomes, parts, [labels] * n_folds)  # (metrics, the concat search)
+    return metrics
 
 
 def regression_verdict(registered: list[float], now: list[float], *, tolerance: float,
