@@ -1,6 +1,6 @@
 """Re-evaluation throughput on the Omniglot shards: images/s embedded through Ray Data, and the metric time.
 
-    python bench/reeval_bench.py [--omniglot /work/shared/data/omniglot] [--reproductions 2] [--size 32]
+    python bench/reeval_bench.py [--omniglot ../shared/data/omniglot] [--reproductions 2] [--size 32]
                                  [--trunk tiny] [--dim 64] [--batch 256] [--cpus 2]
 
 Prepares the Omniglot zips as parquet shards (``dmlrc data prepare omniglot``) in a temp dir, logs ``--reproductions``
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--omniglot", default=os.environ.get("DMLRC_OMNIGLOT", "/work/shared/data/omniglot"))
+    ap.add_argument("--omniglot", default=os.environ.get("DMLRC_OMNIGLOT", str(ROOT.parent / "shared" / "data" / "omniglot")))
     ap.add_argument("--reproductions", type=int, default=2)
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--trunk", default="tiny")

@@ -49,7 +49,7 @@ def _table(args, tmp: Path):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=("demo", "omniglot", "synthetic"), default="demo")
-    ap.add_argument("--omniglot-src", default="/work/shared/data/omniglot",
+    ap.add_argument("--omniglot-src", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "omniglot"),
                     help="folder with Omniglot's images_background_small*.zip (--preset omniglot)")
     ap.add_argument("--classes", type=int, default=5000, help="test classes (--preset synthetic)")
     ap.add_argument("--per-class", type=int, default=12, help="images per class (--preset synthetic)")

@@ -362,7 +362,7 @@ def _zip(path: Path, entries: dict[str, bytes]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["root/../../x_01.png", "/root/Greek/char01/x_01.png", "root/Greek/../x_01.png",
+@pytest.mark.parametrize("name", ["root/../../x_01.png", "/abs/Greek/char01/x_01.png", "root/Greek/../x_01.png",
                                   "root\\..\\Greek\\x.png/char01/x_01.png"])
 def test_zip_entries_that_leave_the_zip_root_are_rejected(tmp_path, name):
     z = _zip(tmp_path / "images_background_small1.zip",
