@@ -21,12 +21,7 @@ from dml_core.train import TrainConfig, embed, embed_images, train_fold
 IMAGE, DIM = 16, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _table():

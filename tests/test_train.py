@@ -96,12 +96,7 @@ def config(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def _params(module: nn.Module) -> dict[str, torch.Tensor]:
