@@ -44,7 +44,7 @@ from typing import Any
 from pipelines.config import ConfigError, SweepConfig, redact_uri
 
 __all__ = ["RAY_ENV", "S3_ENV", "AWS_SECRET_ENV", "s3_compat_env", "check_storage_reachable",
-           "check_tracking_reachable", "default_num_cpus", "start_ray", "stop_ray", "check_cluster_resources",
+           "check_tracking_reachable", "default_num_cpus", "init_ray", "start_ray", "stop_ray", "check_cluster_resources",
            "warn_multi_node", "redact_uri", "scrub"]
 
 #: Set before Ray is imported/started: Train V2, quiet start-up, no usage stats, all worker lines shown.
@@ -230,8 +230,15 @@ def stop_ray(started: bool) -> None:
 
 
 def start_ray(cfg: SweepConfig, address: str | None) -> bool:
-    """Start (or connect to) Ray; returns whether we started it (and so must shut it down with :func:`stop_ray`,
-    which is also what undoes the credential and loopback settings below — call it either way)."""
+    """:func:`init_ray` for a sweep: a local Ray gets ``resources.num_cpus`` logical CPUs (default
+    :func:`default_num_cpus`)."""
+    return init_ray(address, num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg))
+
+
+def init_ray(address: str | None, *, num_cpus: int) -> bool:
+    """Start (or connect to) Ray for any ``dmlrc`` command (sweep, reeval); returns whether we started it (and so
+    must shut it down with :func:`stop_ray`, which is also what undoes the credential and loopback settings below —
+    call it either way).  ``num_cpus`` only applies to a Ray started here."""
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     s3_compat_env()
@@ -266,7 +273,7 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
             kwargs["runtime_env"]["env_vars"]["GLOO_SOCKET_IFNAME"] = "lo"
         for attempt in range(3):
             try:
-                ray.init(num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg), **kwargs)
+                ray.init(num_cpus=num_cpus, **kwargs)
                 break
             except Exception as e:  # noqa: BLE001 - only Ray's start-up timeout is retried
                 # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.

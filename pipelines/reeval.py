@@ -506,27 +506,15 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
 
 
 def _start_ray(cfg: ReevalConfig) -> bool:
-    from pipelines.ray_runtime import RAY_ENV, S3_ENV, s3_compat_env
+    """The sweep's Ray start-up (:func:`pipelines.ray_runtime.init_ray`: loopback only, credentials kept out of
+    Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
+    from pipelines.ray_runtime import init_ray
 
-    for k, v in RAY_ENV.items():
-        os.environ.setdefault(k, v)
-    s3_compat_env()
-    import logging
+    started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1))
+    import ray.data
 
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kwargs = dict(include_dashboard=False, logging_level=logging.WARNING,
-                  runtime_env={"env_vars": {k: os.environ[k] for k in S3_ENV if k in os.environ}})
-    if cfg.ray_address:
-        ray.init(address=cfg.ray_address, **kwargs)
-    else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 1), **kwargs)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    for name in ("ray.data", "ray"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    return True
+    return started
 
 
 def run_reeval(cfg: ReevalConfig, out=None) -> int:
@@ -550,10 +538,9 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
                   + (f" ({r.images} images embedded in {r.embed_seconds:.1f} s, {r.seconds:.1f} s total)"
                      if r.images else "") + (f" — {r.message}" if r.message else ""), file=out, flush=True)
     finally:
-        if started:
-            import ray
+        from pipelines.ray_runtime import stop_ray
 
-            ray.shutdown()
+        stop_ray(started)  # also puts back what init_ray moved out of the environment
     paths = write_outputs(results, cfg)
     commit = git_commit()
     for r in results:
