@@ -121,8 +121,10 @@ class CheckpointDir:
             return None
         return json.loads(self.store.get_bytes(LATEST))
 
-    def load(self) -> dict[str, Any] | None:
-        pointer = self.latest()
+    def load(self, pointer: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The state named by ``pointer`` (default: the current ``latest.json``), or ``None`` if there is none.
+        Under DDP rank 0 reads the pointer and every rank loads the state it names (all resume alike)."""
+        pointer = pointer if pointer is not None else self.latest()
         if pointer is None:
             return None
         state = state_from_bytes(self.store.get_bytes(pointer["file"]))

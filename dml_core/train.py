@@ -485,6 +485,7 @@ def train_fold(
     on_eval: Callable[[dict[str, Any]], None] | None = None,
     on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
     resume_state: dict[str, Any] | None = None,
+    on_epoch: Callable[[int, int], None] | None = None,
 ) -> FoldResult:
     """Train ``model`` (and ``loss``'s parameters) on ``train_set``, selecting by val MAP@R.
 
@@ -508,6 +509,9 @@ def train_fold(
     weights, optimiser, RNG streams, best-so-far, patience and history restored — instead of starting at epoch 0.
     The config must match the one it was written with (except device, workers, eval batch, max_epochs,
     patience); ``history``'s ``seconds`` continue from the state's.
+    ``on_epoch(epoch, iteration)``: called on rank 0 at the end of every epoch that has no evaluation (those have
+    ``on_eval``/``on_checkpoint``) — a cheap progress mark, e.g. to count the iterations a killed fold trained past
+    its last checkpoint.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -536,10 +540,11 @@ def train_fold(
 
     model.to(device)
     loss.to(device)
+    resumed_at = -1 if resume_state is None else int(resume_state["iteration"])
+    if broadcast_object(resumed_at) != resumed_at:  # a no-op in one process
+        raise ValueError(f"rank {rank}: resume_state is not the same iteration as rank 0's ({resumed_at})")
     if resume_state is not None:
         _check_resume_state(resume_state, config, world)
-        if broadcast_object(resume_state["iteration"]) != resume_state["iteration"]:
-            raise ValueError(f"rank {rank}: resume_state is not the same iteration as rank 0's")
         model.load_state_dict(resume_state["model"])
         loss.load_state_dict(resume_state["loss"])
     broadcast_module_(loss)  # proxies may be initialised differently per rank
@@ -726,6 +731,8 @@ def train_fold(
                 scaler.update()
             loss_sum += value.detach()
             loss_count += 1
+        if on_epoch is not None and rank == 0 and epoch % config.eval_every:
+            on_epoch(epoch, iteration)
         if epoch % config.eval_every == 0:
             if fixed_budget:
                 log_train_loss(epoch)

@@ -160,3 +160,42 @@ def test_state_file_round_trip_and_config_mismatch(tmp_path):
     model, loss = _fresh("contrastive", 7)
     with pytest.raises(ValueError, match="trunk_lr"):
         train_fold(model, loss, train, val, _config(max_epochs=2, trunk_lr=1.0), resume_state=back)
+
+
+def _ddp_resume_worker(rank: int, world: int, path: str):
+    import torch.distributed as dist
+
+    config = _config(max_epochs=4)
+    states = []
+    ref = _run_with(config, on_checkpoint=states.append)
+    if rank == 0:
+        assert all(len(s["rng"]) == world for s in states)  # every rank's RNG streams are in rank 0's state
+        save_state(states[2], path)
+    dist.barrier()
+    got = _run_with(config, resume_state=load_state(path), init_seed=99)
+    out = {}
+    for name, (res, model, loss) in (("ref", ref), ("got", got)):
+        out[name] = dict(model={k: v.clone() for k, v in model.state_dict().items()},
+                         loss={k: v.clone() for k, v in loss.state_dict().items()},
+                         history=_comparable(res.history), best=res.best_metrics)
+    return out
+
+
+def _run_with(config, *, init_seed=7, **kw):
+    train, val = _data()
+    model, loss = _fresh("proxynca_pp", init_seed)
+    res = train_fold(model, loss, train, val, config, **kw)
+    return res, model, loss
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_resume_at_the_same_iteration_with_their_own_rng_streams(tmp_path):
+    from ddp_util import run_ddp
+
+    ranks = run_ddp(_ddp_resume_worker, 2, str(tmp_path / "state.pt"))
+    for r, out in enumerate(ranks):
+        assert out["got"]["history"] == out["ref"]["history"] and out["got"]["best"] == out["ref"]["best"], r
+        for part in ("model", "loss"):
+            for k, v in out["ref"][part].items():
+                assert torch.equal(v, out["got"][part][k]), (r, part, k)
