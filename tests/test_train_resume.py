@@ -199,3 +199,37 @@ def test_ddp_ranks_resume_at_the_same_iteration_with_their_own_rng_streams(tmp_p
         for part in ("model", "loss"):
             for k, v in out["ref"][part].items():
                 assert torch.equal(v, out["got"][part][k]), (r, part, k)
+
+
+def test_fold_checkpoints_count_restarts_and_survive_storage_trouble(tmp_path, capsys):
+    """pipelines.fold's use of a checkpoint directory: attempts, resumed_from and redone iterations across starts;
+    a state that cannot be stored is a warning, not the end of the fold."""
+    from pipelines.fold import _Checkpoints
+
+    uri = str(tmp_path / "ckpt")
+    first = _Checkpoints(uri, enabled=True, label="f", rank=0)
+    assert first.resume_state() is None
+    first.start(None, last_logged=0)
+    assert (first.restarts, first.resumed_from, first.redone_iterations) == (0, [], 0)
+    states = []
+    train, val = _data()
+    model, loss = _fresh("contrastive", 7)
+    train_fold(model, loss, train, val, _config(max_epochs=2), on_checkpoint=states.append)
+    first.save(states[1])  # iteration 3 stored; the attempt then got to iteration 5 before it was killed
+    first.progress(epoch=2, iteration=5)
+
+    second = _Checkpoints(uri, enabled=True, label="f", rank=0)
+    state = second.resume_state()
+    assert state["iteration"] == 3
+    second.start(state, last_logged=3)
+    assert (second.restarts, second.resumed_from, second.redone_iterations) == (1, [3], 2)
+
+    def broken(_state):
+        raise ConnectionError("S3 is down")
+
+    second.store.save = broken
+    second.save(states[2])  # no exception
+    assert "S3 is down" in capsys.readouterr().err
+    third = _Checkpoints(uri, enabled=True, label="f", rank=0)
+    third.start(third.resume_state(), last_logged=0)
+    assert (third.restarts, third.resumed_from, third.redone_iterations) == (2, [3, 3], 2)
