@@ -1,10 +1,14 @@
 """Where prepared datasets live: a local directory or an S3 prefix (`s3://bucket/prefix`).
 
 `open_storage(uri, endpoint_url=None)` returns an object with the few operations the shard writer and reader need
-(`put_file`, `put_bytes`, `get_file`, `get_bytes`, `exists`, `uri_of`).  Keys are '/'-separated paths relative to
+(`put_file`, `put_bytes`, `get_file`, `get_bytes`, `exists`, `uri_of`), plus `delete` / `delete_tree` for fold
+checkpoints (`dml_core.checkpoint`).  Keys are '/'-separated paths relative to
 the root.  S3 goes through boto3; the endpoint is the explicit `endpoint_url` argument, else the standard
 `AWS_ENDPOINT_URL` environment variable (SeaweedFS, MinIO, Ceph ...), else AWS itself.  Credentials come from
 boto3's usual chain (environment variables, ~/.aws, instance roles).
+
+S3 requests go through botocore's own retry ("standard" mode: bounded exponential back-off with jitter on throttling,
+5xx and connection errors) with connect/read timeouts, so a flaky endpoint delays a request instead of hanging it.
 
 Storage objects are picklable: the boto3 client is created lazily in each process (DataLoader workers, Ray
 actors), never shipped across a pickle.
@@ -17,7 +21,12 @@ import shutil
 import uuid
 from pathlib import Path, PurePosixPath
 
-__all__ = ["LocalStorage", "S3Storage", "open_storage", "is_s3_uri", "split_s3_uri"]
+__all__ = ["LocalStorage", "S3Storage", "open_storage", "is_s3_uri", "split_s3_uri", "S3_MAX_ATTEMPTS"]
+
+#: botocore "standard" retry mode: attempts per request (first try included) and timeouts in seconds.
+S3_MAX_ATTEMPTS = 6
+S3_CONNECT_TIMEOUT = 10
+S3_READ_TIMEOUT = 60
 
 
 def is_s3_uri(uri: str | os.PathLike) -> bool:
@@ -84,6 +93,13 @@ class LocalStorage:
     def get_file(self, key: str, local_path: str | os.PathLike) -> None:
         shutil.copyfile(self.local_path(key), local_path)
 
+    def delete(self, key: str) -> None:
+        (self.root / _check_key(key)).unlink(missing_ok=True)
+
+    def delete_tree(self) -> None:
+        """Remove the whole root directory (nothing if absent)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
 
 class S3Storage:
     """`s3://bucket/prefix` through boto3 (path-style addressing, which every S3-compatible server accepts)."""
@@ -111,7 +127,9 @@ class S3Storage:
                 "s3",
                 endpoint_url=self.endpoint_url,
                 region_name=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
-                config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 5, "mode": "standard"}),
+                config=Config(s3={"addressing_style": "path"},
+                              retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"},
+                              connect_timeout=S3_CONNECT_TIMEOUT, read_timeout=S3_READ_TIMEOUT),
             )
         return self._client
 
@@ -154,6 +172,19 @@ class S3Storage:
 
     def get_file(self, key: str, local_path: str | os.PathLike) -> None:
         self.client.download_file(self.bucket, self._key(key), str(local_path))
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def delete_tree(self) -> None:
+        """Delete every object under the prefix (the prefix must not be the bucket root)."""
+        if not self.prefix:
+            raise ValueError(f"refusing to empty the whole bucket s3://{self.bucket}")
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/")
+        for page in pages:
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:  # at most 1000 per page, DeleteObjects' own limit
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
 
 
 def open_storage(uri: str | os.PathLike, endpoint_url: str | None = None) -> LocalStorage | S3Storage:

@@ -39,10 +39,20 @@ Distributed data parallel (detected with ``dist.is_initialized()``; gloo on CPU,
 
 The divergence check (non-finite loss → ``status="diverged"``, no exception) reads the loss value
 once per iteration (under DDP with an AND over ranks), so all ranks stop together.
+
+Checkpoint and resume (``on_checkpoint`` / ``resume_state``): evaluations fall on epoch boundaries, where the
+sampler's position is fully given by the epoch (it reseeds from ``(seed, epoch)``) and the running train-loss mean
+has just been reset, so the state right after an evaluation is small and complete: weights, optimiser (and fp16
+loss-scaler) state, every RNG stream (:func:`dml_core.checkpoint.rng_state`, per rank), best-so-far weights, metrics
+and epoch, the history and the iteration reached.  A fold resumed from it continues exactly as the uninterrupted
+fold would have — bit for bit on a deterministic device (``tests/test_train_resume.py``).  The state is built only
+at evaluations and only when ``on_checkpoint`` is given; the per-iteration loop is unchanged.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -67,6 +77,7 @@ from dml_core.distributed import (
     is_distributed,
     shard_bounds,
 )
+from dml_core.checkpoint import STATE_FORMAT, rng_state, set_rng_state
 from dml_core.samplers import MPerClassBatchSampler
 
 __all__ = ["TrainConfig", "FoldResult", "train_fold", "embed", "embed_images"]
@@ -227,6 +238,33 @@ def _labels_of(dataset, name: str) -> np.ndarray:
 
 def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """A deep copy with every tensor on the CPU (an optimiser's state_dict references its live tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+#: TrainConfig fields that may differ between a checkpoint and its resumption (they do not change the result).
+_RESUME_FREE_FIELDS = {"device", "num_workers", "eval_batch_size", "max_epochs", "patience"}
+
+
+def _check_resume_state(state: dict[str, Any], config: TrainConfig, world: int) -> None:
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ValueError(f"resume_state is not a train_fold state of format {STATE_FORMAT}")
+    if state["world_size"] != world:
+        raise ValueError(f"resume_state was written by {state['world_size']} ranks, this run has {world}")
+    mine = dataclasses.asdict(config)
+    diff = sorted(k for k, v in state["config"].items() if k not in _RESUME_FREE_FIELDS and mine.get(k) != v)
+    if diff:
+        raise ValueError("resume_state was written with another TrainConfig: "
+                         + ", ".join(f"{k}={state['config'][k]!r} (now {mine.get(k)!r})" for k in diff))
 
 
 def loss_weight_decay_for(loss: nn.Module, config: TrainConfig) -> float:
@@ -445,6 +483,9 @@ def train_fold(
     config: TrainConfig,
     *,
     on_eval: Callable[[dict[str, Any]], None] | None = None,
+    on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+    resume_state: dict[str, Any] | None = None,
+    on_epoch: Callable[[int, int], None] | None = None,
 ) -> FoldResult:
     """Train ``model`` (and ``loss``'s parameters) on ``train_set``, selecting by val MAP@R.
 
@@ -456,6 +497,21 @@ def train_fold(
 
     ``val_set=None``: fixed budget (module docstring) — ``max_epochs × iters_per_epoch`` iterations, no
     validation, ``best_state`` = the final state (empty if the loss diverged).
+
+    ``on_checkpoint(state)``: called on rank 0 right after every evaluation (after ``on_eval``; in fixed-budget
+    mode after every train-loss record) with the full training state, a dict of tensors (CPU copies) and plain
+    values — ``format``, ``epoch``, ``iteration``, ``world_size``, ``config`` (``TrainConfig`` as a dict),
+    ``seconds``, ``model``, ``loss``, ``optimizer``, ``scaler`` (or ``None``), ``rng`` (one
+    :func:`~dml_core.checkpoint.rng_state` per rank), ``best`` (``metrics``, ``epoch``, ``iteration``, ``state``),
+    ``history``.  Store it with :func:`dml_core.checkpoint.save_state` (``weights_only`` loadable).  Under DDP pass
+    it (or ``None``) alike on every rank: the ranks' RNG states are gathered for rank 0's call.
+    ``resume_state``: such a state (every rank passes the same one): training continues after its evaluation —
+    weights, optimiser, RNG streams, best-so-far, patience and history restored — instead of starting at epoch 0.
+    The config must match the one it was written with (except device, workers, eval batch, max_epochs,
+    patience); ``history``'s ``seconds`` continue from the state's.
+    ``on_epoch(epoch, iteration)``: called on rank 0 at the end of every epoch that has no evaluation (those have
+    ``on_eval``/``on_checkpoint``) — a cheap progress mark, e.g. to count the iterations a killed fold trained past
+    its last checkpoint.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -484,8 +540,17 @@ def train_fold(
 
     model.to(device)
     loss.to(device)
+    resumed_at = -1 if resume_state is None else int(resume_state["iteration"])
+    if broadcast_object(resumed_at) != resumed_at:  # a no-op in one process
+        raise ValueError(f"rank {rank}: resume_state is not the same iteration as rank 0's ({resumed_at})")
+    if resume_state is not None:
+        _check_resume_state(resume_state, config, world)
+        model.load_state_dict(resume_state["model"])
+        loss.load_state_dict(resume_state["loss"])
     broadcast_module_(loss)  # proxies may be initialised differently per rank
     optimizer = _optimizer(model, loss, config)
+    if resume_state is not None:
+        optimizer.load_state_dict(resume_state["optimizer"])
     loss_params = [p for p in loss.parameters() if p.requires_grad]
     distributed = is_distributed()
     net: nn.Module = model
@@ -502,13 +567,14 @@ def train_fold(
         num_replicas=world,
         rank=rank,
     )
+    loader_rng = torch.Generator().manual_seed(rank_seed)  # draws each epoch's worker base seed
     loader = DataLoader(
         train_set,
         batch_sampler=sampler,
         num_workers=config.num_workers,
         pin_memory=device.type == "cuda",
         persistent_workers=False,
-        generator=torch.Generator().manual_seed(rank_seed),
+        generator=loader_rng,
     )
     use_amp = config.amp and device.type == "cuda"
     amp_dtype = _AMP_DTYPES[config.amp_dtype]
@@ -516,10 +582,20 @@ def train_fold(
     scaler = torch.amp.GradScaler("cuda") if use_amp and amp_dtype == torch.float16 else None
 
     history: list[dict[str, Any]] = []
-    best: dict[str, Any] = {"metrics": {}, "epoch": 0, "state": {}}
+    best: dict[str, Any] = {"metrics": {}, "epoch": 0, "iteration": 0, "state": {}}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     loss_count = 0
     iteration = 0
+    start_epoch = 0
+    if resume_state is not None:
+        if scaler is not None and resume_state.get("scaler"):
+            scaler.load_state_dict(resume_state["scaler"])
+        history = [dict(r) for r in resume_state["history"]]
+        b = resume_state["best"]
+        best = {"metrics": dict(b["metrics"]), "epoch": int(b["epoch"]), "iteration": int(b["iteration"]),
+                "state": b["state"]}
+        iteration, start_epoch = int(resume_state["iteration"]), int(resume_state["epoch"])
+        t0 -= float(resume_state["seconds"])  # history's seconds continue from the checkpoint's
 
     def train_loss() -> float | None:
         return float(loss_sum.item() / loss_count) if loss_count else None
@@ -531,13 +607,42 @@ def train_fold(
         loss_count = 0
         if on_eval is not None and rank == 0:
             on_eval(record)
+        if on_checkpoint is not None:
+            checkpoint(record["epoch"])
+
+    def checkpoint(epoch: int) -> None:
+        # Under DDP every rank's RNG streams go into rank 0's state (one collective, at evaluations only).
+        mine = rng_state(device, loader_rng)
+        rngs = [mine]
+        if distributed:
+            rngs = [None] * world
+            torch.distributed.all_gather_object(rngs, mine)
+        if rank != 0:
+            return
+        on_checkpoint({
+            "format": STATE_FORMAT,
+            "epoch": epoch,
+            "iteration": iteration,
+            "world_size": world,
+            "config": dataclasses.asdict(config),
+            "seconds": time.perf_counter() - t0,
+            "model": _cpu_state(model),
+            "loss": _cpu_state(loss),
+            "optimizer": _cpu_copy(optimizer.state_dict()),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "rng": rngs,
+            "best": {"metrics": dict(best["metrics"]), "epoch": best["epoch"], "iteration": best["iteration"],
+                     "state": best["state"]},  # CPU copies already, never modified in place
+            "history": copy.deepcopy(history),
+        })
 
     def evaluate(epoch: int) -> None:
         te = time.perf_counter()
         metrics = _evaluate(model, val_set, config, device)
         is_best = not history or metrics[config.primary_metric] > best["metrics"][config.primary_metric]
         if is_best:
-            best.update(metrics=metrics, epoch=epoch, state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
+            best.update(metrics=metrics, epoch=epoch, iteration=iteration,
+                        state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
         report({
             "epoch": epoch,
             "iteration": iteration,
@@ -578,9 +683,16 @@ def train_fold(
 
     model.train()
     loss.train()
-    if not fixed_budget:
+    if resume_state is not None:
+        # The RNG streams last: nothing above may draw from them, as the uninterrupted run drew nothing here.
+        set_rng_state(resume_state["rng"][rank], device, loader_rng)
+        if (not fixed_budget and config.patience is not None and start_epoch - best["epoch"] > config.patience
+                and start_epoch > 0):
+            # killed after the evaluation that stopped the fold, before it returned
+            return result("ok", f"early stop at epoch {start_epoch}: best epoch {best['epoch']}", start_epoch, True)
+    elif not fixed_budget:
         evaluate(0)  # untrained model (MLRC check_untrained_accuracy)
-    for epoch in range(1, config.max_epochs + 1):
+    for epoch in range(start_epoch + 1, config.max_epochs + 1):
         sampler.set_epoch(epoch)
         # The per-iteration work is what a bare loop does plus the divergence check; everything that does not
         # change per iteration (DDP, AMP, loss scaling) is decided above, so the single-process path pays nothing.
@@ -619,6 +731,8 @@ def train_fold(
                 scaler.update()
             loss_sum += value.detach()
             loss_count += 1
+        if on_epoch is not None and rank == 0 and epoch % config.eval_every:
+            on_epoch(epoch, iteration)
         if epoch % config.eval_every == 0:
             if fixed_budget:
                 log_train_loss(epoch)
@@ -627,5 +741,6 @@ def train_fold(
             if config.patience is not None and epoch - best["epoch"] > config.patience:
                 return result("ok", f"early stop at epoch {epoch}: best epoch {best['epoch']}", epoch, True)
     if fixed_budget:
-        best.update(epoch=config.max_epochs, state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
+        best.update(epoch=config.max_epochs, iteration=iteration,
+                    state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
     return result("ok", "", config.max_epochs)

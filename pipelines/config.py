@@ -413,6 +413,9 @@ class ResourcesSpec(_Strict):
     #: restarts of a fold whose worker died (OOM kill, lost node): Ray Train FailureConfig(max_failures); the fold
     #: restarts from scratch with the same seed.  A failure after the retries fails the trial (status=failed).
     fold_retries: int = Field(1, ge=0, le=100)
+    mid_fold_resume: bool = True
+    """A restarted fold (fold_retries, or a `--resume`d sweep) continues from its last evaluation's checkpoint
+    (stored under the study's folds/<run>/ckpt/) instead of from scratch; false = from scratch (for comparison)."""
     max_concurrent_trials: int = Field(1, ge=1, le=1024)
     num_cpus: int | None = Field(None, ge=1, le=1_000_000)
     fold_executor: Literal["auto", "warm", "train"] = "auto"

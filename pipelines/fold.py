@@ -24,6 +24,18 @@ where the result directory goes:
 
 Both keep the same resume story: a fold whose result directory exists (it finished before the sweep was killed) is
 not trained again.
+
+Mid-fold resume (``mid_fold_resume``, default on): after every evaluation rank 0 stores the full training state
+(:mod:`dml_core.checkpoint`) under the fold's checkpoint directory ``<fold_storage>/<run name>/ckpt/``
+(``state-<iteration>.pt`` + ``latest.json``, written in that order; the latest and the best state are kept).  A fold
+started again — Ray's task retry, Ray Train's worker-group restart, or ``dmlrc sweep --resume`` — loads the latest
+state and continues from that evaluation, logging to the *same* MLflow run: the run's logged steps are compared with
+the checkpoint's history, and only the missing ones are logged (an evaluation logged just before the kill, after the
+last checkpoint, is not logged twice when it is trained again).  ``attempts.json`` in the same directory counts the
+starts; ``progress.json`` marks the last epoch reached between evaluations, so the iterations trained twice are
+known.  A checkpoint that cannot be stored (S3 trouble after botocore's retries) is a warning: training goes on and
+the next evaluation tries again.  With ``mid_fold_resume`` off, a restarted fold starts from scratch in a fresh run
+tagged ``restarted=true`` (the partial run soft-deleted).
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["run_fold", "fold_worker", "worker_env", "OUTCOME_FILE", "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE",
-           "METRIC_KEYS"]
+           "METRIC_KEYS", "CHECKPOINT_DIR", "checkpoint_uri_of", "clear_checkpoints"]
 
 OUTCOME_FILE = "outcome.json"
 TEST_EMBEDDINGS = "test_embeddings.npy"
@@ -48,6 +60,29 @@ TEST_LABELS = "test_labels.npy"
 MODEL_FILE = "model.pt"
 #: The metrics logged per evaluation (all of retrieval_metrics' keys are kept in outcome.json).
 METRIC_KEYS = ("map_at_r", "r_precision", "precision_at_1")
+#: A fold's mid-fold checkpoints: ``<fold_storage>/<run name>/ckpt/`` (next to the warm executor's ``result/``).
+CHECKPOINT_DIR = "ckpt"
+ATTEMPTS_FILE = "attempts.json"
+PROGRESS_FILE = "progress.json"
+#: The metric logged at every evaluation (``epoch``): its steps are the evaluations the run holds.
+_STEP_METRIC = "epoch"
+
+
+def checkpoint_uri_of(fold_dir: str) -> str:
+    """The checkpoint directory of a fold whose run directory is ``fold_dir`` (local path or ``s3://``)."""
+    return fold_dir.rstrip("/") + "/" + CHECKPOINT_DIR
+
+
+def clear_checkpoints(uri: str | None) -> None:
+    """Delete a finished fold's checkpoints (its result is stored); trouble is only reported."""
+    if not uri:
+        return
+    from dml_core.checkpoint import CheckpointDir
+
+    try:
+        CheckpointDir(uri).clear()
+    except Exception as e:  # noqa: BLE001 - stale checkpoints cost space, not correctness
+        print(f"fold: could not delete the checkpoints in {uri}: {e}", file=sys.stderr)
 
 #: The dataset table of the last fold this process ran, by object-ref id: a reused (warm) worker fetches and
 #: deserialises it once per study, not once per fold.
@@ -84,6 +119,92 @@ def quiet_worker_logs() -> None:
     logging.getLogger("faiss").setLevel(logging.WARNING)
 
 
+class _Checkpoints:
+    """A fold's checkpoint directory as :func:`run_fold` uses it: the resume state, the start count, the progress
+    marks, and storing a state at each evaluation without letting storage trouble end the fold.
+
+    ``attempts.json``: ``{"attempts", "resumed_from", "redone_iterations"}`` across the fold's starts;
+    ``progress.json``: ``{"attempt", "iteration"}``, the last epoch end reached without an evaluation.  The
+    iterations a restart trains twice are those from the state it continues from to the furthest point the killed
+    attempt is known to have reached (its last checkpoint, progress mark or logged evaluation; an epoch it had not
+    finished is not counted, so at most one evaluation interval per restart).
+    """
+
+    def __init__(self, uri: str | None, *, enabled: bool, label: str, rank: int):
+        self.uri = uri
+        self.enabled = bool(uri) and enabled
+        self.label = label
+        self.rank = rank
+        self.attempt = 1
+        self.restarts = 0
+        self.resumed_from: list[int] = []
+        self.redone_iterations = 0
+        self.store = None
+        if uri:
+            from dml_core.checkpoint import CheckpointDir
+
+            self.store = CheckpointDir(uri)
+
+    def _warn(self, what: str, e: BaseException) -> None:
+        print(f"{self.label}: {what} failed ({type(e).__name__}: {e}); training goes on", file=sys.stderr, flush=True)
+
+    def resume_state(self) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        from dml_core.distributed import broadcast_object
+
+        pointer = None
+        if self.rank == 0:
+            try:
+                pointer = self.store.latest()
+            except Exception as e:  # noqa: BLE001 - no readable checkpoint: start from scratch
+                self._warn("reading the checkpoint pointer", e)
+        pointer = broadcast_object(pointer)  # under DDP every rank loads the state rank 0 found
+        return self.store.load(pointer) if pointer is not None else None
+
+    def start(self, resume_state: dict[str, Any] | None, last_logged: int) -> None:
+        """Rank 0: count this start and, for a restart, what it continues from and what it trains again."""
+        if self.store is None:
+            return
+        try:
+            meta = self.store.read_json(ATTEMPTS_FILE) or {}
+            progress = self.store.read_json(PROGRESS_FILE) or {}
+            pointer = self.store.latest() if self.enabled else None
+        except Exception as e:  # noqa: BLE001
+            self._warn("reading the fold's attempt count", e)
+            return
+        self.attempt = int(meta.get("attempts", 0)) + 1
+        self.restarts = self.attempt - 1
+        self.resumed_from = list(meta.get("resumed_from", []))
+        self.redone_iterations = int(meta.get("redone_iterations", 0))
+        if self.restarts:
+            start = int(resume_state["iteration"]) if resume_state is not None else 0
+            reached = [start, last_logged]
+            if pointer is not None:
+                reached.append(int(pointer["iteration"]))
+            if int(progress.get("attempt", 0)) == self.attempt - 1:
+                reached.append(int(progress.get("iteration", 0)))
+            self.resumed_from.append(start)
+            self.redone_iterations += max(reached) - start
+        try:
+            self.store.write_json(ATTEMPTS_FILE, {"attempts": self.attempt, "resumed_from": self.resumed_from,
+                                                  "redone_iterations": self.redone_iterations})
+        except Exception as e:  # noqa: BLE001
+            self._warn("storing the fold's attempt count", e)
+
+    def save(self, state: dict[str, Any]) -> None:  # train_fold's on_checkpoint (rank 0)
+        try:
+            self.store.save(state)
+        except Exception as e:  # noqa: BLE001 - the next evaluation tries again
+            self._warn(f"storing the checkpoint of iteration {state['iteration']} in {self.uri}", e)
+
+    def progress(self, epoch: int, iteration: int) -> None:  # train_fold's on_epoch (rank 0)
+        try:
+            self.store.write_json(PROGRESS_FILE, {"attempt": self.attempt, "iteration": iteration})
+        except Exception as e:  # noqa: BLE001
+            self._warn("storing the progress mark", e)
+
+
 def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, out_dir: Path,
              node_id: str = "") -> dict[str, Any]:
     """Train and evaluate one fold (keys of ``cfg``: see :func:`pipelines.trial._fold_config`).
@@ -117,35 +238,64 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
     tracker = None
     fold_run_id = cfg["fold_run_id"]
     label = cfg["label"]
+    ckpt = _Checkpoints(cfg.get("checkpoint_uri"), enabled=bool(cfg.get("mid_fold_resume", True)),
+                        label=f"[{label}] fold {fold['index']}", rank=rank)
+    resume_state = ckpt.resume_state()  # every rank: the state rank 0's pointer names, or None
+    logged: set[int] = set()  # iterations the fold run already holds an evaluation for
     if rank == 0:
         from pipelines.tracking import Tracker
 
         tracker = Tracker.from_uri(cfg["tracking_uri"], cfg["experiment_id"])
-        if tracker.run(fold_run_id).data.metrics:
+        run = tracker.run(fold_run_id)
+        if run.data.metrics:
+            logged = {m.step for m in tracker.client.get_metric_history(fold_run_id, _STEP_METRIC)}
+        last_logged = max(logged, default=0)  # how far a killed attempt is known to have got
+        if run.data.metrics and not ckpt.enabled:
             # This fold is being run again after its process died (an OOM kill, a lost node; Ray retried the task
-            # or restarted the worker group): the fold starts from scratch, so it gets a fresh run and the
-            # half-logged one is soft-deleted.
+            # or restarted the worker group) and mid-fold resume is off: the fold starts from scratch, so it gets a
+            # fresh run and the half-logged one is soft-deleted.
             fold_run_id, _ = tracker.get_or_create(cfg["fold_run_tags"], parent=cfg["parent_run_id"],
                                                    run_name=f"fold {fold['index']}", reuse_unfinished=False)
             tracker.set_tags(fold_run_id, {**cfg.get("fold_run_extra_tags", {}), "restarted": "true"})
-        tracker.set_tags(fold_run_id, {"pid": os.getpid(), "node_id": node_id})
+            logged = set()
+        tags: dict[str, Any] = {"pid": os.getpid(), "node_id": node_id}
+        ckpt.start(resume_state, last_logged)
+        if ckpt.restarts:
+            tags.update(resumes=ckpt.restarts, resumed_from=ckpt.resumed_from[-1])
+            print(f"[{label}] fold {fold['index']}: restart {ckpt.restarts}, continuing from iteration "
+                  f"{ckpt.resumed_from[-1]}", flush=True)
+        tracker.set_tags(fold_run_id, tags)
 
-    def on_eval(record: dict[str, Any]) -> None:  # rank 0 only (train_fold's contract)
+    def log_record(record: dict[str, Any]) -> None:
         metrics = {f"val.{k}": v for k, v in record["metrics"].items() if k in METRIC_KEYS}
         if record.get("train_loss") is not None:
             metrics["train.loss"] = record["train_loss"]
-        metrics["epoch"] = record["epoch"]
+        metrics[_STEP_METRIC] = record["epoch"]
         try:
             tracker.log_metrics(fold_run_id, metrics, step=record["iteration"])
+            logged.add(record["iteration"])
         except Exception as e:  # noqa: BLE001 - tracking trouble must not kill a training run
             print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
+
+    if rank == 0 and resume_state is not None:
+        # Evaluations checkpointed but never logged (MLflow trouble, or a fresh run after `dmlrc sweep --resume`).
+        for record in resume_state["history"]:
+            if record["iteration"] not in logged:
+                log_record(record)
+
+    def on_eval(record: dict[str, Any]) -> None:  # rank 0 only (train_fold's contract)
+        # An evaluation logged by the killed attempt after its last checkpoint is trained again: log it once.
+        if record["iteration"] not in logged:
+            log_record(record)
         m = record["metrics"]
         print(f"[{label}] fold {fold['index']} it {record['iteration']:>6} epoch {record['epoch']:>4} "
               f"val MAP@R {m.get('map_at_r', float('nan')):.4f} P@1 {m.get('precision_at_1', float('nan')):.4f}"
               f"{'  (best)' if record['is_best'] else ''}", flush=True)
 
     time_train_start = time.time()
-    result = train_fold(model, loss, train_set, val_set, config, on_eval=on_eval)
+    result = train_fold(model, loss, train_set, val_set, config, on_eval=on_eval,
+                        on_checkpoint=ckpt.save if ckpt.enabled else None, resume_state=resume_state,
+                        on_epoch=ckpt.progress if ckpt.uri else None)
     time_end = time.time()
 
     outcome: dict[str, Any] = {
@@ -165,6 +315,9 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         "pid": os.getpid(),
         "node_id": node_id,
         "rss_peak_mb": _rss_peak_mb(),
+        "restarts": ckpt.restarts,
+        "resumed_from": ckpt.resumed_from,
+        "redone_iterations": ckpt.redone_iterations,
         "history": [
             {"epoch": r["epoch"], "iteration": r["iteration"], "train_loss": r.get("train_loss"),
              "metrics": _finite({k: v for k, v in r["metrics"].items() if k in METRIC_KEYS})}
@@ -185,6 +338,12 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
             outcome["test_metrics"] = _finite(retrieval_metrics(test_emb, test_labels))
 
     if rank == 0:
+        if ckpt.restarts:
+            try:
+                tracker.log_metrics(fold_run_id, {"restarts": ckpt.restarts,
+                                                  "redone_iterations": ckpt.redone_iterations})
+            except Exception as e:  # noqa: BLE001 - the outcome holds them too
+                print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
         (out_dir / OUTCOME_FILE).write_text(json.dumps(outcome))
         if test_emb is not None:
             np.save(out_dir / TEST_EMBEDDINGS, test_emb)
@@ -218,6 +377,8 @@ def fold_worker(cfg: dict[str, Any]) -> None:
 
         device = str(ray.train.torch.get_device())
     rank = ctx.get_world_rank()
+    if not cfg.get("checkpoint_uri"):
+        cfg = {**cfg, "checkpoint_uri": checkpoint_uri_of(_train_run_dir(ctx))}
     with tempfile.TemporaryDirectory() as tmp:
         summary = run_fold(cfg, rank=rank, world_size=ctx.get_world_size(), device=device, out_dir=Path(tmp),
                            node_id=ray.get_runtime_context().get_node_id())
@@ -225,6 +386,16 @@ def fold_worker(cfg: dict[str, Any]) -> None:
             ray.train.report(summary)
         else:
             ray.train.report(summary, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            clear_checkpoints(cfg["checkpoint_uri"])  # the result is Train's checkpoint now
+
+
+def _train_run_dir(ctx) -> str:
+    """This Ray Train run's directory ``<storage_path>/<run name>`` as a local path or ``s3://`` URI."""
+    storage = ctx.get_storage()
+    path = storage.storage_fs_path.rstrip("/") + "/" + storage.experiment_dir_name
+    if "s3" in storage.storage_filesystem.type_name:
+        return "s3://" + path.lstrip("/")
+    return path
 
 
 def worker_env() -> dict[str, str]:

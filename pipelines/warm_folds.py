@@ -19,6 +19,8 @@ Result directory: rank 0 of :func:`pipelines.fold.run_fold` writes it locally, t
 ``<fold_storage>/<run name>/result/`` (local path or ``s3://``), ``outcome.json`` last — so a directory with
 ``outcome.json`` is complete, and a fold that finished before the sweep was killed is found there by
 ``--resume`` and not trained again (the same story as Ray Train's restored checkpoint on the other path).
+A fold that had not finished continues from its last evaluation: its mid-fold states live in
+``<fold_storage>/<run name>/ckpt/`` (:func:`pipelines.fold.run_fold`), deleted once the result is stored.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipelines.fold import OUTCOME_FILE, quiet_worker_logs, run_fold
+from pipelines.fold import OUTCOME_FILE, checkpoint_uri_of, clear_checkpoints, quiet_worker_logs, run_fold
 
 __all__ = ["warm_fold_ref", "result_uri", "NOSET_CUDA"]
 
@@ -37,6 +39,11 @@ NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 def result_uri(fold_storage: str, name: str) -> str:
     """Where a warm fold's result directory lives (a local path or ``s3://``)."""
     return fold_storage.rstrip("/") + "/" + name + "/result"
+
+
+def _fold_dir(uri: str) -> str:
+    """``<fold_storage>/<run name>`` of a result directory URI."""
+    return uri.rstrip("/").rsplit("/", 1)[0]
 
 
 def _stored(uri: str) -> bool:
@@ -60,6 +67,8 @@ def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
 
     if _stored(uri):
         return uri
+    if not cfg.get("checkpoint_uri"):
+        cfg = {**cfg, "checkpoint_uri": checkpoint_uri_of(_fold_dir(uri))}
     quiet_worker_logs()
     device = "cpu"
     if cfg["use_gpu"]:
@@ -71,7 +80,8 @@ def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         run_fold(cfg, rank=0, world_size=1, device=device, out_dir=Path(tmp),
                  node_id=ray.get_runtime_context().get_node_id())
-        _upload(Path(tmp), uri)
+        _upload(Path(tmp), uri)  # raises on failure: a fold's result must be stored
+    clear_checkpoints(cfg["checkpoint_uri"])  # the result is stored: the mid-fold states are not needed any more
     if cfg["use_gpu"]:
         import torch
 

@@ -2,15 +2,19 @@
 
 ``resources.fold_retries`` is Ray's own retry: the warm executor's fold task is resubmitted by Ray
 (``max_retries``) onto another worker process; Ray Train's ``FailureConfig(max_failures)`` starts the fold's worker
-group again.  Either way the fold trains from scratch.  Checked afterwards: the sweep still finishes (exit 0, study done, CIs logged);
-a fold killed after it had logged evaluations continues in a fresh MLflow run tagged ``restarted=true`` and the
-half-logged run is soft-deleted (so no fold's history mixes two attempts); every trial and reproduction keeps
-exactly four live fold runs, all FINISHED with their summary; and the trial's objective is the mean of the folds'
-best val MAP@R as logged, the replacement run included.
+group again.  Either way the fold continues from its last checkpoint (mid-fold resume, ``pipelines/fold.py``).
+Checked afterwards: the sweep still finishes (exit 0, study done, CIs logged); a fold killed after it had stored a
+checkpoint past epoch 0 resumed from it in the *same* MLflow run (tags ``resumes``/``resumed_from``, no
+``restarted`` replacement, nothing soft-deleted), and every fold run holds each evaluation step exactly once, none
+missing; the iterations trained twice (``redone_iterations`` in MLflow and ``outcome.json``) are at most one
+evaluation interval per restart; every trial and reproduction keeps exactly four fold runs, all FINISHED with their
+summary (none left RUNNING); the trial's objective is the mean of the folds' best val MAP@R as logged; and the
+finished folds' checkpoints were deleted.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,6 +39,17 @@ def _cmdline(pid: int) -> str:
 _FOLD_TITLE = {"warm": "ray::fold:", "train": "RayTrainWorker"}
 
 
+def _checkpointed_past(root: Path, iteration: int) -> bool:
+    """Some fold's ``ckpt/latest.json`` points at a state of at least ``iteration``."""
+    for f in root.glob("**/ckpt/latest.json"):
+        try:
+            if json.loads(f.read_text())["iteration"] >= iteration:
+                return True
+        except (OSError, ValueError, KeyError):
+            continue  # replaced while we read it
+    return False
+
+
 def _fold_processes(root: int, executor: str) -> list[int]:
     """Processes below ``root`` running a fold right now (found by the title Ray sets)."""
     return [p for p in _descendants(root) if _FOLD_TITLE[executor] in _cmdline(p) and _alive(p)]
@@ -42,7 +57,7 @@ def _fold_processes(root: int, executor: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("executor", ["warm", "train"])
-def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path, executor):
+def test_a_killed_fold_resumes_from_its_checkpoint_and_its_fold_is_logged_once(tmp_path, executor):
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs /proc to find the sweep's Ray Train worker processes")
     from mlflow.entities import ViewType
@@ -64,6 +79,7 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path, ex
                       "fold_executor": executor},
         "storage": str(tmp_path / "runs"),
     }
+    interval = doc["protocol"]["iters_per_epoch"] * doc["protocol"]["eval_every"]
     cfg = tmp_path / "restart.yaml"
     cfg.write_text(yaml.safe_dump(doc))
     db = tmp_path / "runs" / "restart" / "mlflow.db"
@@ -75,8 +91,8 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path, ex
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        # Wait until some fold of the search trial has logged two evaluations and is still running, then kill every
-        # fold process alive at that moment (each one's fold restarts; at least that fold had logged metrics).
+        # Wait until some fold of the search trial has logged two evaluations, stored a checkpoint past epoch 0 and is
+        # still running, then kill every fold process alive at that moment (each one's fold restarts and resumes).
         deadline = time.time() + 900
         killed: list[int] = []
         while not killed:
@@ -93,7 +109,7 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path, ex
                         and len(c.get_metric_history(r.info.run_id, "val.map_at_r")) >= 2]
             except Exception:  # noqa: BLE001 - the DB may be mid-creation
                 continue
-            if busy:
+            if busy and _checkpointed_past(tmp_path / "runs", interval):
                 for pid in _fold_processes(proc.pid, executor):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
@@ -119,20 +135,29 @@ def test_a_killed_fold_worker_is_restarted_and_its_fold_logged_once(tmp_path, ex
 
     parents = stage("trial") + stage("reproduction")
     assert len(parents) == 3
-    restarted = [r for r in stage("fold") if r.data.tags.get("restarted") == "true"]
-    assert restarted, f"no fold run was restarted after killing {len(killed)} worker(s):\n{text[-4000:]}"
-    deleted = [r for r in c.search_runs([exp.experiment_id], "tags.stage = 'fold'", run_view_type=ViewType.DELETED_ONLY)]
-    for new in restarted:
-        # the attempt that was killed: same fold and parent, soft-deleted, holding the evaluations logged before the kill
-        old = [r for r in deleted if r.data.tags["fold"] == new.data.tags["fold"]
-               and r.data.tags["mlflow.parentRunId"] == new.data.tags["mlflow.parentRunId"]]
-        assert len(old) == 1, [r.data.tags for r in deleted]
-        assert old[0].data.metrics.get("val.map_at_r") is not None
-        assert "best_epoch" not in old[0].data.metrics  # it never finished
-        # the replacement holds one whole attempt: evaluations at epochs 0..max_epochs, each logged once
-        steps = [m.step for m in c.get_metric_history(new.info.run_id, "val.map_at_r")]
-        assert steps == sorted(set(steps)) and len(steps) == doc["protocol"]["max_epochs"] + 1, steps
-        assert "best_epoch" in new.data.metrics and new.data.tags["status"] == "ok"
+    folds = stage("fold")
+    assert not [r for r in folds if r.data.tags.get("restarted")], "a restarted fold got a replacement run"
+    deleted = c.search_runs([exp.experiment_id], "tags.stage = 'fold'", run_view_type=ViewType.DELETED_ONLY)
+    assert not deleted, [r.data.tags for r in deleted]
+    resumed = [r for r in folds if int(r.data.tags.get("resumes", 0)) >= 1]
+    assert resumed, f"no fold run resumed after killing {len(killed)} worker(s):\n{text[-4000:]}"
+    assert max(int(r.data.tags["resumed_from"]) for r in resumed) >= interval, [r.data.tags for r in resumed]
+    evals = doc["protocol"]["max_epochs"] // doc["protocol"]["eval_every"] + 1  # epochs 0..max_epochs
+    for r in folds:
+        # every evaluation step exactly once, none missing, also in the resumed runs
+        for key in ("val.map_at_r", "epoch"):
+            steps = [m.step for m in c.get_metric_history(r.info.run_id, key)]
+            assert sorted(steps) == [i * interval for i in range(evals)], (key, r.data.tags, steps)
+        assert "best_epoch" in r.data.metrics and r.data.tags["status"] == "ok"
+        restarts = int(r.data.tags.get("resumes", 0))
+        outcome = json.loads((Path(r.data.tags["checkpoint"]) / "outcome.json").read_text())
+        assert outcome["restarts"] == restarts and len(outcome["resumed_from"]) == restarts
+        assert 0 <= outcome["redone_iterations"] <= restarts * interval, outcome
+        if restarts:
+            assert r.data.metrics["redone_iterations"] == outcome["redone_iterations"]
+            assert outcome["resumed_from"][-1] == int(r.data.tags["resumed_from"])
+    # the finished folds' mid-fold states were deleted once their results were stored
+    assert not list((tmp_path / "runs").glob("**/ckpt/state-*.pt"))
 
     for parent in parents:
         kids = [r for r in stage("fold") if r.data.tags["mlflow.parentRunId"] == parent.info.run_id]
