@@ -249,7 +249,10 @@ class _Sweep:
             idents = list(self._threads.values())
         for ident in idents:
             _raise_in_thread(ident, SweepInterrupted)
-        wait([f for f in futures if not f.cancelled()], timeout=_STUDY_STOP_WAIT_S)
+        _, left = wait([f for f in futures if not f.cancelled()], timeout=_STUDY_STOP_WAIT_S)
+        if left:
+            print(f"warning: {len(left)} studies still stopping after {_STUDY_STOP_WAIT_S:.0f} s; shutting Ray down",
+                  file=sys.stderr, flush=True)
 
     def _check_stopping(self) -> None:
         from pipelines.stopping import SweepInterrupted
