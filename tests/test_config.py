@@ -373,7 +373,7 @@ def test_loss_weight_decay_follows_the_loss_unless_configured():
     def wd(train):
         ctx = SimpleNamespace(fixed_params={}, train=train, loss="margin", table_ref=None, image_size=16,
                               model_kwargs={}, use_gpu=False, cpus_per_worker=1, tracking_uri="", experiment_id="",
-                              study="s", sweep="x")
+                              study="s", sweep="x", mid_fold_resume=True)
         return _fold_config(ctx, fold, {}, 0, "run", False, manifest, "parent")["train"].get("loss_weight_decay")
 
     # unset: train_fold applies the loss's own (0 for Margin's beta, as MLRC ran it; tests/test_library.py)
