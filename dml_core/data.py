@@ -7,7 +7,8 @@
 * Readers: `read_image_folder` (torchvision ImageFolder order), `read_parquet_manifest` (prepared shards, local or
   S3), `read_omniglot` (the `images_background_small*.zip` files).
 * `synthetic(...)` — compositional toy classes with several modes each, for smoke tests and the demo.
-* `train_transform` / `eval_transform` — MLRC protocol spec §3 ("train transform", "eval transform").
+* `train_transform` / `eval_transform` — MLRC protocol spec §3 ("train transform", "eval transform"), PIL + torch
+  only: bit-identical to torchvision v2's, without importing it.
 * `check_classes_fill_folds` — fail before training when the classes cannot fill 4 folds of m-per-class batches.
 """
 
@@ -31,6 +32,8 @@ __all__ = [
     "synthetic",
     "train_transform",
     "eval_transform",
+    "TrainTransform",
+    "EvalTransform",
     "check_classes_fill_folds",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
