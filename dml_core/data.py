@@ -7,7 +7,8 @@
 * Readers: `read_image_folder` (torchvision ImageFolder order), `read_parquet_manifest` (prepared shards, local or
   S3), `read_omniglot` (the `images_background_small*.zip` files).
 * `synthetic(...)` — compositional toy classes with several modes each, for smoke tests and the demo.
-* `train_transform` / `eval_transform` — MLRC protocol spec §3 ("train transform", "eval transform").
+* `train_transform` / `eval_transform` — MLRC protocol spec §3 ("train transform", "eval transform"), PIL + torch
+  only: bit-identical to torchvision v2's, without importing it.
 * `check_classes_fill_folds` — fail before training when the classes cannot fill 4 folds of m-per-class batches.
 """
 
@@ -31,6 +32,8 @@ __all__ = [
     "synthetic",
     "train_transform",
     "eval_transform",
+    "TrainTransform",
+    "EvalTransform",
     "check_classes_fill_folds",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
@@ -172,9 +175,7 @@ class ImageDataset(torch.utils.data.Dataset):
         except Exception as e:
             raise CorruptImageError(f"cannot decode image at {self.table.row_name(i)}: {e}") from e
         if self.transform is None:
-            from torchvision.transforms.v2 import functional as F
-
-            x = F.to_dtype(F.to_image(img), torch.float32, scale=True)
+            x = _to_tensor(img)
         else:
             x = self.transform(img)
         return x, int(self.table.labels[i])
@@ -183,43 +184,132 @@ class ImageDataset(torch.utils.data.Dataset):
 # --------------------------------------------------------------------------------------------- transforms
 
 
-class _ToRGB:
-    """PIL image of any mode -> RGB; a 1-channel tensor -> 3 channels (Omniglot is 1-bit PNG)."""
+def _rgb(img):
+    """Any PIL mode -> RGB (Omniglot is 1-bit PNG, some JPEGs are grayscale or CMYK)."""
+    return img if img.mode == "RGB" else img.convert("RGB")
 
-    def __call__(self, img):
-        if isinstance(img, torch.Tensor):
-            return img.expand(3, *img.shape[-2:]) if img.ndim >= 3 and img.shape[-3] == 1 else img
-        return img if getattr(img, "mode", "RGB") == "RGB" else img.convert("RGB")
+
+def _check_pil(img, who: str):
+    from PIL import Image
+
+    if not isinstance(img, Image.Image):
+        raise TypeError(f"{who} takes a PIL image (dml_core.data.decode_image's output), got {type(img).__name__}")
+
+
+def _resize_bilinear(img, height: int, width: int):
+    """PIL bilinear resize (PIL always antialiases when it shrinks), skipped when the size is already right —
+    torchvision's PIL resize kernel, hence the same pixels."""
+    from PIL import Image
+
+    if (img.height, img.width) == (height, width):
+        return img
+    return img.resize((width, height), resample=Image.BILINEAR)
+
+
+def _to_tensor(img) -> torch.Tensor:
+    """PIL RGB -> float32 CxHxW in [0, 1]: uint8 HWC array viewed as CHW, converted, times 1/255 (the exact
+    float ops of torchvision's ToImage + ToDtype(float32, scale=True), so the values are bit-identical)."""
+    hwc = torch.as_tensor(np.array(img, copy=True)).view(img.height, img.width, len(img.getbands()))
+    return hwc.permute(2, 0, 1).to(torch.float32).mul_(1.0 / 255)
+
+
+def _normalise(x: torch.Tensor) -> torch.Tensor:
+    """ImageNet mean/std per channel: (x - mean) / std, as two float32 tensor ops (torchvision's Normalize)."""
+    mean = torch.as_tensor(IMAGENET_MEAN, dtype=x.dtype).view(-1, 1, 1)
+    std = torch.as_tensor(IMAGENET_STD, dtype=x.dtype).view(-1, 1, 1)
+    return x.sub(mean).div_(std)
+
+
+class TrainTransform:
+    """MLRC training augmentation (protocol spec §3 "train transform"): RandomResizedCrop(size, scale=(0.16, 1),
+    ratio=(3/4, 4/3)) with bilinear resampling, RandomHorizontalFlip(0.5), ToTensor, ImageNet Normalize;
+    grayscale becomes 3 channels.
+
+    PIL + torch only (no torchvision import: it pulls in ``torch._dynamo``, ~165 MB per fold process).  The random
+    draws are torchvision's (``transforms.v2``), call for call on torch's global RNG — per attempt a uniform area
+    fraction, a log-uniform aspect ratio, then ``randint`` top and left; the centre-crop fallback after 10 misses;
+    then one ``rand`` for the flip — so ``torch.manual_seed`` reproduces torchvision's output bit for bit
+    (``tests/test_transforms.py``).
+    """
+
+    def __init__(self, size: int = 227, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), flip_p: float = 0.5):
+        self.size, self.scale, self.ratio, self.flip_p = int(size), tuple(scale), tuple(ratio), float(flip_p)
+        # float32 logs, as torchvision keeps them: the uniform bounds must be the same doubles.
+        self._log_ratio = tuple(float(v) for v in torch.log(torch.tensor(self.ratio)))
+
+    def crop_params(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(top, left, crop height, crop width) for an image of ``height × width``."""
+        import math
+
+        area = height * width
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1]).item()
+            aspect = torch.exp(torch.empty(1).uniform_(self._log_ratio[0], self._log_ratio[1])).item()
+            w = int(round(math.sqrt(target_area * aspect)))
+            h = int(round(math.sqrt(target_area / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, size=(1,)).item())
+                left = int(torch.randint(0, width - w + 1, size=(1,)).item())
+                return top, left, h, w
+        in_ratio = width / height  # no crop fitted: the largest centred crop within the ratio bounds
+        if in_ratio < min(self.ratio):
+            w, h = width, int(round(width / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            h, w = height, int(round(height * max(self.ratio)))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, img) -> torch.Tensor:
+        from PIL import Image
+
+        _check_pil(img, "train_transform")
+        img = _rgb(img)
+        top, left, h, w = self.crop_params(img.height, img.width)
+        img = _resize_bilinear(img.crop((left, top, left + w, top + h)), self.size, self.size)
+        if bool(torch.rand(1) < self.flip_p):  # torchvision: no flip when rand >= p
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        return _normalise(_to_tensor(img))
 
     def __repr__(self) -> str:
-        return "ToRGB()"
+        return (f"TrainTransform(RandomResizedCrop({self.size}, scale={self.scale}, ratio={self.ratio}, bilinear), "
+                f"HorizontalFlip(p={self.flip_p}), ToTensor, Normalize(ImageNet))")
 
 
-def _to_normalised_tensor():
-    from torchvision.transforms import v2
+class EvalTransform:
+    """MLRC evaluation (protocol spec §3 "eval transform"): Resize(round(size·256/227)) of the short side, bilinear
+    — i.e. Resize(256) at the paper's 227 — then CenterCrop(size), ToTensor, ImageNet Normalize; grayscale becomes
+    3 channels.  PIL + torch only, the same pixels as torchvision's ``Resize`` + ``CenterCrop`` on PIL images."""
 
-    return [v2.ToImage(), _ToRGB(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    def __init__(self, size: int = 227):
+        self.size = int(size)
+        self.resize = round(self.size * 256 / 227)
+
+    def __call__(self, img) -> torch.Tensor:
+        _check_pil(img, "eval_transform")
+        img = _rgb(img)
+        h, w = img.height, img.width
+        short, long = (w, h) if w <= h else (h, w)
+        new_short, new_long = self.resize, int(self.resize * long / short)
+        img = _resize_bilinear(img, *((new_long, new_short) if w <= h else (new_short, new_long)))
+        # the short side is now round(size·256/227) >= size, so the centred crop always fits (no padding)
+        top = int(round((img.height - self.size) / 2.0))
+        left = int(round((img.width - self.size) / 2.0))
+        img = img.crop((left, top, left + self.size, top + self.size))
+        return _normalise(_to_tensor(img))
+
+    def __repr__(self) -> str:
+        return f"EvalTransform(Resize({self.resize}, bilinear), CenterCrop({self.size}), ToTensor, Normalize(ImageNet))"
 
 
-def train_transform(size: int = 227):
-    """MLRC training augmentation (protocol spec §3): RandomResizedCrop(size, scale=(0.16, 1), ratio=(3/4, 4/3)),
-    horizontal flip (p=0.5), then ToTensor + ImageNet Normalize; grayscale becomes 3 channels.
-    Random draws use torch's RNG, so `torch.manual_seed` makes it reproducible."""
-    from torchvision.transforms import v2
-
-    return v2.Compose(
-        [_ToRGB(), v2.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), antialias=True),
-         v2.RandomHorizontalFlip(0.5), *_to_normalised_tensor()]
-    )
+def train_transform(size: int = 227) -> TrainTransform:
+    """The protocol's training transform at crop ``size`` (:class:`TrainTransform`)."""
+    return TrainTransform(size)
 
 
-def eval_transform(size: int = 227):
-    """MLRC evaluation (protocol spec §3): Resize(round(size·256/227)) + CenterCrop(size) — i.e. Resize(256) +
-    CenterCrop(227) at the paper's size — then ToTensor + ImageNet Normalize, grayscale -> 3 channels."""
-    from torchvision.transforms import v2
-
-    return v2.Compose([_ToRGB(), v2.Resize(round(size * 256 / 227), antialias=True), v2.CenterCrop(size),
-                       *_to_normalised_tensor()])
+def eval_transform(size: int = 227) -> EvalTransform:
+    """The protocol's evaluation transform at crop ``size`` (:class:`EvalTransform`)."""
+    return EvalTransform(size)
 
 
 # --------------------------------------------------------------------------------------------- readers

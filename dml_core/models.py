@@ -108,6 +108,8 @@ class _GoogLeNetInputTransform(nn.Module):
 def _torchvision_trunk(name: str, pretrained_transform: bool) -> nn.Sequential:
     """The torchvision classifier ``name`` (``weights=None``) up to its last feature map, as a Sequential
     whose child names (and so state_dict keys) are torchvision's."""
+    # Imported here, only for these trunks: torchvision loads torchvision.ops and with it torch._dynamo (~150 MB
+    # per process), which a ``tiny``-trunk fold process does not need (bench/README_overhead.md).
     import torchvision.models as tvm
 
     if name == "googlenet":
