@@ -419,7 +419,13 @@ class ResourcesSpec(_Strict):
     """How a fold runs: "warm" = single-worker folds on reused Ray worker processes (workers_per_fold 1 only),
     "train" = always a Ray Train TorchTrainer, "auto" = warm when workers_per_fold is 1, else train."""
     max_concurrent_studies: int | None = Field(None, ge=1, le=1024)
-    """Studies (dataset × loss) in flight at once (null = no limit)."""
+    """Studies (dataset × loss) in flight at once, each with its own searcher and max_concurrent_trials trials.
+    null = on a cluster (--address) no limit (Ray's queue holds the folds that do not fit yet); on the embedded
+    local Ray as many studies as its CPUs (and GPUs) hold at full demand — floor(CPUs / (max_concurrent_trials ×
+    folds × workers_per_fold × cpus_per_worker)), at least 1 — so a laptop is not oversubscribed."""
+    trial_retries: int = Field(0, ge=0, le=100)
+    """Reruns of a trial whose Tune actor died (e.g. with its node): Tune FailureConfig(max_failures).  The rerun
+    finds its finished folds by their result directories and does not retrain them.  0 = a lost trial errors."""
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -11,6 +11,10 @@ the losses' retrieval galleries side by side on the same queries, their embeddin
 (with the classes they are confused with); the markdown lists the worst classes.  Images are embedded as data URIs,
 so the HTML stays one file that works offline.
 
+Cost: a table of CPU-hours and GPU-hours per loss and dataset (the study runs' ``cost.cpu_seconds`` /
+``cost.gpu_seconds``, summed over every fold of the study's trials and reproductions; the diverged trials' share
+in brackets), in every format.
+
 The run tree it reads is documented in ``docs/architecture.md`` ("MLflow tree").
 """
 
@@ -166,6 +170,35 @@ def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str =
     return out
 
 
+def _hours(s: Study, kind: str, part: str = "") -> float:
+    v = s.metrics.get(f"cost.{part}{kind}_seconds")
+    return v / 3600 if isinstance(v, (int, float)) else math.nan
+
+
+def _cost_cell(s: Study | None) -> str:
+    """``CPU-h / GPU-h`` of a study, the diverged trials' share in brackets; "–" for a study without cost metrics."""
+    if s is None or math.isnan(_hours(s, "cpu")):
+        return "–"
+    cell = f"{_hours(s, 'cpu'):.3g} / {_hours(s, 'gpu'):.3g}"
+    div = _hours(s, "cpu", "diverged.")
+    return cell + (f" ({div:.3g} / {_hours(s, 'gpu', 'diverged.'):.3g} diverged)" if div > 0 else "")
+
+
+def _cost_rows(studies: list[Study]) -> tuple[list[str], list[list[str]]]:
+    """One row per loss, one cost column per dataset: CPU-hours / GPU-hours."""
+    datasets, losses = _grid(studies)
+    index = {(s.dataset, s.loss): s for s in studies}
+    header = ["loss"] + [f"{d} cost (CPU-h / GPU-h)" for d in datasets]
+    return header, [[loss] + [_cost_cell(index.get((d, loss))) for d in datasets] for loss in losses]
+
+
+def _cost_json(s: Study) -> dict[str, float]:
+    out = {k[len("cost."):]: v for k, v in s.metrics.items() if k.startswith("cost.")}
+    if out:
+        out.update(cpu_hours=_hours(s, "cpu"), gpu_hours=_hours(s, "gpu"))
+    return out
+
+
 def _params(s: Study) -> str:
     return ", ".join(f"{k}={v}" for k, v in s.best_params.items()) or "(nothing searched)"
 
@@ -176,6 +209,12 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
         header, rows = _rows(studies, mode)
         title = "Concatenated (fold embeddings L2-normalised, concatenated)" if mode == "concat" else "Separated (mean over fold models)"
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
+    if any("cost.cpu_seconds" in s.metrics for s in studies):
+        header, rows = _cost_rows(studies)
+        lines += ["## Cost (all folds of the study's trials and reproductions)", "",
+                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
     if comparisons:
@@ -275,6 +314,11 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
         parts.append(f"<h2>{html.escape(mode)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
+    if any("cost.cpu_seconds" in s.metrics for s in studies):
+        header, rows = _cost_rows(studies)
+        parts.append("<h2>Cost</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
+        parts.append("</table>")
     if any(s.best_params for s in studies):
         parts.append("<h2>Winning hyperparameters</h2><table><tr><th>dataset</th><th>loss</th><th>best trial</th></tr>")
         parts += [f"<tr><td>{html.escape(s.dataset)}</td><td>{html.escape(s.loss)}</td><td>{html.escape(_params(s))}</td></tr>"
@@ -347,6 +391,7 @@ def write_report(tracking_uri: str, experiment: str, out_dir: str | Path, *, log
          "studies": [{"dataset": s.dataset, "loss": s.loss, "run_id": s.run_id,
                       "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
                       "n_reproductions": len(s.reproductions), "best_params": s.best_params,
+                      "cost": _cost_json(s),
                       **({"worst_classes": _worst(s, 10)} if _worst(s, 1) else {})} for s in studies],
          "paired_tests": comparisons}, indent=2, default=float))
     _bar_chart(studies, paths["png"])

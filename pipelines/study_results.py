@@ -1,6 +1,10 @@
 """What a finished study reports: its summary, the 95 % confidence intervals across reproductions (MLRC §2.3) and
 the tables printed at the end of a sweep.
 
+Cost: ``cost`` holds the study run's ``cost.*`` metrics (without the prefix): resource-seconds summed over every fold
+of its trials and reproductions (:func:`pipelines.trial.fold_cost`); the end-of-sweep table shows them as CPU-hours
+and GPU-hours.
+
 Intervals: Student-t across reproductions (``dml_core.stats.confidence_interval``), for the *concatenated* and the
 *separated* evaluation of the test classes.
 """
@@ -13,9 +17,11 @@ from typing import Any
 
 from pipelines.trial import REPRODUCTION
 
-__all__ = ["StudySummary", "CI_MODES", "confidence_intervals", "ci_report", "ci_table", "params_table", "fmt_ci"]
+__all__ = ["StudySummary", "CI_MODES", "COST_KEYS", "cost_hours", "confidence_intervals", "ci_report", "ci_table", "params_table", "fmt_ci"]
 
 CI_MODES = ("concat", "separated")
+#: What a fold run records as ``cost.<key>`` and trials, reproductions and studies sum (pipelines.trial.fold_cost).
+COST_KEYS = ("wall_seconds", "cpu_seconds", "gpu_seconds", "restarts", "resumes", "redone_iterations")
 
 
 @dataclass
@@ -33,6 +39,8 @@ class StudySummary:
     n_reproductions: int = 0
     trials: int = 0
     seconds: float = 0.0
+    #: the study run's cost.* metrics without the prefix (wall_seconds, cpu_seconds, ..., diverged.cpu_seconds, ...)
+    cost: dict[str, float] = field(default_factory=dict)
 
 
 
@@ -86,9 +94,19 @@ def fmt_ci(t: tuple[float, float, float]) -> str:
     return f"{100 * m:.2f} ± {100 * (hi - lo) / 2:.2f} [{100 * lo:.2f}, {100 * hi:.2f}]"
 
 
+def cost_hours(cost: dict[str, float], kind: str) -> str:
+    """``cost[f"{kind}_seconds"]`` in hours (``kind`` = cpu | gpu), 3 significant digits; "–" when unknown."""
+    v = cost.get(f"{kind}_seconds")
+    if not isinstance(v, (int, float)) or not math.isfinite(v):
+        return "–"
+    return f"{v / 3600:.3g}"
+
+
 def ci_table(studies: list[StudySummary]) -> str:
-    """The end-of-sweep table: one row per study, P@1 / RP / MAP@R concatenated and separated (×100, ± CI half-width)."""
-    head = ["dataset", "loss"] + [f"{mode} {lab}" for mode in CI_MODES for lab in ("P@1", "RP", "MAP@R")]
+    """The end-of-sweep table: one row per study, P@1 / RP / MAP@R concatenated and separated (×100, ± CI
+    half-width), and what the study cost (CPU-hours, GPU-hours over all its folds)."""
+    head = ["dataset", "loss"] + [f"{mode} {lab}" for mode in CI_MODES for lab in ("P@1", "RP", "MAP@R")] + \
+        ["CPU-h", "GPU-h"]
     rows = []
     for s in studies:
         row = [s.dataset, s.loss]
@@ -101,6 +119,7 @@ def ci_table(studies: list[StudySummary]) -> str:
                     row.append(f"{100 * t[0]:.2f} ± {100 * (t[2] - t[1]) / 2:.2f}")
                 else:
                     row.append(f"{100 * t[0]:.2f}")
+        row += [cost_hours(s.cost, "cpu"), cost_hours(s.cost, "gpu")]
         rows.append(row)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))  # noqa: E731

@@ -23,6 +23,18 @@ process start and its imports per trial — the trainable keeps no state); each 
 enough for ``max_concurrent_trials`` × folds × workers — on a 2-core machine that oversubscribes the cores, which
 is fine for tiny models and is what lets the four folds overlap.
 
+Studies in parallel: every study runs in its own thread of the driver (:meth:`_Sweep.run_all`), each with its own
+searcher, its two Tuners and its own trial concurrency, at most ``max_concurrent_studies`` at a time
+(:func:`max_concurrent_studies`).  Their folds meet in Ray's one queue (a fold is a Ray task or a Train job reserving
+its own resources; a trial reserves 0.01 CPU), so a cluster smaller than the demand only queues folds.  Why threads
+and not one Ray task per study driver: ``docs/architecture.md`` ("Studies in parallel").  Ctrl-C: Python delivers the
+signal to the main thread only; the study threads get the same ``SweepInterrupted`` raised into them
+(:func:`_raise_in_thread`), so each ``Tuner.fit()`` leaves exactly as the single one of a sequential sweep did.
+
+Cost: every fold run records what it held and for how long (``cost.*``, :func:`pipelines.trial.fold_cost`); trials
+and reproductions sum their folds; the study run sums its trials and reproductions (:func:`study_cost`), diverged
+trials' share also as ``cost.diverged.*``.
+
 Resume: every Tuner lives at a fixed path under the sweep's storage, so ``--resume`` restores it
 (``Tuner.restore``: finished trials are kept with the searcher's history, unfinished ones rerun under the same
 trial id); MLflow runs are found again by tags; folds that finished keep their result directory (a warm fold's
@@ -31,9 +43,13 @@ trial id); MLflow runs are found again by tags; folds that finished keep their r
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,10 +62,13 @@ from pipelines.ray_runtime import (check_cluster_resources, check_storage_reacha
                                     redact_uri, scrub, start_ray, stop_ray, warn_multi_node)
 from pipelines.search import best_result, grid_rows, make_searcher
 from pipelines.stopping import failure_reason
-from pipelines.study_results import StudySummary, ci_report, confidence_intervals, fmt_ci
+from pipelines.study_results import COST_KEYS, StudySummary, ci_report, confidence_intervals, fmt_ci
 from pipelines.trial import OBJECTIVE, PARAMS, REPRODUCTION, StudyContext, run_trial
 
-__all__ = ["run_sweep", "SweepOutcome"]
+__all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies", "study_cost"]
+
+#: How long an interrupted sweep waits for its study threads to leave their Tuners before Ray is shut down.
+_STUDY_STOP_WAIT_S = 20.0
 
 _CONFIG_FILE = "sweep_config.json"
 
@@ -106,6 +125,67 @@ def _check_resume(cfg: SweepConfig, resume: bool) -> None:
                                    "Tuner.restore cannot change what is searched")
 
 
+def max_concurrent_studies(cfg: SweepConfig, address: str | None, resources: dict[str, float], n_studies: int) -> int:
+    """``resources.max_concurrent_studies``, or its default: no limit on a cluster (``--address``: Ray queues the
+    folds that do not fit); on the embedded local Ray as many studies as its CPUs (and GPUs) hold at full demand
+    (``max_concurrent_trials`` × folds × ``workers_per_fold`` × per-worker CPUs/GPUs), at least one."""
+    r = cfg.resources
+    if r.max_concurrent_studies is not None:
+        return max(1, min(r.max_concurrent_studies, n_studies))
+    if address:
+        return max(1, n_studies)
+    workers = r.max_concurrent_trials * cfg.protocol.folds * r.workers_per_fold
+    n = math.floor(resources.get("CPU", 1.0) / (workers * r.cpus_per_worker) + 1e-9)
+    if r.use_gpu:
+        n = min(n, math.floor(resources.get("GPU", 0.0) / (workers * r.gpus_per_worker) + 1e-9))
+    return max(1, min(n, n_studies))
+
+
+def study_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The study run's ``cost.*``: the sum over its trials' and reproductions' Tune results (each the sum of its
+    folds, :func:`pipelines.trial.fold_cost`); ``cost.diverged.*`` is the part spent on diverged trials."""
+    out = {f"cost.{k}": 0.0 for k in COST_KEYS}
+    out.update({f"cost.diverged.{k}": 0.0 for k in COST_KEYS})
+    for r in rows:
+        for k in COST_KEYS:
+            v = r.get(f"cost_{k}")
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                out[f"cost.{k}"] += v
+                if r.get("status") == "diverged":
+                    out[f"cost.diverged.{k}"] += v
+    return out
+
+
+def _raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
+    """Raise ``exc_type`` in the thread ``ident`` at its next Python instruction (CPython's
+    ``PyThreadState_SetAsyncExc``): how a study thread gets the Ctrl-C that only the main thread receives."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+
+
+#: Tune's registries (``ray.tune.registry``: trainables, ``with_parameters`` objects) are process-wide dicts that
+#: are not safe to write from two threads at once (seen: "dictionary changed size during iteration" in
+#: ``flush_values`` when two studies' ``Tuner.fit()`` registered their trainables together).
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _register_study_trainable(plan: StudyPlan, ctx: StudyContext) -> str:
+    """Register ``run_trial`` bound to this study under a name of its own and return the name, which the study's
+    Tuners are given instead of the function (so ``Tuner.fit()`` registers nothing itself).  Tune keys trainables by
+    name in one job-wide registry: concurrent studies under one name would run each other's context."""
+    from ray import tune
+
+    def trial(config, ctx):
+        return run_trial(config, ctx)
+
+    name = "run_trial_" + study_dirname(plan.key)
+    trial.__name__ = trial.__qualname__ = name
+    with _REGISTRY_LOCK:
+        trainable = tune.with_resources(tune.with_parameters(trial, ctx=ctx),
+                                        tune.PlacementGroupFactory([{"CPU": 0.01}]))
+        tune.register_trainable(name, trainable)
+    return name
+
+
 # ------------------------------------------------------------------------------------------------------ the study
 
 
@@ -115,6 +195,70 @@ class _Sweep:
         self.plans = plans
         self.tracker = tracker
         self.out = out or sys.stdout
+        #: set when the sweep stops (Ctrl-C, a crash): a study thread whose Tuner returns then goes no further
+        self.stopping = threading.Event()
+        #: the study threads' idents, by study key, while they run a study
+        self._threads: dict[str, int] = {}
+        self._threads_lock = threading.Lock()
+        #: study ends log models through MLflow's fluent API (one process-wide tracking URI) and draw with pyplot
+        #: (process-wide state): one study end at a time
+        self._end_lock = threading.Lock()
+
+    def run_all(self, limit: int) -> list[StudySummary]:
+        """Every study, ``limit`` at a time, each in its own thread; the summaries in the plans' order.  On Ctrl-C
+        or a study's crash the others are stopped (:meth:`_stop_studies`) and the exception goes on."""
+        pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="study")
+        futures = [pool.submit(self._study_thread, plan) for plan in self.plans]
+        try:
+            pending = set(futures)
+            while pending:  # a timeout, so that the main thread stays responsive to SIGINT
+                done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
+                for f in done:
+                    if f.exception() is not None:
+                        raise f.exception()
+        except BaseException:
+            self._stop_studies(futures)
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [f.result() for f in futures]
+
+    def _study_thread(self, plan: StudyPlan) -> StudySummary:
+        from pipelines.stopping import SweepInterrupted
+
+        if self.stopping.is_set():
+            raise SweepInterrupted("stopped before it started")
+        with self._threads_lock:
+            self._threads[plan.key] = threading.get_ident()
+        try:
+            return self.run_study(plan)
+        finally:
+            with self._threads_lock:
+                self._threads.pop(plan.key, None)
+
+    def _stop_studies(self, futures) -> None:
+        """Queued studies never start; running ones get ``SweepInterrupted`` raised in their thread (it leaves
+        ``Tuner.fit()`` as Ctrl-C left it in a sequential sweep; Tune's state is its last periodic snapshot);
+        wait a bounded time for them, then the caller shuts Ray down."""
+        from pipelines.stopping import SweepInterrupted
+
+        self.stopping.set()
+        for f in futures:
+            f.cancel()
+        with self._threads_lock:
+            idents = list(self._threads.values())
+        for ident in idents:
+            _raise_in_thread(ident, SweepInterrupted)
+        _, left = wait([f for f in futures if not f.cancelled()], timeout=_STUDY_STOP_WAIT_S)
+        if left:
+            print(f"warning: {len(left)} studies still stopping after {_STUDY_STOP_WAIT_S:.0f} s; shutting Ray down",
+                  file=sys.stderr, flush=True)
+
+    def _check_stopping(self) -> None:
+        from pipelines.stopping import SweepInterrupted
+
+        if self.stopping.is_set():
+            raise SweepInterrupted("the sweep is stopping")
 
     def say(self, msg: str) -> None:
         print(msg, file=self.out, flush=True)
@@ -198,8 +342,7 @@ class _Sweep:
 
         table_ref = ray.put(plan.dataset.table)
         ctx = self._context(plan, run_id, table_ref)
-        trainable = tune.with_resources(tune.with_parameters(run_trial, ctx=ctx),
-                                        tune.PlacementGroupFactory([{"CPU": 0.01}]))
+        trainable = _register_study_trainable(plan, ctx)
         storage = self.study_storage(plan)
         trials = cfg.protocol.trials if plan.searched else 1
 
@@ -214,13 +357,16 @@ class _Sweep:
             return tune.Tuner(trainable, param_space={}, tune_config=tune_cfg, run_config=tune.RunConfig(
                 name="search", storage_path=storage, verbose=0,
                 callbacks=[TrialProgress(plan.key, trials)],
-                failure_config=tune.FailureConfig(max_failures=0)))
+                failure_config=tune.FailureConfig(max_failures=cfg.resources.trial_retries)))
 
         grid = self._tuner(plan, "search", trainable, new_search).fit()
+        self._check_stopping()
         rows = grid_rows(grid)
+        all_rows = list(rows)
         summary.trials = len(rows)
         best = best_result(rows)
         if best is None:
+            self._log_cost(summary, all_rows)
             return self._fail(summary, f"no trial finished ok ({failure_reason(rows)})", t0)
         params = {k: v for k, v in best["config"].items() if not k.startswith("__")}
         summary.best_trial, summary.best_params = best["trial_id"], params
@@ -245,10 +391,14 @@ class _Sweep:
                                                           reuse_actors=True),
                               run_config=tune.RunConfig(name="reproductions", storage_path=storage, verbose=0,
                                                         callbacks=[TrialProgress(plan.key, n, "reproduction")],
-                                                        failure_config=tune.FailureConfig(max_failures=0)))
+                                                        failure_config=tune.FailureConfig(
+                                                            max_failures=cfg.resources.trial_retries)))
 
-        reps = [r for r in grid_rows(self._tuner(plan, "reproductions", trainable, new_reps).fit())
-                if r.get("status") == "ok" and any(k.startswith("test_concat_") for k in r)]
+        rep_rows = grid_rows(self._tuner(plan, "reproductions", trainable, new_reps).fit())
+        self._check_stopping()
+        all_rows += rep_rows
+        self._log_cost(summary, all_rows)
+        reps = [r for r in rep_rows if r.get("status") == "ok" and any(k.startswith("test_concat_") for k in r)]
         reps.sort(key=lambda r: r[REPRODUCTION])
         summary.n_reproductions = len(reps)
         if not reps:
@@ -265,11 +415,12 @@ class _Sweep:
         md, doc = ci_report(summary, reps)
         t.log_text(run_id, md, "ci_report.md")
         t.log_json(run_id, doc, "ci_report.json")
-        self._log_models(run_id, reps[0])
-        log_study_visuals(t, run_id, plan, reps)  # gallery, per-class metrics, embedding map
-        # the reproductions as MLflow pyfunc models, one registered version per study
-        on_study_end(t, study_run_id=run_id, experiment=cfg.experiment_name(), sweep=cfg.name, plan=plan,
-                     reps=reps, ci=summary.ci, say=self.say)
+        with self._end_lock:
+            self._log_models(run_id, reps[0])
+            log_study_visuals(t, run_id, plan, reps)  # gallery, per-class metrics, embedding map
+            # the reproductions as MLflow pyfunc models, one registered version per study
+            on_study_end(t, study_run_id=run_id, experiment=cfg.experiment_name(), sweep=cfg.name, plan=plan,
+                         reps=reps, ci=summary.ci, say=self.say)
         summary.seconds = time.time() - t0
         t.set_tags(run_id, {"done": "true", "status": "ok", "seconds": round(summary.seconds, 1)})
         t.finish(run_id, "FINISHED")
@@ -278,6 +429,11 @@ class _Sweep:
                  f"(trial {summary.best_trial}); test MAP@R concat {fmt_ci(c)}, separated {fmt_ci(s_)} "
                  f"({len(reps)} reproductions)")
         return summary
+
+    def _log_cost(self, summary: StudySummary, rows: list[dict[str, Any]]) -> None:
+        cost = study_cost(rows)
+        self.tracker.log_metrics(summary.run_id, cost)
+        summary.cost = {k[len("cost."):]: v for k, v in cost.items()}
 
     def _log_models(self, run_id: str, rep: dict[str, Any]) -> None:
         """Reproduction ``rep``'s fold models (written by rank 0 into its Ray Train checkpoint) → ``models/``."""
@@ -307,6 +463,7 @@ class _Sweep:
         if "best.val.map_at_r.mean" in m:
             summary.best_val = (m["best.val.map_at_r.mean"], m.get("best.val.map_at_r.sem", float("nan")))
         summary.n_reproductions = int(m.get("test.n_reproductions", 0))
+        summary.cost = {k[len("cost."):]: v for k, v in m.items() if k.startswith("cost.")}
         for key, v in m.items():
             parts = key.split(".")
             if len(parts) == 4 and parts[0] == "test" and parts[3] == "mean":
@@ -361,12 +518,15 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         elif resume:
             reopen_interrupted(tracker, cfg.name)
         warn_multi_node(cfg, uri, out)
-        print(f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}); "
+        import ray
+
+        limit = max_concurrent_studies(cfg, address, ray.cluster_resources(), len(plans))
+        print(f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}), ≤ {limit} at once; "
               f"MLflow {shown} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}", file=out, flush=True)
         message = f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}"
         with stop_on_sigint(message, out):
             sweep = _Sweep(cfg, plans, tracker, out)
-            studies = [sweep.run_study(plan) for plan in plans]
+            studies = sweep.run_all(limit)
     except BaseException as e:
         # Stop Ray first: no worker may write to a run after it is closed.
         stop_ray(started)

@@ -42,7 +42,7 @@ import numpy as np
 from pipelines.fold import METRIC_KEYS, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS, fold_worker
 from pipelines.spaces import LOSS_LR
 
-__all__ = ["StudyContext", "run_trial", "fold_executor", "REPRODUCTION", "PARAMS", "OBJECTIVE", "reproduction_seed"]
+__all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "REPRODUCTION", "PARAMS", "OBJECTIVE", "reproduction_seed"]
 
 #: Tune config keys of a reproduction trial (a search trial's config is the sampled hyperparameters themselves).
 REPRODUCTION = "__reproduction__"
@@ -88,6 +88,21 @@ def fold_executor(ctx: StudyContext) -> str:
     if ctx.fold_executor != "auto":
         return ctx.fold_executor
     return "warm" if ctx.workers_per_fold == 1 else "train"
+
+
+def fold_cost(outcome: dict[str, Any], cpus_per_worker: float, gpus_per_worker: float) -> dict[str, float]:
+    """What a fold held and for how long (its run's ``cost.*``): the fold function's wall time (``time_start`` →
+    ``time_end`` in ``outcome.json``, the attempt that finished) × its ``world_size`` workers × CPUs / GPUs per worker
+    (``gpus_per_worker`` = 0 without GPUs).  Restarted work is counted apart, from the fields a restarting fold
+    writes when it has them: ``restarts`` (process restarts), ``resumes`` (mid-fold resumes, ``resumed_from``) and
+    ``redone_iterations`` (iterations trained twice)."""
+    wall = max(0.0, float(outcome["time_end"]) - float(outcome["time_start"]))
+    workers = int(outcome.get("world_size") or 1)
+    return {"wall_seconds": wall, "cpu_seconds": wall * cpus_per_worker * workers,
+            "gpu_seconds": wall * gpus_per_worker * workers,
+            "restarts": float(outcome.get("restarts", 0) or 0),
+            "resumes": float(len(outcome.get("resumed_from", []) or [])),
+            "redone_iterations": float(outcome.get("redone_iterations", 0) or 0)}
 
 
 def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fold_run_id: str,
@@ -328,16 +343,22 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
             from errors[k]
 
     outcomes, embeddings, labels = [], [], []
+    cost: dict[str, float] = {}
+    gpus = ctx.gpus_per_worker if ctx.use_gpu else 0.0
     for fold in manifest.folds:
         outcome, emb, lab = _read_outcome(uris[fold.index])
         outcomes.append(outcome)
         if emb is not None:
             embeddings.append(emb)
             labels.append(lab)
-        _finish_fold_run(tracker, fold_runs[fold.index], outcome, uris[fold.index], fit_spans[fold.index])
+        one = fold_cost(outcome, ctx.cpus_per_worker, gpus)
+        _finish_fold_run(tracker, fold_runs[fold.index], outcome, uris[fold.index], fit_spans[fold.index], one)
+        for k, v in one.items():  # the trial's cost = the sum of its folds'
+            cost[k] = cost.get(k, 0.0) + v
 
     summary = reduce_folds(outcomes)
     metrics = {k: v for k, v in summary.items() if k.startswith("val.")}
+    metrics.update({f"cost.{k}": v for k, v in cost.items()})
     details_uri = None
     if reproduction and summary["status"] == "ok":
         test_metrics, details = reproduction_test_metrics(outcomes, embeddings, labels)
@@ -378,7 +399,7 @@ def _store_details(ctx: StudyContext, prefix: str, details) -> str:
 
 
 def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpoint: str,
-                     fit_span: tuple[float, float]) -> None:
+                     fit_span: tuple[float, float], cost: dict[str, float]) -> None:
     """Summary of a fold run (and its history, if rank 0 could not log it live, e.g. after a restart)."""
     run = tracker.run(fold_run_id)
     if run.info.status == "FINISHED" and "best_epoch" in run.data.metrics:
@@ -399,6 +420,7 @@ def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpo
                     "time.train_start": outcome.get("time_train_start", outcome["time_start"]),
                     "time.end": outcome["time_end"], "time.fit_end": fit_span[1],
                     "iterations": outcome["iterations"], "process.rss_peak_mb": outcome.get("rss_peak_mb")})
+    summary.update({f"cost.{k}": v for k, v in cost.items()})  # what the fold held and for how long (fold_cost)
     tracker.log_metrics(fold_run_id, summary)
     tracker.set_tags(fold_run_id, {"status": outcome["status"], "reason": outcome["reason"][:4000],
                                    "checkpoint": checkpoint, "world_size": outcome["world_size"],

@@ -1,0 +1,84 @@
+"""Cost accounting (issue #12 item 2), fast: a fold's resource-seconds, their sums, the tables that show them, and the
+default number of studies in flight.  The same on real runs: tests/test_parallel_studies.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipelines.study_results import StudySummary, ci_table
+from pipelines.sweep import max_concurrent_studies, study_cost
+from pipelines.trial import fold_cost
+
+OUTCOME = {"time_start": 100.0, "time_end": 130.0, "world_size": 2}
+
+
+def test_a_folds_cost_is_its_wall_time_times_what_its_workers_held():
+    c = fold_cost(OUTCOME, cpus_per_worker=1.5, gpus_per_worker=0.0)
+    assert c["wall_seconds"] == 30.0 and c["cpu_seconds"] == 90.0 and c["gpu_seconds"] == 0.0
+    assert c["restarts"] == c["resumes"] == c["redone_iterations"] == 0.0  # outcome.json without restart fields
+    c = fold_cost({**OUTCOME, "restarts": 2, "resumed_from": [40, 80], "redone_iterations": 17}, 1.0, 0.5)
+    assert c["gpu_seconds"] == 30.0 and (c["restarts"], c["resumes"], c["redone_iterations"]) == (2.0, 2.0, 17.0)
+
+
+def test_the_study_sums_its_trials_and_reports_the_diverged_share_apart():
+    rows = [{"status": "ok", "cost_cpu_seconds": 10.0, "cost_gpu_seconds": 1.0},
+            {"status": "diverged", "cost_cpu_seconds": 5.0, "cost_gpu_seconds": 0.5, "cost_restarts": 1.0},
+            {"status": "ok", "cost_cpu_seconds": 7.0, "cost_gpu_seconds": 0.0, "__reproduction__": 0},
+            {"error": "boom", "trial_id": "t3"}]  # no result: nothing to add
+    c = study_cost(rows)
+    assert c["cost.cpu_seconds"] == 22.0 and c["cost.gpu_seconds"] == 1.5 and c["cost.restarts"] == 1.0
+    assert c["cost.diverged.cpu_seconds"] == 5.0 and c["cost.diverged.gpu_seconds"] == 0.5
+
+
+def test_the_sweeps_table_shows_cpu_and_gpu_hours():
+    s = StudySummary("d/l", "d", "l", "run", "ok", cost={"cpu_seconds": 7200.0, "gpu_seconds": 0.0})
+    table = ci_table([s]).splitlines()
+    assert table[0].split()[-2:] == ["CPU-h", "GPU-h"] and table[2].split()[-2:] == ["2", "0"]
+    assert ci_table([StudySummary("d/m", "d", "m", "run", "failed")]).splitlines()[2].split()[-2:] == ["–", "–"]
+
+
+def _cfg(**resources):
+    from pipelines.config import parse_config
+    from pipelines.presets import demo_config
+
+    doc = demo_config("cost", "runs")
+    doc["resources"] = {**doc.get("resources", {}), **resources}
+    return parse_config(doc, source="test")
+
+
+def test_default_studies_in_flight_fill_a_local_ray_but_do_not_oversubscribe_it():
+    cfg = _cfg(workers_per_fold=1, cpus_per_worker=1.0, max_concurrent_trials=2, max_concurrent_studies=None)
+    demand = 2 * cfg.protocol.folds  # CPUs of one study at full trial concurrency
+    assert max_concurrent_studies(cfg, None, {"CPU": demand * 3 + 1}, 10) == 3
+    assert max_concurrent_studies(cfg, None, {"CPU": 2}, 10) == 1  # a small laptop: one at a time
+    assert max_concurrent_studies(cfg, None, {"CPU": 1000}, 4) == 4  # never more than there are studies
+    assert max_concurrent_studies(cfg, "ray://head:10001", {"CPU": 2}, 45) == 45  # a cluster: Ray's queue bounds
+    gpu = _cfg(workers_per_fold=1, use_gpu=True, gpus_per_worker=1.0, max_concurrent_trials=1,
+               max_concurrent_studies=None)
+    assert max_concurrent_studies(gpu, None, {"CPU": 64, "GPU": 2 * gpu.protocol.folds}, 10) == 2
+    assert max_concurrent_studies(_cfg(max_concurrent_studies=2), None, {"CPU": 1000}, 10) == 2
+
+
+def test_report_has_a_cost_column_in_every_format(tmp_path):
+    from pipelines.report import write_report
+    from tests.test_report import _populate
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _populate(uri, "sweep-c")
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name("sweep-c")
+    for run in c.search_runs([exp.experiment_id], "tags.stage = 'study'"):
+        if run.data.tags["loss"] == "mpa":
+            for k, v in {"cost.cpu_seconds": 5400.0, "cost.gpu_seconds": 1800.0, "cost.diverged.cpu_seconds": 360.0,
+                         "cost.diverged.gpu_seconds": 0.0}.items():
+                c.log_metric(run.info.run_id, k, v)
+    paths = write_report(uri, "sweep-c", tmp_path / "out", log_to_mlflow=False)
+    md = paths["md"].read_text()
+    assert "| loss | synthetic cost (CPU-h / GPU-h) |" in md
+    assert "| mpa | 1.5 / 0.5 (0.1 / 0 diverged) |" in md and "| contrastive | – |" in md
+    assert "1.5 / 0.5" in paths["html"].read_text()
+    costs = {s["loss"]: s["cost"] for s in json.loads(paths["json"].read_text())["studies"]}
+    assert costs["mpa"]["cpu_hours"] == pytest.approx(1.5) and costs["contrastive"] == {}
