@@ -5,6 +5,8 @@
         ...
     with postgres_database() as pg_uri, mlflow_server(tmp_path, backend_uri=pg_uri) as uri:
         ...
+    with mlflow_server(tmp_path, backend_uri=pg_uri, artifacts_destination="s3://bucket/mlflow",
+                       env={"MLFLOW_S3_ENDPOINT_URL": ..., "AWS_ACCESS_KEY_ID": ..., ...}) as uri:   # artifacts in S3
 
 The server runs in its own session (process group) and is stopped by that process id — never by name.
 Artifacts are proxied by the server (``--artifacts-destination`` inside ``tmp_path``), as in a shared deployment.
@@ -50,8 +52,12 @@ def _healthy(uri: str) -> bool:
 
 
 @contextlib.contextmanager
-def mlflow_server(workdir: str | os.PathLike, backend_uri: str | None = None, timeout: float = 180.0):
-    """Start ``mlflow server`` (sqlite in ``workdir`` unless ``backend_uri``); yield its ``http://127.0.0.1:<port>``."""
+def mlflow_server(workdir: str | os.PathLike, backend_uri: str | None = None, timeout: float = 180.0, *,
+                  artifacts_destination: str | None = None, env: dict[str, str] | None = None):
+    """Start ``mlflow server`` (sqlite in ``workdir`` unless ``backend_uri``); yield its ``http://127.0.0.1:<port>``.
+
+    ``artifacts_destination`` (default: a folder in ``workdir``) may be an ``s3://`` URI; ``env`` is added to the
+    server's environment (e.g. ``MLFLOW_S3_ENDPOINT_URL`` and the S3 keys for such a destination)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     backend = backend_uri or f"sqlite:///{workdir / 'mlflow-server.db'}"
@@ -59,11 +65,13 @@ def mlflow_server(workdir: str | os.PathLike, backend_uri: str | None = None, ti
     uri = f"http://127.0.0.1:{port}"
     log = open(workdir / "mlflow-server.log", "wb")
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", backend, "--artifacts-destination", str(workdir / "mlflow-artifacts"),
+           "--backend-store-uri", backend,
+           "--artifacts-destination", artifacts_destination or str(workdir / "mlflow-artifacts"),
            "--workers", "1"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             # no background job runner (8 huey consumer processes): the sweep never submits jobs
-                            env={**os.environ, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+                            env={**os.environ, **(env or {}), "MLFLOW_TRACKING_URI": "",
+                                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
         deadline = time.time() + timeout
         while not _healthy(uri):

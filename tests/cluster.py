@@ -1,0 +1,262 @@
+"""A real multi-node Ray cluster on one machine, for tests and benchmarks (issue #12, item 2).
+
+    from tests.cluster import local_cluster
+    with local_cluster(tmp_path, workers=2, worker_cpus=2) as c:
+        subprocess.run(["dmlrc", "sweep", cfg, "--address", c.address], env=c.driver_env())
+        c.node_ids            # [head, worker 1, worker 2] — Ray node ids, index = node index
+        c.kill_node(1)        # SIGKILL every process of worker node 1 (a lost pod)
+
+What it starts, each on free ports and in its own folders:
+
+* a head and ``workers`` worker nodes, each one ``ray start --block`` process in its own session
+  (``--temp-dir`` of its own, ``--object-store-memory`` small).  Node ``i`` declares the custom resource
+  ``{"node_<i>": 1}`` (``node_0`` = head) plus ``worker_resources`` (e.g. accelerator slots) on the workers;
+  the head has ``head_cpus`` logical CPUs (default 0, so that folds and trial actors run on the workers);
+* SeaweedFS S3 (``tests/s3_server.py``) with the bucket ``bucket`` — the sweep's shared ``storage: s3://...``;
+* an ``mlflow server`` (``tests/mlflow_server.py``) on a fresh PostgreSQL database (127.0.0.1:5432, trust auth,
+  dropped afterwards), its artifacts proxied into the same S3 bucket under ``mlflow/``.
+
+The nodes get the S3 keys through their own environment (as a KubeRay pod gets a secret), never through Ray's
+runtime_env.  Processes are stopped by their own ids: a node's ``ray start --block`` process gets SIGTERM (it stops
+the node's Ray processes), then every process that was below it (raylet children — the workers — included) that
+still lives gets SIGKILL.  ``ray stop`` is never used: it would end every Ray on the machine.
+
+Ray 2.60 cannot keep such a cluster on the loopback interface: ``ray start --node-ip-address 127.0.0.1`` is
+replaced by the machine's routable address, and the loopback switch (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``)
+makes ``ray start --address`` refuse to start a worker node.  So the nodes listen on the machine's address, on
+random ports, for the few minutes of a test; the dashboard (head only) stays on 127.0.0.1.  Token auth is off
+(``RAY_AUTH_MODE=disabled``) for these throwaway clusters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+__all__ = ["LocalCluster", "local_cluster", "ClusterUnavailable"]
+
+
+class ClusterUnavailable(RuntimeError):
+    """PostgreSQL (or another service the cluster needs) is not there: callers skip."""
+
+
+def _free_port() -> int:
+    from tests.mlflow_server import free_port
+
+    return free_port()
+
+
+@dataclass
+class Node:
+    index: int
+    resource: str                       # its own custom resource, e.g. "node_1"
+    proc: subprocess.Popen              # `ray start --block`, leader of its own session
+    temp_dir: str
+    log_path: Path
+    node_id: str = ""
+
+    def pids(self) -> list[int]:
+        """The ``ray start`` process and every process below it (GCS, raylet, agents, workers), children first."""
+        import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [p.pid for p in reversed(root.children(recursive=True))] + [root.pid]
+        except psutil.NoSuchProcess:
+            return []
+
+    def raylet_pid(self) -> int | None:
+        import ray  # noqa: F401
+        import psutil
+
+        for pid in self.pids():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).name() == "raylet":
+                    return pid
+        return None
+
+
+@dataclass
+class LocalCluster:
+    address: str                        # GCS address for `dmlrc sweep --address` / ray.init(address=...)
+    nodes: list[Node]
+    base_env: dict[str, str]
+    s3_endpoint: str = ""
+    s3_bucket: str = ""
+    access_key: str = ""
+    secret_key: str = ""
+    tracking_uri: str = ""
+    workdir: Path = field(default_factory=Path)
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [n.node_id for n in self.nodes]
+
+    def driver_env(self, **extra: str) -> dict[str, str]:
+        """Environment for a driver process (``dmlrc sweep --address``): this checkout first, the S3 endpoint and
+        keys, no token auth."""
+        return {**self.base_env, **extra}
+
+    def storage(self, prefix: str) -> str:
+        return f"s3://{self.s3_bucket}/{prefix}"
+
+    def kill_node(self, i: int, sig: int = signal.SIGKILL) -> list[int]:
+        """Kill every process of node ``i`` (0 = head) by pid, as a lost pod would lose them; returns the pids."""
+        pids = self.nodes[i].pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
+
+    def alive_node_ids(self, timeout: float = 60) -> list[str]:
+        """The node ids the GCS counts alive now (asked from a short-lived driver process)."""
+        return [n["NodeID"] for n in _ray_nodes(self.address, self.base_env, timeout) if n["Alive"]]
+
+
+_NODES_SCRIPT = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print("NODES=" + json.dumps([{"NodeID": n["NodeID"], "Alive": n["Alive"], "Resources": n.get("Resources", {})}
+                             for n in ray.nodes()]))
+"""
+
+
+def _ray_nodes(address: str, env: dict[str, str], timeout: float) -> list[dict]:
+    out = subprocess.run([sys.executable, "-c", _NODES_SCRIPT, address], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    for line in out.stdout.splitlines():
+        if line.startswith("NODES="):
+            return json.loads(line[len("NODES="):])
+    raise RuntimeError(f"could not list the nodes of {address}: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+
+
+def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path) -> Node:
+    # Unix socket paths live under the temp dir and must stay < 108 bytes: a short private folder, not tmp_path.
+    temp_dir = tempfile.mkdtemp(prefix=f"dmlrc-n{index}-")
+    log_path = logs / f"node{index}.log"
+    resource = f"node_{index}"
+    cmd = [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
+           "--temp-dir", temp_dir, "--node-manager-port", str(_free_port()),
+           "--object-manager-port", str(_free_port()), "--runtime-env-agent-port", str(_free_port()),
+           "--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port", str(_free_port()),
+           "--metrics-export-port", str(_free_port()), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Node(index=index, resource=resource, proc=proc, temp_dir=temp_dir, log_path=log_path)
+
+
+def _stop_node(node: Node, grace: float = 15.0) -> None:
+    pids = node.pids()  # snapshot first: once the raylet is gone its workers are orphans, no longer below it
+    if node.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGTERM)
+        try:
+            node.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    import ray  # noqa: F401
+    import psutil
+
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            p = psutil.Process(pid)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                p.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        node.proc.wait(timeout=10)
+    shutil.rmtree(node.temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: int = 0, worker_cpus: int = 2,
+                  worker_resources: dict[str, float] | None = None, object_store_mb: int = 80,
+                  bucket: str = "dmlrc", services: bool = True, start_timeout: float = 120.0):
+    """Start head + ``workers`` worker nodes (and, with ``services``, S3 and MLflow-on-PostgreSQL); yield a
+    :class:`LocalCluster`; stop everything by pid on exit.  Raises :class:`ClusterUnavailable` without PostgreSQL."""
+    from tests.s3_server import s3_server
+
+    workdir = Path(workdir)
+    logs = workdir / "cluster-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI" and not k.startswith(("AWS_", "RAY_"))}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    nodes: list[Node] = []
+    with contextlib.ExitStack() as stack:
+        cluster = LocalCluster(address="", nodes=nodes, base_env=env, workdir=workdir)
+        if services:
+            from tests.mlflow_server import PostgresUnavailable, mlflow_server, postgres_database
+
+            try:
+                pg_uri = stack.enter_context(postgres_database())
+            except PostgresUnavailable as e:
+                raise ClusterUnavailable(str(e)) from None
+            endpoint, key, secret = stack.enter_context(s3_server(workdir))
+            s3_env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
+                      "AWS_DEFAULT_REGION": "us-east-1", "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+                      "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required"}
+            import boto3
+
+            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
+                         region_name="us-east-1").create_bucket(Bucket=bucket)
+            env.update(s3_env)
+            cluster.tracking_uri = stack.enter_context(mlflow_server(
+                workdir / "mlflow", backend_uri=pg_uri, artifacts_destination=f"s3://{bucket}/mlflow",
+                env={**s3_env, "MLFLOW_S3_ENDPOINT_URL": endpoint}))
+            cluster.s3_endpoint, cluster.s3_bucket, cluster.access_key, cluster.secret_key = \
+                endpoint, bucket, key, secret
+
+        def stop_all() -> None:
+            for node in reversed(nodes):  # workers first, the head (GCS) last
+                _stop_node(node)
+
+        stack.callback(stop_all)
+        gcs_port = _free_port()
+        nodes.append(_start_node(0, ["--head", "--port", str(gcs_port), "--num-cpus", str(head_cpus),
+                                     "--num-gpus", "0", "--resources", json.dumps({"node_0": 1}),
+                                     "--object-store-memory", str(object_store_mb * 2**20),
+                                     "--include-dashboard", "false", "--dashboard-host", "127.0.0.1",
+                                     "--dashboard-port", str(_free_port())], env, logs))
+        deadline = time.monotonic() + start_timeout
+        address = ""
+        while not address:  # the head prints the address workers join: `ray start --address='<ip>:<port>'`
+            text = nodes[0].log_path.read_text(errors="replace")
+            for line in text.splitlines():
+                if "ray start --address=" in line:
+                    address = line.split("--address=", 1)[1].strip().strip("'\"")
+            if nodes[0].proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Ray head did not start: {text[-3000:]}")
+            time.sleep(0.5)
+        cluster.address = address
+        for i in range(1, workers + 1):
+            nodes.append(_start_node(i, ["--address", address, "--num-cpus", str(worker_cpus), "--num-gpus", "0",
+                                         "--resources", json.dumps({f"node_{i}": 1, **(worker_resources or {})}),
+                                         "--object-store-memory", str(object_store_mb * 2**20)], env, logs))
+        # Every node registered, and which node id is which (by its own custom resource).
+        while True:
+            listed = [n for n in _ray_nodes(address, env, timeout=max(10.0, deadline - time.monotonic()))
+                      if n["Alive"]]
+            by_resource = {r: n["NodeID"] for n in listed for r in n["Resources"] if r.startswith("node_")}
+            if all(node.resource in by_resource for node in nodes):
+                for node in nodes:
+                    node.node_id = by_resource[node.resource]
+                break
+            dead = [n.index for n in nodes if n.proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"Ray nodes {dead or '?'} did not join {address}: "
+                                   + " | ".join(n.log_path.read_text(errors='replace')[-1500:] for n in nodes))
+            time.sleep(1)
+        yield cluster

@@ -1,0 +1,86 @@
+"""A sweep on a real multi-node Ray cluster (issue #12, item 2): ``dmlrc sweep CONFIG --address <head>`` against a
+head + 2 worker nodes started with ``ray start`` (``tests/cluster.py``), ``storage: s3://`` on SeaweedFS and an
+``mlflow server`` on PostgreSQL.  The head has no CPUs, each worker 2: a trial's four folds (1 CPU each, all
+submitted at once) cannot fit on one node, so they must land on both workers — read back from the fold runs'
+``node_id`` tags.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+
+def cluster_sweep_config(tmp_path: Path, tracking_uri: str, storage: str, *, name: str, losses=("contrastive",),
+                         datasets: int = 1, trials: int = 1, reproductions: int = 2, iters_per_epoch: int = 2,
+                         max_epochs: int = 1, **resources) -> Path:
+    """A tiny real sweep: synthetic data, 4 kfold folds, warm single-worker folds of 1 CPU."""
+    doc = {
+        "name": name,
+        "seed": 1,
+        "datasets": [{"name": f"synthetic{i}" if datasets > 1 else "synthetic", "kind": "synthetic", "num_classes": 16,
+                      "per_class": 6, "image_size": 16, "seed": i + 1} for i in range(datasets)],
+        "losses": list(losses),
+        "model": {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
+        "protocol": {"folds": 4, "fold_layout": "kfold", "trials": trials, "startup_trials": trials,
+                     "reproductions": reproductions, "iters_per_epoch": iters_per_epoch, "eval_every": 1,
+                     "patience": 1, "max_epochs": max_epochs,
+                     "train": {"classes_per_batch": 2, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
+                               "eval_batch_size": 64}},
+        "resources": {"workers_per_fold": 1, "cpus_per_worker": 1, "max_concurrent_trials": 1, **resources},
+        "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
+        "storage": storage,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.tracking import search_all
+    from tests.cluster import ClusterUnavailable, local_cluster
+
+    try:
+        cluster = local_cluster(tmp_path, workers=2, worker_cpus=2)
+        c = cluster.__enter__()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no PostgreSQL for the MLflow server: {e}")
+    try:
+        cfg = cluster_sweep_config(tmp_path, c.tracking_uri, c.storage("sweeps"), name="multinode")
+        out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300, env=c.driver_env())
+        log = out.stdout[-5000:] + out.stderr[-5000:]
+        assert out.returncode == 0, log
+        assert "warning:" not in out.stdout, log  # S3 storage and an MLflow server: nothing to warn about
+
+        client = MlflowClient(c.tracking_uri)
+        exp = client.get_experiment_by_name("multinode-experiment")
+        runs = search_all(client, exp.experiment_id, "")
+        stages = sorted(r.data.tags["stage"] for r in runs)
+        assert stages == ["fold"] * 12 + ["reproduction"] * 2 + ["study", "trial"], stages
+        assert [r.info.run_id for r in runs if r.info.status != "FINISHED"] == []  # nothing left RUNNING
+        study = next(r for r in runs if r.data.tags["stage"] == "study")
+        assert study.data.tags.get("done") == "true"
+        m = study.data.metrics
+        mean, low, high = (m[f"test.concat.map_at_r.{k}"] for k in ("mean", "ci_low", "ci_high"))
+        assert all(math.isfinite(v) for v in (mean, low, high)) and low <= mean <= high, (mean, low, high)
+
+        # Folds ran on the worker nodes of *this* cluster, on at least two of them.
+        fold_nodes = [r.data.tags.get("node_id") for r in runs if r.data.tags["stage"] == "fold"]
+        workers = set(c.node_ids[1:])
+        assert set(fold_nodes) <= workers, (fold_nodes, c.node_ids)
+        assert len(set(fold_nodes)) >= 2, fold_nodes
+        # Fold results went through the shared S3 storage (no local path on a multi-node cluster).
+        assert all(r.data.tags["checkpoint"].startswith(f"s3://{c.s3_bucket}/sweeps")
+                   for r in runs if r.data.tags["stage"] == "fold")
+    finally:
+        cluster.__exit__(None, None, None)
