@@ -45,7 +45,7 @@ from pipelines.config import ConfigError, SweepConfig, redact_uri
 
 __all__ = ["RAY_ENV", "S3_ENV", "AWS_SECRET_ENV", "s3_compat_env", "check_storage_reachable",
            "check_tracking_reachable", "default_num_cpus", "init_ray", "start_ray", "stop_ray", "check_cluster_resources",
-           "warn_multi_node", "redact_uri", "scrub"]
+           "warn_multi_node", "redact_uri", "scrub", "TRIAL_DRIVER_RESOURCE", "trial_bundle"]
 
 #: Set before Ray is imported/started: Train V2, quiet start-up, no usage stats, all worker lines shown.
 RAY_ENV = {
@@ -166,6 +166,23 @@ def default_num_cpus(cfg: SweepConfig) -> int:
     return int(max(os.cpu_count() or 1, math.ceil(need) + 1))
 
 
+#: The custom resource that marks the node(s) where trial drivers (Tune's trial actors, 0 CPU of real work each)
+#: belong: the node the sweep is driven from, which is not preemptible (spec ray_mlflow_notes §5.2, "put driver
+#: functions on safe nodes with a custom resource").  A Ray the sweep starts declares it; on a cluster the head
+#: declares it (``ray start --head --resources '{"dmlrc_trial_driver": 10000}'``, infra/ray/).  Without it a trial
+#: reserves 0.01 CPU on any node — which takes a whole fold slot out of a node whose CPUs are all fold slots, and
+#: puts the trial on a node that may be lost with its folds.
+TRIAL_DRIVER_RESOURCE = "dmlrc_trial_driver"
+_TRIAL_DRIVER_SLOTS = 10_000  # each trial takes 1: no limit in practice (Tune's max_concurrent_trials limits trials)
+
+
+def trial_bundle(cluster_resources: dict[str, float]) -> dict[str, float]:
+    """The resources of one trial driver's placement-group bundle (see :data:`TRIAL_DRIVER_RESOURCE`)."""
+    if cluster_resources.get(TRIAL_DRIVER_RESOURCE, 0) >= 1:
+        return {TRIAL_DRIVER_RESOURCE: 1}
+    return {"CPU": 0.01}
+
+
 #: What :func:`start_ray` changed in this process, for :func:`stop_ray` to undo.
 _UNDO: list[Any] = []
 
@@ -267,6 +284,7 @@ def init_ray(address: str | None, *, num_cpus: int) -> bool:
         # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+        kwargs["resources"] = {TRIAL_DRIVER_RESOURCE: _TRIAL_DRIVER_SLOTS}
         if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo") and \
                 "GLOO_SOCKET_IFNAME" not in os.environ:
             # The folds' gloo (CPU DDP) connections between workers of one machine: over loopback only.
@@ -304,6 +322,11 @@ def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) < 2:
         return
+    if TRIAL_DRIVER_RESOURCE not in ray.cluster_resources():
+        print(f"note: no node declares the custom resource {TRIAL_DRIVER_RESOURCE!r}, so trial drivers (0.01 CPU each) "
+              "may land on any node, lose a fold slot there, and die with it; declare it on the head "
+              f"(ray start --head --resources '{{\"{TRIAL_DRIVER_RESOURCE}\": {_TRIAL_DRIVER_SLOTS}}}')",
+              file=out, flush=True)
     if not cfg.storage_is_s3:
         print(f"warning: storage: {cfg.ray_storage()} is a local path on a {len(nodes)}-node cluster; it must be a "
               "shared mount (NFS) on every node, else use s3://", file=out, flush=True)

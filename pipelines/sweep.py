@@ -17,7 +17,8 @@ For each study (MLRC §2, spec protocol_reality_check.md):
 4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.stats.confidence_interval``), written to the
    study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints).
 
-Resources: a trial is a driver reserving 0.01 CPU (its Tune actor is reused from trial to trial, which saves a
+Resources: a trial is a driver reserving one unit of ``dmlrc_trial_driver`` on the driver's node, or 0.01 CPU
+where no node declares it (:data:`pipelines.ray_runtime.TRIAL_DRIVER_RESOURCE`; its Tune actor is reused from trial to trial, which saves a
 process start and its imports per trial — the trainable keeps no state); each of its four folds reserves
 ``cpus_per_worker`` CPUs (and a GPU with ``use_gpu``) per worker, as a warm Ray task or a Ray Train worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default
 enough for ``max_concurrent_trials`` × folds × workers — on a 2-core machine that oversubscribes the cores, which
@@ -26,7 +27,7 @@ is fine for tiny models and is what lets the four folds overlap.
 Studies in parallel: every study runs in its own thread of the driver (:meth:`_Sweep.run_all`), each with its own
 searcher, its two Tuners and its own trial concurrency, at most ``max_concurrent_studies`` at a time
 (:func:`max_concurrent_studies`).  Their folds meet in Ray's one queue (a fold is a Ray task or a Train job reserving
-its own resources; a trial reserves 0.01 CPU), so a cluster smaller than the demand only queues folds.  Why threads
+its own resources; a trial reserves no fold resource), so a cluster smaller than the demand only queues folds.  Why threads
 and not one Ray task per study driver: ``docs/architecture.md`` ("Studies in parallel").  Ctrl-C: Python delivers the
 signal to the main thread only; the study threads get the same ``SweepInterrupted`` raised into them
 (:func:`_raise_in_thread`), so each ``Tuner.fit()`` leaves exactly as the single one of a sequential sweep did.
@@ -179,9 +180,13 @@ def _register_study_trainable(plan: StudyPlan, ctx: StudyContext) -> str:
 
     name = "run_trial_" + study_dirname(plan.key)
     trial.__name__ = trial.__qualname__ = name
+    import ray
+
+    from pipelines.ray_runtime import trial_bundle
+
+    bundle = trial_bundle(ray.cluster_resources())  # on the driver's node when it declares the driver resource
     with _REGISTRY_LOCK:
-        trainable = tune.with_resources(tune.with_parameters(trial, ctx=ctx),
-                                        tune.PlacementGroupFactory([{"CPU": 0.01}]))
+        trainable = tune.with_resources(tune.with_parameters(trial, ctx=ctx), tune.PlacementGroupFactory([bundle]))
         tune.register_trainable(name, trainable)
     return name
 

@@ -9,7 +9,7 @@ builds ``TorchTrainer``\\ s; spec ray_mlflow_notes §5.1).  Per trial it
    :func:`pipelines.fold.run_fold`: **warm** — single-worker folds as Ray tasks on reused worker processes
    (:mod:`pipelines.warm_folds`); **train** — one Ray Train ``TorchTrainer`` per fold, started from 4 threads (DDP
    folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The trial itself
-   reserves only 0.01 CPU (see :mod:`pipelines.sweep`);
+   reserves only the driver resource (see :mod:`pipelines.sweep`);
 3. reduces the folds (MLRC §1.6): objective = mean over folds of each fold's best-checkpoint val MAP@R, with its SEM
    (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score 0 and the trial
    run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
@@ -286,6 +286,7 @@ def reproduction_test_metrics(outcomes: list[dict[str, Any]], embeddings: list[n
 
 def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     """Ray Tune function trainable (wrapped with ``tune.with_parameters(run_trial, ctx=...)``)."""
+    import ray
     from ray import tune
 
     from dml_core.splits import FoldManifest
@@ -308,7 +309,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
         run_id, _ = tracker.get_or_create({**base, "stage": "trial", "trial_id": trial_id},
                                           parent=ctx.study_run_id, run_name=f"{ctx.study} {trial_id}")
     tracker.set_tags(run_id, {"loss": ctx.loss, "dataset": ctx.dataset, "trial_id": trial_id, "seed": seed,
-                              "status": "running"})
+                              "status": "running", "driver_node_id": ray.get_runtime_context().get_node_id()})
     tracker.log_params(run_id, hparams)
 
     fold_runs = {}

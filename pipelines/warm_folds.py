@@ -100,7 +100,7 @@ def warm_fold_ref(cfg: dict[str, Any], uri: str, *, cpus: float, gpus: float, re
     if _REMOTE is None:
         # max_calls=0: the worker process is kept for the next fold (Ray's default for GPU tasks is a fresh one).
         _REMOTE = ray.remote(max_calls=0)(_warm_fold)
-    # "DEFAULT": a fold is not a child of the trial's tiny placement group (Tune's trial bundle is 0.01 CPU).
+    # "DEFAULT": a fold is not a child of the trial's tiny placement group (Tune's trial bundle is the driver resource).
     options: dict[str, Any] = {"num_cpus": cpus, "max_retries": retries, "retry_exceptions": False,
                                "scheduling_strategy": "DEFAULT",
                                "name": f"fold:{cfg['label']}:{cfg['fold']['index']}"}

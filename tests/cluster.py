@@ -44,6 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
+TRIAL_DRIVER_RESOURCE = "dmlrc_trial_driver"  # pipelines.ray_runtime.TRIAL_DRIVER_RESOURCE (no pipelines import here)
 
 __all__ = ["LocalCluster", "local_cluster", "ClusterUnavailable"]
 
@@ -182,10 +183,11 @@ def _stop_node(node: Node, grace: float = 15.0) -> None:
 
 @contextlib.contextmanager
 def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: int = 0, worker_cpus: int = 2,
-                  worker_resources: dict[str, float] | None = None, object_store_mb: int = 80,
-                  bucket: str = "dmlrc", services: bool = True, start_timeout: float = 120.0):
+                  worker_resources: dict[str, float] | None = None, driver_resource: bool = True,
+                  object_store_mb: int = 80, bucket: str = "dmlrc", services: bool = True, start_timeout: float = 120.0):
     """Start head + ``workers`` worker nodes (and, with ``services``, S3 and MLflow-on-PostgreSQL); yield a
-    :class:`LocalCluster`; stop everything by pid on exit.  Raises :class:`ClusterUnavailable` without PostgreSQL."""
+    :class:`LocalCluster`; stop everything by pid on exit.  Raises :class:`ClusterUnavailable` without PostgreSQL.
+    ``driver_resource``: the head declares ``dmlrc_trial_driver`` (trial drivers run there), as a deployment should."""
     from tests.s3_server import s3_server
 
     workdir = Path(workdir)
@@ -225,8 +227,10 @@ def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: in
 
         stack.callback(stop_all)
         gcs_port = _free_port()
+        # The head is where trial drivers belong, as infra/ray/raycluster.yaml declares it.
+        head_resources = {TRIAL_DRIVER_RESOURCE: 10_000} if driver_resource else {}
         nodes.append(_start_node(0, ["--head", "--port", str(gcs_port), "--num-cpus", str(head_cpus),
-                                     "--num-gpus", "0", "--resources", json.dumps({"node_0": 1}),
+                                     "--num-gpus", "0", "--resources", json.dumps({"node_0": 1, **head_resources}),
                                      "--object-store-memory", str(object_store_mb * 2**20),
                                      "--include-dashboard", "false", "--dashboard-host", "127.0.0.1",
                                      "--dashboard-port", str(_free_port())], env, logs))

@@ -79,6 +79,9 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
         workers = set(c.node_ids[1:])
         assert set(fold_nodes) <= workers, (fold_nodes, c.node_ids)
         assert len(set(fold_nodes)) >= 2, fold_nodes
+        # Trial drivers run on the head, the node declaring the driver resource (not in a worker's fold slots).
+        drivers = {r.data.tags.get("driver_node_id") for r in runs if r.data.tags["stage"] in ("trial", "reproduction")}
+        assert drivers == {c.node_ids[0]}, (drivers, c.node_ids)
         # Fold results went through the shared S3 storage (no local path on a multi-node cluster).
         assert all(r.data.tags["checkpoint"].startswith(f"s3://{c.s3_bucket}/sweeps")
                    for r in runs if r.data.tags["stage"] == "fold")

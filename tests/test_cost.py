@@ -82,3 +82,11 @@ def test_report_has_a_cost_column_in_every_format(tmp_path):
     assert "1.5 / 0.5" in paths["html"].read_text()
     costs = {s["loss"]: s["cost"] for s in json.loads(paths["json"].read_text())["studies"]}
     assert costs["mpa"]["cpu_hours"] == pytest.approx(1.5) and costs["contrastive"] == {}
+
+
+def test_trial_drivers_take_the_driver_resource_where_a_node_declares_it():
+    """A trial driver takes no fold slot: the driver node's custom resource, or 0.01 CPU where none declares it."""
+    from pipelines.ray_runtime import TRIAL_DRIVER_RESOURCE, trial_bundle
+
+    assert trial_bundle({"CPU": 8.0, TRIAL_DRIVER_RESOURCE: 10_000.0}) == {TRIAL_DRIVER_RESOURCE: 1}
+    assert trial_bundle({"CPU": 8.0}) == {"CPU": 0.01}
