@@ -522,6 +522,8 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
     out = out or sys.stdout
     from pipelines.tracking import git_commit
 
+    # Resolving reads each version's folds.json from MLflow: no download progress bars in a scheduled job's log.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     targets = resolve_versions(cfg)
     print(f"reeval {cfg.schedule!r}: {len(targets)} model versions: "
           + ", ".join(t.label for t in targets), file=out, flush=True)

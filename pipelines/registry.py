@@ -310,8 +310,9 @@ def _register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, 
 
 
 def on_study_start(tracker, study_run_id: str, plan) -> None:
-    """Hook at a study's start: experiment kind, dataset input of the study run."""
-    set_experiment_kind(tracker.client, tracker.experiment_id)
+    """Hook at a study's start: the dataset input of the study run.  (The experiment kind is set once per sweep,
+    before its studies start: concurrent studies setting the same experiment tag race in MLflow's SQL store —
+    a unique-key violation on PostgreSQL.)"""
     log_dataset_input(tracker.client, study_run_id, dataset_info(plan.dataset.spec, plan.dataset.table),
                       "trainval+test")
 

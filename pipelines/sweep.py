@@ -57,7 +57,7 @@ from typing import Any
 
 from pipelines.config import ConfigError, SweepConfig
 from pipelines.preflight import StudyPlan, preflight, study_dirname
-from pipelines.registry import on_study_end, on_study_start
+from pipelines.registry import on_study_end, on_study_start, set_experiment_kind
 from pipelines.visuals import log_study_visuals
 from pipelines.ray_runtime import (check_cluster_resources, check_storage_reachable, check_tracking_reachable,
                                     redact_uri, scrub, start_ray, stop_ray, warn_multi_node)
@@ -507,6 +507,7 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     from pipelines.tracking import Tracker
 
     tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
+    set_experiment_kind(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
     if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
         raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
                                   f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")

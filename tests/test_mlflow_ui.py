@@ -40,7 +40,7 @@ def _fake_study(tmp: Path, uri: str, experiment: str):
 
     from dml_core.models import build_model
     from pipelines.config import DatasetSpec
-    from pipelines.registry import on_study_end, on_study_start
+    from pipelines.registry import on_study_end, on_study_start, set_experiment_kind
     from pipelines.tracking import Tracker
 
     kwargs = {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False}
@@ -52,6 +52,7 @@ def _fake_study(tmp: Path, uri: str, experiment: str):
                    d / "model.pt")
         ckpts.append(str(d))
     t = Tracker.open(uri, experiment)
+    set_experiment_kind(t.client, t.experiment_id)  # what run_sweep does once
     run_id, _ = t.get_or_create({"sweep": "ui", "study": "shapes/contrastive", "stage": "study"},
                                 run_name="shapes/contrastive")
     t.set_tags(run_id, {"loss": "contrastive", "dataset": "shapes", "git_commit": "abc", "folds_hash": "f" * 64})
