@@ -140,6 +140,7 @@ class _Checkpoints:
         self.resumed_from: list[int] = []
         self.redone_iterations = 0
         self.store = None
+        self.pointer: dict[str, Any] | None = None  # the latest checkpoint's pointer, read by resume_state()
         if uri:
             from dml_core.checkpoint import CheckpointDir
 
@@ -160,6 +161,7 @@ class _Checkpoints:
             except Exception as e:  # noqa: BLE001 - no readable checkpoint: start from scratch
                 self._warn("reading the checkpoint pointer", e)
         pointer = broadcast_object(pointer)  # under DDP every rank loads the state rank 0 found
+        self.pointer = pointer  # start() needs it too: read once
         return self.store.load(pointer) if pointer is not None else None
 
     def start(self, resume_state: dict[str, Any] | None, last_logged: int) -> None:
@@ -169,7 +171,6 @@ class _Checkpoints:
         try:
             meta = self.store.read_json(ATTEMPTS_FILE) or {}
             progress = self.store.read_json(PROGRESS_FILE) or {}
-            pointer = self.store.latest() if self.enabled else None
         except Exception as e:  # noqa: BLE001
             self._warn("reading the fold's attempt count", e)
             return
@@ -180,8 +181,8 @@ class _Checkpoints:
         if self.restarts:
             start = int(resume_state["iteration"]) if resume_state is not None else 0
             reached = [start, last_logged]
-            if pointer is not None:
-                reached.append(int(pointer["iteration"]))
+            if self.pointer is not None:
+                reached.append(int(self.pointer["iteration"]))
             if int(progress.get("attempt", 0)) == self.attempt - 1:
                 reached.append(int(progress.get("iteration", 0)))
             self.resumed_from.append(start)

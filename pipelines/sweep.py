@@ -507,10 +507,10 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     from pipelines.tracking import Tracker
 
     tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
-    set_experiment_kind(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
     if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
         raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
                                   f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
+    set_experiment_kind(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
     try:
         started = start_ray(cfg, address)
     except BaseException:
