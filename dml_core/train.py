@@ -316,6 +316,25 @@ def _images_of(batch):
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
+def _embed_device(where: str, model: nn.Module, device) -> torch.device:
+    """The device to embed on: the model's own (its first parameter or buffer; CPU if it has none) unless
+    ``device`` is given, which must then be where the model is -- a model trained on a GPU and embedded with
+    CPU batches (or the reverse) is a mistake to name, not to fix by moving weights behind the caller's back."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        first = next(iter(model.buffers()), None)
+    here = first.device if first is not None else torch.device("cpu")
+    if device is None:
+        return here
+    dev = _resolve_device(device)
+    if (dev.type, dev.index if dev.type == "cuda" else None) != (here.type, here.index if here.type == "cuda" else None):
+        raise ValueError(f"{where}: device is {str(dev)!r} but the model is on {str(here)!r}; pass device=None to "
+                         "embed on the model's device, or move the model first (model.to(device))")
+    return dev
+
+
 @torch.no_grad()
 def _embed_gathered(model: nn.Module, dataset, batch_size: int, device: torch.device, num_workers: int) -> torch.Tensor:
     """Every row's embedding, on ``device``; under DDP each rank embeds a contiguous shard, then gather."""
@@ -349,18 +368,20 @@ def _check_batch_size(where: str, batch_size) -> None:
 
 
 def embed(
-    model: nn.Module, dataset, *, batch_size: int = 128, device: str | torch.device = "cpu", num_workers: int = 0
+    model: nn.Module, dataset, *, batch_size: int = 128, device: str | torch.device | None = None,
+    num_workers: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Embeddings of every row of a *labelled* ``dataset`` (in row order) and its labels, both on CPU.
 
     Raw (un-normalised) float32 model outputs, model in eval mode (its train/eval mode is
-    restored afterwards).  Under ``torch.distributed`` each rank embeds a contiguous shard and
+    restored afterwards).  Computed on the model's device (``device=None``); a ``device`` other than the
+    model's is refused with a ``ValueError``.  Under ``torch.distributed`` each rank embeds a contiguous shard and
     every rank returns the gathered whole.  Unlabelled images: :func:`embed_images`.
     """
     _check_dataset(dataset, "dataset", "eval_transform")
     labels = torch.as_tensor(_labels_of(dataset, "dataset"), dtype=torch.long)
     _check_batch_size("embed", batch_size)
-    emb = _embed_gathered(model, dataset, batch_size, _resolve_device(device), num_workers)
+    emb = _embed_gathered(model, dataset, batch_size, _embed_device("embed", model, device), num_workers)
     return emb.cpu(), labels
 
 
@@ -394,7 +415,7 @@ def embed_images(
     image_size: int | None = None,
     transform: Callable | None = None,
     batch_size: int = 128,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     num_workers: int = 0,
 ) -> torch.Tensor:
     """Embeddings of unlabelled images, in input order, as a ``(N, D)`` float32 CPU tensor (no labels needed).
@@ -405,12 +426,12 @@ def embed_images(
     ``eval_transform(image_size)`` (Resize + CenterCrop + ImageNet normalisation, spec §3), so ``image_size`` is
     required then; an ``ImageTable``/``ShardedTable`` (its labels are ignored), treated as its list of images; a
     map-style dataset yielding image tensors or ``(image, anything)`` pairs.  Raw model outputs, as
-    :func:`embed`; eval mode, restored afterwards.
+    :func:`embed`; eval mode, restored afterwards; on the model's device, as :func:`embed`.
     """
     from dml_core.data import eval_transform
 
     _check_batch_size("embed_images", batch_size)
-    dev = _resolve_device(device)
+    dev = _embed_device("embed_images", model, device)
     if isinstance(images, torch.Tensor):
         if images.ndim != 4:
             raise ValueError(f"embed_images: an image tensor must be (N, C, H, W), got shape {tuple(images.shape)}")

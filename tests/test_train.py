@@ -295,9 +295,9 @@ DDP_CFG = dict(
 )
 
 
-def _ddp_scenarios(optimizer: str):
+def _ddp_scenarios(optimizer: str, device: str = "cpu"):
     """(loss factory, config) pairs; val has 4 × 5 + 1 rows: uneven shards on 2 ranks."""
-    cfg = config(**{**DDP_CFG, "optimizer": optimizer})
+    cfg = config(**{**DDP_CFG, "optimizer": optimizer, "device": device})
     return [
         ("pair", lambda: PairLoss(), cfg),
         ("proxy", lambda: ProxyLoss(8, 8), cfg),
@@ -305,17 +305,17 @@ def _ddp_scenarios(optimizer: str):
     ]
 
 
-def _run_scenarios(optimizer: str):
+def _run_scenarios(optimizer: str, device: str = "cpu"):
     table = synthetic(12, 6, image_size=IMAGE, seed=0)
     train = ImageDataset(table.subset(range(8)))
     val = ImageDataset(table.take(np.r_[np.flatnonzero(table.labels >= 8), 0]))  # 25 rows, one of class 0
     out = {}
-    for name, make_loss, cfg in _ddp_scenarios(optimizer):
+    for name, make_loss, cfg in _ddp_scenarios(optimizer, device):
         model = make_model(seed=3)
         torch.manual_seed(4)
         loss = make_loss()
         res = train_fold(model, loss, train, val, cfg)
-        emb, _ = embed(model, val, batch_size=3, device="cpu")
+        emb, _ = embed(model, val, batch_size=3)  # on the model's device
         out[name] = dict(
             values=(loss.base if isinstance(loss, NaNAt) else loss).values,
             reason=res.reason,
