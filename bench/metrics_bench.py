@@ -14,6 +14,9 @@ classes, like SOP), then runs each side in its own subprocess so that peak RSS i
 * faiss-raw:  ``faiss.knn(xn, xn, depth + 1)`` alone on the normalised data (the exact flat search both
               ours-faiss and PML run; the floor the symmetric search is measured against)
 
+Every side imports faiss through ``dml_core.openblas_core`` (as ``dml_core.metrics`` does), so faiss's bundled
+OpenBLAS runs the kernels the CPU has on every side, the floor included.
+
 NMI (k-means) is off by default (``--nmi`` adds it to ours, ours-faiss and PML): it is the same faiss
 k-means on every side and would dominate the times.  Each child reports the wall time of its call, its
 CPU time and its peak RSS (``ru_maxrss``) plus the RSS right before the call (imports + data).  Sides
@@ -93,8 +96,12 @@ def _depth(labels: np.ndarray, ks=(8,)) -> int:
 
 def child(side: str, path: str, threads: int, nmi: bool) -> None:
     """One measurement in a fresh process; prints one JSON line."""
-    import faiss
     import torch
+
+    from dml_core import openblas_core
+
+    with openblas_core.for_faiss_import():  # every side's faiss with the same OpenBLAS kernels as dml_core's
+        import faiss
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
@@ -212,7 +219,11 @@ def main() -> None:
         child(args.child[0], args.child[1], int(args.child[2]), bool(int(args.child[3])))
         return
 
+    from dml_core import openblas_core
+
+    core = os.environ.get(openblas_core.VARIABLE) or openblas_core.core_for_flags(openblas_core.cpu_flags())
     print(f"cpus={os.cpu_count()} threads={args.threads} repeats={args.repeats} nmi={args.nmi} "
+          f"faiss_openblas_core={core or 'detected by OpenBLAS'} "
           f"loadavg_before={' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     header = ("N", "threads", "side", "wall s (min)", "CPU s (min)", "kNN s", "peak RSS MB",
               "× PML (paired median)", "× faiss-raw (paired median)")
