@@ -100,8 +100,9 @@ class Tracker:
                       reuse_unfinished: bool = True) -> tuple[str, bool]:
         """``(run_id, created)`` for the run identified by ``tags``.
 
-        With ``reuse_unfinished=False`` a run left RUNNING by a killed process is deleted (soft delete: hidden from the
-        UI and from searches) and a fresh one created, so that its partial history is not mixed with the new attempt.
+        With ``reuse_unfinished=False`` a run left RUNNING by a killed process is ended as KILLED and deleted (soft
+        delete: hidden from the UI and from searches) and a fresh one created, so that its partial history is not
+        mixed with the new attempt -- and no replaced attempt stays RUNNING, even among the deleted runs.
         """
         ident = {k: str(v) for k, v in tags.items()}
         if parent:
@@ -113,7 +114,9 @@ class Tracker:
             if keep is None and (finished or reuse_unfinished):
                 keep = run
             else:
-                # A duplicate (or an unfinished attempt we do not reuse): hide it.
+                # A duplicate (or an unfinished attempt we do not reuse): end it, then hide it.
+                if run.info.status == "RUNNING":
+                    self._retry(self.client.set_terminated, run.info.run_id, "KILLED")
                 self.client.delete_run(run.info.run_id)
         if keep is not None:
             return keep.info.run_id, False

@@ -125,6 +125,8 @@ def test_tracker_finds_runs_by_tags_and_hides_unfinished_attempts(tmp_path):
     fold2, created = t.get_or_create({"stage": "fold", "fold": 0}, parent=study, reuse_unfinished=False)
     assert created and fold2 != fold
     assert [r.info.run_id for r in t.children(study, stage="fold")] == [fold2]
+    replaced = t.run(fold)  # ended, not left RUNNING among the deleted runs
+    assert (replaced.info.lifecycle_stage, replaced.info.status) == ("deleted", "KILLED")
     t.finish(fold2)
     assert t.get_or_create({"stage": "fold", "fold": 0}, parent=study, reuse_unfinished=False) == (fold2, False)
     t.log_params(study, {"a": 1})
