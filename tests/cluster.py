@@ -67,6 +67,7 @@ class Node:
     temp_dir: str
     log_path: Path
     node_id: str = ""
+    args: list[str] = field(default_factory=list)  # its `ray start` arguments, for replace_node
 
     def pids(self) -> list[int]:
         """The ``ray start`` process and every process below it (GCS, raylet, agents, workers), children first."""
@@ -122,6 +123,25 @@ class LocalCluster:
                 os.kill(pid, sig)
         return pids
 
+    def replace_node(self, i: int, timeout: float = 120) -> str:
+        """Start a fresh worker node in place of dead worker node ``i`` (same resources, a new node id), as a
+        cluster's autoscaler or KubeRay replaces a lost pod; returns its node id once the GCS counts it alive."""
+        old = self.nodes[i]
+        assert i > 0 and old.proc.poll() is not None, "replace_node replaces a dead worker node"
+        shutil.rmtree(old.temp_dir, ignore_errors=True)
+        new = _start_node(i, old.args, self.base_env, self.workdir / "cluster-logs", suffix=".replaced")
+        self.nodes[i] = new
+        deadline = time.monotonic() + timeout
+        while True:
+            listed = [n for n in _ray_nodes(self.address, self.base_env, timeout) if n["Alive"]]
+            ids = [n["NodeID"] for n in listed if new.resource in n["Resources"] and n["NodeID"] != old.node_id]
+            if ids:
+                new.node_id = ids[0]
+                return new.node_id
+            if new.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"replacement node {i} did not join: {new.log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(1)
+
     def alive_node_ids(self, timeout: float = 60) -> list[str]:
         """The node ids the GCS counts alive now (asked from a short-lived driver process)."""
         return [n["NodeID"] for n in _ray_nodes(self.address, self.base_env, timeout) if n["Alive"]]
@@ -144,10 +164,10 @@ def _ray_nodes(address: str, env: dict[str, str], timeout: float) -> list[dict]:
     raise RuntimeError(f"could not list the nodes of {address}: {out.stdout[-2000:]}{out.stderr[-2000:]}")
 
 
-def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path) -> Node:
+def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path, suffix: str = "") -> Node:
     # Unix socket paths live under the temp dir and must stay < 108 bytes: a short private folder, not tmp_path.
     temp_dir = tempfile.mkdtemp(prefix=f"dmlrc-n{index}-")
-    log_path = logs / f"node{index}.log"
+    log_path = logs / f"node{index}{suffix}.log"
     resource = f"node_{index}"
     cmd = [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
            "--temp-dir", temp_dir, "--node-manager-port", str(_free_port()),
@@ -156,7 +176,7 @@ def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path) ->
            "--metrics-export-port", str(_free_port()), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return Node(index=index, resource=resource, proc=proc, temp_dir=temp_dir, log_path=log_path)
+    return Node(index=index, resource=resource, proc=proc, temp_dir=temp_dir, log_path=log_path, args=list(args))
 
 
 def _stop_node(node: Node, grace: float = 15.0) -> None:

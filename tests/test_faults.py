@@ -1,0 +1,351 @@
+"""Faults on a real multi-node Ray cluster on one machine (issue #13, item 2): ``tests/cluster.py`` starts a head
+(no CPUs; it declares ``dmlrc_trial_driver``, so trial drivers run there) and two worker nodes of 2 CPUs, SeaweedFS
+for ``storage: s3://`` and an ``mlflow server`` on PostgreSQL.  One cluster serves the module, in order:
+
+1. **a worker node killed mid-fold** (every process of node 2, by pid: a lost pod).  The folds it ran are retried by
+   Ray on node 1 and resume from their last checkpoint in S3 (``resumes``/``resumed_from`` tags in the *same* MLflow
+   run); the sweep finishes (exit 0) without a hang; every parent keeps exactly four fold runs, each evaluation step
+   logged once; no run of the experiment, deleted ones included, is left RUNNING; the iterations trained twice are
+   at most one evaluation interval per resume.
+2. **the same node loss with ``mid_fold_resume: false``** (node 2 replaced by a fresh node first, as KubeRay replaces
+   a lost pod): the lost folds start over in fresh runs; the iterations trained twice are what resume saves.
+3. **the sweep driver SIGKILLed while node 2 is down again**, then ``dmlrc sweep --resume``: the study completes on
+   the surviving node; the finished trial is not rerun; ``max_concurrent_trials: 1`` holds across the resume (no two
+   trial runs overlap in time); every run of the resumed sweep carries the identifying tags the first attempt's
+   runs carry.
+
+4. **the S3 server frozen** (SIGSTOP) for 30 s during the search trial's folds and for 120 s (longer than a fold)
+   during a reproduction's: storage trouble is retried, not turned into retraining; nothing lost.
+
+Each test writes one row of measurements (faults, trials finished/lost/duplicated, folds resumed, iterations redone,
+wall time) to ``reliability.jsonl`` in its tmp dir and prints it: ``docs/reliability.md`` quotes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ITERS, EPOCHS = 40, 6  # long enough epochs (no early stop) that a fold is still training after a few evaluations
+IDENTIFYING = ("sweep", "stage", "study", "dataset", "loss", "fold", "trial_id")
+
+
+def _config(tmp_path: Path, tracking_uri: str, storage: str, *, name: str, trials: int, reproductions: int,
+            **resources) -> Path:
+    """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, batches of 8 × 4, no early stop."""
+    from tests.test_cluster import cluster_sweep_config
+
+    path = cluster_sweep_config(tmp_path, tracking_uri, storage, name=name, trials=trials, reproductions=reproductions,
+                                iters_per_epoch=ITERS, max_epochs=EPOCHS, fold_retries=2, **resources)
+    doc = yaml.safe_load(path.read_text())
+    doc["seed"] = 5
+    doc["datasets"][0].update(num_classes=32, per_class=8)
+    doc["model"]["embedding_dim"] = 16
+    doc["protocol"]["patience"] = 50
+    doc["protocol"]["train"].update(classes_per_batch=8, m=4)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from tests.cluster import ClusterUnavailable, local_cluster
+
+    work = tmp_path_factory.mktemp("faults")
+    try:
+        cm = local_cluster(work, workers=2, worker_cpus=2)
+        c = cm.__enter__()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no PostgreSQL for the MLflow server: {e}")
+    try:
+        yield c
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def _start(c, cfg: Path, log_path: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address,
+                             *extra], cwd=cfg.parent, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
+                            env=c.driver_env(), start_new_session=True)
+
+
+def _runs(c, experiment: str, view=None):
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(c.tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return client, []
+    runs, token = [], None
+    while True:
+        page = client.search_runs([exp.experiment_id], "", run_view_type=view or ViewType.ALL, max_results=1000,
+                                  page_token=token)
+        runs += list(page)
+        token = page.token
+        if not token:
+            return client, runs
+
+
+def _wait_for_fold(c, experiment: str, proc: subprocess.Popen, log_path: Path, *, node_id: str | None, evals: int,
+                   timeout: float = 600):
+    """Block until a RUNNING fold run (on ``node_id``, if given) has logged ``evals`` evaluations; return it."""
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, "sweep ended before the fault:\n" + log_path.read_text()[-4000:]
+        assert time.time() < deadline, "no fold reached the fault point in time:\n" + log_path.read_text()[-4000:]
+        time.sleep(1)
+        try:
+            client, runs = _runs(c, experiment)
+            for r in runs:
+                if (r.data.tags.get("stage") == "fold" and r.info.status == "RUNNING"
+                        and (node_id is None or r.data.tags.get("node_id") == node_id)
+                        and len(client.get_metric_history(r.info.run_id, "val.map_at_r")) >= evals):
+                    return r
+        except Exception:  # noqa: BLE001 - the experiment may not exist yet
+            continue
+
+
+def _finish(proc: subprocess.Popen, log_path: Path, timeout: float) -> str:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the sweep hung after the fault:\n" + log_path.read_text()[-6000:]) from None
+    text = log_path.read_text(errors="replace")
+    assert rc == 0, text[-6000:]
+    return text
+
+
+def _check_tree(c, experiment: str, *, parents: int, resume: bool = True) -> dict:
+    """The invariants every fault must keep; returns counts for the reliability table."""
+    from mlflow.entities import ViewType
+
+    client, every = _runs(c, experiment)
+    running = [(r.data.tags.get("stage"), r.info.lifecycle_stage) for r in every if r.info.status == "RUNNING"]
+    assert not running, f"runs left RUNNING: {running}"
+    _, runs = _runs(c, experiment, ViewType.ACTIVE_ONLY)
+    stage = lambda s: [r for r in runs if r.data.tags.get("stage") == s]  # noqa: E731
+    study = stage("study")
+    assert len(study) == 1 and study[0].data.tags.get("done") == "true"
+    assert "test.concat.map_at_r.mean" in study[0].data.metrics
+    ps = stage("trial") + stage("reproduction")
+    assert len(ps) == parents, [r.data.tags for r in ps]
+    interval = ITERS
+    folds, resumed, redone = stage("fold"), 0, 0
+    for p in ps:
+        kids = [r for r in folds if r.data.tags["mlflow.parentRunId"] == p.info.run_id]
+        assert sorted(int(r.data.tags["fold"]) for r in kids) == [0, 1, 2, 3], [r.data.tags for r in kids]
+        for r in kids:
+            steps = [m.step for m in client.get_metric_history(r.info.run_id, "val.map_at_r")]
+            assert sorted(steps) == [i * interval for i in range(EPOCHS + 1)], (r.data.tags, steps)
+            n = int(r.data.tags.get("resumes", 0))
+            resumed += n
+            if n:
+                redone_here = int(r.data.metrics["redone_iterations"])
+                # with mid-fold resume at most one evaluation interval per restart; without it, everything done
+                assert 0 <= redone_here <= n * interval * (1 if resume else EPOCHS), (r.data.tags, redone_here)
+                redone += redone_here
+    deleted_folds = [r for r in every if r.data.tags.get("stage") == "fold" and r.info.lifecycle_stage == "deleted"]
+    return {"trials_finished": len(ps), "folds": len(folds), "folds_resumed": resumed, "iterations_redone": redone,
+            "replaced_fold_attempts": len(deleted_folds), "trial_ids": [r.data.tags.get("trial_id") for r in ps]}
+
+
+def _record(tmp_path: Path, row: dict) -> None:
+    line = json.dumps(row)
+    print("RELIABILITY " + line)
+    with open(tmp_path / "reliability.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+@pytest.mark.timeout(1200)
+def test_a_worker_node_killed_mid_fold_resumes_on_the_surviving_node(cluster, tmp_path):
+    c = cluster
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("nodekill"), name="nodekill", trials=1, reproductions=2)
+    log_path = tmp_path / "sweep.log"
+    t0 = time.time()
+    proc = _start(c, cfg, log_path)
+    try:
+        victim = _wait_for_fold(c, "nodekill-experiment", proc, log_path, node_id=c.node_ids[2], evals=3)
+        killed = c.kill_node(2)
+        t_fault = time.time()
+        text = _finish(proc, log_path, timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert killed and c.node_ids[2] not in c.alive_node_ids()
+    counts = _check_tree(c, "nodekill-experiment", parents=3)
+    client, runs = _runs(c, "nodekill-experiment")
+    after = client.get_run(victim.info.run_id)  # the killed fold went on in its own run, on the surviving node
+    assert int(after.data.tags.get("resumes", 0)) >= 1, (after.data.tags, text[-3000:])
+    assert int(after.data.tags["resumed_from"]) >= 2 * ITERS, after.data.tags
+    assert after.data.tags["node_id"] == c.node_ids[1], after.data.tags
+    assert counts["folds"] == 12 and counts["replaced_fold_attempts"] == 0, counts
+    _record(tmp_path, {"fault": "worker node killed mid-fold (SIGKILL of its raylet and workers)",
+                       "trials_lost": 0, "trials_duplicated": 0, **counts,
+                       "wall_s": round(time.time() - t0, 1), "after_fault_s": round(time.time() - t_fault, 1)})
+
+
+@pytest.mark.timeout(1200)
+def test_the_same_node_loss_without_mid_fold_resume_trains_the_lost_folds_again(cluster, tmp_path):
+    """The comparison row: ``mid_fold_resume: false``, node 2 replaced by a fresh node and killed again at the same
+    point.  The lost folds start over in fresh runs (the half-logged ones soft-deleted, none left RUNNING): every
+    iteration they had done is trained again."""
+    c = cluster
+    if c.nodes[2].proc.poll() is None and c.node_ids[2] in c.alive_node_ids():
+        pass  # run alone: node 2 is up
+    else:
+        c.replace_node(2)
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("noresume"), name="noresume", trials=1, reproductions=2,
+                  mid_fold_resume=False)
+    log_path = tmp_path / "sweep.log"
+    t0 = time.time()
+    proc = _start(c, cfg, log_path)
+    try:
+        victim = _wait_for_fold(c, "noresume-experiment", proc, log_path, node_id=c.node_ids[2], evals=3)
+        c.kill_node(2)
+        t_fault = time.time()
+        _finish(proc, log_path, timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    counts = _check_tree(c, "noresume-experiment", parents=3, resume=False)
+    client, runs = _runs(c, "noresume-experiment")
+    assert client.get_run(victim.info.run_id).info.lifecycle_stage == "deleted"  # replaced by a fresh run
+    assert counts["replaced_fold_attempts"] >= 1 and counts["iterations_redone"] >= 2 * ITERS, counts
+    _record(tmp_path, {"fault": "worker node killed mid-fold, mid_fold_resume: false", "trials_lost": 0,
+                       "trials_duplicated": 0, **counts, "wall_s": round(time.time() - t0, 1),
+                       "after_fault_s": round(time.time() - t_fault, 1)})
+
+
+@pytest.mark.timeout(1500)
+def test_driver_killed_while_a_node_is_down_then_resume_completes(cluster, tmp_path):
+    c = cluster
+    down = [i for i in (1, 2) if c.node_ids[i] not in c.alive_node_ids()]
+    if not down:  # run alone: take node 2 down first, as the test above leaves it
+        c.kill_node(2)
+    assert c.node_ids[1] in c.alive_node_ids()
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("driverkill"), name="driverkill", trials=2, reproductions=2)
+    log_path = tmp_path / "sweep.log"
+    t0 = time.time()
+    proc = _start(c, cfg, log_path)
+    try:
+        # Kill the driver once the first trial has finished and the second has folds running, mid-fold.
+        deadline = time.time() + 900
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.time() < deadline, log_path.read_text()[-4000:]
+            time.sleep(1)
+            _, runs = _runs(c, "driverkill-experiment")
+            trials = [r for r in runs if r.data.tags.get("stage") == "trial"]
+            if any(r.info.status == "FINISHED" for r in trials) and len(trials) == 2:
+                break
+        _wait_for_fold(c, "driverkill-experiment", proc, log_path, node_id=None, evals=2)
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started on this machine
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _, before = _runs(c, "driverkill-experiment")
+    first_done = [r for r in before if r.data.tags.get("stage") == "trial" and r.info.status == "FINISHED"]
+    assert len(first_done) == 1
+
+    proc = _start(c, cfg, log_path, "--resume")
+    text = _finish(proc, log_path, timeout=1200)
+    counts = _check_tree(c, "driverkill-experiment", parents=4)
+    _, runs = _runs(c, "driverkill-experiment")
+    from mlflow.entities import ViewType
+
+    _, active = _runs(c, "driverkill-experiment", ViewType.ACTIVE_ONLY)
+    trials = sorted((r for r in active if r.data.tags.get("stage") == "trial"), key=lambda r: r.info.start_time)
+    assert len(trials) == 2, [r.data.tags for r in trials]
+    # the trial that had finished before the kill is the same run, not rerun
+    assert first_done[0].info.run_id in {r.info.run_id for r in trials}
+    reps = [r for r in active if r.data.tags.get("stage") == "reproduction"]
+    assert sorted(int(r.data.tags["reproduction"]) for r in reps) == [0, 1]  # none duplicated
+    # max_concurrent_trials: 1 across the resume: trial runs do not overlap in time
+    for a, b in zip(trials, trials[1:]):
+        assert a.info.end_time <= b.info.start_time, [(r.info.start_time, r.info.end_time) for r in trials]
+    # every run of the resumed sweep, replacements included, carries the identifying tags
+    for r in active:
+        s = r.data.tags.get("stage")
+        need = {"study": ("stage", "study", "dataset", "loss"), "trial": ("stage", "study", "trial_id"),
+                "reproduction": ("stage", "study", "trial_id"), "fold": IDENTIFYING}[s]
+        missing = [k for k in need if k not in r.data.tags]
+        assert not missing, (s, missing, r.data.tags)
+    assert "resum" in text.lower()
+    _record(tmp_path, {"fault": "sweep driver SIGKILLed while a worker node is down, then --resume",
+                       "trials_lost": 0, "trials_duplicated": 0, **counts, "wall_s": round(time.time() - t0, 1)})
+
+
+def _s3_pid(c) -> int:
+    """The pid of the cluster's SeaweedFS server (one ``weed server -s3`` process), found by its S3 port."""
+    import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
+    import psutil
+
+    flag = "-s3.port=" + c.s3_endpoint.rsplit(":", 1)[1]
+    for p in psutil.process_iter(["cmdline"]):
+        if flag in (p.info["cmdline"] or []):
+            return p.pid
+    raise AssertionError(f"no process runs the S3 server of {c.s3_endpoint}")
+
+
+@pytest.mark.timeout(1500)
+def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
+    """The S3 server (checkpoints, fold results, MLflow's artifacts) is frozen (SIGSTOP: it accepts connections and
+    answers nothing) for 30 s once the search trial's folds have evaluated twice, and again for 120 s -- longer than a
+    whole fold here -- once a reproduction's folds are training.  Nothing is lost and no fold trains again more than
+    the interval since its last stored checkpoint; storage trouble is retried, not turned into retraining."""
+    c = cluster
+    if c.nodes[2].proc.poll() is not None or c.node_ids[2] not in c.alive_node_ids():
+        c.replace_node(2)
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("s3outage"), name="s3outage", trials=1, reproductions=2)
+    log_path = tmp_path / "sweep.log"
+    pid = _s3_pid(c)
+    t0 = time.time()
+    proc = _start(c, cfg, log_path)
+    outages = []
+    try:
+        for evals, seconds, stage in ((2, 30, "trial"), (1, 120, "reproduction")):
+            deadline = time.time() + 900
+            while True:  # a RUNNING fold of the stage's parent with `evals` evaluations
+                assert proc.poll() is None, log_path.read_text()[-4000:]
+                assert time.time() < deadline, log_path.read_text()[-4000:]
+                time.sleep(1)
+                try:
+                    client, runs = _runs(c, "s3outage-experiment")
+                    parents = {r.info.run_id for r in runs if r.data.tags.get("stage") == stage}
+                    if any(r.data.tags.get("stage") == "fold" and r.info.status == "RUNNING"
+                           and r.data.tags.get("mlflow.parentRunId") in parents
+                           and len(client.get_metric_history(r.info.run_id, "val.map_at_r")) >= evals for r in runs):
+                        break
+                except Exception:  # noqa: BLE001
+                    continue
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(seconds)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            outages.append(seconds)
+        text = _finish(proc, log_path, timeout=1200)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    counts = _check_tree(c, "s3outage-experiment", parents=3)
+    store_failures = text.count("failed (")
+    _record(tmp_path, {"fault": "S3 server stopped (SIGSTOP) for 30 s, then for 120 s", "outages_s": outages,
+                       "trials_lost": 0, "trials_duplicated": 0, **counts, "storage_warnings": store_failures,
+                       "wall_s": round(time.time() - t0, 1)})
