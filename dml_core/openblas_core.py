@@ -6,11 +6,11 @@ kernels.  Measured on the 2-core VM, ``faiss.knn`` of 30,000 × 128 against itse
 detected Prescott kernels, 2.7 s with ``OPENBLAS_CORETYPE=SkylakeX``, 4.3 s with ``Haswell`` -- every faiss search in
 the metrics (the faiss backend, query/gallery evaluation, PML's comparisons) is ~3.5× slower than it needs to be.
 
-OpenBLAS reads ``OPENBLAS_CORETYPE`` once, when the library is loaded.  :func:`choose` sets it for that moment only,
-from ``/proc/cpuinfo``: SkylakeX kernels where the CPU has AVX-512 F/DQ/BW/VL, Haswell kernels where it has AVX2 and
-FMA, nothing otherwise (OpenBLAS's own detection stands).  A value the user set is never touched, and the variable is
-removed again after the import, so processes started later (numpy's own, newer OpenBLAS in them) detect for
-themselves.  The choice only selects among kernels the CPU executes; results are the same up to float rounding.
+OpenBLAS reads ``OPENBLAS_CORETYPE`` once, when the library is loaded.  :func:`for_faiss_import` sets it for that
+moment only, from ``/proc/cpuinfo``: SkylakeX kernels where the CPU has AVX-512 F/DQ/BW/VL, Haswell kernels where it
+has AVX2 and FMA, nothing otherwise (OpenBLAS's own detection stands).  A value the user set is never touched, and
+the variable is removed again after the import, so processes started later (numpy's own, newer OpenBLAS in them)
+detect for themselves.  The choice only selects among kernels the CPU executes; results are the same up to float rounding.
 """
 
 from __future__ import annotations

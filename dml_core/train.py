@@ -329,7 +329,8 @@ def _embed_device(where: str, model: nn.Module, device) -> torch.device:
     if device is None:
         return here
     dev = _resolve_device(device)
-    if (dev.type, dev.index if dev.type == "cuda" else None) != (here.type, here.index if here.type == "cuda" else None):
+    same = dev.type == here.type and (dev.type != "cuda" or dev.index == here.index)
+    if not same:
         raise ValueError(f"{where}: device is {str(dev)!r} but the model is on {str(here)!r}; pass device=None to "
                          "embed on the model's device, or move the model first (model.to(device))")
     return dev

@@ -139,7 +139,8 @@ class LocalCluster:
                 new.node_id = ids[0]
                 return new.node_id
             if new.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"replacement node {i} did not join: {new.log_path.read_text(errors='replace')[-2000:]}")
+                text = new.log_path.read_text(errors="replace")
+                raise RuntimeError(f"replacement node {i} did not join: {text[-2000:]}")
             time.sleep(1)
 
     def alive_node_ids(self, timeout: float = 60) -> list[str]:
