@@ -10,7 +10,8 @@ OpenBLAS reads ``OPENBLAS_CORETYPE`` once, when the library is loaded.  :func:`f
 moment only, from ``/proc/cpuinfo``: SkylakeX kernels where the CPU has AVX-512 F/DQ/BW/VL, Haswell kernels where it
 has AVX2 and FMA, nothing otherwise (OpenBLAS's own detection stands).  A value the user set is never touched, and
 the variable is removed again after the import, so processes started later (numpy's own, newer OpenBLAS in them)
-detect for themselves.  The choice only selects among kernels the CPU executes; results are the same up to float rounding.
+detect for themselves.  The choice only selects among kernels the CPU executes; results are the same up to float
+rounding.
 """
 
 from __future__ import annotations
