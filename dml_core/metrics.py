@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from dml_core import openblas_core
 from dml_core.knn import self_knn
 
-with openblas_core.for_faiss_import():  # faiss-cpu's OpenBLAS does not know recent Xeons (3.5x slower kernels)
+with openblas_core.for_faiss_import():  # faiss-cpu's OpenBLAS does not know recent Xeons (~3x slower kernels)
     import faiss
 
 __all__ = ["RetrievalDetails", "retrieval_details", "retrieval_metrics", "ndcg_at_k", "normalized_mutual_info"]

@@ -2,9 +2,10 @@
 
 faiss-cpu's wheels bundle OpenBLAS 0.3.15 (2021).  It does not know recent Xeon models: on this project's VMs and on
 the H100 host (both "Intel(R) Xeon(R) Processor" with AVX-512) it reports ``Core: Prescott`` and runs its SSE3
-kernels.  Measured on the 2-core VM, ``faiss.knn`` of 30,000 × 128 against itself, one thread: 9.5 s with the
-detected Prescott kernels, 2.7 s with ``OPENBLAS_CORETYPE=SkylakeX``, 4.3 s with ``Haswell`` -- every faiss search in
-the metrics (the faiss backend, query/gallery evaluation, PML's comparisons) is ~3.5× slower than it needs to be.
+kernels.  Measured on the 2-core VM, ``faiss.knn`` of 30,000 × 128 against itself, one thread: 10.7 s of CPU with
+the detected Prescott kernels, 3.2 s with the SkylakeX kernels chosen here (``bench/README_metrics.md``) -- every faiss
+search in the metrics (the faiss backend, query/gallery evaluation, PML's comparisons) is ~3.3× slower than it needs
+to be.
 
 OpenBLAS reads ``OPENBLAS_CORETYPE`` once, when the library is loaded.  :func:`for_faiss_import` sets it for that
 moment only, from ``/proc/cpuinfo``: SkylakeX kernels where the CPU has AVX-512 F/DQ/BW/VL, Haswell kernels where it
@@ -51,17 +52,22 @@ def core_for_flags(flags: frozenset[str]) -> str | None:
 
 @contextlib.contextmanager
 def for_faiss_import(cpuinfo: str = "/proc/cpuinfo") -> Iterator[str | None]:
-    """Around ``import faiss``: ``OPENBLAS_CORETYPE`` set from the CPU's flags, unless the user set it or faiss is
-    already loaded (then too late); yields the core chosen (None: nothing set) and restores the environment."""
-    if VARIABLE in os.environ or "faiss" in sys.modules or not sys.platform.startswith("linux"):
+    """Around ``import faiss``: ``OPENBLAS_CORETYPE`` set from the CPU's flags, unless the user set it (an empty value
+    counts as unset, as OpenBLAS reads it) or faiss is already loaded (then too late); yields the core chosen (None:
+    nothing set) and restores the environment."""
+    if os.environ.get(VARIABLE) or "faiss" in sys.modules or not sys.platform.startswith("linux"):
         yield None
         return
     core = core_for_flags(cpu_flags(cpuinfo))
     if core is None:
         yield None
         return
+    before = os.environ.get(VARIABLE)
     os.environ[VARIABLE] = core
     try:
         yield core
     finally:
-        os.environ.pop(VARIABLE, None)
+        if before is None:
+            os.environ.pop(VARIABLE, None)
+        else:
+            os.environ[VARIABLE] = before

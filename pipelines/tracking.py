@@ -48,11 +48,13 @@ def _quote(v: str) -> str:
     return "'" + str(v).replace("'", "\\'") + "'"
 
 
-def search_all(client: MlflowClient, exp_id: str, filter_string: str) -> list:
-    """Every active run of ``exp_id`` matching ``filter_string`` (all pages)."""
+def search_all(client: MlflowClient, exp_id: str, filter_string: str, run_view_type: int | None = None) -> list:
+    """Every run of ``exp_id`` matching ``filter_string`` (all pages); active ones unless ``run_view_type`` (a
+    ``mlflow.entities.ViewType``) says otherwise."""
     runs, token = [], None
+    view = {} if run_view_type is None else {"run_view_type": run_view_type}
     while True:
-        page = client.search_runs([exp_id], filter_string=filter_string, max_results=1000, page_token=token)
+        page = client.search_runs([exp_id], filter_string=filter_string, max_results=1000, page_token=token, **view)
         runs.extend(page)
         token = page.token
         if not token:

@@ -81,21 +81,23 @@ def _start(c, cfg: Path, log_path: Path, *extra: str) -> subprocess.Popen:
 
 
 def _runs(c, experiment: str, view=None):
+    """(client, every run of the experiment: deleted ones too unless ``view`` says otherwise)."""
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
+
+    from pipelines.tracking import search_all
 
     client = MlflowClient(c.tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return client, []
-    runs, token = [], None
-    while True:
-        page = client.search_runs([exp.experiment_id], "", run_view_type=view or ViewType.ALL, max_results=1000,
-                                  page_token=token)
-        runs += list(page)
-        token = page.token
-        if not token:
-            return client, runs
+    return client, search_all(client, exp.experiment_id, "", view or ViewType.ALL)
+
+
+def _with_node_2(c) -> None:
+    """Worker node 2 up: replaced by a fresh node if an earlier test of the module killed it."""
+    if c.nodes[2].proc.poll() is not None or c.node_ids[2] not in c.alive_node_ids():
+        c.replace_node(2)
 
 
 def _wait_for_fold(c, experiment: str, proc: subprocess.Popen, log_path: Path, *, node_id: str | None, evals: int,
@@ -203,10 +205,7 @@ def test_the_same_node_loss_without_mid_fold_resume_trains_the_lost_folds_again(
     point.  The lost folds start over in fresh runs (the half-logged ones soft-deleted, none left RUNNING): every
     iteration they had done is trained again."""
     c = cluster
-    if c.nodes[2].proc.poll() is None and c.node_ids[2] in c.alive_node_ids():
-        pass  # run alone: node 2 is up
-    else:
-        c.replace_node(2)
+    _with_node_2(c)
     cfg = _config(tmp_path, c.tracking_uri, c.storage("noresume"), name="noresume", trials=1, reproductions=2,
                   mid_fold_resume=False)
     log_path = tmp_path / "sweep.log"
@@ -232,10 +231,10 @@ def test_the_same_node_loss_without_mid_fold_resume_trains_the_lost_folds_again(
 @pytest.mark.timeout(1500)
 def test_driver_killed_while_a_node_is_down_then_resume_completes(cluster, tmp_path):
     c = cluster
-    down = [i for i in (1, 2) if c.node_ids[i] not in c.alive_node_ids()]
-    if not down:  # run alone: take node 2 down first, as the test above leaves it
+    alive = c.alive_node_ids()
+    if c.node_ids[2] in alive:  # run alone: take node 2 down first, as the test above leaves it
         c.kill_node(2)
-    assert c.node_ids[1] in c.alive_node_ids()
+    assert c.node_ids[1] in alive
     cfg = _config(tmp_path, c.tracking_uri, c.storage("driverkill"), name="driverkill", trials=2, reproductions=2)
     log_path = tmp_path / "sweep.log"
     t0 = time.time()
@@ -264,7 +263,6 @@ def test_driver_killed_while_a_node_is_down_then_resume_completes(cluster, tmp_p
     proc = _start(c, cfg, log_path, "--resume")
     text = _finish(proc, log_path, timeout=1200)
     counts = _check_tree(c, "driverkill-experiment", parents=4)
-    _, runs = _runs(c, "driverkill-experiment")
     from mlflow.entities import ViewType
 
     _, active = _runs(c, "driverkill-experiment", ViewType.ACTIVE_ONLY)
@@ -308,8 +306,7 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
     whole fold here -- once a reproduction's folds are training.  Nothing is lost and no fold trains again more than
     the interval since its last stored checkpoint; storage trouble is retried, not turned into retraining."""
     c = cluster
-    if c.nodes[2].proc.poll() is not None or c.node_ids[2] not in c.alive_node_ids():
-        c.replace_node(2)
+    _with_node_2(c)
     cfg = _config(tmp_path, c.tracking_uri, c.storage("s3outage"), name="s3outage", trials=1, reproductions=2)
     log_path = tmp_path / "sweep.log"
     pid = _s3_pid(c)

@@ -36,6 +36,10 @@ def test_set_only_around_the_import_and_never_over_the_users_value(tmp_path, mon
     with oc.for_faiss_import(str(info)) as core:
         assert core == "Haswell" and os.environ[oc.VARIABLE] == "Haswell"
     assert oc.VARIABLE not in os.environ  # later processes detect for themselves
+    monkeypatch.setenv(oc.VARIABLE, "")  # empty: OpenBLAS detects, so it is chosen here too, and restored after
+    with oc.for_faiss_import(str(info)) as core:
+        assert core == "Haswell" and os.environ[oc.VARIABLE] == "Haswell"
+    assert os.environ[oc.VARIABLE] == ""
     monkeypatch.setenv(oc.VARIABLE, "Zen")
     with oc.for_faiss_import(str(info)) as core:
         assert core is None and os.environ[oc.VARIABLE] == "Zen"
