@@ -7,7 +7,9 @@
     dmlrc reeval CONFIG.yaml                               re-evaluate registered models (pipelines.reeval)
 
 Bad input exits with status 2 and one line ``config error: <field>: <problem>`` (``data error: <file>: ...`` for
-``dmlrc data``) — before Ray or MLflow start and before anything is written.
+``dmlrc data``) — before Ray or MLflow start and before anything is written.  An MLflow server unreachable
+mid-sweep for longer than ``tracking.outage_timeout_s`` stops the sweep with one line ``tracking error: ...`` and
+status 3; its state is kept for ``--resume`` (:mod:`pipelines.tracking_watch`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 from pipelines.config import ConfigError
+from pipelines.tracking_watch import TrackingUnavailable
 
 __all__ = ["main", "build_parser"]
 
@@ -156,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print("config error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
         return 2
+    except TrackingUnavailable as e:  # MLflow down longer than tracking.outage_timeout_s: stopped, state kept
+        print("tracking error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -450,6 +450,10 @@ class TrackingSpec(_Strict):
     uri: str | None = Field(None, max_length=4096)
     """http(s)://host[:port], sqlite:///path.db or postgresql[+psycopg2]://user@host[:port]/database."""
     experiment: str | None = Field(None, max_length=256)
+    outage_timeout_s: float = Field(300.0, ge=10.0, le=900.0)
+    """How long the tracking server (or PostgreSQL store) may stay unreachable mid-sweep before the sweep stops with
+    one message and its state kept for `--resume` (a shorter outage is ridden out: MLflow's HTTP retries are set to
+    outlast it).  At most 900 s: MLflow allows 10 retries of at most 120 s back-off each."""
 
     @field_validator("uri")
     @classmethod

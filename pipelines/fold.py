@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["run_fold", "fold_worker", "worker_env", "OUTCOME_FILE", "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE",
-           "METRIC_KEYS", "CHECKPOINT_DIR", "checkpoint_uri_of", "clear_checkpoints"]
+           "METRIC_KEYS", "CHECKPOINT_DIR", "checkpoint_uri_of", "clear_checkpoints", "evaluation_metrics",
+           "logged_evaluations"]
 
 OUTCOME_FILE = "outcome.json"
 TEST_EMBEDDINGS = "test_embeddings.npy"
@@ -66,6 +67,21 @@ ATTEMPTS_FILE = "attempts.json"
 PROGRESS_FILE = "progress.json"
 #: The metric logged at every evaluation (``epoch``): its steps are the evaluations the run holds.
 _STEP_METRIC = "epoch"
+
+
+def evaluation_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """What a fold run logs for one evaluation (at step = its iteration): ``val.<metric>``, ``train.loss``, and
+    the epoch (the step metric that tells which evaluations a run holds)."""
+    metrics = {f"val.{k}": v for k, v in record["metrics"].items() if k in METRIC_KEYS}
+    if record.get("train_loss") is not None:
+        metrics["train.loss"] = record["train_loss"]
+    metrics[_STEP_METRIC] = record["epoch"]
+    return metrics
+
+
+def logged_evaluations(tracker, fold_run_id: str) -> set[int]:
+    """The iterations whose evaluation the fold run already holds."""
+    return {m.step for m in tracker.client.get_metric_history(fold_run_id, _STEP_METRIC)}
 
 
 def checkpoint_uri_of(fold_dir: str) -> str:
@@ -249,7 +265,7 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         tracker = Tracker.from_uri(cfg["tracking_uri"], cfg["experiment_id"])
         run = tracker.run(fold_run_id)
         if run.data.metrics:
-            logged = {m.step for m in tracker.client.get_metric_history(fold_run_id, _STEP_METRIC)}
+            logged = logged_evaluations(tracker, fold_run_id)
         last_logged = max(logged, default=0)  # how far a killed attempt is known to have got
         if run.data.metrics and not ckpt.enabled:
             # This fold is being run again after its process died (an OOM kill, a lost node; Ray retried the task
@@ -268,12 +284,8 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         tracker.set_tags(fold_run_id, tags)
 
     def log_record(record: dict[str, Any]) -> None:
-        metrics = {f"val.{k}": v for k, v in record["metrics"].items() if k in METRIC_KEYS}
-        if record.get("train_loss") is not None:
-            metrics["train.loss"] = record["train_loss"]
-        metrics[_STEP_METRIC] = record["epoch"]
         try:
-            tracker.log_metrics(fold_run_id, metrics, step=record["iteration"])
+            tracker.log_metrics(fold_run_id, evaluation_metrics(record), step=record["iteration"])
             logged.add(record["iteration"])
         except Exception as e:  # noqa: BLE001 - tracking trouble must not kill a training run
             print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)

@@ -248,14 +248,18 @@ def stop_ray(started: bool) -> None:
 
 def start_ray(cfg: SweepConfig, address: str | None) -> bool:
     """:func:`init_ray` for a sweep: a local Ray gets ``resources.num_cpus`` logical CPUs (default
-    :func:`default_num_cpus`)."""
-    return init_ray(address, num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg))
+    :func:`default_num_cpus`); this process and every worker get MLflow HTTP retries that outlast
+    ``tracking.outage_timeout_s`` (:mod:`pipelines.tracking_watch`)."""
+    from pipelines.tracking_watch import apply_retry_env
+
+    retries = apply_retry_env(cfg.tracking.outage_timeout_s, _UNDO)
+    return init_ray(address, num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg), env=retries)
 
 
-def init_ray(address: str | None, *, num_cpus: int) -> bool:
+def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None = None) -> bool:
     """Start (or connect to) Ray for any ``dmlrc`` command (sweep, reeval); returns whether we started it (and so
     must shut it down with :func:`stop_ray`, which is also what undoes the credential and loopback settings below —
-    call it either way).  ``num_cpus`` only applies to a Ray started here."""
+    call it either way).  ``num_cpus`` only applies to a Ray started here; ``env`` goes to every worker too."""
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     s3_compat_env()
@@ -276,7 +280,7 @@ def init_ray(address: str | None, *, num_cpus: int) -> bool:
         # poll the State API, which needs the dashboard we do not start); our progress lines are prints.
         logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
         runtime_env={"env_vars": {**worker_env(), **{k: os.environ[k] for k in RAY_ENV},
-                                  **{k: os.environ[k] for k in S3_ENV if k in os.environ}}},
+                                  **{k: os.environ[k] for k in S3_ENV if k in os.environ}, **(env or {})}},
     )
     if address:
         ray.init(address=address, **kwargs)

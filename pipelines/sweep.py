@@ -195,11 +195,13 @@ def _register_study_trainable(plan: StudyPlan, ctx: StudyContext) -> str:
 
 
 class _Sweep:
-    def __init__(self, cfg: SweepConfig, plans: list[StudyPlan], tracker, out=None):
+    def __init__(self, cfg: SweepConfig, plans: list[StudyPlan], tracker, out=None, watch=None):
         self.cfg = cfg
         self.plans = plans
         self.tracker = tracker
         self.out = out or sys.stdout
+        #: the tracking store's health (pipelines.tracking_watch.TrackingWatch), or None (sqlite)
+        self.watch = watch
         #: set when the sweep stops (Ctrl-C, a crash): a study thread whose Tuner returns then goes no further
         self.stopping = threading.Event()
         #: the study threads' idents, by study key, while they run a study
@@ -218,6 +220,7 @@ class _Sweep:
             pending = set(futures)
             while pending:  # a timeout, so that the main thread stays responsive to SIGINT
                 done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
+                self._check_tracking()
                 for f in done:
                     if f.exception() is not None:
                         raise f.exception()
@@ -258,6 +261,17 @@ class _Sweep:
         if left:
             print(f"warning: {len(left)} studies still stopping after {_STUDY_STOP_WAIT_S:.0f} s; shutting Ray down",
                   file=sys.stderr, flush=True)
+
+    def _check_tracking(self) -> None:
+        """Stop the sweep (as Ctrl-C does: state kept) once MLflow has been unreachable for the configured time."""
+        from pipelines.stopping import resume_command
+        from pipelines.tracking_watch import TrackingUnavailable
+
+        if self.watch is not None and self.watch.expired():
+            raise TrackingUnavailable(
+                f"MLflow at {redact_uri(self.tracker.uri)} unreachable for {self.watch.down_for():.0f} s "
+                f"(tracking.outage_timeout_s: {self.watch.timeout_s:g}); the sweep stopped, its state is kept in "
+                f"{self.cfg.ray_storage()}; once MLflow answers again, resume with: {resume_command(self.cfg)}")
 
     def _check_stopping(self) -> None:
         from pipelines.stopping import SweepInterrupted
@@ -511,10 +525,14 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
                                   f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
     set_experiment_kind(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
+    from pipelines.tracking_watch import TrackingUnavailable, TrackingWatch
+
+    watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
     try:
         started = start_ray(cfg, address)
     except BaseException:
-        stop_ray(False)  # undo what it changed in this process (credentials, loopback switch)
+        watch.stop()
+        stop_ray(False)  # undo what it changed in this process (credentials, loopback switch, MLflow retries)
         raise
     try:
         check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
@@ -532,13 +550,14 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
               f"MLflow {shown} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}", file=out, flush=True)
         message = f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}"
         with stop_on_sigint(message, out):
-            sweep = _Sweep(cfg, plans, tracker, out)
+            sweep = _Sweep(cfg, plans, tracker, out, watch)
             studies = sweep.run_all(limit)
     except BaseException as e:
         # Stop Ray first: no worker may write to a run after it is closed.
         stop_ray(started)
         started = False
-        if not isinstance(e, ConfigError):
+        # With MLflow down the runs cannot be closed: they stay RUNNING, which is what --resume reuses.
+        if not isinstance(e, (ConfigError, TrackingUnavailable)):
             try:
                 if isinstance(e, KeyboardInterrupt):
                     close_open_runs(tracker, cfg.name, reason=INTERRUPTED, status="KILLED")
@@ -549,6 +568,7 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
                       flush=True)
         raise
     finally:
+        watch.stop()
         stop_ray(started)
     for s in studies:
         if s.status != "ok":

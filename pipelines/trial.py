@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.fold import METRIC_KEYS, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS, fold_worker
+from pipelines.fold import (METRIC_KEYS, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS, evaluation_metrics, fold_worker,
+                           logged_evaluations)
 from pipelines.spaces import LOSS_LR
 
 __all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "REPRODUCTION", "PARAMS", "OBJECTIVE", "reproduction_seed"]
@@ -405,17 +406,15 @@ def _store_details(ctx: StudyContext, prefix: str, details) -> str:
 
 def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpoint: str,
                      fit_span: tuple[float, float], cost: dict[str, float]) -> None:
-    """Summary of a fold run (and its history, if rank 0 could not log it live, e.g. after a restart)."""
+    """Summary of a fold run, and the evaluations of its history that rank 0 could not log live (MLflow down while
+    it trained, a restart): each one once, at its iteration."""
     run = tracker.run(fold_run_id)
     if run.info.status == "FINISHED" and "best_epoch" in run.data.metrics:
         return  # a fold that finished before a restart: already summarised
-    have = run.data.metrics
-    if "val.map_at_r" not in have:
-        for rec in outcome["history"]:
-            m = {f"val.{k}": v for k, v in rec["metrics"].items()}
-            if rec.get("train_loss") is not None:
-                m["train.loss"] = rec["train_loss"]
-            tracker.log_metrics(fold_run_id, m, step=rec["iteration"])
+    logged = logged_evaluations(tracker, fold_run_id) if run.data.metrics else set()
+    for rec in outcome["history"]:
+        if rec["iteration"] not in logged:
+            tracker.log_metrics(fold_run_id, evaluation_metrics(rec), step=rec["iteration"])
     summary = {f"best.val.{k}": v for k, v in outcome["best_metrics"].items() if k in METRIC_KEYS}
     summary.update({f"test.{k}": v for k, v in outcome.get("test_metrics", {}).items()})
     # Wall-clock marks (s since the epoch) for the overhead benchmark: fold submitted (fit() called) → fold function

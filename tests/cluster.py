@@ -41,6 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -101,6 +102,7 @@ class LocalCluster:
     access_key: str = ""
     secret_key: str = ""
     tracking_uri: str = ""
+    mlflow: Any = None                  # the tests.mlflow_server.MlflowServer behind tracking_uri (kill, restart)
     workdir: Path = field(default_factory=Path)
 
     @property
@@ -221,7 +223,7 @@ def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: in
     with contextlib.ExitStack() as stack:
         cluster = LocalCluster(address="", nodes=nodes, base_env=env, workdir=workdir)
         if services:
-            from tests.mlflow_server import PostgresUnavailable, mlflow_server, postgres_database
+            from tests.mlflow_server import PostgresUnavailable, mlflow_server_process, postgres_database
 
             try:
                 pg_uri = stack.enter_context(postgres_database())
@@ -236,9 +238,10 @@ def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: in
             boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
                          region_name="us-east-1").create_bucket(Bucket=bucket)
             env.update(s3_env)
-            cluster.tracking_uri = stack.enter_context(mlflow_server(
+            cluster.mlflow = stack.enter_context(mlflow_server_process(
                 workdir / "mlflow", backend_uri=pg_uri, artifacts_destination=f"s3://{bucket}/mlflow",
                 env={**s3_env, "MLFLOW_S3_ENDPOINT_URL": endpoint}))
+            cluster.tracking_uri = cluster.mlflow.uri
             cluster.s3_endpoint, cluster.s3_bucket, cluster.access_key, cluster.secret_key = \
                 endpoint, bucket, key, secret
 

@@ -28,7 +28,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-__all__ = ["mlflow_server", "postgres_database", "PostgresUnavailable", "free_port"]
+__all__ = ["mlflow_server", "mlflow_server_process", "MlflowServer", "postgres_database",
+           "PostgresUnavailable", "free_port"]
 
 PG_ADMIN_URI = os.environ.get("DMLRC_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -51,6 +52,72 @@ def _healthy(uri: str) -> bool:
         return False
 
 
+class MlflowServer:
+    """One ``mlflow server`` process (its own process group) on a fixed loopback port: it can be killed and started
+    again on the same port, with the same backend and artifact store, as an operator restarts a crashed server."""
+
+    def __init__(self, workdir: Path, backend: str, artifacts: str, env: dict[str, str] | None, port: int):
+        self.workdir, self.backend, self.artifacts, self.env = workdir, backend, artifacts, env or {}
+        self.uri = f"http://127.0.0.1:{port}"
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start the server and wait until it answers ``/health``."""
+        self._log = open(self.workdir / "mlflow-server.log", "ab")
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--backend-store-uri", self.backend, "--artifacts-destination", self.artifacts, "--workers", "1"]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     # no background job runner (8 huey consumer processes): no job is submitted
+                                     env={**os.environ, **self.env, "MLFLOW_TRACKING_URI": "",
+                                          "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        deadline = time.time() + timeout
+        while not _healthy(self.uri):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: "
+                                   + (self.workdir / "mlflow-server.log").read_text()[-3000:])
+            if time.time() > deadline:
+                raise RuntimeError(f"mlflow server on {self.uri} not healthy after {timeout:.0f}s: "
+                                   + (self.workdir / "mlflow-server.log").read_text()[-3000:])
+            time.sleep(0.5)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Signal the server's process group (the server and the uvicorn workers it started) and reap it;
+        ``SIGKILL`` is a crash."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=20)
+        self._log.close()
+        self.proc = None
+
+
+@contextlib.contextmanager
+def mlflow_server_process(workdir: str | os.PathLike, backend_uri: str | None = None, timeout: float = 180.0, *,
+                          artifacts_destination: str | None = None, env: dict[str, str] | None = None):
+    """:func:`mlflow_server`, yielding the :class:`MlflowServer` (to kill and restart it) instead of its URI."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = MlflowServer(workdir, backend_uri or f"sqlite:///{workdir / 'mlflow-server.db'}",
+                          artifacts_destination or str(workdir / "mlflow-artifacts"), env, free_port())
+    try:
+        server.start(timeout)
+        yield server
+    finally:
+        server.stop()
+
+
 @contextlib.contextmanager
 def mlflow_server(workdir: str | os.PathLike, backend_uri: str | None = None, timeout: float = 180.0, *,
                   artifacts_destination: str | None = None, env: dict[str, str] | None = None):
@@ -58,42 +125,9 @@ def mlflow_server(workdir: str | os.PathLike, backend_uri: str | None = None, ti
 
     ``artifacts_destination`` (default: a folder in ``workdir``) may be an ``s3://`` URI; ``env`` is added to the
     server's environment (e.g. ``MLFLOW_S3_ENDPOINT_URL`` and the S3 keys for such a destination)."""
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    backend = backend_uri or f"sqlite:///{workdir / 'mlflow-server.db'}"
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    log = open(workdir / "mlflow-server.log", "wb")
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", backend,
-           "--artifacts-destination", artifacts_destination or str(workdir / "mlflow-artifacts"),
-           "--workers", "1"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            # no background job runner (8 huey consumer processes): the sweep never submits jobs
-                            env={**os.environ, **(env or {}), "MLFLOW_TRACKING_URI": "",
-                                 "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    try:
-        deadline = time.time() + timeout
-        while not _healthy(uri):
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {proc.returncode}: "
-                                   + (workdir / "mlflow-server.log").read_text()[-3000:])
-            if time.time() > deadline:
-                raise RuntimeError(f"mlflow server on {uri} not healthy after {timeout:.0f}s: "
-                                   + (workdir / "mlflow-server.log").read_text()[-3000:])
-            time.sleep(0.5)
-        yield uri
-    finally:
-        # Our own process group: the server and the uvicorn/gunicorn workers it started.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=20)
-        log.close()
+    with mlflow_server_process(workdir, backend_uri, timeout, artifacts_destination=artifacts_destination,
+                               env=env) as server:
+        yield server.uri
 
 
 @contextlib.contextmanager

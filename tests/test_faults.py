@@ -17,6 +17,12 @@ for ``storage: s3://`` and an ``mlflow server`` on PostgreSQL.  One cluster serv
 4. **the S3 server frozen** (SIGSTOP) for 30 s during the search trial's folds and for 120 s (longer than a fold)
    during a reproduction's: storage trouble is retried, not turned into retraining; nothing lost.
 
+5. **the MLflow server killed** (SIGKILL of its process group) once a fold has evaluated twice, and left down for
+   longer than ``tracking.outage_timeout_s`` (20 s here): the sweep stops by itself within a bounded time, with one
+   ``tracking error:`` line naming the setting and the resume command (exit status 3, no traceback).  The server is
+   started again on the same port and database; ``--resume`` completes the study and the logging: every evaluation
+   of every fold once, none missing, no run left RUNNING, nothing trained twice beyond one interval per resume.
+
 Each test writes one row of measurements (faults, trials finished/lost/duplicated, folds resumed, iterations redone,
 wall time) to ``reliability.jsonl`` in its tmp dir and prints it: ``docs/reliability.md`` quotes them.
 """
@@ -348,3 +354,53 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
     _record(tmp_path, {"fault": "S3 server stopped (SIGSTOP) for 30 s, then for 120 s", "outages_s": outages,
                        "trials_lost": 0, "trials_duplicated": 0, **counts, "storage_warnings": store_failures,
                        "wall_s": round(time.time() - t0, 1)})
+
+
+OUTAGE_S = 20  # tracking.outage_timeout_s of the MLflow test: the sweep must stop this long after the server died
+STOP_BOUND_S = 200  # ... plus at most this: one MLflow back-off step (≤ 120 s), the studies' stop, Ray's shutdown
+
+
+@pytest.mark.timeout(1500)
+def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_completes(cluster, tmp_path):
+    c = cluster
+    _with_node_2(c)
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("mlflowdown"), name="mlflowdown", trials=1, reproductions=2)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["tracking"]["outage_timeout_s"] = OUTAGE_S
+    cfg.write_text(yaml.safe_dump(doc))
+    log_path = tmp_path / "sweep.log"
+    t0 = time.time()
+    proc = _start(c, cfg, log_path)
+    try:
+        _wait_for_fold(c, "mlflowdown-experiment", proc, log_path, node_id=None, evals=2)
+        c.mlflow.stop(signal.SIGKILL)
+        t_kill = time.time()
+        try:
+            rc = proc.wait(timeout=OUTAGE_S + STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the sweep did not stop while MLflow was down:\n"
+                                 + log_path.read_text(errors="replace")[-6000:]) from None
+        stopped_after = time.time() - t_kill
+        down_s = stopped_after + 5
+        time.sleep(5)  # still down a little after the stop: nothing may depend on the server coming back at once
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if c.mlflow.proc is None:  # an operator restarts the server: same port, same database and artifact store
+            c.mlflow.start()
+    text = log_path.read_text(errors="replace")
+    assert rc == 3, text[-6000:]
+    said = [line for line in text.splitlines() if line.startswith("tracking error:")]
+    assert len(said) == 1, text[-6000:]
+    assert "tracking.outage_timeout_s" in said[0] and "--resume" in said[0], said
+    assert "Traceback" not in text, text[-6000:]
+    assert OUTAGE_S <= stopped_after <= OUTAGE_S + STOP_BOUND_S, stopped_after
+
+    t_resume = time.time()
+    proc = _start(c, cfg, log_path, "--resume")
+    _finish(proc, log_path, timeout=1200)
+    counts = _check_tree(c, "mlflowdown-experiment", parents=3)
+    _record(tmp_path, {"fault": f"MLflow server SIGKILLed mid-fold, down {down_s:.0f} s "
+                                f"(tracking.outage_timeout_s {OUTAGE_S}), restarted, then --resume",
+                       "trials_lost": 0, "trials_duplicated": 0, **counts, "stopped_after_s": round(stopped_after, 1),
+                       "resume_s": round(time.time() - t_resume, 1), "wall_s": round(time.time() - t0, 1)})
