@@ -493,6 +493,9 @@ class _ShardSource:
         self.storage = open_storage(root, endpoint_url=endpoint_url)
         self.manifest_uri = self.storage.uri_of(name)
         self.manifest = read_manifest(uri, endpoint_url=endpoint_url)
+        # No cache_dir given: every process uses its own machine's default (a worker node on another machine has
+        # its own disk and home; the driver's path may not exist there), also after unpickling.
+        self.cache_dir_given = cache_dir is not None
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self.cache_row_groups = int(cache_row_groups)
         self.verify_rows = bool(verify_rows)
@@ -521,6 +524,8 @@ class _ShardSource:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        if not self.cache_dir_given:
+            self.cache_dir = default_cache_dir()
         self._reset_process_state()
 
     def _check_process(self):

@@ -92,6 +92,24 @@ def test_verify_hashes_every_shard_even_when_the_stamp_matches(tmp_path):
         read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
 
 
+def test_a_table_sent_to_another_machine_uses_that_machines_cache(tmp_path, monkeypatch):
+    """A table opened with the default cache (``$DMLRC_CACHE_DIR``, else ~/.cache/dmlrc) and unpickled on a Ray
+    worker of another node uses that node's default, not the driver's path; an explicit ``cache_dir`` travels."""
+    import pickle
+
+    recs, _ = _records()
+    write_shards(recs, tmp_path / "out", dataset="toy", progress=False)
+    monkeypatch.setenv("DMLRC_CACHE_DIR", str(tmp_path / "driver"))
+    table = read_parquet_manifest(tmp_path / "out")
+    blob = pickle.dumps(table)
+    monkeypatch.setenv("DMLRC_CACHE_DIR", str(tmp_path / "worker"))
+    there = pickle.loads(blob)
+    assert there._source.cache_dir == tmp_path / "worker"
+    assert there.images[0] and (tmp_path / "worker" / "verified").is_dir()
+    pinned = pickle.loads(pickle.dumps(read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "mine")))
+    assert pinned._source.cache_dir == tmp_path / "mine"
+
+
 def test_reordered_row_groups_in_the_manifest_are_rejected(tmp_path):
     """Before: the reader located rows through the manifest's list and served images with other classes' labels."""
     recs, _ = _records(2, 4)
