@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 __all__ = ["SweepInterrupted", "INTERRUPTED", "stop_on_sigint", "resume_command", "close_open_runs",
-           "reopen_interrupted", "failure_reason"]
+           "reopen_interrupted", "failure_reason", "error_text"]
 
 INTERRUPTED = "interrupted"
 
@@ -107,15 +107,24 @@ def failure_reason(rows: list[dict[str, Any]], limit: int = 200) -> str:
         if r.get("reason"):
             cause = f"{r.get('status') or 'failed'}: {r['reason']}"
         elif r.get("error") is not None:
-            e = r["error"]
-            text = " ".join(str(e).split()) if str(e).strip() else ""
-            cause = f"error: {type(e).__name__}" + (f": {text}" if text else "")
+            cause = "error: " + error_text(r["error"])
         elif r.get("status"):
             cause = f"status {r['status']} without a reason"
         else:
             cause = "stopped before reporting a result (interrupted, or its process died)"
         causes.setdefault(cause[:limit], []).append(str(r.get("trial_id") or "?"))
     return "; ".join(f"{cause} [{', '.join(sorted(ids))}]" for cause, ids in causes.items())
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: message`` of what went wrong, on one line.  Ray hands on an error raised in a task or actor wrapped
+    in a ``RayTaskError`` whose text is a traceback with terminal colours; the error itself is its ``cause`` (a
+    chain of them when a task's error went through a trial's actor)."""
+    seen = 0
+    while isinstance(getattr(e, "cause", None), BaseException) and seen < 10:
+        e, seen = e.cause, seen + 1
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
 
 
 def _q(v: str) -> str:

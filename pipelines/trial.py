@@ -42,6 +42,7 @@ import numpy as np
 from pipelines.fold import (METRIC_KEYS, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS, evaluation_metrics, fold_worker,
                            logged_evaluations)
 from pipelines.spaces import LOSS_LR
+from pipelines.stopping import error_text
 
 __all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "REPRODUCTION", "PARAMS", "OBJECTIVE", "reproduction_seed"]
 
@@ -339,7 +340,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
 
     if errors:
         k = min(errors)
-        reason = f"fold {k}: {type(errors[k]).__name__}: {str(errors[k]).strip().splitlines()[-1] if str(errors[k]).strip() else ''}"
+        reason = f"fold {k}: {error_text(errors[k])}"
         for fid in fold_runs.values():
             if tracker.status(fid) == "RUNNING":
                 tracker.finish(fid, "FAILED")

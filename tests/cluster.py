@@ -177,6 +177,8 @@ def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path, su
            "--object-manager-port", str(_free_port()), "--runtime-env-agent-port", str(_free_port()),
            "--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port", str(_free_port()),
            "--metrics-export-port", str(_free_port()), *args]
+    # Each node its own dataset cache, as each machine of a real cluster has its own disk (a replacement, a new one).
+    env = {**env, "DMLRC_CACHE_DIR": str(logs.parent / f"node{index}{suffix}-cache")}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Node(index=index, resource=resource, proc=proc, temp_dir=temp_dir, log_path=log_path, args=list(args))

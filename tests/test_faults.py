@@ -26,6 +26,11 @@ for ``storage: s3://`` and an ``mlflow server`` on PostgreSQL.  One cluster serv
 6. **a trial whose folds diverge** (a search space whose second trial draws a margin that makes the loss +inf at
    once): the trial is recorded ``diverged`` with the fold's reason, and the study goes on to its reproductions.
 
+7. **a corrupt data shard**: CUB-layout shards prepared into S3, verified into the driver's cache, then shard 0 in
+   S3 overwritten with a damaged copy; each worker node has its own cache (its own disk), so its folds download the
+   damaged shard.  The folds fail naming the shard, the trial is recorded FAILED with that reason, the shard study
+   fails with it, and the sweep's other study (synthetic data) finishes: exit 1 (a study failed), no hang.
+
 Each test writes one row of measurements (faults, trials finished/lost/duplicated, folds resumed, iterations redone,
 wall time) to ``reliability.jsonl`` in its tmp dir and prints it: ``docs/reliability.md`` quotes them.
 """
@@ -47,16 +52,17 @@ import yaml
 pytestmark = pytest.mark.slow
 
 ITERS, EPOCHS = 40, 6  # long enough epochs (no early stop) that a fold is still training after a few evaluations
+SHORT = 2  # epochs of the sweeps whose fault does not need a fold caught mid-training
 IDENTIFYING = ("sweep", "stage", "study", "dataset", "loss", "fold", "trial_id")
 
 
 def _config(tmp_path: Path, tracking_uri: str, storage: str, *, name: str, trials: int, reproductions: int,
-            **resources) -> Path:
+            epochs: int = EPOCHS, **resources) -> Path:
     """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, batches of 8 × 4, no early stop."""
     from tests.test_cluster import cluster_sweep_config
 
     path = cluster_sweep_config(tmp_path, tracking_uri, storage, name=name, trials=trials, reproductions=reproductions,
-                                iters_per_epoch=ITERS, max_epochs=EPOCHS, fold_retries=2, **resources)
+                                iters_per_epoch=ITERS, max_epochs=epochs, fold_retries=2, **resources)
     doc = yaml.safe_load(path.read_text())
     doc["seed"] = 5
     doc["datasets"][0].update(num_classes=32, per_class=8)
@@ -139,14 +145,19 @@ def _finish(proc: subprocess.Popen, log_path: Path, timeout: float) -> str:
     return text
 
 
-def _check_tree(c, experiment: str, *, parents: int, resume: bool = True) -> dict:
-    """The invariants every fault must keep; returns counts for the reliability table."""
+def _check_tree(c, experiment: str, *, parents: int, resume: bool = True, study: str | None = None,
+                epochs: int = EPOCHS) -> dict:
+    """The invariants every fault must keep (of one ``study`` only, if given); returns counts for the reliability
+    table."""
     from mlflow.entities import ViewType
 
     client, every = _runs(c, experiment)
     running = [(r.data.tags.get("stage"), r.info.lifecycle_stage) for r in every if r.info.status == "RUNNING"]
     assert not running, f"runs left RUNNING: {running}"
     _, runs = _runs(c, experiment, ViewType.ACTIVE_ONLY)
+    if study is not None:
+        runs = [r for r in runs if r.data.tags.get("study") == study]
+        every = [r for r in every if r.data.tags.get("study") == study]
     stage = lambda s: [r for r in runs if r.data.tags.get("stage") == s]  # noqa: E731
     study = stage("study")
     assert len(study) == 1 and study[0].data.tags.get("done") == "true"
@@ -161,14 +172,14 @@ def _check_tree(c, experiment: str, *, parents: int, resume: bool = True) -> dic
         for r in kids:
             steps = [m.step for m in client.get_metric_history(r.info.run_id, "val.map_at_r")]
             # each evaluation once, none missing: all of them, or those before a divergence ended the fold
-            n_evals = len(steps) if r.data.tags.get("status") == "diverged" else EPOCHS + 1
+            n_evals = len(steps) if r.data.tags.get("status") == "diverged" else epochs + 1
             assert sorted(steps) == [i * interval for i in range(n_evals)], (r.data.tags, steps)
             n = int(r.data.tags.get("resumes", 0))
             resumed += n
             if n:
                 redone_here = int(r.data.metrics["redone_iterations"])
                 # with mid-fold resume at most one evaluation interval per restart; without it, everything done
-                assert 0 <= redone_here <= n * interval * (1 if resume else EPOCHS), (r.data.tags, redone_here)
+                assert 0 <= redone_here <= n * interval * (1 if resume else epochs), (r.data.tags, redone_here)
                 redone += redone_here
     deleted_folds = [r for r in every if r.data.tags.get("stage") == "fold" and r.info.lifecycle_stage == "deleted"]
     return {"trials_finished": len(ps), "folds": len(folds), "folds_resumed": resumed, "iterations_redone": redone,
@@ -425,7 +436,8 @@ def test_a_trial_whose_folds_diverge_is_recorded_with_its_reason_and_the_study_g
         "space": {"pos_margin": {"low": -0.2, "high": 2.0},
                   "neg_margin": {"type": "categorical", "choices": [0.3841, 3.0e38]}},
         "paper_defaults": {"pos_margin": -0.2, "neg_margin": 0.3841}}))
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("diverge"), name="diverge", trials=2, reproductions=2)
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("diverge"), name="diverge", trials=2, reproductions=2,
+                  epochs=SHORT)
     doc = yaml.safe_load(cfg.read_text())
     doc["tune_spaces"] = str(spaces)
     cfg.write_text(yaml.safe_dump(doc))
@@ -437,7 +449,7 @@ def test_a_trial_whose_folds_diverge_is_recorded_with_its_reason_and_the_study_g
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    counts = _check_tree(c, "diverge-experiment", parents=4)
+    counts = _check_tree(c, "diverge-experiment", parents=4, epochs=SHORT)
     from mlflow.entities import ViewType
 
     client, runs = _runs(c, "diverge-experiment", ViewType.ACTIVE_ONLY)
@@ -454,3 +466,73 @@ def test_a_trial_whose_folds_diverge_is_recorded_with_its_reason_and_the_study_g
     _record(tmp_path, {"fault": "a trial whose folds diverge (loss +inf on the first batch)", "trials_lost": 0,
                        "trials_duplicated": 0, "trials_diverged": len(diverged), **counts,
                        "wall_s": round(time.time() - t0, 1)})
+
+
+@pytest.mark.timeout(1200)
+def test_a_corrupt_shard_fails_its_folds_naming_it_and_the_other_study_finishes(cluster, tmp_path):
+    import boto3
+
+    from dml_core.datasets import prepare
+    from dml_core.shards import verify_shards
+    from tests.test_datasets_prepare import make_fake_cub
+
+    c = cluster
+    _with_node_2(c)
+    s3 = boto3.client("s3", endpoint_url=c.s3_endpoint, aws_access_key_id=c.access_key,
+                      aws_secret_access_key=c.secret_key, region_name="us-east-1")
+    dest = f"s3://{c.s3_bucket}/corrupt/cub"
+    make_fake_cub(tmp_path / "src", n_classes=32, per_class=6)
+    env = c.driver_env(DMLRC_CACHE_DIR=str(tmp_path / "driver-cache"))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # prepare and verify as the driver's machine does: its S3 keys and its own cache
+    try:
+        manifest = prepare("cub200", tmp_path / "src", dest, endpoint_url=c.s3_endpoint, progress=False,
+                           max_shard_bytes=4000)
+        verify_shards(dest, endpoint_url=c.s3_endpoint)  # a good copy of every shard in the driver's cache
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    shard = manifest["shards"][0]["path"]
+    key = f"corrupt/cub/{shard}"
+    good = s3.get_object(Bucket=c.s3_bucket, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF  # a damaged object (a bad upload, bit rot): its sha256 no longer matches
+    s3.put_object(Bucket=c.s3_bucket, Key=key, Body=bytes(bad))
+
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("corrupt"), name="corrupt", trials=1, reproductions=2,
+                  epochs=SHORT)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["datasets"].append({"name": "cub-shards", "kind": "parquet", "path": dest, "image_size": 16})
+    cfg.write_text(yaml.safe_dump(doc))
+    log_path = tmp_path / "sweep.log"
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
+                            cwd=tmp_path, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        rc = proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the sweep hung:\n" + log_path.read_text(errors="replace")[-6000:]) from None
+    text = log_path.read_text(errors="replace")
+    assert rc == 1, text[-6000:]  # one study failed, the sweep itself did not
+    counts = _check_tree(c, "corrupt-experiment", parents=3, study="synthetic/contrastive", epochs=SHORT)
+    from mlflow.entities import ViewType
+
+    _, runs = _runs(c, "corrupt-experiment", ViewType.ACTIVE_ONLY)
+    mine = [r for r in runs if r.data.tags.get("study") == "cub-shards/contrastive"]
+    study = [r for r in mine if r.data.tags.get("stage") == "study"]
+    assert len(study) == 1 and study[0].info.status == "FAILED", [r.data.tags for r in study]
+    trials = [r for r in mine if r.data.tags.get("stage") == "trial"]
+    assert trials and all(r.info.status == "FAILED" for r in trials), [(r.info.status, r.data.tags) for r in trials]
+    for r in trials + study:  # the trial and the study say which file is at fault
+        assert f"{dest}/{shard}" in r.data.tags.get("reason", ""), r.data.tags
+        assert "sha256" in r.data.tags["reason"], r.data.tags
+    folds = [r for r in mine if r.data.tags.get("stage") == "fold"]
+    assert folds and all(r.info.status != "RUNNING" for r in folds)
+    _record(tmp_path, {"fault": "a corrupt data shard in S3 (one study), the other study synthetic",
+                       "trials_lost": 0, "trials_duplicated": 0, "failed_study_trials": len(trials),
+                       "failed_study_folds": len(folds), **counts, "wall_s": round(time.time() - t0, 1)})

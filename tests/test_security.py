@@ -139,6 +139,23 @@ def test_failure_reason_says_why_each_trial_failed():
     assert failure_reason([]) == "no trial ran"
 
 
+def test_failure_reason_unwraps_what_ray_raised_in_a_task_inside_a_trial():
+    """A fold's error reaches the study through two Ray wrappers (the fold task's, then the trial actor's), each a
+    RayTaskError whose text is a coloured traceback: the reason is the innermost error's own line."""
+    from ray.exceptions import RayTaskError
+
+    from pipelines.stopping import error_text, failure_reason
+
+    inner = ValueError("s3://b/shards/part-00000.parquet: sha256 abc does not match the manifest's def")
+    fold = RayTaskError("fold", "Traceback (most recent call last):\n  ...\n", inner).as_instanceof_cause()
+    trial_err = RuntimeError(f"study t1: fold 0: {error_text(fold)}")
+    wrapped = RayTaskError("\x1b[36mray::ImplicitFunc.train()\x1b[39m", "Traceback ...\n  ^^^^\n",
+                           trial_err).as_instanceof_cause()
+    assert error_text(fold) == f"ValueError: {inner}"
+    text = failure_reason([{"trial_id": "t1", "error": wrapped}])
+    assert text == f"error: RuntimeError: study t1: fold 0: ValueError: {inner} [t1]"
+
+
 def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monkeypatch):
     """``use_gpu: true`` against a running Ray without GPUs (e.g. a cluster given with ``--address``): one config
     error naming ``resources.use_gpu`` and what the cluster has, right after Ray starts — no trial, no stored
