@@ -16,22 +16,28 @@ Result semantics are faiss's exact flat L2 search of the set against itself (``f
   (float bits << 32 | index), which have no ties at all.
 
 Off a diagonal tile, row i and row j see the very same float32 key for the pair (it is computed once);
-a diagonal tile holds both orders of its pairs.  Every GEMM has the same tile × tile shape (X is padded with
-masked zero rows), because BLAS libraries choose kernels -- and summation orders -- by shape: duplicated
-rows then get bit-identical keys wherever they sit, and tie.  Keys equal faiss's bit for bit when the
-products and sums are exact (quantised data); on generic data the two GEMMs (faiss's BLAS vs torch's) may
-round a pair's distance differently in the last bit, which can only swap two neighbours whose distances
-agree to float32 precision.
+a diagonal tile holds both orders of its pairs.  Every GEMM has the same panel × tile shape (X is padded
+with masked zero rows; a tile is computed as tile / panel row panels, one GEMM on CUDA), because BLAS
+libraries choose kernels -- and summation orders -- by shape: duplicated rows then get bit-identical keys
+wherever they sit, and tie.  Keys equal faiss's bit for bit when the products and sums are exact
+(quantised data); on generic data the two GEMMs (faiss's BLAS vs torch's) may round a pair's distance
+differently in the last bit, which can only swap two neighbours whose distances agree to float32 precision.
 
 Order of work: rows are grouped into blocks by a few Lloyd iterations (near rows together); the diagonal
-tiles run first and in full, so every row starts with its k best within its block as an exact threshold;
+tiles run first and in full: each row's bound is the k-th smallest of its ``CHUNK``-wide chunk minima
+within its block (k distinct keys lie below it, so it bounds the row's final k-th key), and merging the
+block's keys below the bound starts every row with its k best within its block as an exact threshold;
 then the off-diagonal tiles, nearest block pairs first.
 
-Memory is O(N·k + tile²): the running top-k (int64 composite keys) and one tile at a time, never N×N.
-Most of a tile is never looked at elementwise: per row (and per column) the maximum similarity of each
-``CHUNK``-wide chunk is compared with that row's admission threshold (from its current k-th distance),
-and only the chunks that can hold a better neighbour are gathered.  Runs on CPU or CUDA tensors with torch's
-thread count (``torch.get_num_threads()``); CUDA matmuls run in full fp32 (TF32 off for the call).
+Memory is O(N·k + panel·tile): the running top-k (int64 composite keys) and one panel at a time, never
+N×N.  Most of a tile is never looked at elementwise: right after a panel's GEMM, while the panel is in
+cache (256 × 2048 float32 = 2 MB on CPU), the maximum similarity of each ``CHUNK``-wide chunk of its rows
+and of each ``CHUNK``-high chunk of its columns is compared with the admission threshold of the row (of
+block a) or column (a row of block b) it belongs to (from its current k-th distance), and only the chunks
+that can hold a better neighbour are gathered -- from the panel, still in cache, so the tile is never
+written out to or re-read from memory.  The candidates of both sides then go through one merge per tile.
+Runs on CPU or CUDA tensors with torch's thread count (``torch.get_num_threads()``); CUDA matmuls run in
+full fp32 (TF32 off for the call).
 """
 
 from __future__ import annotations
@@ -42,9 +48,14 @@ import torch
 
 __all__ = ["self_knn", "TILE_CPU", "TILE_CUDA"]
 
-#: Block edge of one tile on CPU / CUDA (rows of X per block).  A CPU tile of 2048² float32 is 16 MB.
+#: Block edge of one tile on CPU / CUDA (rows of X per block).  A CPU tile of 2048² float32 would be 16 MB:
+#: it is computed and searched in panels of PANEL_CPU rows.
 TILE_CPU = 2048
 TILE_CUDA = 8192
+
+#: Rows per GEMM panel on CPU (a multiple of CHUNK): a 256 × 2048 float32 panel is 2 MB, and its chunk
+#: maxima are taken while it is still in cache.  CUDA computes a tile in one GEMM.
+PANEL_CPU = 256
 
 #: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
 CHUNK = 32
@@ -104,64 +115,79 @@ class _TopK:
 
     def merge(self, target: torch.Tensor, ref: torch.Tensor, keys: torch.Tensor, grouped: bool = False) -> None:
         """Merge candidate (target row, reference index, key) triples, each pair at most once overall;
-        ``grouped``: the triples of one target are already contiguous."""
-        keep = keys <= self.thr[target]
-        if not bool(keep.all()):
-            target, ref, keys = target[keep], ref[keep], keys[keep]
+        ``grouped``: the triples of one target are already contiguous.  Candidates above a row's threshold
+        need no filtering: the top-k of the row and its candidates drops them."""
         if target.numel() == 0:
             return
         comp = _composite(keys, ref)
         if not grouped:
             order = torch.argsort(target, stable=True)
             target, comp = target[order], comp[order]
-        rows, counts = torch.unique_consecutive(target, return_counts=True)
+        rows, seg, counts = torch.unique_consecutive(target, return_inverse=True, return_counts=True)
         width = int(counts.max())
-        slot = torch.arange(target.numel(), device=target.device)
-        slot -= torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        slot = torch.arange(target.numel(), device=target.device) - (counts.cumsum(0) - counts)[seg]
         pad = torch.full((rows.numel(), width), _EMPTY, dtype=torch.int64, device=target.device)
-        pad[torch.repeat_interleave(torch.arange(rows.numel(), device=target.device), counts), slot] = comp
+        pad[seg, slot] = comp
         merged = torch.cat([self.best[rows], pad], dim=1)
-        if merged.shape[1] > self.k:
-            merged = torch.topk(merged, self.k, dim=1, largest=False, sorted=True).values
+        if width <= self.k // 2:  # a full sort of a short row is cheaper than topk's selection
+            merged = torch.sort(merged, dim=1).values[:, : self.k]
         else:
-            merged = torch.sort(merged, dim=1).values
+            merged = torch.topk(merged, self.k, dim=1, largest=False, sorted=True).values
         self.best[rows] = merged
         self.thr[rows] = torch.minimum(self.bound[rows], _decode_keys(merged[:, -1]))
 
 
-def _row_candidates(s: torch.Tensor, need: torch.Tensor):
-    """(row, column, similarity) of the entries s[i, j] >= need[i] of a tile (sides multiples of CHUNK)."""
-    r, c = s.shape
-    blocks = s.view(r, c // CHUNK, CHUNK)
-    live = (blocks.amax(dim=2) >= need[:, None]).nonzero()
-    if live.numel() == 0:
-        return None
-    ri, ci = live[:, 0], live[:, 1]
-    vals = blocks[ri, ci]  # (pairs, CHUNK)
-    hit = (vals >= need[ri, None]).nonzero()
-    p, o = hit[:, 0], hit[:, 1]
-    return ri[p], ci[p] * CHUNK + o, vals[p, o]
+def _hits(vals: torch.Tensor, owner: torch.Tensor, limit: torch.Tensor, below: bool):
+    """The entries of gathered chunks ``vals`` (pairs, CHUNK) that pass the ``limit`` of their target
+    ``owner`` (``vals <= limit`` if ``below``, else ``>=``): (pair, offset in the chunk, value)."""
+    lim = limit.index_select(0, owner)[:, None]
+    hit = (vals <= lim if below else vals >= lim).view(-1).nonzero().squeeze(1)
+    p = hit.div(CHUNK, rounding_mode="floor")
+    return p, hit - p * CHUNK, vals.view(-1)[hit]
 
 
-def _col_candidates(s: torch.Tensor, need: torch.Tensor, scratch: torch.Tensor):
-    """(row, column, similarity) of the entries s[i, j] >= need[j] of a tile (sides multiples of CHUNK),
-    ordered by column (the target).  ``scratch``: a buffer of half the tile's size, reused across tiles."""
-    r, c = s.shape
-    v = s.view(r // CHUNK, CHUNK, c)
-    h = CHUNK // 2
-    m = torch.maximum(v[:, :h], v[:, h:], out=scratch.view(r // CHUNK, h, c))
-    while h > 1:  # halving maximum over the rows of each chunk, in place: contiguous, vectorised
-        h //= 2
-        torch.maximum(m[:, :h], m[:, h : 2 * h], out=m[:, :h])
-    live = (m[:, 0, :].T >= need[:, None]).nonzero()  # (column, row chunk), column-major
-    if live.numel() == 0:
-        return None
-    cj, ri = live[:, 0], live[:, 1]
-    offsets = torch.arange(CHUNK, device=s.device) * c
-    vals = s.view(-1)[(ri * (CHUNK * c) + cj)[:, None] + offsets[None, :]]  # (pairs, CHUNK)
-    hit = (vals >= need[cj, None]).nonzero()
-    p, o = hit[:, 0], hit[:, 1]
-    return ri[p] * CHUNK + o, cj[p], vals[p, o]
+class _Gathered:
+    """Chunks of a tile gathered panel by panel while each panel is in cache: flat chunk ids in the
+    tile's chunk grid and their CHUNK values."""
+
+    def __init__(self):
+        self.live, self.vals = [], []
+
+    def add(self, live: torch.Tensor, vals: torch.Tensor, offset: int) -> None:
+        if live.numel():
+            self.live.append(live + offset)
+            self.vals.append(vals)
+
+    def cat(self):
+        if not self.live:
+            return None
+        if len(self.live) == 1:
+            return self.live[0], self.vals[0]
+        return torch.cat(self.live), torch.cat(self.vals)
+
+
+def _diag_panel(keys: torch.Tensor, k: int, valid: int, kmin: torch.Tensor):
+    """Admission bound and candidates of a diagonal panel's rows (their whole rows of the block):
+    ``keys`` (rows, tile) with the columns from ``valid`` on set to +inf.  The bound is the k-th
+    smallest of the row's chunk minima -- k distinct entries are <= it, so it is >= the row's k-th key
+    within the block -- or, with fewer than k chunks, the exact k-th key.  Returns (bound, row, column,
+    key) of the entries <= bound; ``kmin``: a (rows, tile // CHUNK) buffer."""
+    h, t = keys.shape
+    nc = t // CHUNK
+    if -(-valid // CHUNK) >= k:
+        mins = torch.amin(keys.view(h, nc, CHUNK), dim=2, out=kmin[:h])
+        bound = torch.topk(mins, k, dim=1, largest=False, sorted=False).values.amax(dim=1)
+        live = (mins <= bound[:, None]).view(-1).nonzero().squeeze(1)
+        ri = live.div(nc, rounding_mode="floor")
+        p, o, v = _hits(keys.view(-1, CHUNK).index_select(0, live), ri, bound, below=True)
+        return bound, ri[p], (live[p] - ri[p] * nc) * CHUNK + o, v
+    keys = keys[:, :valid]
+    if valid >= k:
+        bound = torch.topk(keys, k, dim=1, largest=False, sorted=False).values.amax(dim=1)
+    else:
+        bound = torch.full((h,), float("inf"), device=keys.device)
+    i, j = (keys <= bound[:, None]).nonzero().unbind(1)
+    return bound, i, j, keys[i, j]
 
 
 def _need(norms: torch.Tensor, thr: torch.Tensor, other_min: float, slack: torch.Tensor) -> torch.Tensor:
@@ -218,31 +244,43 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
     if tile is None:
         tile = TILE_CUDA if x.is_cuda else TILE_CPU
     tile = max(CHUNK, min(tile - tile % CHUNK, -(-n // CHUNK) * CHUNK))
+    panel = tile if x.is_cuda else min(tile, PANEL_CPU)
+    while tile % panel:  # panels tile the tile exactly
+        panel -= CHUNK
     inf = float("inf")
+    nc = tile // CHUNK
     with _ieee_fp32(x.device), torch.no_grad():
         perm = _cluster_order(x, tile)  # block order only; indices below are mapped back through perm
         starts = range(0, n, tile)
-        # Every GEMM has the same tile × tile shape (x padded with zero rows, masked below): BLAS
+        # Every GEMM has the same panel × tile shape (x padded with zero rows, masked below): BLAS
         # libraries pick kernels, and with them summation orders, by shape, and a pair's dot product
         # must not depend on where it sits -- duplicated rows must give bit-identical keys to tie.
         x = torch.nn.functional.pad(x[perm], (0, 0, 0, len(starts) * tile - n)).contiguous()
         norms = (x * x).sum(dim=1)
-        # Diagonal tiles first, in full: each row's k-th smallest key within its own block (near rows,
-        # ``_cluster_order``) is an exact upper bound of its final k-th key and starts its threshold.
+        # One panel buffer for every product (a fresh tensor per product costs page faults on first
+        # touch), small enough to stay in cache while its chunk maxima are taken and its candidates gathered.
+        s = torch.empty(panel, tile, device=x.device)
+        smax = torch.empty(panel, nc, device=x.device)  # row-chunk maxima (minima of keys on the diagonal)
+        cmax = torch.empty(panel // CHUNK, tile, device=x.device)  # column-chunk maxima
+        kbuf = torch.empty(panel, tile, device=x.device)  # keys of a diagonal panel
+        col_chunks = s.as_strided((panel // CHUNK, tile, CHUNK), (CHUNK * tile, 1, tile))  # [row chunk, column]
+        # Diagonal tiles first, in full: each row's bound (>= its k-th smallest key within its own block
+        # of near rows, ``_cluster_order``) is an upper bound of its final k-th key and starts its threshold.
         bound = torch.full((n,), inf, device=x.device)
         diag = []
-        # One tile buffer for every product: a fresh 16 MB tensor per tile costs page faults on first touch
-        # (a micro-benchmark on one core: 87 vs 143 GFLOP/s for a 2048² × 128 product; ~2 % of self_knn end to end).
-        s = torch.empty(tile, tile, device=x.device)
-        scratch = torch.empty(tile * tile // 2, device=x.device)
         for a in starts:
             xa, na = x[a : a + tile], norms[a : a + tile]
             ra = min(tile, n - a)
-            keys = _keys(na[:, None], na[None, :], torch.mm(xa, xa.T, out=s))[:ra, :ra]
-            if ra >= k:
-                bound[a : a + ra] = torch.topk(keys, k, dim=1, largest=False, sorted=False).values.amax(dim=1)
-            i, j = (keys <= bound[a : a + ra, None]).nonzero().unbind(1)
-            diag.append((i + a, perm[j + a], keys[i, j]))
+            for p in range(0, ra, panel):
+                h = min(panel, ra - p)
+                torch.mm(xa[p : p + panel], xa.T, out=s)
+                keys = torch.add(na[p : p + h, None], na[None, :], out=kbuf[:h])  # _keys, in a reused buffer
+                keys.sub_(s[:h], alpha=2).clamp_min_(0)
+                if ra < tile:
+                    keys[:, ra:] = inf
+                bd, i, j, v = _diag_panel(keys, k, ra, smax)
+                bound[a + p : a + p + h] = bd
+                diag.append((i + (a + p), perm[j + a], v))
         top = _TopK(n, k, bound)
         for cand in diag:
             top.merge(*cand, grouped=True)
@@ -252,20 +290,45 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
         for a, b in _pair_order(x, starts, tile, n):  # a < b: block a is never the ragged last one
             xa, na, xb, nb = x[a : a + tile], norms[a : a + tile], x[b : b + tile], norms[b : b + tile]
             rb = min(tile, n - b)
-            torch.mm(xa, xb.T, out=s)
-            if rb < tile:
-                s[:, rb:] = -inf  # padding rows of x: never a neighbour
-            # rows of block a against the columns of block b
-            cand = _row_candidates(s, _need(na, top.thr[a : a + tile], nmin, slack[a : a + tile]))
-            if cand is not None:
-                i, j, v = cand
-                top.merge(i + a, perm[j + b], _keys(na[i], nb[j], v), grouped=True)
-            # rows of block b against the columns of block a, from the same tile
-            need = _need(nb[:rb], top.thr[b : b + rb], nmin, slack[b : b + rb])
-            cand = _col_candidates(s, torch.nn.functional.pad(need, (0, tile - rb), value=inf), scratch)
-            if cand is not None:
-                i, j, v = cand
-                top.merge(j + b, perm[i + a], _keys(nb[j], na[i], v), grouped=True)
+            # rows of block a against the columns of block b (row chunks), and rows of block b against
+            # the columns of block a (column chunks), from the same tile
+            need_a = _need(na, top.thr[a : a + tile], nmin, slack[a : a + tile])
+            need_a2 = need_a[:, None]
+            need_b = torch.nn.functional.pad(_need(nb[:rb], top.thr[b : b + rb], nmin, slack[b : b + rb]),
+                                             (0, tile - rb), value=inf)
+            rows, cols = _Gathered(), _Gathered()
+            for p in range(0, tile, panel):
+                torch.mm(xa[p : p + panel], xb.T, out=s)
+                if rb < tile:
+                    s[:, rb:] = -inf  # padding rows of x: never a neighbour
+                # chunk maxima while the panel is in cache; only chunks that can hold a candidate are read again
+                rm = torch.amax(s.view(panel, nc, CHUNK), dim=2, out=smax)
+                live = (rm >= need_a2[p : p + panel]).view(-1).nonzero().squeeze(1)
+                rows.add(live, s.view(-1, CHUNK).index_select(0, live), p * nc)
+                cm = torch.amax(s.view(panel // CHUNK, CHUNK, tile), dim=1, out=cmax)
+                live = (cm >= need_b).view(-1).nonzero().squeeze(1)  # (row chunk, column), row-major
+                rc = live.div(tile, rounding_mode="floor")
+                cols.add(live, col_chunks[rc, live - rc * tile], p // CHUNK * tile)
+            parts = []
+            got = rows.cat()
+            if got is not None:
+                live, vals = got
+                ri = live.div(nc, rounding_mode="floor")
+                q, o, v = _hits(vals, ri, need_a, below=False)
+                i, j = ri[q], (live[q] - ri[q] * nc) * CHUNK + o
+                parts.append((i + a, perm[j + b], _keys(na[i], nb[j], v)))
+            got = cols.cat()
+            if got is not None:
+                live, vals = got
+                rc = live.div(tile, rounding_mode="floor")
+                cj = live - rc * tile
+                order = torch.sort(cj * nc + rc).indices  # by column (the target), for the merge
+                rc, cj, vals = rc[order], cj[order], vals.index_select(0, order)
+                q, o, v = _hits(vals, cj, need_b, below=False)
+                i, j = rc[q] * CHUNK + o, cj[q]
+                parts.append((j + b, perm[i + a], _keys(nb[j], na[i], v)))
+            if parts:  # one merge for both sides: their targets are disjoint
+                top.merge(*(torch.cat(z) for z in zip(*parts)), grouped=True)
         best = torch.empty_like(top.best)
         best[perm] = top.best
     return _decode_keys(best), best & _IDX_MASK

@@ -179,6 +179,46 @@ def test_each_tile_is_computed_once_and_nothing_is_n_by_n(monkeypatch):
     assert len(tiles) < 0.6 * blocks * blocks  # vs blocks² tiles for the flat search
 
 
+@pytest.mark.parametrize("make", [quantised, clustered])
+def test_panels_give_the_same_result_as_whole_tiles(monkeypatch, make):
+    """A tile computed in row panels (chunk maxima and candidates taken panel by panel, the diagonal's
+    bounds from chunk minima) gives exactly the result of one GEMM per tile, ragged last block included;
+    exact ties (quantised data) against faiss too."""
+    x, _ = make(7)
+    xt = torch.from_numpy(x)
+    monkeypatch.setattr(K, "PANEL_CPU", 4096)
+    ref = self_knn(xt, 20, tile=256)
+    for panel in (32, 64, 96):  # 96 does not divide 256: the largest multiple of CHUNK below it that does
+        monkeypatch.setattr(K, "PANEL_CPU", panel)
+        d, i = self_knn(xt, 20, tile=256)
+        assert torch.equal(d, ref[0]) and torch.equal(i, ref[1])
+    if make is quantised:
+        fd, fi = faiss.knn(x, x, 20)
+        assert np.array_equal(ref[1].numpy(), fi) and np.array_equal(ref[0].numpy(), fd)
+
+
+def test_panels_compute_each_tile_once(monkeypatch):
+    """Counted matmuls with panels: every product has the same panel × tile shape; the off-diagonal
+    tiles are computed once each, the diagonal ones down to their last real row."""
+    x = torch.from_numpy(clustered(6, dim=16)[0])
+    n, tile, panel = x.shape[0], 128, 32
+    monkeypatch.setattr(K, "PANEL_CPU", panel)
+    calls = []
+    real_mm = torch.mm
+
+    def counting_mm(a, b, **kw):
+        out = real_mm(a, b, **kw)
+        calls.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    self_knn(x, 10, tile=tile)
+    blocks = -(-n // tile)
+    assert set(calls) == {(panel, tile)}
+    diag_panels = sum(-(-min(tile, n - a) // panel) for a in range(0, n, tile))
+    assert len(calls) == blocks * (blocks - 1) // 2 * (tile // panel) + diag_panels
+
+
 # ---------------------------------------------------------------------------------------------------
 # the metrics through it
 
