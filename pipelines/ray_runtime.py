@@ -329,7 +329,10 @@ def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
     if TRIAL_DRIVER_RESOURCE not in ray.cluster_resources():
         print(f"note: no node declares the custom resource {TRIAL_DRIVER_RESOURCE!r}, so trial drivers (0.01 CPU each) "
               "may land on any node, lose a fold slot there, and die with it; declare it on the head "
-              f"(ray start --head --resources '{{\"{TRIAL_DRIVER_RESOURCE}\": {_TRIAL_DRIVER_SLOTS}}}')",
+              f"(ray start --head --resources '{{\"{TRIAL_DRIVER_RESOURCE}\": {_TRIAL_DRIVER_SLOTS}}}')"
+              + ("" if cfg.resources.trial_retries else
+                 ", or set resources.trial_retries >= 1 so that Tune reruns a trial whose node died (its folds "
+                 "resume from their checkpoints)"),
               file=out, flush=True)
     if not cfg.storage_is_s3:
         print(f"warning: storage: {cfg.ray_storage()} is a local path on a {len(nodes)}-node cluster; it must be a "

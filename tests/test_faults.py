@@ -31,6 +31,11 @@ for ``storage: s3://`` and an ``mlflow server`` on PostgreSQL.  One cluster serv
    damaged shard.  The folds fail naming the shard, the trial is recorded FAILED with that reason, the shard study
    fails with it, and the sweep's other study (synthetic data) finishes: exit 1 (a study failed), no hang.
 
+8. **the node that hosts the trial's own driver killed mid-fold**, on a cluster whose head does *not* declare
+   ``dmlrc_trial_driver`` (so the trial's Tune actor runs on a worker node) and ``resources.trial_retries: 1``: Tune
+   restarts the trial on the surviving node under the same trial id and MLflow run; every fold, those of the dead
+   node and those whose owner died with it, resumes from its checkpoint; nothing lost or duplicated.
+
 Each test writes one row of measurements (faults, trials finished/lost/duplicated, folds resumed, iterations redone,
 wall time) to ``reliability.jsonl`` in its tmp dir and prints it: ``docs/reliability.md`` quotes them.
 """
@@ -536,3 +541,48 @@ def test_a_corrupt_shard_fails_its_folds_naming_it_and_the_other_study_finishes(
     _record(tmp_path, {"fault": "a corrupt data shard in S3 (one study), the other study synthetic",
                        "trials_lost": 0, "trials_duplicated": 0, "failed_study_trials": len(trials),
                        "failed_study_folds": len(folds), **counts, "wall_s": round(time.time() - t0, 1)})
+
+
+@pytest.mark.timeout(1500)
+def test_the_node_hosting_the_trials_driver_killed_mid_fold_the_trial_retries_on_the_survivor(tmp_path):
+    from tests.cluster import ClusterUnavailable, local_cluster
+
+    try:
+        cm = local_cluster(tmp_path / "cluster", workers=2, worker_cpus=2, driver_resource=False)
+        c = cm.__enter__()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no PostgreSQL for the MLflow server: {e}")
+    try:
+        cfg = _config(tmp_path, c.tracking_uri, c.storage("driverhost"), name="driverhost", trials=1,
+                      reproductions=2, trial_retries=1)
+        log_path = tmp_path / "sweep.log"
+        t0 = time.time()
+        proc = _start(c, cfg, log_path)
+        try:
+            _wait_for_fold(c, "driverhost-experiment", proc, log_path, node_id=None, evals=3)
+            _, runs = _runs(c, "driverhost-experiment")
+            trial = [r for r in runs if r.data.tags.get("stage") == "trial"][0]
+            host = trial.data.tags["driver_node_id"]
+            assert host in c.node_ids[1:], (host, c.node_ids)  # the trial's driver runs on a worker node
+            victim = c.node_ids.index(host)
+            c.kill_node(victim)
+            t_fault = time.time()
+            text = _finish(proc, log_path, timeout=900)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        counts = _check_tree(c, "driverhost-experiment", parents=3)
+        from mlflow.entities import ViewType
+
+        _, active = _runs(c, "driverhost-experiment", ViewType.ACTIVE_ONLY)
+        trials = [r for r in active if r.data.tags.get("stage") == "trial"]
+        assert [r.info.run_id for r in trials] == [trial.info.run_id], [r.data.tags for r in trials]  # same run
+        survivor = c.node_ids[3 - victim]
+        assert trials[0].data.tags["driver_node_id"] == survivor, trials[0].data.tags
+        assert counts["folds_resumed"] >= 1 and counts["replaced_fold_attempts"] == 0, counts
+        _record(tmp_path, {"fault": "the node hosting the trial's driver killed mid-fold (trial_retries: 1)",
+                           "trials_lost": 0, "trials_duplicated": 0, **counts, "wall_s": round(time.time() - t0, 1),
+                           "after_fault_s": round(time.time() - t_fault, 1)})
+        assert "no node declares the custom resource" in text and "trial_retries >= 1" not in text  # the set-up note
+    finally:
+        cm.__exit__(None, None, None)
