@@ -13,8 +13,9 @@ A sweep runs for days; its MLflow server may restart (an upgrade, a crashed pod)
   storage, Ray is shut down, and the CLI prints one line (``tracking error: …``, exit status 3) with the resume
   command.  The runs it could not close stay RUNNING, which is what ``--resume`` reuses.
 * **``--resume``** then completes the logging: unfinished trials rerun under their trial ids, folds with a stored
-  result are not trained again, and every fold run gets the evaluations it misses from its checkpoint or result
-  history (:func:`pipelines.fold.missing_evaluations`).
+  result are not trained again, and every fold run gets the evaluations it misses (``pipelines.fold.logged_evaluations``
+  says which it holds) from its checkpoint (``pipelines.fold.run_fold``) or its stored result
+  (``pipelines.trial._finish_fold_run``).
 
 A sqlite store is a local file: it has no outage to watch.
 """
