@@ -157,6 +157,28 @@ def study_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def retire_lost_trials(tracker, study_run_id: str, known: set[str]) -> int:
+    """RUNNING trial runs of a study whose trial Tune no longer knows (``known``: the search's trial ids, or the
+    trial directory names of trials that reported nothing): their trial started after the last experiment snapshot
+    that reached storage before the sweep driver died, so the restored search asked its searcher again and ran the
+    same suggestion under a new trial id.  Such a run (and its fold runs) would stay RUNNING and double the trial in
+    the MLflow tree: it is ended KILLED, tagged with the reason, and hidden.  Returns how many trials it retired."""
+    from pipelines.tracking import PARENT
+
+    def is_known(tid: str | None) -> bool:  # a row's id is the trial id, or its directory name that holds it
+        return bool(tid) and any(tid == k or f"_{tid}_" in k for k in known)
+
+    lost = [r for r in tracker.find({PARENT: study_run_id, "stage": "trial"})
+            if r.info.status == "RUNNING" and not is_known(r.data.tags.get("trial_id"))]
+    for run in lost:
+        reason = (f"trial {run.data.tags.get('trial_id')} started after the last Tune snapshot that reached storage "
+                  "before the sweep driver died; --resume ran its suggestion again under a new trial id")
+        for fold in tracker.find({PARENT: run.info.run_id, "stage": "fold"}):
+            tracker.retire(fold, reason)
+        tracker.retire(run, reason)
+    return len(lost)
+
+
 def _raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
     """Raise ``exc_type`` in the thread ``ident`` at its next Python instruction (CPython's
     ``PyThreadState_SetAsyncExc``): how a study thread gets the Ctrl-C that only the main thread receives."""
@@ -382,6 +404,7 @@ class _Sweep:
         grid = self._tuner(plan, "search", trainable, new_search).fit()
         self._check_stopping()
         rows = grid_rows(grid)
+        retire_lost_trials(t, run_id, {r["trial_id"] for r in rows})
         all_rows = list(rows)
         summary.trials = len(rows)
         best = best_result(rows)

@@ -116,14 +116,20 @@ class Tracker:
             if keep is None and (finished or reuse_unfinished):
                 keep = run
             else:
-                # A duplicate (or an unfinished attempt we do not reuse): end it, then hide it.
-                if run.info.status == "RUNNING":
-                    self._retry(self.client.set_terminated, run.info.run_id, "KILLED")
-                self.client.delete_run(run.info.run_id)
+                self.retire(run)  # a duplicate, or an unfinished attempt we do not reuse
         if keep is not None:
             return keep.info.run_id, False
         run = self.client.create_run(self.experiment_id, tags=ident, run_name=run_name)
         return run.info.run_id, True
+
+    def retire(self, run, reason: str | None = None) -> None:
+        """End a run that another one replaces (KILLED if it was RUNNING, with ``reason`` as its tag), then hide it
+        (soft delete: out of the UI and of searches, still in the store)."""
+        if reason:
+            self.set_tags(run.info.run_id, {"status": "replaced", "reason": reason[:4000]})
+        if run.info.status == "RUNNING":
+            self._retry(self.client.set_terminated, run.info.run_id, "KILLED")
+        self.client.delete_run(run.info.run_id)
 
     def status(self, run_id: str) -> str:
         return self.client.get_run(run_id).info.status

@@ -134,6 +134,32 @@ def test_tracker_finds_runs_by_tags_and_hides_unfinished_attempts(tmp_path):
     assert t.run(study).data.params == {"a": "1", "b": "2"}
 
 
+def test_trials_a_restored_search_no_longer_knows_are_ended_and_hidden(tmp_path):
+    """A sweep driver killed before Tune's last snapshot reached storage: ``--resume`` reran a suggestion under a new
+    trial id.  The lost trial's RUNNING run and its folds are ended KILLED with the reason and hidden; trials Tune
+    knows (by id, or by the directory name of a trial that reported nothing) and finished runs stay."""
+    from pipelines.sweep import retire_lost_trials
+    from pipelines.tracking import Tracker
+
+    t = Tracker.open(f"sqlite:///{tmp_path / 'm.db'}", "exp", (tmp_path / "art").as_uri())
+    study, _ = t.get_or_create({"study": "d/l", "stage": "study"})
+    runs = {tid: t.get_or_create({"stage": "trial", "trial_id": tid}, parent=study)[0]
+            for tid in ("aaaa0001", "bbbb0002", "cccc0003", "dddd0004")}
+    for tid in runs:
+        t.set_tags(runs[tid], {"trial_id": tid})
+    lost_fold, _ = t.get_or_create({"stage": "fold", "fold": 0}, parent=runs["bbbb0002"])
+    t.finish(runs["dddd0004"], "FAILED")  # not RUNNING: left alone even though unknown
+    known = {"aaaa0001", "run_trial_d__l_cccc0003_2_pos_margin=0.1_2026-11-24"}
+    assert retire_lost_trials(t, study, known) == 1
+    gone, fold = t.run(runs["bbbb0002"]), t.run(lost_fold)
+    assert (gone.info.lifecycle_stage, gone.info.status) == ("deleted", "KILLED")
+    assert (fold.info.lifecycle_stage, fold.info.status) == ("deleted", "KILLED")
+    assert "new trial id" in gone.data.tags["reason"] and gone.data.tags["status"] == "replaced"
+    kept = {r.data.tags["trial_id"] for r in t.children(study, stage="trial")}
+    assert kept == {"aaaa0001", "cccc0003", "dddd0004"}
+    assert retire_lost_trials(t, study, known) == 0
+
+
 # ------------------------------------------------------------------------------------------------ the real sweep
 
 
