@@ -160,9 +160,10 @@ def study_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
 def retire_lost_trials(tracker, study_run_id: str, known: set[str]) -> int:
     """RUNNING trial runs of a study whose trial Tune no longer knows (``known``: the search's trial ids, or the
     trial directory names of trials that reported nothing): their trial started after the last experiment snapshot
-    that reached storage before the sweep driver died, so the restored search asked its searcher again and ran the
-    same suggestion under a new trial id.  Such a run (and its fold runs) would stay RUNNING and double the trial in
-    the MLflow tree: it is ended KILLED, tagged with the reason, and hidden.  Returns how many trials it retired."""
+    that reached storage before the sweep driver died, so the restored search asked its searcher again and ran a
+    trial under a new id in its place (a seeded searcher: the same values).  Such a run (and its fold runs) would
+    stay RUNNING and double the trial in the MLflow tree: it is ended KILLED, tagged with the reason, and hidden.
+    Returns how many trials it retired."""
     from pipelines.tracking import PARENT
 
     def is_known(tid: str | None) -> bool:  # a row's id is the trial id, or its directory name that holds it
@@ -172,7 +173,8 @@ def retire_lost_trials(tracker, study_run_id: str, known: set[str]) -> int:
             if r.info.status == "RUNNING" and not is_known(r.data.tags.get("trial_id"))]
     for run in lost:
         reason = (f"trial {run.data.tags.get('trial_id')} started after the last Tune snapshot that reached storage "
-                  "before the sweep driver died; --resume ran its suggestion again under a new trial id")
+                  "before the sweep driver died; the resumed search did not know it and asked its searcher for a "
+                  "trial in its place (a seeded searcher: the same values under a new trial id)")
         for fold in tracker.find({PARENT: run.info.run_id, "stage": "fold"}):
             tracker.retire(fold, reason)
         tracker.retire(run, reason)
