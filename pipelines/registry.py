@@ -28,6 +28,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -106,12 +107,18 @@ def _dataset_entity(info: dict[str, Any]):
                    schema=ent.schema, profile=json.dumps({**info["profile"], "sha256": info["sha256"]}))
 
 
+#: Serialises this process's dataset logging: MLflow's SQL store looks a dataset up, then inserts it, so studies that
+#: start at once on the same new dataset (threads of one driver) would race to the table's unique key.
+_DATASET_LOCK = threading.Lock()
+
+
 def log_dataset_input(client, run_id: str, info: dict[str, Any], context: str) -> None:
     """Log ``info`` as a dataset input of ``run_id`` (idempotent: MLflow dedups by (name, digest, context))."""
     from mlflow.entities import DatasetInput, InputTag
 
-    client.log_inputs(run_id, datasets=[DatasetInput(_dataset_entity(info),
-                                                     tags=[InputTag("mlflow.data.context", context)])])
+    with _DATASET_LOCK:
+        client.log_inputs(run_id, datasets=[DatasetInput(_dataset_entity(info),
+                                                         tags=[InputTag("mlflow.data.context", context)])])
     client.set_tag(run_id, "dataset_digest", info["sha256"])
 
 

@@ -258,3 +258,39 @@ def test_sweep_registers_one_version_per_study_with_its_tags_postgresql(tmp_path
             check_registered(uri, experiment, data)
     finally:
         pg.__exit__(None, None, None)
+
+
+def test_studies_logging_the_same_new_dataset_at_once_do_not_collide(tmp_path):
+    """Studies start in threads of one driver, and several train on the same dataset: each logs it as its study
+    run's input at the same moment.  MLflow's SQL store looks the dataset up, then inserts it, so two inserts of a
+    new (name, digest) could race to the table's unique key (`UNIQUE constraint failed: datasets...`, found by a
+    clean-clone `make test` in test_parallel_studies).  Each round uses a fresh experiment, so the dataset is new."""
+    import threading
+
+    from mlflow import MlflowClient
+
+    from pipelines.registry import log_dataset_input
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    info = {"name": "synthetic", "digest": "0" * 32, "sha256": "0" * 64, "kind": "synthetic",
+            "uri": 'synthetic:{"seed": 1}', "profile": {"num_classes": 4}}
+    for rnd in range(6):
+        exp = client.create_experiment(f"race-{rnd}")
+        runs = [client.create_run(exp).info.run_id for _ in range(4)]
+        barrier, errors = threading.Barrier(len(runs)), []
+
+        def log(run_id):
+            barrier.wait()
+            try:
+                log_dataset_input(client, run_id, info, "study")
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=log, args=(r,)) for r in runs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        for r in runs:
+            assert [d.dataset.name for d in client.get_run(r).inputs.dataset_inputs] == ["synthetic"]
