@@ -1,0 +1,113 @@
+"""Where ``dml_core.knn.self_knn`` spends its time on CPU: the numbers behind bench/README_metrics.md's
+"Where the time goes" paragraph.
+
+On the same clustered data as ``metrics_bench.py`` (L2-normalised, k = largest class + 1), one process prints:
+
+* ``self_knn`` wall time;
+* the GEMM floor: the very ``torch.mm`` calls of the search (every block pair a <= b, panel by panel into one
+  reused buffer) with no selection work, and the GFLOP/s they reach;
+* how many CHUNK-wide chunks the off-diagonal tiles admit for elementwise checks (both sides), of all there are;
+* the torch profiler's ops by self CPU time (``--profile``);
+* the GFLOP/s of one panel product in fp32 and in bf16 (what a bf16 pruning pass could gain).
+
+    .venv/bin/python bench/knn_profile.py --n 60000 --threads 1 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dml_core import knn  # noqa: E402
+from metrics_bench import make_data  # noqa: E402
+
+
+def gemm_floor(x: torch.Tensor) -> tuple[float, float]:
+    """Seconds and GFLOP/s of the search's panel products alone (tile pairs a <= b, as ``self_knn`` runs them)."""
+    n, d = x.shape
+    tile, panel = knn.TILE_CPU, knn.PANEL_CPU
+    blocks = -(-n // tile)
+    xp = torch.nn.functional.pad(x, (0, 0, 0, blocks * tile - n))
+    out = torch.empty(panel, tile)
+    t0, products = time.perf_counter(), 0
+    for a in range(blocks):
+        for b in range(a, blocks):
+            xb = xp[b * tile : (b + 1) * tile]
+            for p in range(0, tile, panel):
+                torch.mm(xp[a * tile + p : a * tile + p + panel], xb.T, out=out)
+                products += 1
+    dt = time.perf_counter() - t0
+    return dt, products * 2 * panel * tile * d / dt / 1e9
+
+
+def live_chunks(x: torch.Tensor, k: int) -> int:
+    """Chunks the off-diagonal tiles gather for elementwise checks, counted around ``knn._Gathered.add``."""
+    count = [0]
+    add = knn._Gathered.add
+
+    def counting(self, live, vals, offset):
+        count[0] += live.numel()
+        return add(self, live, vals, offset)
+
+    knn._Gathered.add = counting
+    try:
+        knn.self_knn(x, k)
+    finally:
+        knn._Gathered.add = add
+    return count[0]
+
+
+def panel_gflops(dtype: torch.dtype, d: int, reps: int = 500) -> float:
+    a, b = torch.randn(knn.TILE_CPU, d).to(dtype), torch.randn(knn.PANEL_CPU, d).to(dtype)
+    out = torch.empty(knn.PANEL_CPU, knn.TILE_CPU, dtype=dtype)
+    for _ in range(20):
+        torch.mm(b, a.T, out=out)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(b, a.T, out=out)
+    return reps * 2 * knn.PANEL_CPU * knn.TILE_CPU * d / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=60_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="also the torch profiler's table of one search")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    x, labels = make_data(args.n, args.dim, seed=0)
+    x = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
+    k = int(torch.bincount(torch.from_numpy(labels)).max()) + 1
+    knn.self_knn(x[:5000], k)  # warm-up: allocator, BLAS threads
+    print(f"N={args.n} D={args.dim} k={k} threads={args.threads} torch {torch.__version__}")
+    t0 = time.perf_counter()
+    knn.self_knn(x, k)
+    print(f"self_knn: {time.perf_counter() - t0:.2f} s")
+    dt, gf = gemm_floor(x)
+    print(f"panel GEMMs alone: {dt:.2f} s ({gf:.0f} GFLOP/s)")
+    blocks = -(-args.n // knn.TILE_CPU)
+    tiles = blocks * (blocks - 1) // 2
+    total = tiles * 2 * knn.TILE_CPU * (knn.TILE_CPU // knn.CHUNK)
+    live = live_chunks(x, k)
+    print(f"live chunks: {live} of {total} ({100 * live / total:.1f} %) over {tiles} off-diagonal tiles, both sides")
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"one {knn.PANEL_CPU}x{knn.TILE_CPU}x{args.dim} panel product in {dtype}: "
+              f"{panel_gflops(dtype, args.dim):.0f} GFLOP/s")
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            knn.self_knn(x, k)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
