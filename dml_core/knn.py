@@ -30,12 +30,12 @@ block's keys below the bound starts every row with its k best within its block a
 then the off-diagonal tiles, nearest block pairs first.
 
 Memory is O(N·k + panel·tile): the running top-k (int64 composite keys) and one panel at a time, never
-N×N.  Most of a tile is never looked at elementwise: right after a panel's GEMM, while the panel is in
-cache (256 × 2048 float32 = 2 MB on CPU), the maximum similarity of each ``CHUNK``-wide chunk of its rows
-and of each ``CHUNK``-high chunk of its columns is compared with the admission threshold of the row (of
-block a) or column (a row of block b) it belongs to (from its current k-th distance), and only the chunks
-that can hold a better neighbour are gathered -- from the panel, still in cache, so the tile is never
-written out to or re-read from memory.  The candidates of both sides then go through one merge per tile.
+N×N.  Most of a tile is never looked at elementwise: right after a panel's GEMM (1024 × 4096 float32 =
+16 MB on CPU, one reused buffer), the maximum similarity of each ``CHUNK``-wide chunk of its rows and of
+each ``CHUNK``-high chunk of its columns is compared with the admission threshold of the row (of block a)
+or column (a row of block b) it belongs to (from its current k-th distance), and only the chunks that can
+hold a better neighbour are gathered from the panel; the tile as a whole is never stored.  The candidates
+of both sides then go through one merge per tile.
 Runs on CPU or CUDA tensors with torch's thread count (``torch.get_num_threads()``); CUDA matmuls run in
 full fp32 (TF32 off for the call).
 """
@@ -48,14 +48,16 @@ import torch
 
 __all__ = ["self_knn", "TILE_CPU", "TILE_CUDA"]
 
-#: Block edge of one tile on CPU / CUDA (rows of X per block).  A CPU tile of 2048² float32 would be 16 MB:
+#: Block edge of one tile on CPU / CUDA (rows of X per block).  A CPU tile of 4096² float32 would be 64 MB:
 #: it is computed and searched in panels of PANEL_CPU rows.
-TILE_CPU = 2048
+TILE_CPU = 4096
 TILE_CUDA = 8192
 
-#: Rows per GEMM panel on CPU (a multiple of CHUNK): a 256 × 2048 float32 panel is 2 MB, and its chunk
-#: maxima are taken while it is still in cache.  CUDA computes a tile in one GEMM.
-PANEL_CPU = 256
+#: Rows per GEMM panel on CPU (a multiple of CHUNK).  Tile and panel sizes are measured, not derived:
+#: on the 2-core Xeon dev VM (AVX-512) 4096-row tiles in 1024-row panels searched 100k × 128 in 15.6 s
+#: (1 thread) / 8.7 s (2 threads) against 17.0 / 11.0 s for 2048-row tiles in cache-sized 256-row panels
+#: (fewer, larger GEMMs and fewer per-panel ops; bench/README_metrics.md).  CUDA computes a tile in one GEMM.
+PANEL_CPU = 1024
 
 #: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
 CHUNK = 32
@@ -147,7 +149,7 @@ def _hits(vals: torch.Tensor, owner: torch.Tensor, limit: torch.Tensor, below: b
 
 
 class _Gathered:
-    """Chunks of a tile gathered panel by panel while each panel is in cache: flat chunk ids in the
+    """Chunks of a tile gathered panel by panel right after each panel's GEMM: flat chunk ids in the
     tile's chunk grid and their CHUNK values."""
 
     def __init__(self):
@@ -257,8 +259,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
         # must not depend on where it sits -- duplicated rows must give bit-identical keys to tie.
         x = torch.nn.functional.pad(x[perm], (0, 0, 0, len(starts) * tile - n)).contiguous()
         norms = (x * x).sum(dim=1)
-        # One panel buffer for every product (a fresh tensor per product costs page faults on first
-        # touch), small enough to stay in cache while its chunk maxima are taken and its candidates gathered.
+        # One panel buffer for every product (a fresh tensor per product costs page faults on first touch).
         s = torch.empty(panel, tile, device=x.device)
         smax = torch.empty(panel, nc, device=x.device)  # row-chunk maxima (minima of keys on the diagonal)
         cmax = torch.empty(panel // CHUNK, tile, device=x.device)  # column-chunk maxima
@@ -301,7 +302,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
                 torch.mm(xa[p : p + panel], xb.T, out=s)
                 if rb < tile:
                     s[:, rb:] = -inf  # padding rows of x: never a neighbour
-                # chunk maxima while the panel is in cache; only chunks that can hold a candidate are read again
+                # chunk maxima right after the GEMM; only chunks that can hold a candidate are read again
                 rm = torch.amax(s.view(panel, nc, CHUNK), dim=2, out=smax)
                 live = (rm >= need_a2[p : p + panel]).view(-1).nonzero().squeeze(1)
                 rows.add(live, s.view(-1, CHUNK).index_select(0, live), p * nc)

@@ -137,6 +137,17 @@ def test_result_does_not_depend_on_the_tile_size():
         torch.testing.assert_close(d, ref[0], atol=2e-6, rtol=0)
 
 
+def test_default_tiles_and_panels_equal_faiss_exactly():
+    """The shipped CPU sizes (TILE_CPU-row tiles in PANEL_CPU-row panels, chosen by measurement) on a set of
+    a little over two tiles: off-diagonal tiles in several panels and a ragged last block, exact ties."""
+    x, _ = quantised(8, n=2 * K.TILE_CPU + 700)
+    assert K.TILE_CPU // K.PANEL_CPU >= 2
+    d, i = self_knn(torch.from_numpy(x), 30)
+    fd, fi = faiss.knn(x, x, 30)
+    np.testing.assert_array_equal(i.numpy(), fi)
+    np.testing.assert_array_equal(d.numpy(), fd)
+
+
 def test_k_equal_to_n_and_tiny_sets():
     x = quantised(5, n=70)[0]
     d, i = self_knn(torch.from_numpy(x), 70, tile=64)
