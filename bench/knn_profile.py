@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="also the torch profiler's table of one search")
+    ap.add_argument("--sweep", nargs="+", default=[], metavar="TILE:PANEL[:CHUNK]",
+                    help="also time self_knn with these CPU sizes (knn.TILE_CPU, PANEL_CPU, CHUNK), in this process")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     x, labels = make_data(args.n, args.dim, seed=0)
@@ -101,6 +103,17 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         print(f"one {knn.PANEL_CPU}x{knn.TILE_CPU}x{args.dim} panel product in {dtype}: "
               f"{panel_gflops(dtype, args.dim):.0f} GFLOP/s")
+    ref = None
+    for spec in args.sweep:  # the sizes knn.py ships were chosen with this
+        tile, panel, *chunk = (int(v) for v in spec.split(":"))
+        old = knn.TILE_CPU, knn.PANEL_CPU, knn.CHUNK
+        knn.TILE_CPU, knn.PANEL_CPU, knn.CHUNK = tile, panel, chunk[0] if chunk else knn.CHUNK
+        t0 = time.perf_counter()
+        _, idx = knn.self_knn(x, k)
+        dt = time.perf_counter() - t0
+        ref = idx if ref is None else ref
+        print(f"sizes {spec}: self_knn {dt:.2f} s, same neighbours as the first: {torch.equal(idx, ref)}")
+        knn.TILE_CPU, knn.PANEL_CPU, knn.CHUNK = old
     if args.profile:
         from torch.profiler import profile
 
