@@ -56,7 +56,8 @@ TILE_CUDA = 8192
 #: Rows per GEMM panel on CPU (a multiple of CHUNK).  Tile and panel sizes are measured, not derived:
 #: on the 2-core Xeon dev VM (AVX-512) 4096-row tiles in 1024-row panels searched 100k × 128 in 15.6 s
 #: (1 thread) / 8.7 s (2 threads) against 17.0 / 11.0 s for 2048-row tiles in cache-sized 256-row panels
-#: (fewer, larger GEMMs and fewer per-panel ops; ``bench/knn_profile.py --sweep``, bench/README_metrics.md).  CUDA computes a tile in one GEMM.
+#: (fewer, larger GEMMs and fewer per-panel ops; ``bench/knn_profile.py --sweep``, bench/README_metrics.md).
+#: CUDA computes a tile in one GEMM.
 PANEL_CPU = 1024
 
 #: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
