@@ -8,7 +8,8 @@ On the same clustered data as ``metrics_bench.py`` (L2-normalised, k = largest c
   reused buffer) with no selection work, and the GFLOP/s they reach;
 * how many CHUNK-wide chunks the off-diagonal tiles admit for elementwise checks (both sides), of all there are;
 * the torch profiler's ops by self CPU time (``--profile``);
-* the GFLOP/s of one panel product in fp32 and in bf16 (what a bf16 pruning pass could gain).
+* the GFLOP/s of one panel product in fp32 and in bf16 (what ``knn``'s bf16 pruning gains);
+* with ``--prune fp32|bf16`` every search runs in that mode (default: the one ``self_knn`` picks itself).
 
     .venv/bin/python bench/knn_profile.py --n 60000 --threads 1 --profile
 """
@@ -47,7 +48,7 @@ def gemm_floor(x: torch.Tensor) -> tuple[float, float]:
     return dt, products * 2 * panel * tile * d / dt / 1e9
 
 
-def live_chunks(x: torch.Tensor, k: int) -> int:
+def live_chunks(x: torch.Tensor, k: int, prune: str) -> int:
     """Chunks the off-diagonal tiles gather for elementwise checks, counted around ``knn._Gathered.add``."""
     count = [0]
     add = knn._Gathered.add
@@ -58,7 +59,7 @@ def live_chunks(x: torch.Tensor, k: int) -> int:
 
     knn._Gathered.add = counting
     try:
-        knn.self_knn(x, k)
+        knn.self_knn(x, k, prune=prune)
     finally:
         knn._Gathered.add = add
     return count[0]
@@ -83,22 +84,25 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also the torch profiler's table of one search")
     ap.add_argument("--sweep", nargs="+", default=[], metavar="TILE:PANEL[:CHUNK]",
                     help="also time self_knn with these CPU sizes (knn.TILE_CPU, PANEL_CPU, CHUNK), in this process")
+    ap.add_argument("--prune", choices=("fp32", "bf16"), help="self_knn's panel products (default: its own choice)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     x, labels = make_data(args.n, args.dim, seed=0)
     x = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
     k = int(torch.bincount(torch.from_numpy(labels)).max()) + 1
     knn.self_knn(x[:5000], k)  # warm-up: allocator, BLAS threads
-    print(f"N={args.n} D={args.dim} k={k} threads={args.threads} torch {torch.__version__}")
+    prune = args.prune or ("bf16" if args.n >= knn.BF16_MIN_ROWS
+                           and knn._bf16_pays(args.dim, knn.PANEL_CPU, knn.TILE_CPU) else "fp32")
+    print(f"N={args.n} D={args.dim} k={k} threads={args.threads} prune={prune} torch {torch.__version__}")
     t0 = time.perf_counter()
-    knn.self_knn(x, k)
+    knn.self_knn(x, k, prune=prune)
     print(f"self_knn: {time.perf_counter() - t0:.2f} s")
     dt, gf = gemm_floor(x)
     print(f"panel GEMMs alone: {dt:.2f} s ({gf:.0f} GFLOP/s)")
     blocks = -(-args.n // knn.TILE_CPU)
     tiles = blocks * (blocks - 1) // 2
     total = tiles * 2 * knn.TILE_CPU * (knn.TILE_CPU // knn.CHUNK)
-    live = live_chunks(x, k)
+    live = live_chunks(x, k, prune)
     print(f"live chunks: {live} of {total} ({100 * live / total:.1f} %) over {tiles} off-diagonal tiles, both sides")
     for dtype in (torch.float32, torch.bfloat16):
         print(f"one {knn.PANEL_CPU}x{knn.TILE_CPU}x{args.dim} panel product in {dtype}: "
@@ -109,7 +113,7 @@ def main() -> None:
         old = knn.TILE_CPU, knn.PANEL_CPU, knn.CHUNK
         knn.TILE_CPU, knn.PANEL_CPU, knn.CHUNK = tile, panel, chunk[0] if chunk else knn.CHUNK
         t0 = time.perf_counter()
-        _, idx = knn.self_knn(x, k)
+        _, idx = knn.self_knn(x, k, prune=prune)
         dt = time.perf_counter() - t0
         ref = idx if ref is None else ref
         print(f"sizes {spec}: self_knn {dt:.2f} s, same neighbours as the first: {torch.equal(idx, ref)}")
@@ -118,7 +122,7 @@ def main() -> None:
         from torch.profiler import profile
 
         with profile() as prof:
-            knn.self_knn(x, k)
+            knn.self_knn(x, k, prune=prune)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 

@@ -6,7 +6,8 @@ clustered data set with realistic class structure (~10 images per class, sizes 2
 classes, like SOP), then runs each side in its own subprocess so that peak RSS is attributable:
 
 * ours:       ``retrieval_metrics(x, labels, backend="torch")``: the symmetric leave-one-out search
-              (``dml_core.knn.self_knn``: each X·Xᵀ tile once); P@1, RP, MAP@R, Recall@{1,2,4,8}, nDCG@{2,4,8}
+              (``dml_core.knn.self_knn``: each X·Xᵀ tile once); P@1, RP, MAP@R, Recall@{1,2,4,8}, nDCG@{2,4,8};
+              the details name the panel products it chose (fp32, or bf16 pruning where that measured faster)
 * ours-faiss: ``retrieval_metrics(x, labels, backend="faiss")``: the same metrics over faiss's flat search
 * PML:        ``AccuracyCalculator(k="max_bin_count", include=(P@1, RP, MAP@R))`` on ``F.normalize(x)``
 * ours-cuda:  ``retrieval_metrics`` on CUDA tensors (the same symmetric search; opt-in with ``--sides``):
@@ -136,6 +137,10 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
         t0 = time.perf_counter()
         values = M.retrieval_metrics(x, labels, nmi=nmi, backend=backend)
         seconds = time.perf_counter() - t0
+        if side == "ours":  # which panel products self_knn chose (prune=None): bf16 where _bf16_pays measured a gain
+            from dml_core import knn
+
+            spent["prune"] = "bf16" if len(x) >= knn.BF16_MIN_ROWS and any(knn._BF16_PAYS.values()) else "fp32"
     elif side == "ours-cuda":
         # The data on the GPU before the clock starts (a fold's embeddings are already there); the CUDA context
         # and cuBLAS are warmed up on a small call first.  Times include copying the neighbours back.
@@ -178,7 +183,7 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
     cpu_s = _cpu_s() - cpu0
     print(json.dumps({"seconds": seconds, "rss_before_mb": rss0, "peak_rss_mb": peak, "values": values,
                       "knn_s": spent["knn"], "kmeans_s": spent["kmeans"], "cpu_s": cpu_s,
-                      "gpu_peak_mb": spent.get("gpu_peak_mb"), "gpu": spent.get("gpu")}))
+                      "gpu_peak_mb": spent.get("gpu_peak_mb"), "gpu": spent.get("gpu"), "prune": spent.get("prune")}))
 
 
 def run_side(side: str, path: str, threads: int, nmi: bool) -> dict:
@@ -274,7 +279,8 @@ def main() -> None:
         for side, rs in runs.items():
             walls = ", ".join(f"{r['seconds']:.2f} (CPU {r['cpu_s']:.1f}, load {r['load']:.1f})" for r in rs)
             gpu = f"; {rs[0]['gpu']}, peak GPU memory {rs[0]['gpu_peak_mb']:.0f} MB" if rs[0].get("gpu") else ""
-            print(f"  {side:10s} runs [s]: {walls}; RSS before the call {rs[0]['rss_before_mb']:.0f} MB{gpu}")
+            prune = f"; panel products {rs[0]['prune']}" if rs[0].get("prune") else ""
+            print(f"  {side:10s} runs [s]: {walls}; RSS before the call {rs[0]['rss_before_mb']:.0f} MB{gpu}{prune}")
         for side in ("ours", "ours-cuda"):
             if side in runs:
                 print(f"  {side} values:", {k: round(v, 6) for k, v in runs[side][0]["values"].items()})

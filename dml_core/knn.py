@@ -38,11 +38,22 @@ hold a better neighbour are gathered from the panel; the tile as a whole is neve
 of both sides then go through one merge per tile.
 Runs on CPU or CUDA tensors with torch's thread count (``torch.get_num_threads()``); CUDA matmuls run in
 full fp32 (TF32 off for the call).
+
+bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``_bf16_pays``): on CPUs whose bf16
+GEMMs run about twice as fast as fp32 ones (native bf16 dot products, fp32 FMAs at half that rate: the AMD EPYC
+dev VM, 219 vs 99 GFLOP/s for a panel product), the off-diagonal panels are multiplied in bf16 and used only to
+*prune*: every comparison with a threshold is lowered by a rigorous bound on the bf16 error, and the pairs that
+pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in another order than a GEMM); the diagonal
+tiles stay fp32 GEMMs, used for bounds and candidates (widened by the fp32-vs-fp32 rounding bound, ``_widen``).
+That search runs ``BF16_EXTRA`` deeper than k; ``_refine`` then re-keys the kept pairs exactly as a GEMM rounds
+them (``_fma_dots``) and re-sorts, so results equal the fp32 mode's, near-ties included, and rows where a dropped
+pair could still cross the k-th place are searched again in full.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -62,6 +73,20 @@ PANEL_CPU = 1024
 
 #: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
 CHUNK = 32
+
+#: Smallest set for which ``prune=None`` considers bf16 pruning (it needs many off-diagonal tiles to pay
+#: for its one-off speed check, ``_bf16_pays``).
+BF16_MIN_ROWS = 32768
+
+#: Extra depth of the bf16 mode's search (working keys), so that near-ties at the k-th place rarely need a
+#: row's full search in ``_refine``.
+BF16_EXTRA = 4
+
+#: bf16 panel products must run this many times faster than fp32 ones for ``prune=None`` to use them
+#: (the conversion back to fp32 and the exact recomputation of the survivors cost the rest).
+BF16_MIN_SPEEDUP = 1.5
+
+_BF16_PAYS: dict[tuple[int, int, int, int], bool] = {}
 
 _IDX_BITS = 32
 _IDX_MASK = (1 << _IDX_BITS) - 1
@@ -101,6 +126,124 @@ def _composite(keys: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     whose bits would sort first)."""
     keys = torch.where(keys > 0, keys, torch.zeros_like(keys))
     return (keys.view(torch.int32).to(torch.int64) << _IDX_BITS) | ref
+
+
+class _PairDots:
+    """float32 dot products x_i·x_j of pairs of rows, the bf16 mode's working keys: an elementwise product summed
+    by torch's row reduction, whose order depends only on D -- a pair gets the same value wherever its rows
+    sit and x_i·x_j = x_j·x_i bit for bit -- within 2·γ_D·‖x_i‖·‖x_j‖ of a GEMM's value (γ_D = D·2⁻²⁴/(1 − D·2⁻²⁴)),
+    but not always equal to it (13 % of random pairs are bit-equal).  The rows are gathered into two reused
+    buffers (fresh ones cost page faults)."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+        self.a = self.b = torch.empty(0, x.shape[1], device=x.device)
+
+    def __call__(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        m = i.numel()
+        if m > self.a.shape[0]:
+            size = (max(m, 2 * self.a.shape[0]), self.x.shape[1])
+            self.a, self.b = torch.empty(size, device=self.x.device), torch.empty(size, device=self.x.device)
+        ga = torch.index_select(self.x, 0, i, out=self.a[:m])
+        return ga.mul_(torch.index_select(self.x, 0, j, out=self.b[:m])).sum(dim=1)
+
+
+def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """float32 dot products x_i·x_j of rows of ``x``, rounded as a GEMM rounds them: one chain of fused
+    multiply-adds over d = 0..D-1, each product exact and each sum rounded once to float32 -- the order of
+    MKL's and OpenBLAS's SGEMM micro-kernels for D up to their K block (measured on 20,000 random pairs of a
+    1024 × 4096 × 128 product: 100 % bit-equal to torch.mm and to faiss, against 13 % for ``_PairDots``).
+    Emulated in float64 (a product of two floats is exact there; an f64 sum rounded to f32 differs from one
+    rounding only at double-rounding ties, ~2⁻²⁸ of sums), D steps vectorised over a cache-sized slice of
+    pairs at a time.  On exact data (quantised) it is the exact dot product, like every order."""
+    out = torch.empty(i.numel(), device=x.device)
+    step = max(1, min(i.numel(), 16384 * torch.get_num_threads()))
+    pa = torch.empty(x.shape[1], step, dtype=torch.float64, device=x.device)
+    pb = torch.empty_like(pa)
+    acc = torch.empty(step, dtype=torch.float64, device=x.device)
+    for s in range(0, i.numel(), step):
+        m = min(step, i.numel() - s)
+        # rows gathered (contiguous reads), then transposed into f64 so that each step reads one row
+        prod = pa[:, :m].copy_(x.index_select(0, i[s : s + m]).T)
+        prod.mul_(pb[:, :m].copy_(x.index_select(0, j[s : s + m]).T))  # exact: 24-bit mantissas, 53 in f64
+        a, a32 = acc[:m].zero_(), out[s : s + m]
+        for row in prod:
+            a32.copy_(a.add_(row))  # one rounding to float32 per step, as an FMA
+            a.copy_(a32)
+    return out
+
+
+def _widen(norms: torch.Tensor, d: int, mx: float) -> torch.Tensor:
+    """Most by which two float32 computations of a key n_i + n_j − 2·x_i·x_j can differ when their dot
+    products are summed in different orders: 2·(2·γ_D·‖x_i‖·max‖x‖) plus the keys' own rounding."""
+    return 4.04 * d * 2.0**-24 * norms.sqrt() * mx + 2.0**-20 * (norms + mx * mx)
+
+
+def _bf16_err(norms: torch.Tensor, d: int, mx: float) -> torch.Tensor:
+    """Most by which a bf16 panel product (bf16 inputs and output, fp32 accumulation) of row i with any row
+    can fall below its fp32 dot product: inputs rounded to bf16 (2·2⁻⁹ + 2⁻¹⁸ relative per term, Σ|x_i x_j| <=
+    ‖x_i‖·‖x_j‖), the output rounded to bf16 (2⁻⁹·|s|), fp32 accumulation on both sides (2·γ_D), denormal
+    products flushed to zero (D·2⁻¹²⁶)."""
+    return (2.0**-8 + 2.0**-9 + 2.0**-14 + 4.04 * d * 2.0**-24) * norms.sqrt() * mx + d * 2.0**-126
+
+
+def _refine(x: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+    """bf16 mode's last step: the exact top-k of every row in GEMM-rounded keys (``_fma_dots``) from the search's
+    top-``kk`` in working keys (``cand``, (n, kk) composite, rows in x's order; kk >= k).
+
+    A pair the search dropped has a working key >= the row's kk-th one, and its GEMM-rounded key is at most
+    ``_widen`` below that; where the kk-th working key minus that margin is not above the row's new k-th key
+    (near-ties across the cut, exact ties) the row is searched again in full (``_rows_in_full``)."""
+    n, kk = cand.shape
+    norms = (x * x).sum(dim=1)
+    widen = _widen(norms, x.shape[1], float(norms.max().sqrt()))
+    ref = (cand & _IDX_MASK).view(-1)
+    rows = torch.arange(n, device=x.device).repeat_interleave(kk)
+    keys = _keys(norms[rows], norms[ref], _fma_dots(x, rows, ref))
+    comp = torch.sort(_composite(keys, ref).view(n, kk), dim=1).values[:, :k]
+    if kk < n:
+        redo = (_decode_keys(cand[:, -1]) - widen <= _decode_keys(comp[:, -1])).nonzero().squeeze(1)
+        if redo.numel():
+            comp[redo] = _rows_in_full(x, norms, widen, redo, _decode_keys(comp[redo, -1]), k)
+    return comp
+
+
+def _rows_in_full(x, norms, widen, rows, kth, k):
+    """Exact top-k (GEMM-rounded keys) of ``rows`` against all of x: an fp32 product finds every pair whose
+    key can be <= ``kth`` (an upper bound of the row's k-th key), ``_fma_dots`` keys them."""
+    n = x.shape[0]
+    top = _TopK(rows.numel(), k, torch.full((rows.numel(),), float("inf"), device=x.device))
+    per = max(1, 2**24 // n)  # rows per product: 64 MB of similarities
+    for s in range(0, rows.numel(), per):
+        r = rows[s : s + per]
+        approx = _keys(norms[r, None], norms[None, :], x[r] @ x.T)
+        t, j = (approx <= (kth[s : s + per] + widen[r])[:, None]).nonzero().unbind(1)
+        top.merge(t + s, j, _keys(norms[r[t]], norms[j], _fma_dots(x, r[t], j)), grouped=True)
+    return top.best
+
+
+def _bf16_pays(d: int, panel: int, tile: int) -> bool:
+    """Whether a panel × tile × d product runs ``BF16_MIN_SPEEDUP`` times faster in bf16 than in fp32 on
+    this CPU with torch's current thread count; measured once per process and shape (best of three each,
+    ~0.1 s).  It does on the AMD EPYC dev VM (219 vs 99 GFLOP/s), not on the Xeon VM (82 vs 160 GFLOP/s:
+    AVX512-BF16 but no AMX)."""
+    key = (d, panel, tile, torch.get_num_threads())
+    if key not in _BF16_PAYS:
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(panel, d, generator=gen), torch.randn(tile, d, generator=gen)
+        times = []
+        for dtype in (torch.float32, torch.bfloat16):
+            ad, bd = a.to(dtype), b.to(dtype)
+            out = torch.empty(panel, tile, dtype=dtype)
+            torch.mm(ad, bd.T, out=out)  # warm-up
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                torch.mm(ad, bd.T, out=out)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        _BF16_PAYS[key] = times[0] >= BF16_MIN_SPEEDUP * times[1]
+    return _BF16_PAYS[key]
 
 
 def _decode_keys(comp: torch.Tensor) -> torch.Tensor:
@@ -169,28 +312,32 @@ class _Gathered:
         return torch.cat(self.live), torch.cat(self.vals)
 
 
-def _diag_panel(keys: torch.Tensor, k: int, valid: int, kmin: torch.Tensor):
+def _diag_panel(keys: torch.Tensor, k: int, valid: int, kmin: torch.Tensor, widen: torch.Tensor | None = None):
     """Admission bound and candidates of a diagonal panel's rows (their whole rows of the block):
     ``keys`` (rows, tile) with the columns from ``valid`` on set to +inf.  The bound is the k-th
     smallest of the row's chunk minima -- k distinct entries are <= it, so it is >= the row's k-th key
     within the block -- or, with fewer than k chunks, the exact k-th key.  Returns (bound, row, column,
-    key) of the entries <= bound; ``kmin``: a (rows, tile // CHUNK) buffer."""
+    key) of the entries <= bound; ``kmin``: a (rows, tile // CHUNK) buffer.  ``widen`` (per row): the most
+    by which the working keys (``_PairDots``) may differ from ``keys``: the bound returned is raised by it and the
+    entries kept are those <= bound + 2·widen, which covers every entry whose final key is <= that bound."""
     h, t = keys.shape
     nc = t // CHUNK
     if -(-valid // CHUNK) >= k:
         mins = torch.amin(keys.view(h, nc, CHUNK), dim=2, out=kmin[:h])
         bound = torch.topk(mins, k, dim=1, largest=False, sorted=False).values.amax(dim=1)
-        live = (mins <= bound[:, None]).view(-1).nonzero().squeeze(1)
+        keep = bound if widen is None else bound + 2 * widen
+        live = (mins <= keep[:, None]).view(-1).nonzero().squeeze(1)
         ri = live.div(nc, rounding_mode="floor")
-        p, o, v = _hits(keys.view(-1, CHUNK).index_select(0, live), ri, bound, below=True)
-        return bound, ri[p], (live[p] - ri[p] * nc) * CHUNK + o, v
+        p, o, v = _hits(keys.view(-1, CHUNK).index_select(0, live), ri, keep, below=True)
+        return bound if widen is None else bound + widen, ri[p], (live[p] - ri[p] * nc) * CHUNK + o, v
     keys = keys[:, :valid]
     if valid >= k:
         bound = torch.topk(keys, k, dim=1, largest=False, sorted=False).values.amax(dim=1)
     else:
         bound = torch.full((h,), float("inf"), device=keys.device)
-    i, j = (keys <= bound[:, None]).nonzero().unbind(1)
-    return bound, i, j, keys[i, j]
+    keep = bound if widen is None else bound + 2 * widen
+    i, j = (keys <= keep[:, None]).nonzero().unbind(1)
+    return bound if widen is None else bound + widen, i, j, keys[i, j]
 
 
 def _need(norms: torch.Tensor, thr: torch.Tensor, other_min: float, slack: torch.Tensor) -> torch.Tensor:
@@ -232,24 +379,36 @@ def _pair_order(x: torch.Tensor, starts: range, tile: int, n: int) -> list[tuple
     return [(starts[i], starts[j]) for i, j in pairs]
 
 
-def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
+             prune: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k nearest rows of every row of ``x`` (itself included), exact, like ``faiss.knn(x, x, k)``.
 
     ``x``: (N, D) float32 tensor on CPU or CUDA; ``1 <= k <= N``.  Returns (distances, indices): (N, k)
     float32 squared L2 distances (float32 formula of faiss's BLAS path, clamped at 0) and int64 indices,
     ascending by (distance, index).  Each tile of X·Xᵀ with block a ≤ block b is computed once.
+    ``prune``: ``"fp32"`` or ``"bf16"`` (CPU only; see the module docstring) for the off-diagonal panel
+    products; ``None``: bf16 on CPU sets of ``BF16_MIN_ROWS`` rows or more where ``_bf16_pays``, else fp32.
     """
     if x.ndim != 2 or x.dtype != torch.float32:
         raise ValueError(f"x must be a 2-D float32 tensor, got {tuple(x.shape)} {x.dtype}")
     n = x.shape[0]
     if not 1 <= k <= n:
         raise ValueError(f"k must be in 1..{n}, got {k}")
+    if prune not in (None, "fp32", "bf16"):
+        raise ValueError(f"prune must be 'fp32', 'bf16' or None, got {prune!r}")
+    if prune == "bf16" and x.is_cuda:
+        raise ValueError("prune='bf16' is a CPU mode; CUDA tensors are searched in fp32")
     if tile is None:
         tile = TILE_CUDA if x.is_cuda else TILE_CPU
     tile = max(CHUNK, min(tile - tile % CHUNK, -(-n // CHUNK) * CHUNK))
     panel = tile if x.is_cuda else min(tile, PANEL_CPU)
     while tile % panel:  # panels tile the tile exactly
         panel -= CHUNK
+    if prune is None:
+        prune = "bf16" if not x.is_cuda and n >= BF16_MIN_ROWS and _bf16_pays(x.shape[1], panel, tile) else "fp32"
+    low = prune == "bf16"
+    # bf16: a deeper search on working keys, then _refine on the caller's rows (contiguous: one reduction order)
+    x_in, depth = (x.contiguous(), min(n, k + BF16_EXTRA)) if low else (None, k)
     inf = float("inf")
     nc = tile // CHUNK
     with _ieee_fp32(x.device), torch.no_grad():
@@ -260,6 +419,12 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
         # must not depend on where it sits -- duplicated rows must give bit-identical keys to tie.
         x = torch.nn.functional.pad(x[perm], (0, 0, 0, len(starts) * tile - n)).contiguous()
         norms = (x * x).sum(dim=1)
+        if low:
+            d, mx = x.shape[1], float(norms.max().sqrt())
+            x16, dots = x.to(torch.bfloat16), _PairDots(x)
+            s16 = torch.empty(panel, tile, dtype=torch.bfloat16)
+            widen = _widen(norms, d, mx)  # how far a diagonal GEMM key may sit from the working key
+            err = _bf16_err(norms, d, mx)
         # One panel buffer for every product (a fresh tensor per product costs page faults on first touch).
         s = torch.empty(panel, tile, device=x.device)
         smax = torch.empty(panel, nc, device=x.device)  # row-chunk maxima (minima of keys on the diagonal)
@@ -280,10 +445,12 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
                 keys.sub_(s[:h], alpha=2).clamp_min_(0)
                 if ra < tile:
                     keys[:, ra:] = inf
-                bd, i, j, v = _diag_panel(keys, k, ra, smax)
+                bd, i, j, v = _diag_panel(keys, depth, ra, smax, widen[a + p : a + p + h] if low else None)
+                if low:  # the working keys of the candidates
+                    v = _keys(na[p + i], na[j], dots(a + p + i, a + j))
                 bound[a + p : a + p + h] = bd
                 diag.append((i + (a + p), perm[j + a], v))
-        top = _TopK(n, k, bound)
+        top = _TopK(n, depth, bound)
         for cand in diag:
             top.merge(*cand, grouped=True)
         del diag
@@ -295,12 +462,18 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
             # rows of block a against the columns of block b (row chunks), and rows of block b against
             # the columns of block a (column chunks), from the same tile
             need_a = _need(na, top.thr[a : a + tile], nmin, slack[a : a + tile])
+            need_b = _need(nb[:rb], top.thr[b : b + rb], nmin, slack[b : b + rb])
+            if low:  # the bf16 products may fall short of the exact ones by up to err
+                need_a, need_b = need_a - err[a : a + tile], need_b - err[b : b + rb]
             need_a2 = need_a[:, None]
-            need_b = torch.nn.functional.pad(_need(nb[:rb], top.thr[b : b + rb], nmin, slack[b : b + rb]),
-                                             (0, tile - rb), value=inf)
+            need_b = torch.nn.functional.pad(need_b, (0, tile - rb), value=inf)
             rows, cols = _Gathered(), _Gathered()
             for p in range(0, tile, panel):
-                torch.mm(xa[p : p + panel], xb.T, out=s)
+                if low:
+                    torch.mm(x16[a + p : a + p + panel], x16[b : b + tile].T, out=s16)
+                    s.copy_(s16)  # fp32 for the reductions below (a bf16 amax is several times slower)
+                else:
+                    torch.mm(xa[p : p + panel], xb.T, out=s)
                 if rb < tile:
                     s[:, rb:] = -inf  # padding rows of x: never a neighbour
                 # chunk maxima right after the GEMM; only chunks that can hold a candidate are read again
@@ -318,7 +491,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
                 ri = live.div(nc, rounding_mode="floor")
                 q, o, v = _hits(vals, ri, need_a, below=False)
                 i, j = ri[q], (live[q] - ri[q] * nc) * CHUNK + o
-                parts.append((i + a, perm[j + b], _keys(na[i], nb[j], v)))
+                parts.append((i + a, perm[j + b], _keys(na[i], nb[j], dots(a + i, b + j) if low else v)))
             got = cols.cat()
             if got is not None:
                 live, vals = got
@@ -328,9 +501,11 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None) -> tuple[torch
                 rc, cj, vals = rc[order], cj[order], vals.index_select(0, order)
                 q, o, v = _hits(vals, cj, need_b, below=False)
                 i, j = rc[q] * CHUNK + o, cj[q]
-                parts.append((j + b, perm[i + a], _keys(nb[j], na[i], v)))
+                parts.append((j + b, perm[i + a], _keys(nb[j], na[i], dots(b + j, a + i) if low else v)))
             if parts:  # one merge for both sides: their targets are disjoint
                 top.merge(*(torch.cat(z) for z in zip(*parts)), grouped=True)
         best = torch.empty_like(top.best)
         best[perm] = top.best
+        if low:
+            best = _refine(x_in, best, k)
     return _decode_keys(best), best & _IDX_MASK

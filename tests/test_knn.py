@@ -5,6 +5,10 @@ Ties: on data whose products and sums are exact in float32 (quantised values) bo
 same float keys, so indices, distances and every metric must be identical, ties broken by the smaller
 index like faiss's heap/reservoir.  On generic float data the two GEMMs may round a distance differently
 in the last bit; there the neighbour lists may swap two entries whose distances agree to ~1e-6.
+
+The search tests run in both CPU modes (``prune="fp32"``: keys from the panel GEMMs; ``"bf16"``: bf16 panel
+products only prune, a deeper search on per-pair fp32 keys, then the kept pairs re-keyed as a GEMM rounds them)
+with the same expectations.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ torch.set_num_threads(1)
 PML_KEYS = {"precision_at_1": "precision_at_1", "r_precision": "r_precision",
             "map_at_r": "mean_average_precision_at_r"}
 KS = dict(recall_ks=(1, 2, 4, 8, 16), ndcg_ks=(2, 4, 8, 16))
+PRUNES = ("fp32", "bf16")
 
 
 def quantised(seed, n=1500, dim=12, n_classes=60, flip=0.35):
@@ -74,12 +79,13 @@ def pml(x, y):
 # the search itself
 
 
+@pytest.mark.parametrize("prune", PRUNES)
 @pytest.mark.parametrize("k,tile", [(1, 64), (20, 128), (20, 4096), (150, 256), (700, 192)])
-def test_equals_faiss_exactly_on_exact_ties(k, tile):
+def test_equals_faiss_exactly_on_exact_ties(k, tile, prune):
     """Quantised data: same float keys on both sides, so the same (distance, index) order, k < 100
     (faiss's heap) and k >= 100 (faiss's reservoir), one tile and many (ragged last block)."""
     x, _ = quantised(0)
-    d, i = self_knn(torch.from_numpy(x), k, tile=tile)
+    d, i = self_knn(torch.from_numpy(x), k, tile=tile, prune=prune)
     fd, fi = faiss.knn(x, x, k)
     np.testing.assert_array_equal(i.numpy(), fi)
     np.testing.assert_array_equal(d.numpy(), fd)
@@ -92,15 +98,17 @@ def test_equals_faiss_exactly_on_exact_ties(k, tile):
         assert (i[:, 0].numpy() < np.arange(len(x))).any()
 
 
-def test_equals_faiss_exactly_on_unnormalised_integers():
+@pytest.mark.parametrize("prune", PRUNES)
+def test_equals_faiss_exactly_on_unnormalised_integers(prune):
     x, _ = integer_grid(1)
-    d, i = self_knn(torch.from_numpy(x), 40, tile=256)
+    d, i = self_knn(torch.from_numpy(x), 40, tile=256, prune=prune)
     fd, fi = faiss.knn(x, x, 40)
     np.testing.assert_array_equal(i.numpy(), fi)
     np.testing.assert_array_equal(d.numpy(), fd)
 
 
-def test_duplicated_float_rows_tie_with_the_query_itself():
+@pytest.mark.parametrize("prune", PRUNES)
+def test_duplicated_float_rows_tie_with_the_query_itself(prune):
     """Exact copies of generic float rows: the copy ties with the query's own entry, the smaller index
     first, as in faiss."""
     x, _ = clustered(2)
@@ -108,16 +116,17 @@ def test_duplicated_float_rows_tie_with_the_query_itself():
     rng = np.random.default_rng(2)
     x2 = np.concatenate([x, x[rng.choice(len(x), 300, replace=False)]])
     x2 = x2[rng.permutation(len(x2))]
-    d, i = self_knn(torch.from_numpy(x2), 12, tile=128)
+    d, i = self_knn(torch.from_numpy(x2), 12, tile=128, prune=prune)
     fd, fi = faiss.knn(x2, x2, 12)
     assert (d[:, 0] == d[:, 1]).sum() >= 0.95 * 2 * 300  # a duplicate pair ties at rank 1-2 for both rows
     np.testing.assert_array_equal(i.numpy(), fi)
 
 
-def test_generic_floats_equal_faiss_up_to_last_bit_near_ties():
+@pytest.mark.parametrize("prune", PRUNES)
+def test_generic_floats_equal_faiss_up_to_last_bit_near_ties(prune):
     x, _ = clustered(3, dim=16)
     x = F.normalize(torch.from_numpy(x)).numpy()
-    d, i = self_knn(torch.from_numpy(x), 30, tile=128)
+    d, i = self_knn(torch.from_numpy(x), 30, tile=128, prune=prune)
     fd, fi = faiss.knn(x, x, 30)
     np.testing.assert_allclose(d.numpy(), fd, atol=2e-6)
     same = (i.numpy() == fi).all(axis=1)
@@ -137,12 +146,13 @@ def test_result_does_not_depend_on_the_tile_size():
         torch.testing.assert_close(d, ref[0], atol=2e-6, rtol=0)
 
 
-def test_default_tiles_and_panels_equal_faiss_exactly():
+@pytest.mark.parametrize("prune", PRUNES)
+def test_default_tiles_and_panels_equal_faiss_exactly(prune):
     """The shipped CPU sizes (TILE_CPU-row tiles in PANEL_CPU-row panels, chosen by measurement) on a set of
     a little over two tiles: off-diagonal tiles in several panels and a ragged last block, exact ties."""
     x, _ = quantised(8, n=2 * K.TILE_CPU + 700)
     assert K.TILE_CPU // K.PANEL_CPU >= 2
-    d, i = self_knn(torch.from_numpy(x), 30)
+    d, i = self_knn(torch.from_numpy(x), 30, prune=prune)
     fd, fi = faiss.knn(x, x, 30)
     np.testing.assert_array_equal(i.numpy(), fi)
     np.testing.assert_array_equal(d.numpy(), fd)
@@ -159,6 +169,8 @@ def test_k_equal_to_n_and_tiny_sets():
         self_knn(torch.from_numpy(x), 71)
     with pytest.raises(ValueError, match="float32"):
         self_knn(torch.from_numpy(x).double(), 3)
+    with pytest.raises(ValueError, match="prune must be 'fp32', 'bf16' or None, got 'fp16'"):
+        self_knn(torch.from_numpy(x), 3, prune="fp16")
 
 
 def test_each_tile_is_computed_once_and_nothing_is_n_by_n(monkeypatch):
@@ -230,12 +242,148 @@ def test_panels_compute_each_tile_once(monkeypatch):
     assert len(calls) == blocks * (blocks - 1) // 2 * (tile // panel) + diag_panels
 
 
+def _counting_mm(monkeypatch):
+    """Record (shape, input dtype) of every torch.mm call."""
+    calls, real_mm = [], torch.mm
+
+    def counting_mm(a, b, **kw):
+        out = real_mm(a, b, **kw)
+        calls.append((tuple(out.shape), a.dtype))
+        return out
+
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    return calls
+
+
+def test_bf16_mode_multiplies_off_diagonal_panels_once_in_bf16(monkeypatch):
+    """bf16 mode: every off-diagonal panel product once, in bf16 (no fp32 redo of a tile: survivors get
+    per-pair dot products); the diagonal tiles' panels in fp32; the same panel × tile shape throughout."""
+    x = torch.from_numpy(clustered(6, dim=16)[0])
+    n, tile, panel = x.shape[0], 128, 32
+    monkeypatch.setattr(K, "PANEL_CPU", panel)
+    calls = _counting_mm(monkeypatch)
+    self_knn(x, 10, tile=tile, prune="bf16")
+    blocks = -(-n // tile)
+    assert {shape for shape, _ in calls} == {(panel, tile)}
+    diag_panels = sum(-(-min(tile, n - a) // panel) for a in range(0, n, tile))
+    assert sum(dt == torch.bfloat16 for _, dt in calls) == blocks * (blocks - 1) // 2 * (tile // panel)
+    assert sum(dt == torch.float32 for _, dt in calls) == diag_panels
+
+
+def test_prune_none_uses_bf16_only_on_large_sets_where_it_measured_faster(monkeypatch):
+    x = torch.from_numpy(quantised(9, n=700)[0])
+    ref = self_knn(x, 15, tile=128, prune="fp32")
+    calls = _counting_mm(monkeypatch)
+    for min_rows, pays, want in [(10_000, True, False), (500, False, False), (500, True, True)]:
+        monkeypatch.setattr(K, "BF16_MIN_ROWS", min_rows)
+        monkeypatch.setattr(K, "_bf16_pays", lambda d, panel, tile, pays=pays: pays)
+        calls.clear()
+        d, i = self_knn(x, 15, tile=128)
+        assert any(dt == torch.bfloat16 for _, dt in calls) is want
+        assert torch.equal(i, ref[1]) and torch.equal(d, ref[0])  # exact data: the same result either way
+
+
+def test_fma_dots_round_like_a_gemm():
+    """The bf16 mode's final keys: dot products rounded as one FMA chain, the order of the SGEMM micro-kernels,
+    so they agree with torch.mm (and faiss) where an elementwise product + sum agrees on ~13 % of pairs.
+    Exact products (quantised data) agree always."""
+    g = torch.Generator().manual_seed(0)
+    x = F.normalize(torch.randn(2048, 128, generator=g))
+    i, j = torch.randint(0, 512, (20000,), generator=g), torch.randint(0, 2048, (20000,), generator=g)
+    ref = torch.mm(x[:512], x.T)[i, j]
+    assert (K._fma_dots(x, i, j) == ref).float().mean() > 0.99
+    assert (K._PairDots(x)(i, j) == ref).float().mean() < 0.5  # what the chain is there for
+    q = torch.from_numpy(quantised(3)[0])
+    i, j = torch.arange(len(q)), torch.randperm(len(q), generator=g)
+    assert torch.equal(K._fma_dots(q, i, j), (q[i] * q[j]).sum(dim=1))
+
+
+def test_bf16_mode_equals_fp32_mode_on_generic_floats():
+    """Near-ties included: the bf16 mode's final keys are GEMM-rounded, so its neighbours and distances are
+    the fp32 mode's (rows allowed to differ only where the FMA-chain emulation and the BLAS disagree)."""
+    x = F.normalize(torch.from_numpy(clustered(16, n_classes=150, dim=24)[0]))
+    a = self_knn(x, 25, tile=128, prune="fp32")
+    b = self_knn(x, 25, tile=128, prune="bf16")
+    assert (a[1] == b[1]).all(dim=1).float().mean() >= 0.999
+    assert (a[0] == b[0]).all(dim=1).float().mean() >= 0.999
+
+
+def test_bf16_error_bound_holds_where_bf16_rounds_every_entry_down():
+    """The threshold slack of the bf16 mode: on entries that all sit just below a bf16 rounding midpoint (every
+    input rounds toward zero, every product of same-sign entries falls short), each bf16 panel product stays
+    within ``_bf16_err`` of the fp32 one, and the shortfall is of the bound's order (so the bound is needed)."""
+    g = torch.Generator().manual_seed(0)
+    x = F.normalize(torch.randn(512, 64, generator=g)).abs().bfloat16().float() * (1 + 0.99 * 2.0**-9)
+    assert bool((x.bfloat16().float() < x).all())
+    exact = torch.mm(x, x.T)
+    low = torch.mm(x.bfloat16(), x.bfloat16().T).float()
+    norms = (x * x).sum(dim=1)
+    err = K._bf16_err(norms, 64, float(norms.max().sqrt()))
+    short = exact - low
+    assert bool((short <= err[:, None]).all())
+    assert float((short / err[:, None]).max()) > 0.4
+
+
+def test_bf16_mode_keeps_near_duplicates_across_blocks():
+    """Clusters of near-duplicate rows (distances far below bf16 resolution) spread over several blocks: the
+    bf16 products cannot tell them apart, so only the error slack keeps the cross-block ones; the bf16 mode
+    must still return the fp32 mode's neighbours (without the slack 3 of 2000 rows lose some)."""
+    g = torch.Generator().manual_seed(0)
+    base = F.normalize(torch.randn(50, 24, generator=g))
+    x = base.repeat_interleave(40, 0) + 1e-3 * torch.randn(2000, 24, generator=g)
+    x = F.normalize(x[torch.randperm(2000, generator=g)])
+    a = self_knn(x, 25, tile=128, prune="fp32")
+    b = self_knn(x, 25, tile=128, prune="bf16")
+    assert int((a[1] != b[1]).any(dim=1).sum()) <= 1
+
+
+def test_refine_searches_a_row_again_where_a_dropped_pair_could_cross_the_cut(monkeypatch):
+    """No extra depth on massively tied data: the k-th and the last kept working keys tie, so a dropped pair
+    could tie with the k-th place; those rows are searched again in full and the result is still faiss's."""
+    monkeypatch.setattr(K, "BF16_EXTRA", 0)
+    redone = []
+    real = K._rows_in_full
+    monkeypatch.setattr(K, "_rows_in_full", lambda *a: redone.append(a[3].numel()) or real(*a))
+    x, _ = quantised(17)
+    d, i = self_knn(torch.from_numpy(x), 20, tile=128, prune="bf16")
+    fd, fi = faiss.knn(x, x, 20)
+    assert sum(redone) > 100
+    np.testing.assert_array_equal(i.numpy(), fi)
+    np.testing.assert_array_equal(d.numpy(), fd)
+
+
+def test_bf16_pays_compares_measured_panel_products(monkeypatch):
+    """The speed check times real panel products: a bf16 product made slower than fp32 loses, one made
+    much faster wins, and the answer is kept per (D, panel, tile, threads)."""
+    import time
+
+    real_mm = torch.mm
+    for slow, want in [(torch.bfloat16, False), (torch.float32, True)]:
+        def mm(a, b, slow=slow, **kw):
+            if a.dtype == slow:
+                time.sleep(0.02)
+            return real_mm(a, b, **kw)
+
+        monkeypatch.setattr(torch, "mm", mm)
+        monkeypatch.setattr(K, "_BF16_PAYS", {})
+        assert K._bf16_pays(16, 64, 128) is want
+        assert K._BF16_PAYS == {(16, 64, 128, torch.get_num_threads()): want}
+
+
 # ---------------------------------------------------------------------------------------------------
 # the metrics through it
 
 
+@pytest.fixture(params=PRUNES)
+def prune_mode(request, monkeypatch):
+    """retrieval_metrics calls self_knn with prune=None: make that choose the mode under test."""
+    monkeypatch.setattr(K, "BF16_MIN_ROWS", 0)
+    monkeypatch.setattr(K, "_bf16_pays", lambda *a: request.param == "bf16")
+    return request.param
+
+
 @pytest.mark.parametrize("make,normalize", [(quantised, True), (integer_grid, False)])
-def test_metrics_identical_to_faiss_backend_and_pml_on_tied_uneven_data(make, normalize):
+def test_metrics_identical_to_faiss_backend_and_pml_on_tied_uneven_data(make, normalize, prune_mode):
     x, y = make(7)
     assert np.bincount(np.unique(y, return_inverse=True)[1]).max() > 10 * np.median(
         np.bincount(np.unique(y, return_inverse=True)[1]))  # uneven classes
@@ -251,7 +399,7 @@ def test_metrics_identical_to_faiss_backend_and_pml_on_tied_uneven_data(make, no
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_metrics_equal_faiss_backend_and_pml_on_random_data(seed):
+def test_metrics_equal_faiss_backend_and_pml_on_random_data(seed, prune_mode):
     x, y = clustered(10 + seed)
     ours = retrieval_metrics(x, y, backend="torch", **KS)
     flat = retrieval_metrics(x, y, backend="faiss", **KS)
