@@ -41,8 +41,8 @@ full fp32 (TF32 off for the call).
 
 bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``_bf16_pays``): on CPUs whose bf16
 GEMMs run about twice as fast as fp32 ones (native bf16 dot products, fp32 FMAs at half that rate: the AMD EPYC
-dev VM, 219 vs 99 GFLOP/s for a panel product), the off-diagonal panels are multiplied in bf16 and used only to
-*prune*: every comparison with a threshold is lowered by a rigorous bound on the bf16 error, and the pairs that
+dev VM, 214 vs 95 GFLOP/s for a panel product in ``bench/knn_profile.py``), the off-diagonal panels are
+multiplied in bf16 and used only to *prune*: every comparison with a threshold is lowered by a rigorous bound on the bf16 error, and the pairs that
 pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in another order than a GEMM); the diagonal
 tiles stay fp32 GEMMs, used for bounds and candidates (widened by the fp32-vs-fp32 rounding bound, ``_widen``).
 That search runs ``BF16_EXTRA`` deeper than k; ``_refine`` then re-keys the kept pairs exactly as a GEMM rounds
@@ -83,7 +83,7 @@ BF16_MIN_ROWS = 32768
 BF16_EXTRA = 4
 
 #: bf16 panel products must run this many times faster than fp32 ones for ``prune=None`` to use them
-#: (the conversion back to fp32 and the exact recomputation of the survivors cost the rest).
+#: (the conversion back to fp32 and the per-pair keys and ``_refine`` cost the rest).
 BF16_MIN_SPEEDUP = 1.5
 
 _BF16_PAYS: dict[tuple[int, int, int, int], bool] = {}
@@ -225,7 +225,7 @@ def _rows_in_full(x, norms, widen, rows, kth, k):
 def _bf16_pays(d: int, panel: int, tile: int) -> bool:
     """Whether a panel × tile × d product runs ``BF16_MIN_SPEEDUP`` times faster in bf16 than in fp32 on
     this CPU with torch's current thread count; measured once per process and shape (best of three each,
-    ~0.1 s).  It does on the AMD EPYC dev VM (219 vs 99 GFLOP/s), not on the Xeon VM (82 vs 160 GFLOP/s:
+    ~0.1 s).  It does on the AMD EPYC dev VM (214 vs 95 GFLOP/s), not on the Xeon VM (81 vs 164 GFLOP/s:
     AVX512-BF16 but no AMX)."""
     key = (d, panel, tile, torch.get_num_threads())
     if key not in _BF16_PAYS:
