@@ -91,8 +91,7 @@ def main() -> None:
     x = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
     k = int(torch.bincount(torch.from_numpy(labels)).max()) + 1
     knn.self_knn(x[:5000], k)  # warm-up: allocator, BLAS threads
-    prune = args.prune or ("bf16" if args.n >= knn.BF16_MIN_ROWS
-                           and knn._bf16_pays(args.dim, knn.PANEL_CPU, knn.TILE_CPU) else "fp32")
+    prune = args.prune or knn.chosen_prune(args.n, args.dim)
     print(f"N={args.n} D={args.dim} k={k} threads={args.threads} prune={prune} torch {torch.__version__}")
     t0 = time.perf_counter()
     knn.self_knn(x, k, prune=prune)

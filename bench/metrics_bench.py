@@ -137,10 +137,10 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
         t0 = time.perf_counter()
         values = M.retrieval_metrics(x, labels, nmi=nmi, backend=backend)
         seconds = time.perf_counter() - t0
-        if side == "ours":  # which panel products self_knn chose (prune=None): bf16 where _bf16_pays measured a gain
+        if side == "ours":  # which panel products self_knn chose (prune=None; measured once, so this is the same)
             from dml_core import knn
 
-            spent["prune"] = "bf16" if len(x) >= knn.BF16_MIN_ROWS and any(knn._BF16_PAYS.values()) else "fp32"
+            spent["prune"] = knn.chosen_prune(*x.shape)
     elif side == "ours-cuda":
         # The data on the GPU before the clock starts (a fold's embeddings are already there); the CUDA context
         # and cuBLAS are warmed up on a small call first.  Times include copying the neighbours back.

@@ -39,15 +39,18 @@ of both sides then go through one merge per tile.
 Runs on CPU or CUDA tensors with torch's thread count (``torch.get_num_threads()``); CUDA matmuls run in
 full fp32 (TF32 off for the call).
 
-bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``_bf16_pays``): on CPUs whose bf16
+bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``chosen_prune``): on CPUs whose bf16
 GEMMs run about twice as fast as fp32 ones (native bf16 dot products, fp32 FMAs at half that rate: the AMD EPYC
 dev VM, 214 vs 95 GFLOP/s for a panel product in ``bench/knn_profile.py``), the off-diagonal panels are
-multiplied in bf16 and used only to *prune*: every comparison with a threshold is lowered by a rigorous bound on the bf16 error, and the pairs that
-pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in another order than a GEMM); the diagonal
-tiles stay fp32 GEMMs, used for bounds and candidates (widened by the fp32-vs-fp32 rounding bound, ``_widen``).
-That search runs ``BF16_EXTRA`` deeper than k; ``_refine`` then re-keys the kept pairs exactly as a GEMM rounds
-them (``_fma_dots``) and re-sorts, so results equal the fp32 mode's, near-ties included, and rows where a dropped
-pair could still cross the k-th place are searched again in full.
+multiplied in bf16 and used only to *prune*: every comparison with a threshold is lowered by a rigorous bound on
+the bf16 error, and the pairs that pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in
+another order than a GEMM); the diagonal tiles stay fp32 GEMMs, used for bounds and candidates (widened by the
+fp32-vs-fp32 rounding bound, ``_widen``).  That search runs ``BF16_EXTRA`` deeper than k; ``_refine`` then
+re-keys the kept pairs as the BLAS's GEMM rounds them (``_fma_dots`` with the K block ``_gemm_k_block`` found)
+and re-sorts, and rows where a dropped pair could still cross the k-th place are searched again in full.  So the
+results equal the fp32 mode's, near-ties included; ``prune=None`` uses bf16 only where that K block was found
+(an explicit ``prune="bf16"`` without one is exact for single-chain keys, which may differ from the GEMM's in
+the last bit, as faiss's BLAS and torch's may).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ import time
 
 import torch
 
-__all__ = ["self_knn", "TILE_CPU", "TILE_CUDA"]
+__all__ = ["self_knn", "chosen_prune", "TILE_CPU", "TILE_CUDA"]
 
 #: Block edge of one tile on CPU / CUDA (rows of X per block).  A CPU tile of 4096² float32 would be 64 MB:
 #: it is computed and searched in panels of PANEL_CPU rows.
@@ -75,7 +78,7 @@ PANEL_CPU = 1024
 CHUNK = 32
 
 #: Smallest set for which ``prune=None`` considers bf16 pruning (it needs many off-diagonal tiles to pay
-#: for its one-off speed check, ``_bf16_pays``).
+#: for its one-off checks, ``_bf16_pays``).
 BF16_MIN_ROWS = 32768
 
 #: Extra depth of the bf16 mode's search (working keys), so that near-ties at the k-th place rarely need a
@@ -86,7 +89,8 @@ BF16_EXTRA = 4
 #: (the conversion back to fp32 and the per-pair keys and ``_refine`` cost the rest).
 BF16_MIN_SPEEDUP = 1.5
 
-_BF16_PAYS: dict[tuple[int, int, int, int], bool] = {}
+_BF16_FASTER: dict[tuple[int, int, int, int], bool] = {}
+_GEMM_K_BLOCK: dict[tuple[int, int, int, int], int | None] = {}
 
 _IDX_BITS = 32
 _IDX_MASK = (1 << _IDX_BITS) - 1
@@ -148,29 +152,63 @@ class _PairDots:
         return ga.mul_(torch.index_select(self.x, 0, j, out=self.b[:m])).sum(dim=1)
 
 
-def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    """float32 dot products x_i·x_j of rows of ``x``, rounded as a GEMM rounds them: one chain of fused
-    multiply-adds over d = 0..D-1, each product exact and each sum rounded once to float32 -- the order of
-    MKL's and OpenBLAS's SGEMM micro-kernels for D up to their K block (measured on 20,000 random pairs of a
-    1024 × 4096 × 128 product: 100 % bit-equal to torch.mm and to faiss, against 13 % for ``_PairDots``).
-    Emulated in float64 (a product of two floats is exact there; an f64 sum rounded to f32 differs from one
-    rounding only at double-rounding ties, ~2⁻²⁸ of sums), D steps vectorised over a cache-sized slice of
-    pairs at a time.  On exact data (quantised) it is the exact dot product, like every order."""
+def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """float32 dot products x_i·x_j of rows of ``x``, rounded as an SGEMM rounds them: within each K block of
+    ``block`` dimensions (``None``: all D at once) one chain of fused multiply-adds, each product exact and each
+    sum rounded once to float32, started at 0; the blocks' sums added to the result in order, each addition
+    rounded once.  That is the order of MKL's and OpenBLAS's micro-kernels: on the AMD EPYC dev VM MKL's
+    1024 × 4096 panel products use one chain up to D = 128 and blocks of 128 (D = 256) or 192 (D = 512) above it;
+    ``_gemm_k_block`` finds the block of the BLAS at hand (an elementwise product summed by ``torch.sum`` agrees
+    on ~13 % of pairs).  Emulated in float64 (a product of two floats is exact there; an f64 sum rounded to f32
+    differs from one rounding only at double-rounding ties, ~2⁻²⁸ of sums), D steps vectorised over a
+    cache-sized slice of pairs at a time.  On exact data (quantised) it is the exact dot product, like every
+    order."""
+    d = x.shape[1]
+    block = d if block is None else block
     out = torch.empty(i.numel(), device=x.device)
     step = max(1, min(i.numel(), 16384 * torch.get_num_threads()))
-    pa = torch.empty(x.shape[1], step, dtype=torch.float64, device=x.device)
+    pa = torch.empty(d, step, dtype=torch.float64, device=x.device)
     pb = torch.empty_like(pa)
-    acc = torch.empty(step, dtype=torch.float64, device=x.device)
+    acc, tot = torch.empty(step, dtype=torch.float64, device=x.device), torch.empty(step, device=x.device)
     for s in range(0, i.numel(), step):
         m = min(step, i.numel() - s)
         # rows gathered (contiguous reads), then transposed into f64 so that each step reads one row
         prod = pa[:, :m].copy_(x.index_select(0, i[s : s + m]).T)
         prod.mul_(pb[:, :m].copy_(x.index_select(0, j[s : s + m]).T))  # exact: 24-bit mantissas, 53 in f64
-        a, a32 = acc[:m].zero_(), out[s : s + m]
-        for row in prod:
-            a32.copy_(a.add_(row))  # one rounding to float32 per step, as an FMA
-            a.copy_(a32)
+        a, a32, t32 = acc[:m], out[s : s + m], tot[:m]
+        for lo in range(0, d, block):
+            a.zero_()
+            for row in prod[lo : lo + block]:
+                a32.copy_(a.add_(row))  # one rounding to float32 per step, as an FMA
+                a.copy_(a32)
+            if lo:  # C += the block's sum, one rounding
+                a32.copy_(a.add_(t32))
+            t32.copy_(a32)
     return out
+
+
+def _gemm_k_block(d: int, panel: int, tile: int) -> int | None:
+    """The K block with which ``_fma_dots`` rounds exactly as this BLAS's fp32 panel × tile × d product at
+    torch's current thread count (D itself first, then multiples of 16 below it), or None where no block does
+    (the bf16 mode's keys would then differ from the fp32 mode's in last bits).  Checked on 4096 entries of a
+    product of random rows, corners included; measured once per process and shape."""
+    key = (d, panel, tile, torch.get_num_threads())
+    if key not in _GEMM_K_BLOCK:
+        gen = torch.Generator().manual_seed(1)
+        a, b = torch.randn(panel, d, generator=gen), torch.randn(tile, d, generator=gen)
+        ref = torch.mm(a, b.T, out=torch.empty(panel, tile))  # as the search calls it
+        x = torch.cat([a, b])
+        i = torch.cat([torch.tensor([0, 0, panel - 1, panel - 1]), torch.randint(0, panel, (4092,), generator=gen)])
+        j = torch.cat([torch.tensor([0, tile - 1, 0, tile - 1]), torch.randint(0, tile, (4092,), generator=gen)])
+        want = ref[i, j]
+        _GEMM_K_BLOCK[key] = None
+        for block in (d, *range((d - 1) // 16 * 16, 0, -16)):
+            # a cheap screen on 256 entries, then all of them
+            if torch.equal(_fma_dots(x, i[:256], panel + j[:256], block), want[:256]) and torch.equal(
+                    _fma_dots(x, i, panel + j, block), want):
+                _GEMM_K_BLOCK[key] = block
+                break
+    return _GEMM_K_BLOCK[key]
 
 
 def _widen(norms: torch.Tensor, d: int, mx: float) -> torch.Tensor:
@@ -187,7 +225,7 @@ def _bf16_err(norms: torch.Tensor, d: int, mx: float) -> torch.Tensor:
     return (2.0**-8 + 2.0**-9 + 2.0**-14 + 4.04 * d * 2.0**-24) * norms.sqrt() * mx + d * 2.0**-126
 
 
-def _refine(x: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+def _refine(x: torch.Tensor, cand: torch.Tensor, k: int, block: int | None) -> torch.Tensor:
     """bf16 mode's last step: the exact top-k of every row in GEMM-rounded keys (``_fma_dots``) from the search's
     top-``kk`` in working keys (``cand``, (n, kk) composite, rows in x's order; kk >= k).
 
@@ -199,16 +237,16 @@ def _refine(x: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
     widen = _widen(norms, x.shape[1], float(norms.max().sqrt()))
     ref = (cand & _IDX_MASK).view(-1)
     rows = torch.arange(n, device=x.device).repeat_interleave(kk)
-    keys = _keys(norms[rows], norms[ref], _fma_dots(x, rows, ref))
+    keys = _keys(norms[rows], norms[ref], _fma_dots(x, rows, ref, block))
     comp = torch.sort(_composite(keys, ref).view(n, kk), dim=1).values[:, :k]
     if kk < n:
         redo = (_decode_keys(cand[:, -1]) - widen <= _decode_keys(comp[:, -1])).nonzero().squeeze(1)
         if redo.numel():
-            comp[redo] = _rows_in_full(x, norms, widen, redo, _decode_keys(comp[redo, -1]), k)
+            comp[redo] = _rows_in_full(x, norms, widen, redo, _decode_keys(comp[redo, -1]), k, block)
     return comp
 
 
-def _rows_in_full(x, norms, widen, rows, kth, k):
+def _rows_in_full(x, norms, widen, rows, kth, k, block):
     """Exact top-k (GEMM-rounded keys) of ``rows`` against all of x: an fp32 product finds every pair whose
     key can be <= ``kth`` (an upper bound of the row's k-th key), ``_fma_dots`` keys them."""
     n = x.shape[0]
@@ -218,17 +256,24 @@ def _rows_in_full(x, norms, widen, rows, kth, k):
         r = rows[s : s + per]
         approx = _keys(norms[r, None], norms[None, :], x[r] @ x.T)
         t, j = (approx <= (kth[s : s + per] + widen[r])[:, None]).nonzero().unbind(1)
-        top.merge(t + s, j, _keys(norms[r[t]], norms[j], _fma_dots(x, r[t], j)), grouped=True)
+        top.merge(t + s, j, _keys(norms[r[t]], norms[j], _fma_dots(x, r[t], j, block)), grouped=True)
     return top.best
 
 
 def _bf16_pays(d: int, panel: int, tile: int) -> bool:
-    """Whether a panel × tile × d product runs ``BF16_MIN_SPEEDUP`` times faster in bf16 than in fp32 on
-    this CPU with torch's current thread count; measured once per process and shape (best of three each,
-    ~0.1 s).  It does on the AMD EPYC dev VM (214 vs 95 GFLOP/s), not on the Xeon VM (81 vs 164 GFLOP/s:
-    AVX512-BF16 but no AMX)."""
+    """Whether ``prune=None`` uses the bf16 mode for panel × tile × d products on this CPU at torch's current
+    thread count: its final keys round like the fp32 GEMM's (``_gemm_k_block`` finds a K block), and bf16
+    products are faster (``_bf16_faster``).  Both hold on the AMD EPYC dev VM for D = 128 and 512."""
+    return _gemm_k_block(d, panel, tile) is not None and _bf16_faster(d, panel, tile)
+
+
+def _bf16_faster(d: int, panel: int, tile: int) -> bool:
+    """Whether a panel × tile × d product runs ``BF16_MIN_SPEEDUP`` times faster in bf16 than in fp32 on this
+    CPU at torch's current thread count (best of three each, ~0.1 s); measured once per process and shape.  It
+    does on the AMD EPYC dev VM (214 vs 95 GFLOP/s), not on the Xeon VM (81 vs 164 GFLOP/s: AVX512-BF16 but no
+    AMX)."""
     key = (d, panel, tile, torch.get_num_threads())
-    if key not in _BF16_PAYS:
+    if key not in _BF16_FASTER:
         gen = torch.Generator().manual_seed(0)
         a, b = torch.randn(panel, d, generator=gen), torch.randn(tile, d, generator=gen)
         times = []
@@ -242,8 +287,8 @@ def _bf16_pays(d: int, panel: int, tile: int) -> bool:
                 torch.mm(ad, bd.T, out=out)
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
-        _BF16_PAYS[key] = times[0] >= BF16_MIN_SPEEDUP * times[1]
-    return _BF16_PAYS[key]
+        _BF16_FASTER[key] = times[0] >= BF16_MIN_SPEEDUP * times[1]
+    return _BF16_FASTER[key]
 
 
 def _decode_keys(comp: torch.Tensor) -> torch.Tensor:
@@ -379,6 +424,27 @@ def _pair_order(x: torch.Tensor, starts: range, tile: int, n: int) -> list[tuple
     return [(starts[i], starts[j]) for i, j in pairs]
 
 
+def _tile_and_panel(n: int, tile: int | None, cuda: bool) -> tuple[int, int]:
+    """Tile edge (a multiple of CHUNK, at most N rounded up) and GEMM panel rows (a divisor of the tile; the
+    whole tile on CUDA) for an N-row set."""
+    if tile is None:
+        tile = TILE_CUDA if cuda else TILE_CPU
+    tile = max(CHUNK, min(tile - tile % CHUNK, -(-n // CHUNK) * CHUNK))
+    panel = tile if cuda else min(tile, PANEL_CPU)
+    while tile % panel:  # panels tile the tile exactly
+        panel -= CHUNK
+    return tile, panel
+
+
+def chosen_prune(n: int, d: int, *, cuda: bool = False, tile: int | None = None) -> str:
+    """The panel products ``self_knn(prune=None)`` uses for an (n, d) set: ``"bf16"`` on CPU sets of
+    ``BF16_MIN_ROWS`` rows or more where ``_bf16_pays`` (measured once per process and shape), else ``"fp32"``."""
+    if cuda or n < BF16_MIN_ROWS:
+        return "fp32"
+    tile, panel = _tile_and_panel(n, tile, cuda)
+    return "bf16" if _bf16_pays(d, panel, tile) else "fp32"
+
+
 def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
              prune: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k nearest rows of every row of ``x`` (itself included), exact, like ``faiss.knn(x, x, k)``.
@@ -387,7 +453,8 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
     float32 squared L2 distances (float32 formula of faiss's BLAS path, clamped at 0) and int64 indices,
     ascending by (distance, index).  Each tile of X·Xᵀ with block a ≤ block b is computed once.
     ``prune``: ``"fp32"`` or ``"bf16"`` (CPU only; see the module docstring) for the off-diagonal panel
-    products; ``None``: bf16 on CPU sets of ``BF16_MIN_ROWS`` rows or more where ``_bf16_pays``, else fp32.
+    products; ``None``: ``chosen_prune`` (bf16 on large CPU sets where it is faster and its keys round like the
+    fp32 GEMM's, else fp32).
     """
     if x.ndim != 2 or x.dtype != torch.float32:
         raise ValueError(f"x must be a 2-D float32 tensor, got {tuple(x.shape)} {x.dtype}")
@@ -398,14 +465,9 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
         raise ValueError(f"prune must be 'fp32', 'bf16' or None, got {prune!r}")
     if prune == "bf16" and x.is_cuda:
         raise ValueError("prune='bf16' is a CPU mode; CUDA tensors are searched in fp32")
-    if tile is None:
-        tile = TILE_CUDA if x.is_cuda else TILE_CPU
-    tile = max(CHUNK, min(tile - tile % CHUNK, -(-n // CHUNK) * CHUNK))
-    panel = tile if x.is_cuda else min(tile, PANEL_CPU)
-    while tile % panel:  # panels tile the tile exactly
-        panel -= CHUNK
+    tile, panel = _tile_and_panel(n, tile, x.is_cuda)
     if prune is None:
-        prune = "bf16" if not x.is_cuda and n >= BF16_MIN_ROWS and _bf16_pays(x.shape[1], panel, tile) else "fp32"
+        prune = chosen_prune(n, x.shape[1], cuda=x.is_cuda, tile=tile)
     low = prune == "bf16"
     # bf16: a deeper search on working keys, then _refine on the caller's rows (contiguous: one reduction order)
     x_in, depth = (x.contiguous(), min(n, k + BF16_EXTRA)) if low else (None, k)
@@ -507,5 +569,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
         best = torch.empty_like(top.best)
         best[perm] = top.best
         if low:
-            best = _refine(x_in, best, k)
+            # final keys rounded like this BLAS's GEMM where _gemm_k_block finds its K block (prune=None
+            # requires it); an explicit prune="bf16" without one keys by a single chain over D
+            best = _refine(x_in, best, k, _gemm_k_block(x_in.shape[1], panel, tile))
     return _decode_keys(best), best & _IDX_MASK

@@ -475,7 +475,7 @@ class _TableImages:
 def _evaluate(model: nn.Module, val_set, config: TrainConfig, device: torch.device) -> dict[str, float]:
     """Val metrics (val compared to itself), computed on rank 0 and broadcast to every rank."""
     broadcast_buffers_(model)  # BN running stats may differ per rank if BN is not frozen
-    # Embeddings stay on the device: retrieval_metrics uses a faiss GPU index for CUDA tensors.
+    # Embeddings stay on the device: retrieval_metrics searches CUDA tensors there (dml_core.knn.self_knn).
     emb = _embed_gathered(model, val_set, config.eval_batch_size, device, config.num_workers)
     labels = _labels_of(val_set, "val_set")
     outcome: tuple[str, Any] = ("ok", None)

@@ -261,6 +261,7 @@ def test_bf16_mode_multiplies_off_diagonal_panels_once_in_bf16(monkeypatch):
     x = torch.from_numpy(clustered(6, dim=16)[0])
     n, tile, panel = x.shape[0], 128, 32
     monkeypatch.setattr(K, "PANEL_CPU", panel)
+    K._gemm_k_block(16, panel, tile)  # the once-per-process rounding check has its own fp32 product
     calls = _counting_mm(monkeypatch)
     self_knn(x, 10, tile=tile, prune="bf16")
     blocks = -(-n // tile)
@@ -284,7 +285,7 @@ def test_prune_none_uses_bf16_only_on_large_sets_where_it_measured_faster(monkey
 
 
 def test_fma_dots_round_like_a_gemm():
-    """The bf16 mode's final keys: dot products rounded as one FMA chain, the order of the SGEMM micro-kernels,
+    """The bf16 mode's final keys: dot products rounded as FMA chains, the order of the SGEMM micro-kernels,
     so they agree with torch.mm (and faiss) where an elementwise product + sum agrees on ~13 % of pairs.
     Exact products (quantised data) agree always."""
     g = torch.Generator().manual_seed(0)
@@ -296,14 +297,60 @@ def test_fma_dots_round_like_a_gemm():
     q = torch.from_numpy(quantised(3)[0])
     i, j = torch.arange(len(q)), torch.randperm(len(q), generator=g)
     assert torch.equal(K._fma_dots(q, i, j), (q[i] * q[j]).sum(dim=1))
+    for block in (None, 5, 7):  # any block order is exact on exact data
+        assert torch.equal(K._fma_dots(q, i, j, block), (q[i] * q[j]).sum(dim=1))
+
+
+def test_gemm_k_block_is_the_order_of_this_blas():
+    """Wide rows (D = 512): BLAS kernels split K into blocks (MKL on the AMD dev VM: 192), where one chain over
+    all D no longer rounds like the GEMM.  The block ``_gemm_k_block`` finds reproduces torch.mm on fresh entries
+    of that product shape; where it finds none, the single chain indeed disagrees."""
+    g = torch.Generator().manual_seed(5)
+    x = F.normalize(torch.randn(1024 + 2048, 512, generator=g))
+    ref = torch.mm(x[:1024], x[1024:].T, out=torch.empty(1024, 2048))
+    i, j = torch.randint(0, 1024, (20000,), generator=g), torch.randint(0, 2048, (20000,), generator=g)
+    block = K._gemm_k_block(512, 1024, 2048)
+    if block is None:
+        assert (K._fma_dots(x, i, 1024 + j) == ref[i, j]).float().mean() < 0.99
+    else:
+        assert (K._fma_dots(x, i, 1024 + j, block) == ref[i, j]).float().mean() > 0.999
+    assert K._GEMM_K_BLOCK[(512, 1024, 2048, torch.get_num_threads())] == block  # measured once
+
+
+def test_prune_none_gives_the_fp32_result_exactly_for_wide_embeddings(monkeypatch):
+    """D = 512 generic floats where bf16 products are fast: ``prune=None`` returns exactly the fp32 mode's
+    distances and neighbours -- in bf16 mode with GEMM-blocked final keys, or in fp32 where no K block matched.
+    (A single FMA chain over all 512 dimensions moves most distances by a last bit.)"""
+    x = F.normalize(torch.from_numpy(clustered(21, n_classes=60, dim=512)[0]))
+    ref = self_knn(x, 20, tile=256, prune="fp32")
+    monkeypatch.setattr(K, "BF16_MIN_ROWS", 0)
+    monkeypatch.setattr(K, "_bf16_faster", lambda *a: True)
+    calls = _counting_mm(monkeypatch)
+    d, i = self_knn(x, 20, tile=256)
+    used_bf16 = any(dt == torch.bfloat16 for _, dt in calls)
+    assert used_bf16 == (K._gemm_k_block(512, 256, 256) is not None)
+    assert torch.equal(d, ref[0]) and torch.equal(i, ref[1])
+
+
+def test_bf16_pays_only_where_its_keys_round_like_the_gemm(monkeypatch):
+    monkeypatch.setattr(K, "_bf16_faster", lambda *a: True)
+    monkeypatch.setattr(K, "_gemm_k_block", lambda *a: None)
+    assert K._bf16_pays(128, 1024, 4096) is False
+    monkeypatch.setattr(K, "_gemm_k_block", lambda *a: 128)
+    assert K._bf16_pays(128, 1024, 4096) is True
+    monkeypatch.setattr(K, "_bf16_faster", lambda *a: False)
+    assert K._bf16_pays(128, 1024, 4096) is False
 
 
 def test_bf16_mode_equals_fp32_mode_on_generic_floats():
     """Near-ties included: the bf16 mode's final keys are GEMM-rounded, so its neighbours and distances are
-    the fp32 mode's (rows allowed to differ only where the FMA-chain emulation and the BLAS disagree)."""
+    the fp32 mode's (where ``_gemm_k_block`` finds no K block for this BLAS, rows may differ where the
+    single-chain keys and the GEMM's disagree)."""
     x = F.normalize(torch.from_numpy(clustered(16, n_classes=150, dim=24)[0]))
     a = self_knn(x, 25, tile=128, prune="fp32")
     b = self_knn(x, 25, tile=128, prune="bf16")
+    if K._gemm_k_block(24, 128, 128) is not None:  # the keys round like this BLAS's GEMM: nothing may differ
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert (a[1] == b[1]).all(dim=1).float().mean() >= 0.999
     assert (a[0] == b[0]).all(dim=1).float().mean() >= 0.999
 
@@ -334,6 +381,8 @@ def test_bf16_mode_keeps_near_duplicates_across_blocks():
     x = F.normalize(x[torch.randperm(2000, generator=g)])
     a = self_knn(x, 25, tile=128, prune="fp32")
     b = self_knn(x, 25, tile=128, prune="bf16")
+    if K._gemm_k_block(24, 128, 128) is not None:  # the keys round like this BLAS's GEMM: nothing may differ
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert int((a[1] != b[1]).any(dim=1).sum()) <= 1
 
 
@@ -352,7 +401,7 @@ def test_refine_searches_a_row_again_where_a_dropped_pair_could_cross_the_cut(mo
     np.testing.assert_array_equal(d.numpy(), fd)
 
 
-def test_bf16_pays_compares_measured_panel_products(monkeypatch):
+def test_bf16_faster_compares_measured_panel_products(monkeypatch):
     """The speed check times real panel products: a bf16 product made slower than fp32 loses, one made
     much faster wins, and the answer is kept per (D, panel, tile, threads)."""
     import time
@@ -365,9 +414,9 @@ def test_bf16_pays_compares_measured_panel_products(monkeypatch):
             return real_mm(a, b, **kw)
 
         monkeypatch.setattr(torch, "mm", mm)
-        monkeypatch.setattr(K, "_BF16_PAYS", {})
-        assert K._bf16_pays(16, 64, 128) is want
-        assert K._BF16_PAYS == {(16, 64, 128, torch.get_num_threads()): want}
+        monkeypatch.setattr(K, "_BF16_FASTER", {})
+        assert K._bf16_faster(16, 64, 128) is want
+        assert K._BF16_FASTER == {(16, 64, 128, torch.get_num_threads()): want}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -458,6 +507,48 @@ def test_faiss_runs_with_torchs_thread_count(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------
 # CUDA
+
+
+@pytest.mark.parametrize("tile", [256, None])
+def test_cuda_branch_on_fake_cuda_tensors(tile):
+    """The CUDA branch (tiles in one GEMM each, TF32 off, the metrics' auto backend) on fake CUDA tensors
+    (tests/fake_cuda.py): it runs in CI, where there is no GPU, and fails where a GPU would fail first -- a
+    buffer, index or constant made on the CPU and mixed with device tensors, an op without a CUDA kernel, an
+    fp32 product with TF32 allowed.  Results equal the CPU branch's (exact data; the CPU computes both).
+    ``tile=None``: TILE_CUDA, one tile for the whole set (diagonal only); 256: off-diagonal tiles, ragged last
+    block.  The real GPU run is the next test."""
+    from fake_cuda import fake_cuda, to_fake_cuda
+
+    x, y = quantised(14)
+    cpu = self_knn(torch.from_numpy(x), 37, tile=tile)
+    a = retrieval_details(x, y, nmi=False, **KS)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # the search must switch it off for its products
+    try:
+        with fake_cuda() as log:
+            d, i = self_knn(to_fake_cuda(torch.from_numpy(x)), 37, tile=tile)
+            assert d.is_cuda and i.is_cuda
+            d, i = d.cpu(), i.cpu()
+        with fake_cuda() as log_metrics:
+            b = retrieval_details(to_fake_cuda(torch.from_numpy(x)), to_fake_cuda(torch.from_numpy(y)), nmi=False,
+                                  **KS)
+            with pytest.raises(ValueError, match="prune='bf16' is a CPU mode"):
+                self_knn(to_fake_cuda(torch.from_numpy(x)), 5, prune="bf16")
+        assert torch.backends.cuda.matmul.allow_tf32 is True  # restored
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert torch.equal(d, cpu[0]) and torch.equal(i, cpu[1])
+    assert a.metrics == b.metrics
+    np.testing.assert_array_equal(a.knn_indices, b.knn_indices)
+    for lg in (log, log_metrics):
+        assert lg.cuda_kernel_missing() == []
+        assert lg.products and not any(tf32 for _, tf32 in lg.products)
+    # on the GPU a tile is one GEMM (no CPU panels): one tile × tile product per block pair a <= b (the cluster
+    # assignment's products have one column per block)
+    side = -(-len(x) // K.CHUNK) * K.CHUNK if tile is None else tile
+    blocks = -(-len(x) // side)
+    tiles = [shape for shape, _ in log.products if shape[1] > blocks]
+    assert set(tiles) == {(side, side)} and len(tiles) == blocks * (blocks + 1) // 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
