@@ -36,6 +36,9 @@ for ``storage: s3://`` and an ``mlflow server`` on PostgreSQL.  One cluster serv
    restarts the trial on the surviving node under the same trial id and MLflow run; every fold, those of the dead
    node and those whose owner died with it, resumes from its checkpoint; nothing lost or duplicated.
 
+Faults 1-3 and 8 need a trial's four folds spread over both worker nodes; 4-7 do not depend on where a fold runs
+and use two folds per trial (half the work of this, the slowest test module).
+
 Each test writes one row of measurements (faults, trials finished/lost/duplicated, folds resumed, iterations redone,
 wall time) to ``reliability.jsonl`` in its tmp dir and prints it: ``docs/reliability.md`` quotes them.
 """
@@ -62,8 +65,10 @@ IDENTIFYING = ("sweep", "stage", "study", "dataset", "loss", "fold", "trial_id")
 
 
 def _config(tmp_path: Path, tracking_uri: str, storage: str, *, name: str, trials: int, reproductions: int,
-            epochs: int = EPOCHS, **resources) -> Path:
-    """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, batches of 8 × 4, no early stop."""
+            epochs: int = EPOCHS, folds: int = 4, **resources) -> Path:
+    """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, batches of 8 × 4, no early stop.
+    ``folds``: 4 spread a trial over both worker nodes (2 CPUs each), which the node faults need; the faults whose
+    place does not matter (S3, MLflow, a diverging trial, a corrupt shard) run 2, half the work."""
     from tests.test_cluster import cluster_sweep_config
 
     path = cluster_sweep_config(tmp_path, tracking_uri, storage, name=name, trials=trials, reproductions=reproductions,
@@ -73,6 +78,7 @@ def _config(tmp_path: Path, tracking_uri: str, storage: str, *, name: str, trial
     doc["datasets"][0].update(num_classes=32, per_class=8)
     doc["model"]["embedding_dim"] = 16
     doc["protocol"]["patience"] = 50
+    doc["protocol"]["folds"] = folds
     doc["protocol"]["train"].update(classes_per_batch=8, m=4)
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -151,7 +157,7 @@ def _finish(proc: subprocess.Popen, log_path: Path, timeout: float) -> str:
 
 
 def _check_tree(c, experiment: str, *, parents: int, resume: bool = True, study: str | None = None,
-                epochs: int = EPOCHS) -> dict:
+                epochs: int = EPOCHS, n_folds: int = 4) -> dict:
     """The invariants every fault must keep (of one ``study`` only, if given); returns counts for the reliability
     table."""
     from mlflow.entities import ViewType
@@ -173,7 +179,7 @@ def _check_tree(c, experiment: str, *, parents: int, resume: bool = True, study:
     folds, resumed, redone = stage("fold"), 0, 0
     for p in ps:
         kids = [r for r in folds if r.data.tags["mlflow.parentRunId"] == p.info.run_id]
-        assert sorted(int(r.data.tags["fold"]) for r in kids) == [0, 1, 2, 3], [r.data.tags for r in kids]
+        assert sorted(int(r.data.tags["fold"]) for r in kids) == list(range(n_folds)), [r.data.tags for r in kids]
         for r in kids:
             steps = [m.step for m in client.get_metric_history(r.info.run_id, "val.map_at_r")]
             # each evaluation once, none missing: all of them, or those before a divergence ended the fold
@@ -336,7 +342,8 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
     the interval since its last stored checkpoint; storage trouble is retried, not turned into retraining."""
     c = cluster
     _with_node_2(c)
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("s3outage"), name="s3outage", trials=1, reproductions=2)
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("s3outage"), name="s3outage", trials=1, reproductions=2,
+                  folds=2)
     log_path = tmp_path / "sweep.log"
     pid = _s3_pid(c)
     t0 = time.time()
@@ -370,7 +377,7 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
             os.kill(pid, signal.SIGCONT)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    counts = _check_tree(c, "s3outage-experiment", parents=3)
+    counts = _check_tree(c, "s3outage-experiment", parents=3, n_folds=2)
     store_failures = text.count("failed (")
     _record(tmp_path, {"fault": "S3 server stopped (SIGSTOP) for 30 s, then for 120 s", "outages_s": outages,
                        "trials_lost": 0, "trials_duplicated": 0, **counts, "storage_warnings": store_failures,
@@ -385,7 +392,8 @@ STOP_BOUND_S = 200  # ... plus at most this: one MLflow back-off step (≤ 120 s
 def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_completes(cluster, tmp_path):
     c = cluster
     _with_node_2(c)
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("mlflowdown"), name="mlflowdown", trials=1, reproductions=2)
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("mlflowdown"), name="mlflowdown", trials=1, reproductions=2,
+                  folds=2)
     doc = yaml.safe_load(cfg.read_text())
     doc["tracking"]["outage_timeout_s"] = OUTAGE_S
     cfg.write_text(yaml.safe_dump(doc))
@@ -420,7 +428,7 @@ def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_compl
     t_resume = time.time()
     proc = _start(c, cfg, log_path, "--resume")
     _finish(proc, log_path, timeout=1200)
-    counts = _check_tree(c, "mlflowdown-experiment", parents=3)
+    counts = _check_tree(c, "mlflowdown-experiment", parents=3, n_folds=2)
     _record(tmp_path, {"fault": f"MLflow server SIGKILLed mid-fold, down {down_s:.0f} s "
                                 f"(tracking.outage_timeout_s {OUTAGE_S}), restarted, then --resume",
                        "trials_lost": 0, "trials_duplicated": 0, **counts, "stopped_after_s": round(stopped_after, 1),
@@ -442,7 +450,7 @@ def test_a_trial_whose_folds_diverge_is_recorded_with_its_reason_and_the_study_g
                   "neg_margin": {"type": "categorical", "choices": [0.3841, 3.0e38]}},
         "paper_defaults": {"pos_margin": -0.2, "neg_margin": 0.3841}}))
     cfg = _config(tmp_path, c.tracking_uri, c.storage("diverge"), name="diverge", trials=2, reproductions=2,
-                  epochs=SHORT)
+                  epochs=SHORT, folds=2)
     doc = yaml.safe_load(cfg.read_text())
     doc["tune_spaces"] = str(spaces)
     cfg.write_text(yaml.safe_dump(doc))
@@ -454,7 +462,7 @@ def test_a_trial_whose_folds_diverge_is_recorded_with_its_reason_and_the_study_g
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    counts = _check_tree(c, "diverge-experiment", parents=4, epochs=SHORT)
+    counts = _check_tree(c, "diverge-experiment", parents=4, epochs=SHORT, n_folds=2)
     from mlflow.entities import ViewType
 
     client, runs = _runs(c, "diverge-experiment", ViewType.ACTIVE_ONLY)
@@ -508,7 +516,7 @@ def test_a_corrupt_shard_fails_its_folds_naming_it_and_the_other_study_finishes(
     s3.put_object(Bucket=c.s3_bucket, Key=key, Body=bytes(bad))
 
     cfg = _config(tmp_path, c.tracking_uri, c.storage("corrupt"), name="corrupt", trials=1, reproductions=2,
-                  epochs=SHORT)
+                  epochs=SHORT, folds=2)
     doc = yaml.safe_load(cfg.read_text())
     doc["datasets"].append({"name": "cub-shards", "kind": "parquet", "path": dest, "image_size": 16})
     cfg.write_text(yaml.safe_dump(doc))
@@ -524,7 +532,8 @@ def test_a_corrupt_shard_fails_its_folds_naming_it_and_the_other_study_finishes(
         raise AssertionError("the sweep hung:\n" + log_path.read_text(errors="replace")[-6000:]) from None
     text = log_path.read_text(errors="replace")
     assert rc == 1, text[-6000:]  # one study failed, the sweep itself did not
-    counts = _check_tree(c, "corrupt-experiment", parents=3, study="synthetic/contrastive", epochs=SHORT)
+    counts = _check_tree(c, "corrupt-experiment", parents=3, study="synthetic/contrastive", epochs=SHORT,
+                         n_folds=2)
     from mlflow.entities import ViewType
 
     _, runs = _runs(c, "corrupt-experiment", ViewType.ACTIVE_ONLY)

@@ -3,6 +3,8 @@
 Checked afterwards: every trial ran exactly once to completion (the trial that had finished before the kill was not
 rerun: its MLflow metrics and its folds' start times were logged once), the Bayesian optimiser's history was kept
 (the restored Optuna study holds every trial), no MLflow run is duplicated, and the study completed with its CIs.
+Two k-fold folds per trial, each twice as long (the protocol's four folds are checked end to end in
+tests/test_sweep.py): a trial lasts as long as with four, and there are half as many fold jobs to start.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
 
     from pipelines.tracking import search_all
 
-    trials = 2
+    trials, folds = 2, 2
     doc = {
         "name": "resume",
         "seed": 5,
@@ -80,8 +82,8 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
         "losses": ["contrastive"],
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
         # folds long enough (also warm ones, whose trials take seconds) that trial 2 still runs when the driver dies
-        "protocol": {"trials": trials, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 50,
-                     "eval_every": 1, "patience": 3, "max_epochs": 3,
+        "protocol": {"folds": folds, "fold_layout": "kfold", "trials": trials, "startup_trials": 1,
+                     "reproductions": 2, "iters_per_epoch": 100, "eval_every": 1, "patience": 3, "max_epochs": 3,
                      "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_executor": executor},
         "storage": str(tmp_path / "runs"),
@@ -134,7 +136,7 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
     done = finished[0]
     done_id, done_trial = done.info.run_id, done.data.tags["trial_id"]
     done_folds = {r.info.run_id for r in search_all(c, exp.experiment_id, f"tags.`mlflow.parentRunId` = '{done_id}'")}
-    assert len(done_folds) == 4
+    assert len(done_folds) == folds
 
     out = _run_cli(["sweep", str(cfg), "--resume"], cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
@@ -146,7 +148,7 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
     trial_runs = stage("trial")
     assert len(trial_runs) == trials, [r.data.tags for r in trial_runs]  # no duplicated trial runs
     assert len({r.data.tags["trial_id"] for r in trial_runs}) == trials
-    assert len(stage("reproduction")) == 2 and len(stage("fold")) == 4 * (trials + 2)
+    assert len(stage("reproduction")) == 2 and len(stage("fold")) == folds * (trials + 2)
     assert all(r.info.status == "FINISHED" for r in runs)
     # the trial finished before the kill was not rerun: same run, each metric logged once, folds not retrained
     again = c.get_run(done_id)
