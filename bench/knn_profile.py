@@ -8,7 +8,8 @@ On the same clustered data as ``metrics_bench.py`` (L2-normalised, k = largest c
   reused buffer) with no selection work, and the GFLOP/s they reach;
 * how many CHUNK-wide chunks the off-diagonal tiles admit for elementwise checks (both sides), of all there are;
 * the torch profiler's ops by self CPU time (``--profile``);
-* the GFLOP/s of one panel product in fp32 and in bf16 (what ``knn``'s bf16 pruning gains);
+* the GFLOP/s of one panel product in fp32 by ``torch.mm`` and by oneDNN (``knn._fp32_product`` picks one) and in
+  bf16 (what ``knn``'s bf16 pruning gains);
 * with ``--prune fp32|bf16`` every search runs in that mode (default: the one ``self_knn`` picks itself).
 
     .venv/bin/python bench/knn_profile.py --n 60000 --threads 1 --profile
@@ -36,13 +37,13 @@ def gemm_floor(x: torch.Tensor) -> tuple[float, float]:
     tile, panel = knn.TILE_CPU, knn.PANEL_CPU
     blocks = -(-n // tile)
     xp = torch.nn.functional.pad(x, (0, 0, 0, blocks * tile - n))
-    out = torch.empty(panel, tile)
+    out, how = torch.empty(panel, tile), knn._fp32_product(d, panel, tile)
     t0, products = time.perf_counter(), 0
     for a in range(blocks):
         for b in range(a, blocks):
             xb = xp[b * tile : (b + 1) * tile]
             for p in range(0, tile, panel):
-                torch.mm(xp[a * tile + p : a * tile + p + panel], xb.T, out=out)
+                knn._panel_mm(xp[a * tile + p : a * tile + p + panel], xb, out, how)
                 products += 1
     dt = time.perf_counter() - t0
     return dt, products * 2 * panel * tile * d / dt / 1e9
@@ -65,14 +66,14 @@ def live_chunks(x: torch.Tensor, k: int, prune: str) -> int:
     return count[0]
 
 
-def panel_gflops(dtype: torch.dtype, d: int, reps: int = 500) -> float:
+def panel_gflops(dtype: torch.dtype, d: int, how: str = "mm", reps: int = 500) -> float:
     a, b = torch.randn(knn.TILE_CPU, d).to(dtype), torch.randn(knn.PANEL_CPU, d).to(dtype)
     out = torch.empty(knn.PANEL_CPU, knn.TILE_CPU, dtype=dtype)
     for _ in range(20):
-        torch.mm(b, a.T, out=out)
+        knn._panel_mm(b, a, out, how)
     t0 = time.perf_counter()
     for _ in range(reps):
-        torch.mm(b, a.T, out=out)
+        knn._panel_mm(b, a, out, how)
     return reps * 2 * knn.PANEL_CPU * knn.TILE_CPU * d / (time.perf_counter() - t0) / 1e9
 
 
@@ -97,15 +98,19 @@ def main() -> None:
     knn.self_knn(x, k, prune=prune)
     print(f"self_knn: {time.perf_counter() - t0:.2f} s")
     dt, gf = gemm_floor(x)
-    print(f"panel GEMMs alone: {dt:.2f} s ({gf:.0f} GFLOP/s)")
+    print(f"panel GEMMs alone: {dt:.2f} s ({gf:.0f} GFLOP/s; fp32 products by "
+          f"{knn._fp32_product(args.dim, knn.PANEL_CPU, knn.TILE_CPU)})")
     blocks = -(-args.n // knn.TILE_CPU)
     tiles = blocks * (blocks - 1) // 2
     total = tiles * 2 * knn.TILE_CPU * (knn.TILE_CPU // knn.CHUNK)
     live = live_chunks(x, k, prune)
     print(f"live chunks: {live} of {total} ({100 * live / total:.1f} %) over {tiles} off-diagonal tiles, both sides")
-    for dtype in (torch.float32, torch.bfloat16):
-        print(f"one {knn.PANEL_CPU}x{knn.TILE_CPU}x{args.dim} panel product in {dtype}: "
-              f"{panel_gflops(dtype, args.dim):.0f} GFLOP/s")
+    for dtype, how in ((torch.float32, "mm"), (torch.float32, "onednn"), (torch.bfloat16, "mm")):
+        try:
+            print(f"one {knn.PANEL_CPU}x{knn.TILE_CPU}x{args.dim} panel product in {dtype} by {how}: "
+                  f"{panel_gflops(dtype, args.dim, how):.0f} GFLOP/s")
+        except RuntimeError as e:  # a torch without oneDNN's op
+            print(f"{dtype} by {how}: {str(e).splitlines()[0]}")
     ref = None
     for spec in args.sweep:  # the sizes knn.py ships were chosen with this
         tile, panel, *chunk = (int(v) for v in spec.split(":"))

@@ -31,17 +31,20 @@ then the off-diagonal tiles, nearest block pairs first.
 
 Memory is O(N·k + panel·tile): the running top-k (int64 composite keys) and one panel at a time, never
 N×N.  Most of a tile is never looked at elementwise: right after a panel's GEMM (1024 × 4096 float32 =
-16 MB on CPU, one reused buffer), the maximum similarity of each ``CHUNK``-wide chunk of its rows and of
+16 MB on CPU), the maximum similarity of each ``CHUNK``-wide chunk of its rows and of
 each ``CHUNK``-high chunk of its columns is compared with the admission threshold of the row (of block a)
 or column (a row of block b) it belongs to (from its current k-th distance), and only the chunks that can
 hold a better neighbour are gathered from the panel; the tile as a whole is never stored.  The candidates
 of both sides then go through one merge per tile.
 Runs on CPU or CUDA tensors with torch's thread count (``torch.get_num_threads()``); CUDA matmuls run in
-full fp32 (TF32 off for the call).
+full fp32 (TF32 off for the call).  On CPU the fp32 panel products are ``torch.mm`` (MKL) or oneDNN's matmul,
+whichever ``_fp32_product`` measures faster for the shape (MKL runs AVX2 kernels on AMD CPUs: 114 vs 265 GFLOP/s
+on the Zen 5 VM); every product of one search goes the same way, and oneDNN is used only where a pair's product
+does not depend on where its rows sit.
 
 bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``chosen_prune``): on CPUs whose bf16
-GEMMs run about twice as fast as fp32 ones (native bf16 dot products, fp32 FMAs at half that rate: the AMD EPYC
-dev VM, 214 vs 95 GFLOP/s for a panel product in ``bench/knn_profile.py``), the off-diagonal panels are
+GEMMs run ``BF16_MIN_SPEEDUP`` times as fast as the fp32 ones at hand (native bf16 dot products, slow fp32 kernels:
+the Zen 4 VM with MKL, 214 vs 95 GFLOP/s for a panel product in ``bench/knn_profile.py``), the off-diagonal panels are
 multiplied in bf16 and used only to *prune*: every comparison with a threshold is lowered by a rigorous bound on
 the bf16 error, and the pairs that pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in
 another order than a GEMM); the diagonal tiles stay fp32 GEMMs, used for bounds and candidates (widened by the
@@ -85,11 +88,19 @@ BF16_MIN_ROWS = 32768
 #: row's full search in ``_refine``.
 BF16_EXTRA = 4
 
-#: bf16 panel products must run this many times faster than fp32 ones for ``prune=None`` to use them
-#: (the conversion back to fp32 and the per-pair keys and ``_refine`` cost the rest).
-BF16_MIN_SPEEDUP = 1.5
+#: bf16 panel products must run this many times faster than the fp32 ones the search would use
+#: (``_fp32_product``) for ``prune=None`` to use them: the conversion back to fp32, the per-pair keys, more live
+#: chunks and ``_refine`` cost the rest.  Measured at 100k × 128, one thread: on the Zen 4 VM (MKL fp32 95 vs bf16
+#: 214 GFLOP/s, 2.25×) the bf16 mode took 18.4 s against 22.2; on the Zen 5 VM with oneDNN's fp32 products (265 vs
+#: 529, 2.0×) it took 11.2 s against 10.2, so at 2× it no longer pays.
+BF16_MIN_SPEEDUP = 3.0
+
+#: oneDNN's fp32 panel products must run this many times faster than ``torch.mm``'s (MKL) for the CPU search to
+#: use them (``_fp32_product``).
+ONEDNN_MIN_SPEEDUP = 1.2
 
 _BF16_FASTER: dict[tuple[int, int, int, int], bool] = {}
+_FP32_PRODUCT: dict[tuple[int, int, int, int], str] = {}
 _GEMM_K_BLOCK: dict[tuple[int, int, int, int], int | None] = {}
 
 _IDX_BITS = 32
@@ -196,7 +207,7 @@ def _gemm_k_block(d: int, panel: int, tile: int) -> int | None:
     if key not in _GEMM_K_BLOCK:
         gen = torch.Generator().manual_seed(1)
         a, b = torch.randn(panel, d, generator=gen), torch.randn(tile, d, generator=gen)
-        ref = torch.mm(a, b.T, out=torch.empty(panel, tile))  # as the search calls it
+        ref = _panel_mm(a, b, torch.empty(panel, tile), _fp32_product(d, panel, tile))  # as the search multiplies
         x = torch.cat([a, b])
         i = torch.cat([torch.tensor([0, 0, panel - 1, panel - 1]), torch.randint(0, panel, (4092,), generator=gen)])
         j = torch.cat([torch.tensor([0, tile - 1, 0, tile - 1]), torch.randint(0, tile, (4092,), generator=gen)])
@@ -209,6 +220,52 @@ def _gemm_k_block(d: int, panel: int, tile: int) -> int | None:
                 _GEMM_K_BLOCK[key] = block
                 break
     return _GEMM_K_BLOCK[key]
+
+
+def _best_time(run) -> float:
+    """Best of three timed calls of ``run`` after one warm-up call, in seconds."""
+    run()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _panel_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, how: str) -> torch.Tensor:
+    """Every panel product of the search, a·bᵀ (rows of ``a`` against rows of ``b``): into ``out`` by ``torch.mm``
+    (``how="mm"``; the bf16 ones too), or a new tensor from oneDNN's fp32 matmul (``how="onednn"``,
+    ``_fp32_product``)."""
+    if how == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    return torch.mm(a, b.T, out=out)
+
+
+def _fp32_product(d: int, panel: int, tile: int) -> str:
+    """How the CPU search multiplies its fp32 panel × tile × d products: ``"onednn"`` where torch has oneDNN's
+    fp32 matmul, it is ``ONEDNN_MIN_SPEEDUP`` times faster than ``torch.mm`` (best of three each) and a pair's
+    product does not depend on where its rows sit in the operands (rows rolled: the same bits; duplicated rows
+    must tie); else ``"mm"``.  torch's CPU ``mm`` is MKL, which runs its AVX2 kernels on AMD CPUs: on the Zen 5
+    dev VM a 1024 × 4096 × 128 product ran at 114 GFLOP/s in ``mm`` and 260 in oneDNN, bit for bit the same
+    values.  Measured once per process, shape and thread count."""
+    key = (d, panel, tile, torch.get_num_threads())
+    if key not in _FP32_PRODUCT:
+        _FP32_PRODUCT[key] = "mm"
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+            gen = torch.Generator().manual_seed(2)
+            a, b = torch.randn(panel, d, generator=gen), torch.randn(tile, d, generator=gen)
+            out = torch.empty(panel, tile)
+            try:
+                got = _panel_mm(a, b, out, "onednn")
+                moved = _panel_mm(a.roll(1, 0), b.roll(3, 0), out, "onednn")
+            except RuntimeError:  # a build whose oneDNN lacks the op for these operands
+                got = moved = None
+            if got is not None and torch.equal(moved, got.roll((1, 3), (0, 1))):
+                mm, onednn = (_best_time(lambda h=h: _panel_mm(a, b, out, h)) for h in ("mm", "onednn"))
+                if mm >= ONEDNN_MIN_SPEEDUP * onednn:
+                    _FP32_PRODUCT[key] = "onednn"
+    return _FP32_PRODUCT[key]
 
 
 def _widen(norms: torch.Tensor, d: int, mx: float) -> torch.Tensor:
@@ -263,31 +320,24 @@ def _rows_in_full(x, norms, widen, rows, kth, k, block):
 def _bf16_pays(d: int, panel: int, tile: int) -> bool:
     """Whether ``prune=None`` uses the bf16 mode for panel × tile × d products on this CPU at torch's current
     thread count: its final keys round like the fp32 GEMM's (``_gemm_k_block`` finds a K block), and bf16
-    products are faster (``_bf16_faster``).  Both hold on the AMD EPYC dev VM for D = 128 and 512."""
+    products are faster (``_bf16_faster``).  Both held on the Zen 4 VM for D = 128 and 512 against MKL's fp32."""
     return _gemm_k_block(d, panel, tile) is not None and _bf16_faster(d, panel, tile)
 
 
 def _bf16_faster(d: int, panel: int, tile: int) -> bool:
     """Whether a panel × tile × d product runs ``BF16_MIN_SPEEDUP`` times faster in bf16 than in fp32 on this
-    CPU at torch's current thread count (best of three each, ~0.1 s); measured once per process and shape.  It
-    does on the AMD EPYC dev VM (214 vs 95 GFLOP/s), not on the Xeon VM (81 vs 164 GFLOP/s: AVX512-BF16 but no
-    AMX)."""
+    CPU at torch's current thread count, against the fp32 product the search would use (``_fp32_product``; best
+    of three each, ~0.1 s); measured once per process and shape.  It did on the Zen 4 VM against MKL (214 vs 95
+    GFLOP/s), not on the Xeon VM (81 vs 164 GFLOP/s: AVX512-BF16 but no AMX) nor on the Zen 5 VM against oneDNN
+    (529 vs 265: 2×, less than ``BF16_MIN_SPEEDUP``)."""
     key = (d, panel, tile, torch.get_num_threads())
     if key not in _BF16_FASTER:
         gen = torch.Generator().manual_seed(0)
         a, b = torch.randn(panel, d, generator=gen), torch.randn(tile, d, generator=gen)
-        times = []
-        for dtype in (torch.float32, torch.bfloat16):
-            ad, bd = a.to(dtype), b.to(dtype)
-            out = torch.empty(panel, tile, dtype=dtype)
-            torch.mm(ad, bd.T, out=out)  # warm-up
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                torch.mm(ad, bd.T, out=out)
-                best = min(best, time.perf_counter() - t0)
-            times.append(best)
-        _BF16_FASTER[key] = times[0] >= BF16_MIN_SPEEDUP * times[1]
+        how, out = _fp32_product(d, panel, tile), torch.empty(panel, tile)
+        a16, b16, out16 = a.to(torch.bfloat16), b.to(torch.bfloat16), out.to(torch.bfloat16)
+        fp32 = _best_time(lambda: _panel_mm(a, b, out, how))  # against the fp32 product the search would use
+        _BF16_FASTER[key] = fp32 >= BF16_MIN_SPEEDUP * _best_time(lambda: _panel_mm(a16, b16, out16, "mm"))
     return _BF16_FASTER[key]
 
 
@@ -469,6 +519,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
     if prune is None:
         prune = chosen_prune(n, x.shape[1], cuda=x.is_cuda, tile=tile)
     low = prune == "bf16"
+    how = "mm" if x.is_cuda else _fp32_product(x.shape[1], panel, tile)  # the fp32 panel products
     # bf16: a deeper search on working keys, then _refine on the caller's rows (contiguous: one reduction order)
     x_in, depth = (x.contiguous(), min(n, k + BF16_EXTRA)) if low else (None, k)
     inf = float("inf")
@@ -487,12 +538,12 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
             s16 = torch.empty(panel, tile, dtype=torch.bfloat16)
             widen = _widen(norms, d, mx)  # how far a diagonal GEMM key may sit from the working key
             err = _bf16_err(norms, d, mx)
-        # One panel buffer for every product (a fresh tensor per product costs page faults on first touch).
-        s = torch.empty(panel, tile, device=x.device)
+        # One panel buffer for every torch.mm product (a fresh tensor per product costs page faults on first
+        # touch; oneDNN's products come as new tensors all the same, and are still faster where chosen).
+        sbuf = torch.empty(panel, tile, device=x.device)
         smax = torch.empty(panel, nc, device=x.device)  # row-chunk maxima (minima of keys on the diagonal)
         cmax = torch.empty(panel // CHUNK, tile, device=x.device)  # column-chunk maxima
         kbuf = torch.empty(panel, tile, device=x.device)  # keys of a diagonal panel
-        col_chunks = s.as_strided((panel // CHUNK, tile, CHUNK), (CHUNK * tile, 1, tile))  # [row chunk, column]
         # Diagonal tiles first, in full: each row's bound (>= its k-th smallest key within its own block
         # of near rows, ``_cluster_order``) is an upper bound of its final k-th key and starts its threshold.
         bound = torch.full((n,), inf, device=x.device)
@@ -502,7 +553,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
             ra = min(tile, n - a)
             for p in range(0, ra, panel):
                 h = min(panel, ra - p)
-                torch.mm(xa[p : p + panel], xa.T, out=s)
+                s = _panel_mm(xa[p : p + panel], xa, sbuf, how)
                 keys = torch.add(na[p : p + h, None], na[None, :], out=kbuf[:h])  # _keys, in a reused buffer
                 keys.sub_(s[:h], alpha=2).clamp_min_(0)
                 if ra < tile:
@@ -532,10 +583,10 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
             rows, cols = _Gathered(), _Gathered()
             for p in range(0, tile, panel):
                 if low:
-                    torch.mm(x16[a + p : a + p + panel], x16[b : b + tile].T, out=s16)
-                    s.copy_(s16)  # fp32 for the reductions below (a bf16 amax is several times slower)
+                    _panel_mm(x16[a + p : a + p + panel], x16[b : b + tile], s16, "mm")
+                    s = sbuf.copy_(s16)  # fp32 for the reductions below (a bf16 amax is several times slower)
                 else:
-                    torch.mm(xa[p : p + panel], xb.T, out=s)
+                    s = _panel_mm(xa[p : p + panel], xb, sbuf, how)
                 if rb < tile:
                     s[:, rb:] = -inf  # padding rows of x: never a neighbour
                 # chunk maxima right after the GEMM; only chunks that can hold a candidate are read again
@@ -545,6 +596,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
                 cm = torch.amax(s.view(panel // CHUNK, CHUNK, tile), dim=1, out=cmax)
                 live = (cm >= need_b).view(-1).nonzero().squeeze(1)  # (row chunk, column), row-major
                 rc = live.div(tile, rounding_mode="floor")
+                col_chunks = s.as_strided((panel // CHUNK, tile, CHUNK), (CHUNK * tile, 1, tile))  # [row chunk, col]
                 cols.add(live, col_chunks[rc, live - rc * tile], p // CHUNK * tile)
             parts = []
             got = rows.cat()

@@ -136,6 +136,61 @@ def test_generic_floats_equal_faiss_up_to_last_bit_near_ties(prune):
         assert np.abs(d[r, diff].numpy() - fd[r, diff]).max() < 2e-6
 
 
+def _has_onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@pytest.mark.parametrize("how", ["mm", "onednn"])
+def test_both_fp32_products_give_faiss_results_on_ties_and_duplicates(monkeypatch, how):
+    """The CPU search's two fp32 panel products (``torch.mm``; oneDNN, which ``_fp32_product`` picks where it is
+    faster): faiss's exact result on quantised data, one tile and several, and duplicated float rows tie."""
+    if how == "onednn" and not _has_onednn():
+        pytest.skip("this torch has no oneDNN fp32 matmul (torch.ops.mkldnn._linear_pointwise)")
+    monkeypatch.setattr(K, "_fp32_product", lambda *a: how)
+    x, _ = quantised(6)
+    fd, fi = faiss.knn(x, x, 20)
+    for tile in (128, 2048):
+        d, i = self_knn(torch.from_numpy(x), 20, tile=tile, prune="fp32")
+        np.testing.assert_array_equal(i.numpy(), fi)
+        np.testing.assert_array_equal(d.numpy(), fd)
+    x = F.normalize(torch.from_numpy(clustered(2)[0])).numpy()
+    rng = np.random.default_rng(6)
+    x2 = np.concatenate([x, x[rng.choice(len(x), 300, replace=False)]])
+    x2 = x2[rng.permutation(len(x2))]
+    d, i = self_knn(torch.from_numpy(x2), 12, tile=128, prune="fp32")
+    assert (d[:, 0] == d[:, 1]).sum() >= 0.95 * 2 * 300  # a duplicate pair ties at rank 1-2 for both rows
+    np.testing.assert_array_equal(i.numpy(), faiss.knn(x2, x2, 12)[1])
+
+
+def test_fp32_product_is_onednn_only_where_faster_and_position_independent(monkeypatch):
+    """The once-per-process choice times real products: oneDNN made slower loses, ``torch.mm`` made slower loses
+    to it, and a oneDNN whose rounding depends on where a row sits (duplicates would stop tying) is never used."""
+    import time
+
+    if not _has_onednn():
+        pytest.skip("this torch has no oneDNN fp32 matmul (torch.ops.mkldnn._linear_pointwise)")
+    real = K._panel_mm
+
+    def choice(slow, moved_rounds=False):
+        def mm(a, b, out, how):
+            if how == slow:
+                time.sleep(0.02)
+            got = real(a, b, out, how)
+            if moved_rounds and how == "onednn":  # the panel's first row one ulp off, wherever its data came from
+                got = got.clone()
+                got[0] = torch.nextafter(got[0], torch.tensor(float("inf")))
+            return got
+
+        monkeypatch.setattr(K, "_panel_mm", mm)
+        monkeypatch.setattr(K, "_FP32_PRODUCT", {})
+        return K._fp32_product(16, 64, 128)
+
+    assert choice(slow="onednn") == "mm"
+    assert choice(slow="mm") == "onednn"
+    assert K._FP32_PRODUCT == {(16, 64, 128, torch.get_num_threads()): "onednn"}
+    assert choice(slow="mm", moved_rounds=True) == "mm"
+
+
 def test_result_does_not_depend_on_the_tile_size():
     x, _ = clustered(4, dim=16)
     xt = torch.from_numpy(x)
@@ -179,20 +234,22 @@ def test_each_tile_is_computed_once_and_nothing_is_n_by_n(monkeypatch):
     x = torch.from_numpy(clustered(6, dim=16)[0])
     n, tile = x.shape[0], 128
     calls = []
-    real, real_mm = torch.Tensor.__matmul__, torch.mm
+    real, real_mm = torch.Tensor.__matmul__, K._panel_mm
 
     def counting(a, b):
         out = real(a, b)
         calls.append(tuple(out.shape))
         return out
 
-    def counting_mm(a, b, **kw):  # the tiles are written into one reused buffer (out=)
-        out = real_mm(a, b, **kw)
+    K._fp32_product(16, tile, tile)  # its once-per-process timing multiplies too
+
+    def counting_mm(a, b, out, how):  # every tile product of the search goes through _panel_mm
+        out = real_mm(a, b, out, how)
         calls.append(tuple(out.shape))
         return out
 
     monkeypatch.setattr(torch.Tensor, "__matmul__", counting)
-    monkeypatch.setattr(torch, "mm", counting_mm)
+    monkeypatch.setattr(K, "_panel_mm", counting_mm)
     self_knn(x, 10, tile=tile)
     blocks = -(-n // tile)
     assert blocks >= 8
@@ -226,32 +283,28 @@ def test_panels_compute_each_tile_once(monkeypatch):
     x = torch.from_numpy(clustered(6, dim=16)[0])
     n, tile, panel = x.shape[0], 128, 32
     monkeypatch.setattr(K, "PANEL_CPU", panel)
-    calls = []
-    real_mm = torch.mm
-
-    def counting_mm(a, b, **kw):
-        out = real_mm(a, b, **kw)
-        calls.append(tuple(out.shape))
-        return out
-
-    monkeypatch.setattr(torch, "mm", counting_mm)
+    calls = _counting_mm(monkeypatch, (16, panel, tile))
     self_knn(x, 10, tile=tile)
     blocks = -(-n // tile)
+    calls = [shape for shape, _ in calls]
     assert set(calls) == {(panel, tile)}
     diag_panels = sum(-(-min(tile, n - a) // panel) for a in range(0, n, tile))
     assert len(calls) == blocks * (blocks - 1) // 2 * (tile // panel) + diag_panels
 
 
-def _counting_mm(monkeypatch):
-    """Record (shape, input dtype) of every torch.mm call."""
-    calls, real_mm = [], torch.mm
+def _counting_mm(monkeypatch, shape=None):
+    """Record (shape, input dtype) of every panel product (``knn._panel_mm``); ``shape`` (D, panel, tile): measure
+    the once-per-process choice of fp32 product first, whose timing multiplies too."""
+    calls, real_mm = [], K._panel_mm
+    if shape is not None:
+        K._fp32_product(*shape)
 
-    def counting_mm(a, b, **kw):
-        out = real_mm(a, b, **kw)
-        calls.append((tuple(out.shape), a.dtype))
-        return out
+    def counting_mm(a, b, out, how):
+        got = real_mm(a, b, out, how)
+        calls.append((tuple(got.shape), a.dtype))
+        return got
 
-    monkeypatch.setattr(torch, "mm", counting_mm)
+    monkeypatch.setattr(K, "_panel_mm", counting_mm)
     return calls
 
 
@@ -262,7 +315,7 @@ def test_bf16_mode_multiplies_off_diagonal_panels_once_in_bf16(monkeypatch):
     n, tile, panel = x.shape[0], 128, 32
     monkeypatch.setattr(K, "PANEL_CPU", panel)
     K._gemm_k_block(16, panel, tile)  # the once-per-process rounding check has its own fp32 product
-    calls = _counting_mm(monkeypatch)
+    calls = _counting_mm(monkeypatch, (16, panel, tile))
     self_knn(x, 10, tile=tile, prune="bf16")
     blocks = -(-n // tile)
     assert {shape for shape, _ in calls} == {(panel, tile)}
@@ -307,7 +360,7 @@ def test_gemm_k_block_is_the_order_of_this_blas():
     of that product shape; where it finds none, the single chain indeed disagrees."""
     g = torch.Generator().manual_seed(5)
     x = F.normalize(torch.randn(1024 + 2048, 512, generator=g))
-    ref = torch.mm(x[:1024], x[1024:].T, out=torch.empty(1024, 2048))
+    ref = K._panel_mm(x[:1024], x[1024:], torch.empty(1024, 2048), K._fp32_product(512, 1024, 2048))
     i, j = torch.randint(0, 1024, (20000,), generator=g), torch.randint(0, 2048, (20000,), generator=g)
     block = K._gemm_k_block(512, 1024, 2048)
     if block is None:
@@ -406,14 +459,15 @@ def test_bf16_faster_compares_measured_panel_products(monkeypatch):
     much faster wins, and the answer is kept per (D, panel, tile, threads)."""
     import time
 
-    real_mm = torch.mm
+    real_mm = K._panel_mm
+    K._fp32_product(16, 64, 128)
     for slow, want in [(torch.bfloat16, False), (torch.float32, True)]:
-        def mm(a, b, slow=slow, **kw):
+        def mm(a, b, out, how, slow=slow):
             if a.dtype == slow:
                 time.sleep(0.02)
-            return real_mm(a, b, **kw)
+            return real_mm(a, b, out, how)
 
-        monkeypatch.setattr(torch, "mm", mm)
+        monkeypatch.setattr(K, "_panel_mm", mm)
         monkeypatch.setattr(K, "_BF16_FASTER", {})
         assert K._bf16_faster(16, 64, 128) is want
         assert K._BF16_FASTER == {(16, 64, 128, torch.get_num_threads()): want}
