@@ -167,7 +167,7 @@ def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | No
     """float32 dot products x_i·x_j of rows of ``x``, rounded as an SGEMM rounds them: within each K block of
     ``block`` dimensions (``None``: all D at once) one chain of fused multiply-adds, each product exact and each
     sum rounded once to float32, started at 0; the blocks' sums added to the result in order, each addition
-    rounded once.  That is the order of MKL's and OpenBLAS's micro-kernels: on the AMD EPYC dev VM MKL's
+    rounded once.  That is the order of MKL's and OpenBLAS's micro-kernels: on the Zen 3 VM MKL's
     1024 × 4096 panel products use one chain up to D = 128 and blocks of 128 (D = 256) or 192 (D = 512) above it;
     ``_gemm_k_block`` finds the block of the BLAS at hand (an elementwise product summed by ``torch.sum`` agrees
     on ~13 % of pairs).  Emulated in float64 (a product of two floats is exact there; an f64 sum rounded to f32
@@ -320,7 +320,8 @@ def _rows_in_full(x, norms, widen, rows, kth, k, block):
 def _bf16_pays(d: int, panel: int, tile: int) -> bool:
     """Whether ``prune=None`` uses the bf16 mode for panel × tile × d products on this CPU at torch's current
     thread count: its final keys round like the fp32 GEMM's (``_gemm_k_block`` finds a K block), and bf16
-    products are faster (``_bf16_faster``).  Both held on the Zen 4 VM for D = 128 and 512 against MKL's fp32."""
+    products are faster (``_bf16_faster``).  The Zen 3 VM has the K block (MKL, D = 128 and 512) but slow bf16; the
+    Zen 5 VM has both, but bf16 only 2× faster than oneDNN's fp32 (under ``BF16_MIN_SPEEDUP``)."""
     return _gemm_k_block(d, panel, tile) is not None and _bf16_faster(d, panel, tile)
 
 

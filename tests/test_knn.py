@@ -355,9 +355,10 @@ def test_fma_dots_round_like_a_gemm():
 
 
 def test_gemm_k_block_is_the_order_of_this_blas():
-    """Wide rows (D = 512): BLAS kernels split K into blocks (MKL on the AMD dev VM: 192), where one chain over
-    all D no longer rounds like the GEMM.  The block ``_gemm_k_block`` finds reproduces torch.mm on fresh entries
-    of that product shape; where it finds none, the single chain indeed disagrees."""
+    """Wide rows (D = 512): BLAS kernels may split K into blocks (MKL on the Zen 3 VM: 192; oneDNN on the Zen 5
+    VM: one chain over all 512), where one chain over all D no longer rounds like the GEMM.  The block that
+    ``_gemm_k_block`` finds reproduces the search's fp32 product (``_panel_mm``) on fresh entries of that shape;
+    where it finds none, the single chain indeed disagrees."""
     g = torch.Generator().manual_seed(5)
     x = F.normalize(torch.randn(1024 + 2048, 512, generator=g))
     ref = K._panel_mm(x[:1024], x[1024:], torch.empty(1024, 2048), K._fp32_product(512, 1024, 2048))
