@@ -30,8 +30,8 @@ block's keys below the bound starts every row with its k best within its block a
 then the off-diagonal tiles, nearest block pairs first.
 
 Memory is O(N·k + panel·tile): the running top-k (int64 composite keys) and one panel at a time, never
-N×N.  Most of a tile is never looked at elementwise: right after a panel's GEMM (1024 × 4096 float32 =
-16 MB on CPU), the maximum similarity of each ``CHUNK``-wide chunk of its rows and of
+N×N.  Most of a tile is never looked at elementwise: right after a panel's GEMM (512 × 4096 float32 =
+8 MB on CPU), the maximum similarity of each ``CHUNK``-wide chunk of its rows and of
 each ``CHUNK``-high chunk of its columns is compared with the admission threshold of the row (of block a)
 or column (a row of block b) it belongs to (from its current k-th distance), and only the chunks that can
 hold a better neighbour are gathered from the panel; the tile as a whole is never stored.  The candidates
@@ -74,8 +74,10 @@ TILE_CUDA = 8192
 #: on the 2-core Xeon dev VM (AVX-512) 4096-row tiles in 1024-row panels searched 100k × 128 in 15.6 s
 #: (1 thread) / 8.7 s (2 threads) against 17.0 / 11.0 s for 2048-row tiles in cache-sized 256-row panels
 #: (fewer, larger GEMMs and fewer per-panel ops; ``bench/knn_profile.py --sweep``, bench/README_metrics.md).
-#: CUDA computes a tile in one GEMM.
-PANEL_CPU = 1024
+#: With oneDNN's faster products (``_fp32_product``) on the Zen 5 VM, 512-row panels searched it in 9.45 / 9.58 s
+#: against 10.70 / 10.87 s for 1024 (1 thread) and 5.74 / 5.21 vs 5.79 / 5.53 s (2 threads); 256 rows: 9.60 s.
+#: The Xeon VM was not re-measured at 512.  CUDA computes a tile in one GEMM.
+PANEL_CPU = 512
 
 #: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
 CHUNK = 32
