@@ -4,8 +4,8 @@
 On the same clustered data as ``metrics_bench.py`` (L2-normalised, k = largest class + 1), one process prints:
 
 * ``self_knn`` wall time;
-* the GEMM floor: the very ``torch.mm`` calls of the search (every block pair a <= b, panel by panel into one
-  reused buffer) with no selection work, and the GFLOP/s they reach;
+* the GEMM floor: the very fp32 panel products of the search (``knn._panel_mm`` by the product ``knn._fp32_product``
+  picks, every block pair a <= b, panel by panel) with no selection work, and the GFLOP/s they reach;
 * how many CHUNK-wide chunks the off-diagonal tiles admit for elementwise checks (both sides), of all there are;
 * the torch profiler's ops by self CPU time (``--profile``);
 * the GFLOP/s of one panel product in fp32 by ``torch.mm`` and by oneDNN (``knn._fp32_product`` picks one) and in
