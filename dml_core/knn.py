@@ -249,8 +249,8 @@ def _fp32_product(d: int, panel: int, tile: int) -> str:
     fp32 matmul, it is ``ONEDNN_MIN_SPEEDUP`` times faster than ``torch.mm`` (best of three each) and a pair's
     product does not depend on where its rows sit in the operands (rows rolled: the same bits; duplicated rows
     must tie); else ``"mm"``.  torch's CPU ``mm`` is MKL, which runs its AVX2 kernels on AMD CPUs: on the Zen 5
-    dev VM a 1024 × 4096 × 128 product ran at 114 GFLOP/s in ``mm`` and 260 in oneDNN, bit for bit the same
-    values.  Measured once per process, shape and thread count."""
+    dev VM a 1024 × 4096 × 128 product ran at 111–114 GFLOP/s in ``mm`` and 265 in oneDNN (``bench/knn_profile.py``),
+    bit for bit the same values.  Measured once per process, shape and thread count."""
     key = (d, panel, tile, torch.get_num_threads())
     if key not in _FP32_PRODUCT:
         _FP32_PRODUCT[key] = "mm"
