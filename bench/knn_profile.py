@@ -92,7 +92,7 @@ def main() -> None:
     x = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
     k = int(torch.bincount(torch.from_numpy(labels)).max()) + 1
     knn.self_knn(x[:5000], k)  # warm-up: allocator, BLAS threads
-    prune = args.prune or knn.chosen_prune(args.n, args.dim)
+    prune = args.prune or knn.chosen_prune(args.n, args.dim, k)
     print(f"N={args.n} D={args.dim} k={k} threads={args.threads} prune={prune} torch {torch.__version__}")
     t0 = time.perf_counter()
     knn.self_knn(x, k, prune=prune)

@@ -43,9 +43,8 @@ on the Zen 5 VM); every product of one search goes the same way, and oneDNN is u
 does not depend on where its rows sit.
 
 bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``chosen_prune``): on CPUs whose bf16
-GEMMs run ``BF16_MIN_SPEEDUP`` times as fast as the fp32 ones at hand (native bf16 dot products, slow fp32 kernels:
-the Zen 4 VM with MKL, 214 vs 95 GFLOP/s for a panel product in ``bench/knn_profile.py``), the off-diagonal panels are
-multiplied in bf16 and used only to *prune*: every comparison with a threshold is lowered by a rigorous bound on
+GEMMs run well ahead of the fp32 ones at hand (AMX on the Sapphire Rapids Xeon VM: 865 vs 190 GFLOP/s for a panel
+product in ``bench/knn_profile.py``; the Zen 4 VM with MKL: 214 vs 95), the off-diagonal panels are multiplied in bf16 and used only to *prune*: every comparison with a threshold is lowered by a rigorous bound on
 the bf16 error, and the pairs that pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in
 another order than a GEMM); the diagonal tiles stay fp32 GEMMs, used for bounds and candidates (widened by the
 fp32-vs-fp32 rounding bound, ``_widen``).  That search runs ``BF16_EXTRA`` deeper than k; ``_refine`` then
@@ -90,20 +89,27 @@ BF16_MIN_ROWS = 32768
 #: row's full search in ``_refine``.
 BF16_EXTRA = 4
 
-#: bf16 panel products must run this many times faster than the fp32 ones the search would use
-#: (``_fp32_product``) for ``prune=None`` to use them: the conversion back to fp32, the per-pair keys, more live
-#: chunks and ``_refine`` cost the rest.  Measured at 100k × 128, one thread: on the Zen 4 VM (MKL fp32 95 vs bf16
-#: 214 GFLOP/s, 2.25×) the bf16 mode took 18.4 s against 22.2; on the Zen 5 VM with oneDNN's fp32 products (265 vs
-#: 529, 2.0×) it took 11.2 s against 10.2, so at 2× it no longer pays.
-BF16_MIN_SPEEDUP = 3.0
+#: The bf16 mode's own work, which ``_bf16_pays`` weighs against the time its bf16 panel products save: per
+#: off-diagonal panel, ``BF16_PANEL_EXTRA`` times its bf16 product (the extra live chunks, hits and working keys of
+#: the pairs its error bound admits); per row and unit of search depth (k + ``BF16_EXTRA``), ``BF16_PAIR_COST``
+#: working-key computations (``_PairDots``; ``_refine``'s GEMM-rounded keys, the merges).  Fitted on the Sapphire
+#: Rapids Xeon VM (AMX), 128-D SOP-like sets, k = 19, two threads, from the two modes' times (``_bf16_times``: fp32
+#: panel product 1.47-1.53 ms, bf16 + conversion 0.64-0.70 ms, a working key 84-86 ns): 7.8 vs 8.2 s at 100k
+#: rows, 56.5 vs 47.1 s at 300k; the same model says fp32 for one thread at 100k, where the two measured 13.7 vs
+#: 13.6 s (it leans to the simpler fp32 mode near a tie).  Earlier points of the trade-off at 100k, one thread
+#: (``_fma_dots`` in float64 then): bf16 won on the Zen 4 VM against MKL's fp32 (18.4 vs 22.2 s) and lost on the
+#: Zen 5 VM against oneDNN's (11.2 vs 10.2 s).
+BF16_PANEL_EXTRA = 1 / 3
+BF16_PAIR_COST = 10.0
 
 #: oneDNN's fp32 panel products must run this many times faster than ``torch.mm``'s (MKL) for the CPU search to
 #: use them (``_fp32_product``).
 ONEDNN_MIN_SPEEDUP = 1.2
 
-_BF16_FASTER: dict[tuple[int, int, int, int], bool] = {}
+_BF16_TIMES: dict[tuple[int, int, int, int], tuple[float, float, float]] = {}
 _FP32_PRODUCT: dict[tuple[int, int, int, int], str] = {}
 _GEMM_K_BLOCK: dict[tuple[int, int, int, int], int | None] = {}
+_FUSED_ADDCMUL: bool | None = None
 
 _IDX_BITS = 32
 _IDX_MASK = (1 << _IDX_BITS) - 1
@@ -165,6 +171,19 @@ class _PairDots:
         return ga.mul_(torch.index_select(self.x, 0, j, out=self.b[:m])).sum(dim=1)
 
 
+def _fused_addcmul() -> bool:
+    """Whether ``torch.addcmul`` on CPU float32 is a fused multiply-add (the product exact, one rounding of the sum):
+    torch's vectorised kernel is compiled with FMA contraction on the builds measured (the Sapphire Rapids Xeon VM),
+    which no API promises, so it is checked once per process against the float64 emulation on 2¹⁶ random triples
+    whose unfused result differs in ~23 % of them."""
+    global _FUSED_ADDCMUL
+    if _FUSED_ADDCMUL is None:
+        gen = torch.Generator().manual_seed(3)
+        acc, a, b = (torch.randn(1 << 16, generator=gen) for _ in range(3))
+        _FUSED_ADDCMUL = torch.equal(torch.addcmul(acc, a, b), (acc.double() + a.double() * b.double()).float())
+    return _FUSED_ADDCMUL
+
+
 def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """float32 dot products x_i·x_j of rows of ``x``, rounded as an SGEMM rounds them: within each K block of
     ``block`` dimensions (``None``: all D at once) one chain of fused multiply-adds, each product exact and each
@@ -172,26 +191,42 @@ def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | No
     rounded once.  That is the order of MKL's and OpenBLAS's micro-kernels: on the Zen 3 VM MKL's
     1024 × 4096 panel products use one chain up to D = 128 and blocks of 128 (D = 256) or 192 (D = 512) above it;
     ``_gemm_k_block`` finds the block of the BLAS at hand (an elementwise product summed by ``torch.sum`` agrees
-    on ~13 % of pairs).  Emulated in float64 (a product of two floats is exact there; an f64 sum rounded to f32
-    differs from one rounding only at double-rounding ties, ~2⁻²⁸ of sums), D steps vectorised over a
-    cache-sized slice of pairs at a time.  On exact data (quantised) it is the exact dot product, like every
-    order."""
+    on ~13 % of pairs).  The chain is ``torch.addcmul_`` in float32 where that is a fused multiply-add
+    (``_fused_addcmul``), else emulated in float64 (a product of two floats is exact there; an f64 sum rounded to
+    f32 differs from one rounding only at double-rounding ties, ~2⁻²⁸ of sums) at three times the passes over
+    memory: 2.3 M pairs of D = 128 took 5.2 s that way and 0.9 s with ``addcmul_`` on the Xeon VM.  D steps are
+    vectorised over a cache-sized slice of pairs at a time.  On exact data (quantised) it is the exact dot
+    product, like every order."""
     d = x.shape[1]
     block = d if block is None else block
     out = torch.empty(i.numel(), device=x.device)
-    step = max(1, min(i.numel(), 16384 * torch.get_num_threads()))
-    pa = torch.empty(d, step, dtype=torch.float64, device=x.device)
+    fused = x.device.type == "cpu" and _fused_addcmul()
+    # pairs per slice: 16384 fit the cache best for addcmul_ (0.34-0.37 µs a pair at 1 and 2 threads on the Xeon
+    # VM; 4096-8192 and 32768 per thread were slower); the float64 emulation's slice grows with the threads
+    step = max(1, min(i.numel(), 16384 * (1 if fused else torch.get_num_threads())))
+    dt = torch.float32 if fused else torch.float64
+    pa = torch.empty(d, step, dtype=dt, device=x.device)
     pb = torch.empty_like(pa)
-    acc, tot = torch.empty(step, dtype=torch.float64, device=x.device), torch.empty(step, device=x.device)
+    acc, tot = torch.empty(step, dtype=dt, device=x.device), torch.empty(step, device=x.device)
     for s in range(0, i.numel(), step):
         m = min(step, i.numel() - s)
-        # rows gathered (contiguous reads), then transposed into f64 so that each step reads one row
-        prod = pa[:, :m].copy_(x.index_select(0, i[s : s + m]).T)
-        prod.mul_(pb[:, :m].copy_(x.index_select(0, j[s : s + m]).T))  # exact: 24-bit mantissas, 53 in f64
+        # rows gathered (contiguous reads), then transposed so that each step reads one row
+        ga = pa[:, :m].copy_(x.index_select(0, i[s : s + m]).T)
+        gb = pb[:, :m].copy_(x.index_select(0, j[s : s + m]).T)
         a, a32, t32 = acc[:m], out[s : s + m], tot[:m]
+        if fused:
+            for lo in range(0, d, block):
+                a32.zero_()
+                for r in range(lo, min(d, lo + block)):
+                    a32.addcmul_(ga[r], gb[r])  # one FMA per step
+                if lo:  # C += the block's sum, one rounding
+                    a32.add_(t32)
+                t32.copy_(a32)
+            continue
+        ga.mul_(gb)  # exact: 24-bit mantissas, 53 in f64
         for lo in range(0, d, block):
             a.zero_()
-            for row in prod[lo : lo + block]:
+            for row in ga[lo : lo + block]:
                 a32.copy_(a.add_(row))  # one rounding to float32 per step, as an FMA
                 a.copy_(a32)
             if lo:  # C += the block's sum, one rounding
@@ -319,29 +354,45 @@ def _rows_in_full(x, norms, widen, rows, kth, k, block):
     return top.best
 
 
-def _bf16_pays(d: int, panel: int, tile: int) -> bool:
-    """Whether ``prune=None`` uses the bf16 mode for panel × tile × d products on this CPU at torch's current
-    thread count: its final keys round like the fp32 GEMM's (``_gemm_k_block`` finds a K block), and bf16
-    products are faster (``_bf16_faster``).  The Zen 3 VM has the K block (MKL, D = 128 and 512) but slow bf16; the
-    Zen 5 VM has both, but bf16 only 2× faster than oneDNN's fp32 (under ``BF16_MIN_SPEEDUP``)."""
-    return _gemm_k_block(d, panel, tile) is not None and _bf16_faster(d, panel, tile)
+def _bf16_pays(n: int, d: int, k: int, panel: int, tile: int) -> bool:
+    """Whether ``prune=None`` uses the bf16 mode for an (n, d) set searched for k neighbours in panel × tile
+    products, on this CPU at torch's current thread count: its final keys must round like the fp32 GEMM's
+    (``_gemm_k_block`` finds a K block), and the time its bf16 products save on the off-diagonal panels must exceed
+    its own work (``BF16_PANEL_EXTRA``, ``BF16_PAIR_COST``), with the times of ``_bf16_times``:
+
+        panels · (t_fp32 − (1 + BF16_PANEL_EXTRA) · t_bf16) > n · (k + BF16_EXTRA) · BF16_PAIR_COST · t_pair
+
+    Panels grow with n² and the per-row work with n, so the same CPU may search 100k rows in fp32 and 300k in bf16
+    (the Xeon VM: the break-even is near 120k rows of 128-D at k = 19).
+    The Zen 3 VM has the K block (MKL, D = 128 and 512) but bf16 products slower than fp32 ones."""
+    if _gemm_k_block(d, panel, tile) is None:
+        return False
+    t32, t16, t_pair = _bf16_times(d, panel, tile)
+    blocks = -(-n // tile)
+    panels = blocks * (blocks - 1) // 2 * (tile // panel)
+    return panels * (t32 - (1 + BF16_PANEL_EXTRA) * t16) > n * (k + BF16_EXTRA) * BF16_PAIR_COST * t_pair
 
 
-def _bf16_faster(d: int, panel: int, tile: int) -> bool:
-    """Whether a panel × tile × d product runs ``BF16_MIN_SPEEDUP`` times faster in bf16 than in fp32 on this
-    CPU at torch's current thread count, against the fp32 product the search would use (``_fp32_product``; best
-    of three each, ~0.1 s); measured once per process and shape.  It did on the Zen 4 VM against MKL (214 vs 95
-    GFLOP/s), not on the Xeon VM (81 vs 164 GFLOP/s: AVX512-BF16 but no AMX) nor on the Zen 5 VM against oneDNN
-    (529 vs 265: 2×, less than ``BF16_MIN_SPEEDUP``)."""
+def _bf16_times(d: int, panel: int, tile: int) -> tuple[float, float, float]:
+    """Seconds of one fp32 panel product as the search runs it (``_fp32_product``), of one bf16 panel product
+    with its conversion back to fp32 (as the bf16 mode runs it), and of one working key (``_PairDots``, per pair,
+    gathered from a set larger than the caches); best of three each, ~0.3 s; measured once per process, shape and
+    thread count."""
     key = (d, panel, tile, torch.get_num_threads())
-    if key not in _BF16_FASTER:
+    if key not in _BF16_TIMES:
         gen = torch.Generator().manual_seed(0)
         a, b = torch.randn(panel, d, generator=gen), torch.randn(tile, d, generator=gen)
         how, out = _fp32_product(d, panel, tile), torch.empty(panel, tile)
         a16, b16, out16 = a.to(torch.bfloat16), b.to(torch.bfloat16), out.to(torch.bfloat16)
-        fp32 = _best_time(lambda: _panel_mm(a, b, out, how))  # against the fp32 product the search would use
-        _BF16_FASTER[key] = fp32 >= BF16_MIN_SPEEDUP * _best_time(lambda: _panel_mm(a16, b16, out16, "mm"))
-    return _BF16_FASTER[key]
+        t32 = _best_time(lambda: _panel_mm(a, b, out, how))
+        t16 = _best_time(lambda: out.copy_(_panel_mm(a16, b16, out16, "mm")))
+        rows = max(1024, min(65536, 2**23 // d))  # 32 MB of float32 rows at most
+        x = torch.randn(rows, d, generator=gen)
+        i = torch.sort(torch.randint(0, rows, (65536,), generator=gen)).values  # candidates come grouped by row
+        j = torch.randint(0, rows, (65536,), generator=gen)
+        dots = _PairDots(x)
+        _BF16_TIMES[key] = (t32, t16, _best_time(lambda: dots(i, j)) / i.numel())
+    return _BF16_TIMES[key]
 
 
 def _decode_keys(comp: torch.Tensor) -> torch.Tensor:
@@ -489,13 +540,14 @@ def _tile_and_panel(n: int, tile: int | None, cuda: bool) -> tuple[int, int]:
     return tile, panel
 
 
-def chosen_prune(n: int, d: int, *, cuda: bool = False, tile: int | None = None) -> str:
-    """The panel products ``self_knn(prune=None)`` uses for an (n, d) set: ``"bf16"`` on CPU sets of
-    ``BF16_MIN_ROWS`` rows or more where ``_bf16_pays`` (measured once per process and shape), else ``"fp32"``."""
+def chosen_prune(n: int, d: int, k: int, *, cuda: bool = False, tile: int | None = None) -> str:
+    """The panel products ``self_knn(prune=None)`` uses for the k nearest neighbours in an (n, d) set: ``"bf16"`` on
+    CPU sets of ``BF16_MIN_ROWS`` rows or more where ``_bf16_pays`` (measured once per process and shape), else
+    ``"fp32"``."""
     if cuda or n < BF16_MIN_ROWS:
         return "fp32"
     tile, panel = _tile_and_panel(n, tile, cuda)
-    return "bf16" if _bf16_pays(d, panel, tile) else "fp32"
+    return "bf16" if _bf16_pays(n, d, k, panel, tile) else "fp32"
 
 
 def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
@@ -520,7 +572,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
         raise ValueError("prune='bf16' is a CPU mode; CUDA tensors are searched in fp32")
     tile, panel = _tile_and_panel(n, tile, x.is_cuda)
     if prune is None:
-        prune = chosen_prune(n, x.shape[1], cuda=x.is_cuda, tile=tile)
+        prune = chosen_prune(n, x.shape[1], k, cuda=x.is_cuda, tile=tile)
     low = prune == "bf16"
     how = "mm" if x.is_cuda else _fp32_product(x.shape[1], panel, tile)  # the fp32 panel products
     # bf16: a deeper search on working keys, then _refine on the caller's rows (contiguous: one reduction order)

@@ -330,7 +330,7 @@ def test_prune_none_uses_bf16_only_on_large_sets_where_it_measured_faster(monkey
     calls = _counting_mm(monkeypatch)
     for min_rows, pays, want in [(10_000, True, False), (500, False, False), (500, True, True)]:
         monkeypatch.setattr(K, "BF16_MIN_ROWS", min_rows)
-        monkeypatch.setattr(K, "_bf16_pays", lambda d, panel, tile, pays=pays: pays)
+        monkeypatch.setattr(K, "_bf16_pays", lambda n, d, k, panel, tile, pays=pays: pays)
         calls.clear()
         d, i = self_knn(x, 15, tile=128)
         assert any(dt == torch.bfloat16 for _, dt in calls) is want
@@ -352,6 +352,33 @@ def test_fma_dots_round_like_a_gemm():
     assert torch.equal(K._fma_dots(q, i, j), (q[i] * q[j]).sum(dim=1))
     for block in (None, 5, 7):  # any block order is exact on exact data
         assert torch.equal(K._fma_dots(q, i, j, block), (q[i] * q[j]).sum(dim=1))
+
+
+def test_fma_dots_engines_give_the_same_bits(monkeypatch):
+    """``_fma_dots`` runs its FMA chains on ``addcmul_`` in float32 where ``_fused_addcmul`` finds it fused, else in
+    float64 emulation: on generic floats, one chain or K blocks, both engines give the same bits (and the chain
+    agrees with the GEMM as above)."""
+    g = torch.Generator().manual_seed(4)
+    x = F.normalize(torch.randn(3000, 96, generator=g))
+    i, j = torch.randint(0, 3000, (40000,), generator=g), torch.randint(0, 3000, (40000,), generator=g)
+    monkeypatch.setattr(K, "_FUSED_ADDCMUL", None)
+    fused = K._fused_addcmul()
+    monkeypatch.setattr(K, "_FUSED_ADDCMUL", False)
+    emulated = [K._fma_dots(x, i, j, block) for block in (None, 32, 40)]
+    if not fused:
+        pytest.skip("torch.addcmul is not a fused multiply-add on this build: only the float64 engine runs")
+    monkeypatch.setattr(K, "_FUSED_ADDCMUL", True)
+    for block, want in zip((None, 32, 40), emulated):
+        assert torch.equal(K._fma_dots(x, i, j, block), want)
+
+
+def test_fused_addcmul_is_detected_not_assumed(monkeypatch):
+    """An ``addcmul`` that rounds its product before the sum (what a build without FMA contraction computes) is
+    seen as unfused, so ``_fma_dots`` falls back to the float64 engine instead of keying by another rounding."""
+    monkeypatch.setattr(K, "_FUSED_ADDCMUL", None)
+    monkeypatch.setattr(torch, "addcmul", lambda acc, a, b: acc + a * b)
+    assert K._fused_addcmul() is False
+    assert K._FUSED_ADDCMUL is False  # once per process
 
 
 def test_gemm_k_block_is_the_order_of_this_blas():
@@ -378,7 +405,7 @@ def test_prune_none_gives_the_fp32_result_exactly_for_wide_embeddings(monkeypatc
     x = F.normalize(torch.from_numpy(clustered(21, n_classes=60, dim=512)[0]))
     ref = self_knn(x, 20, tile=256, prune="fp32")
     monkeypatch.setattr(K, "BF16_MIN_ROWS", 0)
-    monkeypatch.setattr(K, "_bf16_faster", lambda *a: True)
+    monkeypatch.setattr(K, "_bf16_times", lambda *a: (1.0, 0.0, 0.0))  # bf16 products free: pays wherever allowed
     calls = _counting_mm(monkeypatch)
     d, i = self_knn(x, 20, tile=256)
     used_bf16 = any(dt == torch.bfloat16 for _, dt in calls)
@@ -387,13 +414,30 @@ def test_prune_none_gives_the_fp32_result_exactly_for_wide_embeddings(monkeypatc
 
 
 def test_bf16_pays_only_where_its_keys_round_like_the_gemm(monkeypatch):
-    monkeypatch.setattr(K, "_bf16_faster", lambda *a: True)
+    monkeypatch.setattr(K, "_bf16_times", lambda *a: (1.0, 0.0, 0.0))
     monkeypatch.setattr(K, "_gemm_k_block", lambda *a: None)
-    assert K._bf16_pays(128, 1024, 4096) is False
+    assert K._bf16_pays(10**6, 128, 20, 1024, 4096) is False
     monkeypatch.setattr(K, "_gemm_k_block", lambda *a: 128)
-    assert K._bf16_pays(128, 1024, 4096) is True
-    monkeypatch.setattr(K, "_bf16_faster", lambda *a: False)
-    assert K._bf16_pays(128, 1024, 4096) is False
+    assert K._bf16_pays(10**6, 128, 20, 1024, 4096) is True
+
+
+def test_bf16_pays_where_the_panel_time_it_saves_exceeds_its_own_work(monkeypatch):
+    """The cost model behind ``prune=None``, on times ``_bf16_times`` measured on the Xeon VM (two threads: fp32
+    panel product 1.53 ms, bf16 + conversion 0.64 ms, a working key 84 ns): at 100k × 128, k = 19, fp32 (the
+    modes measured 7.8 vs 8.2 s), at 300k bf16 (56.5 vs 47.1 s), at 1M bf16; a deep search (k = 2000) makes the
+    per-row work too large again; bf16 products hardly faster than fp32 never pay."""
+    monkeypatch.setattr(K, "_gemm_k_block", lambda *a: 128)
+    monkeypatch.setattr(K, "_bf16_times", lambda *a: (1.53e-3, 0.64e-3, 84e-9))
+    assert K._bf16_pays(100_000, 128, 19, 512, 4096) is False
+    assert K._bf16_pays(300_000, 128, 19, 512, 4096) is True
+    assert K._bf16_pays(1_000_000, 128, 19, 512, 4096) is True
+    assert K._bf16_pays(1_000_000, 128, 2000, 512, 4096) is False
+    monkeypatch.setattr(K, "_bf16_times", lambda *a: (0.8e-3, 0.64e-3, 84e-9))
+    assert K._bf16_pays(10_000_000, 128, 19, 512, 4096) is False
+    monkeypatch.setattr(K, "_bf16_pays", lambda *a: True)
+    assert K.chosen_prune(10**6, 128, 19) == "bf16"
+    assert K.chosen_prune(K.BF16_MIN_ROWS - 1, 128, 19) == "fp32"  # too small to measure anything for
+    assert K.chosen_prune(10**6, 128, 19, cuda=True) == "fp32"
 
 
 def test_bf16_mode_equals_fp32_mode_on_generic_floats():
@@ -455,23 +499,29 @@ def test_refine_searches_a_row_again_where_a_dropped_pair_could_cross_the_cut(mo
     np.testing.assert_array_equal(d.numpy(), fd)
 
 
-def test_bf16_faster_compares_measured_panel_products(monkeypatch):
-    """The speed check times real panel products: a bf16 product made slower than fp32 loses, one made
-    much faster wins, and the answer is kept per (D, panel, tile, threads)."""
+def test_bf16_times_are_measured_panel_products_and_working_keys(monkeypatch):
+    """The cost model's inputs are real timings: a product made 20 ms slower shows in its own time only (the bf16
+    one includes its conversion back to fp32), a working key's time is per pair, and the times are kept per
+    (D, panel, tile, threads)."""
     import time
 
-    real_mm = K._panel_mm
+    real_mm, real_dots = K._panel_mm, K._PairDots.__call__
     K._fp32_product(16, 64, 128)
-    for slow, want in [(torch.bfloat16, False), (torch.float32, True)]:
+    for slow in (torch.bfloat16, torch.float32):
         def mm(a, b, out, how, slow=slow):
             if a.dtype == slow:
                 time.sleep(0.02)
             return real_mm(a, b, out, how)
 
         monkeypatch.setattr(K, "_panel_mm", mm)
-        monkeypatch.setattr(K, "_BF16_FASTER", {})
-        assert K._bf16_faster(16, 64, 128) is want
-        assert K._BF16_FASTER == {(16, 64, 128, torch.get_num_threads()): want}
+        monkeypatch.setattr(K, "_BF16_TIMES", {})
+        t32, t16, t_pair = K._bf16_times(16, 64, 128)
+        assert (t16 if slow == torch.bfloat16 else t32) >= 0.02 > (t32 if slow == torch.bfloat16 else t16)
+        assert 0 < t_pair < 1e-5
+        assert K._BF16_TIMES == {(16, 64, 128, torch.get_num_threads()): (t32, t16, t_pair)}
+    monkeypatch.setattr(K._PairDots, "__call__", lambda self, i, j: time.sleep(0.0655) or real_dots(self, i, j))
+    monkeypatch.setattr(K, "_BF16_TIMES", {})
+    assert K._bf16_times(16, 64, 128)[2] >= 1e-6  # 65.5 ms over 65536 pairs
 
 
 # ---------------------------------------------------------------------------------------------------
