@@ -10,9 +10,13 @@ On the same clustered data as ``metrics_bench.py`` (L2-normalised, k = largest c
 * the torch profiler's ops by self CPU time (``--profile``);
 * the GFLOP/s of one panel product in fp32 by ``torch.mm`` and by oneDNN (``knn._fp32_product`` picks one) and in
   bf16 (what ``knn``'s bf16 pruning gains);
-* with ``--prune fp32|bf16`` every search runs in that mode (default: the one ``self_knn`` picks itself).
+* with ``--prune fp32|bf16`` every search runs in that mode (default: the one ``self_knn`` picks itself);
+* with ``--modes`` only this: ``self_knn`` in fp32 and in bf16 on the same data, whether both give the same distances
+  and neighbours, which mode ``prune=None`` picks and the times its cost model weighs (``knn._bf16_times``) -- the
+  measurements behind ``knn.BF16_PANEL_EXTRA`` and ``knn.BF16_PAIR_COST``.
 
     .venv/bin/python bench/knn_profile.py --n 60000 --threads 1 --profile
+    .venv/bin/python bench/knn_profile.py --n 300000 --threads 2 --modes
 """
 
 from __future__ import annotations
@@ -77,6 +81,25 @@ def panel_gflops(dtype: torch.dtype, d: int, how: str = "mm", reps: int = 500) -
     return reps * 2 * knn.PANEL_CPU * knn.TILE_CPU * d / (time.perf_counter() - t0) / 1e9
 
 
+def compare_modes(x: torch.Tensor, k: int) -> None:
+    """``self_knn`` in both modes on ``x`` (after a bf16 warm-up on 40k rows: the once-per-process checks), and what
+    ``prune=None`` decides from its measured times."""
+    n, d = x.shape
+    knn.self_knn(x[:40000], k, prune="bf16")
+    chosen = knn.chosen_prune(n, d, k)
+    tile, panel = knn._tile_and_panel(n, None, False)
+    t32, t16, t_pair = knn._bf16_times(d, panel, tile)
+    print(f"N={n} D={d} k={k} threads={torch.get_num_threads()}: prune=None picks {chosen}; fp32 panel product "
+          f"{t32 * 1e3:.3f} ms, bf16 + conversion {t16 * 1e3:.3f} ms, working key {t_pair * 1e9:.1f} ns")
+    got = {}
+    for prune in ("fp32", "bf16"):
+        t0 = time.perf_counter()
+        got[prune] = knn.self_knn(x, k, prune=prune)
+        print(f"self_knn prune={prune}: {time.perf_counter() - t0:.2f} s")
+    (d32, i32), (d16, i16) = got["fp32"], got["bf16"]
+    print(f"same distances and neighbours: {torch.equal(d32, d16) and torch.equal(i32, i16)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=60_000)
@@ -86,12 +109,16 @@ def main() -> None:
     ap.add_argument("--sweep", nargs="+", default=[], metavar="TILE:PANEL[:CHUNK]",
                     help="also time self_knn with these CPU sizes (knn.TILE_CPU, PANEL_CPU, CHUNK), in this process")
     ap.add_argument("--prune", choices=("fp32", "bf16"), help="self_knn's panel products (default: its own choice)")
+    ap.add_argument("--modes", action="store_true", help="only time self_knn in fp32 and in bf16 and say which it picks")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     x, labels = make_data(args.n, args.dim, seed=0)
     x = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
     k = int(torch.bincount(torch.from_numpy(labels)).max()) + 1
     knn.self_knn(x[:5000], k)  # warm-up: allocator, BLAS threads
+    if args.modes:
+        compare_modes(x, k)
+        return
     prune = args.prune or knn.chosen_prune(args.n, args.dim, k)
     print(f"N={args.n} D={args.dim} k={k} threads={args.threads} prune={prune} torch {torch.__version__}")
     t0 = time.perf_counter()

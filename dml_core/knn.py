@@ -43,9 +43,10 @@ on the Zen 5 VM); every product of one search goes the same way, and oneDNN is u
 does not depend on where its rows sit.
 
 bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``chosen_prune``): on CPUs whose bf16
-GEMMs run well ahead of the fp32 ones at hand (AMX on the Sapphire Rapids Xeon VM: 865 vs 190 GFLOP/s for a panel
-product in ``bench/knn_profile.py``; the Zen 4 VM with MKL: 214 vs 95), the off-diagonal panels are multiplied in bf16 and used only to *prune*: every comparison with a threshold is lowered by a rigorous bound on
-the bf16 error, and the pairs that pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in
+GEMMs run well ahead of the fp32 ones at hand (the AMX Xeon VM: 865 vs 190 GFLOP/s for a panel product in
+``bench/knn_profile.py``; the Zen 4 VM with MKL: 214 vs 95), on sets large enough for that to pay (``_bf16_pays``),
+the off-diagonal panels are multiplied in bf16 and used only to *prune*: every comparison with a threshold is
+lowered by a rigorous bound on the bf16 error, and the pairs that pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in
 another order than a GEMM); the diagonal tiles stay fp32 GEMMs, used for bounds and candidates (widened by the
 fp32-vs-fp32 rounding bound, ``_widen``).  That search runs ``BF16_EXTRA`` deeper than k; ``_refine`` then
 re-keys the kept pairs as the BLAS's GEMM rounds them (``_fma_dots`` with the K block ``_gemm_k_block`` found)
@@ -92,11 +93,11 @@ BF16_EXTRA = 4
 #: The bf16 mode's own work, which ``_bf16_pays`` weighs against the time its bf16 panel products save: per
 #: off-diagonal panel, ``BF16_PANEL_EXTRA`` times its bf16 product (the extra live chunks, hits and working keys of
 #: the pairs its error bound admits); per row and unit of search depth (k + ``BF16_EXTRA``), ``BF16_PAIR_COST``
-#: working-key computations (``_PairDots``; ``_refine``'s GEMM-rounded keys, the merges).  Fitted on the Sapphire
-#: Rapids Xeon VM (AMX), 128-D SOP-like sets, k = 19, two threads, from the two modes' times (``_bf16_times``: fp32
+#: working-key computations (``_PairDots``; ``_refine``'s GEMM-rounded keys, the merges).  Fitted on the AMX Xeon
+#: VM, 128-D SOP-like sets, k = 19, two threads, from the two modes' times, fp32 vs bf16 (``_bf16_times``: fp32
 #: panel product 1.47-1.53 ms, bf16 + conversion 0.64-0.70 ms, a working key 84-86 ns): 7.8 vs 8.2 s at 100k
 #: rows, 56.5 vs 47.1 s at 300k; the same model says fp32 for one thread at 100k, where the two measured 13.7 vs
-#: 13.6 s (it leans to the simpler fp32 mode near a tie).  Earlier points of the trade-off at 100k, one thread
+#: 13.6 s (it leans to the simpler fp32 mode near a tie; ``bench/knn_profile.py --modes``).  Earlier points of the trade-off at 100k, one thread
 #: (``_fma_dots`` in float64 then): bf16 won on the Zen 4 VM against MKL's fp32 (18.4 vs 22.2 s) and lost on the
 #: Zen 5 VM against oneDNN's (11.2 vs 10.2 s).
 BF16_PANEL_EXTRA = 1 / 3
@@ -173,7 +174,7 @@ class _PairDots:
 
 def _fused_addcmul() -> bool:
     """Whether ``torch.addcmul`` on CPU float32 is a fused multiply-add (the product exact, one rounding of the sum):
-    torch's vectorised kernel is compiled with FMA contraction on the builds measured (the Sapphire Rapids Xeon VM),
+    torch's vectorised kernel is compiled with FMA contraction on the build measured (torch 2.15, the AMX Xeon VM),
     which no API promises, so it is checked once per process against the float64 emulation on 2¹⁶ random triples
     whose unfused result differs in ~23 % of them."""
     global _FUSED_ADDCMUL
@@ -194,15 +195,15 @@ def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | No
     on ~13 % of pairs).  The chain is ``torch.addcmul_`` in float32 where that is a fused multiply-add
     (``_fused_addcmul``), else emulated in float64 (a product of two floats is exact there; an f64 sum rounded to
     f32 differs from one rounding only at double-rounding ties, ~2⁻²⁸ of sums) at three times the passes over
-    memory: 2.3 M pairs of D = 128 took 5.2 s that way and 0.9 s with ``addcmul_`` on the Xeon VM.  D steps are
+    memory: 2.3 M pairs of D = 128 took 5.2 s that way and 0.9 s with ``addcmul_`` on the AMX Xeon VM.  D steps are
     vectorised over a cache-sized slice of pairs at a time.  On exact data (quantised) it is the exact dot
     product, like every order."""
     d = x.shape[1]
     block = d if block is None else block
     out = torch.empty(i.numel(), device=x.device)
     fused = x.device.type == "cpu" and _fused_addcmul()
-    # pairs per slice: 16384 fit the cache best for addcmul_ (0.34-0.37 µs a pair at 1 and 2 threads on the Xeon
-    # VM; 4096-8192 and 32768 per thread were slower); the float64 emulation's slice grows with the threads
+    # pairs per slice: 16384 fit the cache best for addcmul_ (0.34-0.37 µs a pair at 1 and 2 threads on the AMX
+    # Xeon VM; 4096-8192 and 32768 per thread were slower); the float64 emulation's slice grows with the threads
     step = max(1, min(i.numel(), 16384 * (1 if fused else torch.get_num_threads())))
     dt = torch.float32 if fused else torch.float64
     pa = torch.empty(d, step, dtype=dt, device=x.device)
@@ -363,7 +364,7 @@ def _bf16_pays(n: int, d: int, k: int, panel: int, tile: int) -> bool:
         panels · (t_fp32 − (1 + BF16_PANEL_EXTRA) · t_bf16) > n · (k + BF16_EXTRA) · BF16_PAIR_COST · t_pair
 
     Panels grow with n² and the per-row work with n, so the same CPU may search 100k rows in fp32 and 300k in bf16
-    (the Xeon VM: the break-even is near 120k rows of 128-D at k = 19).
+    (the AMX Xeon VM: the break-even is near 120k-150k rows of 128-D at k = 19).
     The Zen 3 VM has the K block (MKL, D = 128 and 512) but bf16 products slower than fp32 ones."""
     if _gemm_k_block(d, panel, tile) is None:
         return False

@@ -422,7 +422,7 @@ def test_bf16_pays_only_where_its_keys_round_like_the_gemm(monkeypatch):
 
 
 def test_bf16_pays_where_the_panel_time_it_saves_exceeds_its_own_work(monkeypatch):
-    """The cost model behind ``prune=None``, on times ``_bf16_times`` measured on the Xeon VM (two threads: fp32
+    """The cost model behind ``prune=None``, on times ``_bf16_times`` measured on the AMX Xeon VM (two threads: fp32
     panel product 1.53 ms, bf16 + conversion 0.64 ms, a working key 84 ns): at 100k × 128, k = 19, fp32 (the
     modes measured 7.8 vs 8.2 s), at 300k bf16 (56.5 vs 47.1 s), at 1M bf16; a deep search (k = 2000) makes the
     per-row work too large again; bf16 products hardly faster than fp32 never pay."""
