@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--sweep", nargs="+", default=[], metavar="TILE:PANEL[:CHUNK]",
                     help="also time self_knn with these CPU sizes (knn.TILE_CPU, PANEL_CPU, CHUNK), in this process")
     ap.add_argument("--prune", choices=("fp32", "bf16"), help="self_knn's panel products (default: its own choice)")
-    ap.add_argument("--modes", action="store_true", help="only time self_knn in fp32 and in bf16 and say which it picks")
+    ap.add_argument("--modes", action="store_true", help="only time self_knn in fp32 and bf16; say which it picks")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     x, labels = make_data(args.n, args.dim, seed=0)

@@ -46,14 +46,14 @@ bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``chosen
 GEMMs run well ahead of the fp32 ones at hand (the AMX Xeon VM: 865 vs 190 GFLOP/s for a panel product in
 ``bench/knn_profile.py``; the Zen 4 VM with MKL: 214 vs 95), on sets large enough for that to pay (``_bf16_pays``),
 the off-diagonal panels are multiplied in bf16 and used only to *prune*: every comparison with a threshold is
-lowered by a rigorous bound on the bf16 error, and the pairs that pass are keyed in fp32 pair by pair (``_PairDots``: exact, but summed in
-another order than a GEMM); the diagonal tiles stay fp32 GEMMs, used for bounds and candidates (widened by the
-fp32-vs-fp32 rounding bound, ``_widen``).  That search runs ``BF16_EXTRA`` deeper than k; ``_refine`` then
-re-keys the kept pairs as the BLAS's GEMM rounds them (``_fma_dots`` with the K block ``_gemm_k_block`` found)
-and re-sorts, and rows where a dropped pair could still cross the k-th place are searched again in full.  So the
-results equal the fp32 mode's, near-ties included; ``prune=None`` uses bf16 only where that K block was found
-(an explicit ``prune="bf16"`` without one is exact for single-chain keys, which may differ from the GEMM's in
-the last bit, as faiss's BLAS and torch's may).
+lowered by a rigorous bound on the bf16 error, and the pairs that pass are keyed in fp32 pair by pair
+(``_PairDots``: exact, but summed in another order than a GEMM); the diagonal tiles stay fp32 GEMMs, used for
+bounds and candidates (widened by the fp32-vs-fp32 rounding bound, ``_widen``). That search runs ``BF16_EXTRA``
+deeper than k; ``_refine`` then re-keys the kept pairs as the BLAS's GEMM rounds them (``_fma_dots`` with the K
+block ``_gemm_k_block`` found) and re-sorts, and rows where a dropped pair could still cross the k-th place are
+searched again in full. So the results equal the fp32 mode's, near-ties included; ``prune=None`` uses bf16 only
+where that K block was found (an explicit ``prune="bf16"`` without one is exact for single-chain keys, which may
+differ from the GEMM's in the last bit, as faiss's BLAS and torch's may).
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ BF16_EXTRA = 4
 #: VM, 128-D SOP-like sets, k = 19, two threads, from the two modes' times, fp32 vs bf16 (``_bf16_times``: fp32
 #: panel product 1.47-1.53 ms, bf16 + conversion 0.64-0.70 ms, a working key 84-86 ns): 7.8 vs 8.2 s at 100k
 #: rows, 56.5 vs 47.1 s at 300k; the same model says fp32 for one thread at 100k, where the two measured 13.7 vs
-#: 13.6 s (it leans to the simpler fp32 mode near a tie; ``bench/knn_profile.py --modes``).  Earlier points of the trade-off at 100k, one thread
-#: (``_fma_dots`` in float64 then): bf16 won on the Zen 4 VM against MKL's fp32 (18.4 vs 22.2 s) and lost on the
-#: Zen 5 VM against oneDNN's (11.2 vs 10.2 s).
+#: 13.6 s: near a tie it keeps the simpler fp32 mode.  ``bench/knn_profile.py --modes`` re-measures such points
+#: (bench/README_metrics.md).  Earlier points of the trade-off at 100k, one thread (``_fma_dots`` in float64
+#: then): bf16 won on the Zen 4 VM against MKL's fp32 (18.4 vs 22.2 s) and lost on the Zen 5 VM against
+#: oneDNN's (11.2 vs 10.2 s).
 BF16_PANEL_EXTRA = 1 / 3
 BF16_PAIR_COST = 10.0
 
@@ -208,13 +209,14 @@ def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | No
     dt = torch.float32 if fused else torch.float64
     pa = torch.empty(d, step, dtype=dt, device=x.device)
     pb = torch.empty_like(pa)
-    acc, tot = torch.empty(step, dtype=dt, device=x.device), torch.empty(step, device=x.device)
+    tot = torch.empty(step, device=x.device)  # the sum of the K blocks so far
+    acc = None if fused else torch.empty(step, dtype=torch.float64, device=x.device)  # the f64 engine's chain
     for s in range(0, i.numel(), step):
         m = min(step, i.numel() - s)
         # rows gathered (contiguous reads), then transposed so that each step reads one row
         ga = pa[:, :m].copy_(x.index_select(0, i[s : s + m]).T)
         gb = pb[:, :m].copy_(x.index_select(0, j[s : s + m]).T)
-        a, a32, t32 = acc[:m], out[s : s + m], tot[:m]
+        a32, t32 = out[s : s + m], tot[:m]
         if fused:
             for lo in range(0, d, block):
                 a32.zero_()
@@ -225,6 +227,7 @@ def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | No
                 t32.copy_(a32)
             continue
         ga.mul_(gb)  # exact: 24-bit mantissas, 53 in f64
+        a = acc[:m]
         for lo in range(0, d, block):
             a.zero_()
             for row in ga[lo : lo + block]:
