@@ -100,6 +100,25 @@ def compare_modes(x: torch.Tensor, k: int) -> None:
     print(f"same distances and neighbours: {torch.equal(d32, d16) and torch.equal(i32, i16)}")
 
 
+def cuda_tiles(x: torch.Tensor, k: int, tiles: list[int]) -> None:
+    """``self_knn`` on the GPU with each tile edge: seconds (synchronised), peak GPU memory, same result."""
+    xc = x.cuda()
+    knn.self_knn(xc[:20_000], k)  # warm-up: CUDA context, cuBLAS handles, allocator
+    print(f"N={len(x)} D={x.shape[1]} k={k} {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    ref = None
+    for tile in tiles:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        d, i = knn.self_knn(xc, k, tile=tile)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        ref = (d, i) if ref is None else ref
+        same = torch.equal(d, ref[0]) and torch.equal(i, ref[1])
+        print(f"tile {tile}: self_knn {dt:.2f} s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MB, "
+              f"same distances and neighbours as tile {tiles[0]}: {same}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=60_000)
@@ -110,11 +129,17 @@ def main() -> None:
                     help="also time self_knn with these CPU sizes (knn.TILE_CPU, PANEL_CPU, CHUNK), in this process")
     ap.add_argument("--prune", choices=("fp32", "bf16"), help="self_knn's panel products (default: its own choice)")
     ap.add_argument("--modes", action="store_true", help="only time self_knn in fp32 and bf16; say which it picks")
+    ap.add_argument("--cuda-tiles", nargs="+", type=int, default=[], metavar="TILE",
+                    help="only this: self_knn on CUDA tensors with these tile edges (knn.TILE_CUDA), timed and "
+                         "compared with the first")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     x, labels = make_data(args.n, args.dim, seed=0)
     x = torch.nn.functional.normalize(torch.from_numpy(x), dim=1)
     k = int(torch.bincount(torch.from_numpy(labels)).max()) + 1
+    if args.cuda_tiles:
+        cuda_tiles(x, k, args.cuda_tiles)
+        return
     knn.self_knn(x[:5000], k)  # warm-up: allocator, BLAS threads
     if args.modes:
         compare_modes(x, k)

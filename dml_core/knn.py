@@ -63,12 +63,18 @@ import time
 
 import torch
 
-__all__ = ["self_knn", "chosen_prune", "TILE_CPU", "TILE_CUDA"]
+__all__ = ["self_knn", "chosen_prune", "TILE_CPU", "TILES_CUDA"]
 
 #: Block edge of one tile on CPU / CUDA (rows of X per block).  A CPU tile of 4096² float32 would be 64 MB:
 #: it is computed and searched in panels of PANEL_CPU rows.
 TILE_CPU = 4096
-TILE_CUDA = 8192
+#: CUDA tile edges, largest first: the search takes the largest whose buffers (``CUDA_TILE_BYTES`` per tile entry)
+#: fit in half the device's free memory.  A CUDA tile is one GEMM, and the per-tile selection ops are small
+#: kernels whose launches and host syncs dominate small tiles: at 1M × 128 on an H200, tiles of 32768 / 16384 / 8192
+#: rows took 9.4 / 11.5 / 19.6 s with 10.1 / 3.9 / 2.6 GB of peak GPU memory (bench/README_gpu.md).
+TILES_CUDA = (32768, 16384, 8192)
+#: Peak GPU bytes per tile entry: 9.1 GB for a 32768² tile at 100k (two float32 tile buffers and their masks).
+CUDA_TILE_BYTES = 8.5
 
 #: Rows per GEMM panel on CPU (a multiple of CHUNK).  Tile and panel sizes are measured, not derived:
 #: on the 2-core Xeon dev VM (AVX-512) 4096-row tiles in 1024-row panels searched 100k × 128 in 15.6 s
@@ -532,11 +538,23 @@ def _pair_order(x: torch.Tensor, starts: range, tile: int, n: int) -> list[tuple
     return [(starts[i], starts[j]) for i, j in pairs]
 
 
-def _tile_and_panel(n: int, tile: int | None, cuda: bool) -> tuple[int, int]:
+def _cuda_tile(n: int, device: torch.device | None) -> int:
+    """The largest of ``TILES_CUDA`` whose buffers fit in half the device's free memory (the smallest if none);
+    no larger than an N-row set needs."""
+    free = torch.cuda.mem_get_info(device)[0]
+    need = -(-n // CHUNK) * CHUNK
+    for tile in TILES_CUDA:
+        if CUDA_TILE_BYTES * min(tile, need) ** 2 <= free / 2:
+            return tile
+    return TILES_CUDA[-1]
+
+
+def _tile_and_panel(n: int, tile: int | None, cuda: bool,
+                    device: torch.device | None = None) -> tuple[int, int]:
     """Tile edge (a multiple of CHUNK, at most N rounded up) and GEMM panel rows (a divisor of the tile; the
     whole tile on CUDA) for an N-row set."""
     if tile is None:
-        tile = TILE_CUDA if cuda else TILE_CPU
+        tile = _cuda_tile(n, device) if cuda else TILE_CPU
     tile = max(CHUNK, min(tile - tile % CHUNK, -(-n // CHUNK) * CHUNK))
     panel = tile if cuda else min(tile, PANEL_CPU)
     while tile % panel:  # panels tile the tile exactly
@@ -574,7 +592,7 @@ def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
         raise ValueError(f"prune must be 'fp32', 'bf16' or None, got {prune!r}")
     if prune == "bf16" and x.is_cuda:
         raise ValueError("prune='bf16' is a CPU mode; CUDA tensors are searched in fp32")
-    tile, panel = _tile_and_panel(n, tile, x.is_cuda)
+    tile, panel = _tile_and_panel(n, tile, x.is_cuda, x.device)
     if prune is None:
         prune = chosen_prune(n, x.shape[1], k, cuda=x.is_cuda, tile=tile)
     low = prune == "bf16"

@@ -275,7 +275,15 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
                                                    run_name=f"fold {fold['index']}", reuse_unfinished=False)
             tracker.set_tags(fold_run_id, {**cfg.get("fold_run_extra_tags", {}), "restarted": "true"})
             logged = set()
-        tags: dict[str, Any] = {"pid": os.getpid(), "node_id": node_id}
+        tags: dict[str, Any] = {"pid": os.getpid(), "node_id": node_id, "device": device}
+        if device.startswith("cuda"):
+            import torch
+
+            tags["gpu_name"] = torch.cuda.get_device_name(torch.device(device))
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # a Ray Train fold: gloo on CPU, NCCL on GPUs
+            tags["dist_backend"] = str(dist.get_backend())
         ckpt.start(resume_state, last_logged)
         if ckpt.restarts:
             tags.update(resumes=ckpt.restarts, resumed_from=ckpt.resumed_from[-1])
@@ -327,6 +335,7 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         "world_size": world_size,
         "pid": os.getpid(),
         "node_id": node_id,
+        "device": device,
         "rss_peak_mb": _rss_peak_mb(),
         "restarts": ckpt.restarts,
         "resumed_from": ckpt.resumed_from,

@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 CUDA = torch.device("cuda", 0)
+#: What ``torch.cuda.mem_get_info`` answers under ``fake_cuda()``: an 80 GB card with 78 GB free.
+FAKE_FREE_BYTES, FAKE_TOTAL_BYTES = 78 << 30, 80 << 30
 _aten = torch.ops.aten
 # ops that may take CPU tensors next to CUDA ones on a real GPU: cross-device copies, and CPU index tensors
 _MIXING_ALLOWED = {_aten.copy_.default, _aten._to_copy.default, _aten.index.Tensor, _aten.index_put_.default,
@@ -172,10 +174,11 @@ def fake_cuda():
     """Fake CUDA tensors for the duration; yields the ``FakeCudaLog``.  ``torch.cuda`` is not initialised:
     factory calls with ``device="cuda"`` would otherwise try to load the driver first."""
     log = FakeCudaLog()
-    lazy_init = torch.cuda._lazy_init
+    lazy_init, mem_get_info = torch.cuda._lazy_init, torch.cuda.mem_get_info
     torch.cuda._lazy_init = lambda: None
+    torch.cuda.mem_get_info = lambda device=None: (FAKE_FREE_BYTES, FAKE_TOTAL_BYTES)
     try:
         with _Mode(log):
             yield log
     finally:
-        torch.cuda._lazy_init = lazy_init
+        torch.cuda._lazy_init, torch.cuda.mem_get_info = lazy_init, mem_get_info

@@ -620,7 +620,7 @@ def test_cuda_branch_on_fake_cuda_tensors(tile):
     (tests/fake_cuda.py): it runs in CI, where there is no GPU, and fails where a GPU would fail first -- a
     buffer, index or constant made on the CPU and mixed with device tensors, an op without a CUDA kernel, an
     fp32 product with TF32 allowed.  Results equal the CPU branch's (exact data; the CPU computes both).
-    ``tile=None``: TILE_CUDA, one tile for the whole set (diagonal only); 256: off-diagonal tiles, ragged last
+    ``tile=None``: the tile ``_cuda_tile`` picks, one tile for the whole set (diagonal only); 256: off-diagonal tiles, ragged last
     block.  The real GPU run is the next test."""
     from fake_cuda import fake_cuda, to_fake_cuda
 
@@ -654,6 +654,20 @@ def test_cuda_branch_on_fake_cuda_tensors(tile):
     blocks = -(-len(x) // side)
     tiles = [shape for shape, _ in log.products if shape[1] > blocks]
     assert set(tiles) == {(side, side)} and len(tiles) == blocks * (blocks + 1) // 2
+
+
+@pytest.mark.parametrize("free_gb, n, tile", [
+    (78, 1_000_000, 32768),  # an 80 GB card: the largest tile (9.1 GB of buffers)
+    (16, 1_000_000, 16384),  # 32768 would need 9.1 GB of the 8 GB allowed
+    (4, 1_000_000, 8192),
+    (1, 1_000_000, 8192),  # nothing fits half the free memory: the smallest
+    (4, 10_000, 32768),  # a small set needs only its own rows: the tile is cut to N below
+])
+def test_cuda_tile_is_the_largest_that_fits_half_the_free_memory(monkeypatch, free_gb, n, tile):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gb << 30, 80 << 30))
+    assert K._cuda_tile(n, None) == tile
+    assert K._tile_and_panel(n, None, True)[0] == min(tile, -(-n // K.CHUNK) * K.CHUNK)
+    assert K._tile_and_panel(n, None, False)[0] == min(K.TILE_CPU, -(-n // K.CHUNK) * K.CHUNK)  # CPU: fixed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
