@@ -78,14 +78,14 @@ from dml_core.distributed import (
     shard_bounds,
 )
 from dml_core.checkpoint import STATE_FORMAT, rng_state, set_rng_state
+# MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (``metric_loss_optimizer``); the registry's default
+# ``loss_weight_decay`` is the same constant.  Importable from here as before.
+from dml_core.protocol import MLRC_LOSS_WEIGHT_DECAY
 from dml_core.samplers import MPerClassBatchSampler
 
 __all__ = ["TrainConfig", "FoldResult", "train_fold", "embed", "embed_images"]
 
 _OPTIMIZERS = ("rmsprop", "sgd", "adam")
-#: MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (protocol spec §3, ``metric_loss_optimizer``);
-#: the registry's default ``loss_weight_decay`` is this constant.
-MLRC_LOSS_WEIGHT_DECAY = 1e-4
 _AMP_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
@@ -272,6 +272,9 @@ def loss_weight_decay_for(loss: nn.Module, config: TrainConfig) -> float:
     if config.loss_weight_decay is not None:
         return float(config.loss_weight_decay)
     if isinstance(getattr(loss, "registry_name", None), str):  # built by build_loss: the registry is loaded
+        # Not a module-level import: importing the registry imports the whole loss zoo (pytorch-metric-learning;
+        # seconds), which a caller training its own loss module never needs.  There is no import cycle
+        # (the shared constants live in dml_core.protocol).
         from dml_core.losses.registry import registered_info
 
         return float(registered_info(loss).loss_weight_decay)
