@@ -35,6 +35,14 @@ otherwise map rows to other classes' images); every row read checks its own `ind
 and its image's sha256, so no check can pass at a wrong offset; `verify_shards` always re-hashes every shard (the
 stamp only speeds up reads); `write_shards` fully decodes every image (PNG chunk CRCs included) before storing it.
 `check_rows` is the cheap preflight: every row's image header (format + dimensions) without decoding.
+
+Labels and class names (data that lies consistently: a shard re-stamped after its labels were edited passes every
+checksum): every shard's columns must have the schema's types (a label column of strings is refused), and every
+row's (label, class_name) must be the manifest's, so labels and names map one to one within and across shards.
+Opening a `ShardedTable` checks this (two small columns per shard), so `verify_shards`, `check_rows` and every
+reader do; `check_label_names(table | uri | manifest)` runs it on demand.  The manifest's class list may not hold
+two names that differ only by case or Unicode normalisation, nor control characters; `write_shards` refuses the
+same, stores class names in NFC, and stages its shards so that a failed run leaves nothing at the destination.
 Every error is a `DataError` (a ValueError) whose message starts with the file (and row) at fault.
 A `ShardedTable` pickles without open files or clients, and notices a fork, so DataLoader workers reopen their
 own handles.
@@ -43,11 +51,13 @@ own handles.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
 import os
 import tempfile
+import unicodedata
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -78,6 +88,10 @@ __all__ = [
     "ShardedTable",
     "verify_shards",
     "check_rows",
+    "check_label_names",
+    "class_name_problem",
+    "class_name_key",
+    "nfc",
     "default_cache_dir",
 ]
 
@@ -247,13 +261,21 @@ def write_shards(
     rows = sorted(records, key=lambda r: (int(r.label), r.relpath))
     if not rows:
         raise DataError(f"{dest}: no images found to write for {dataset}")
-    _validate_records(rows, dataset)
+    rows = _validate_records(rows, dataset)
 
+    # Shards are written to a staging folder and moved into place only once every image decoded, so a run that
+    # fails (a corrupt image, an interrupt) leaves nothing under `dest` (local) or deletes what it uploaded (S3).
     local = isinstance(storage, LocalStorage)
-    staging = storage.root if local else Path(tempfile.mkdtemp(prefix="dmlrc-shards-"))
+    created = [d for d in (storage.root, storage.root / "shards") if not d.exists()] if local else []
+    if local:
+        staging = storage.root / "shards" / f".staging-{uuid.uuid4().hex}"
+        staging.mkdir(parents=True)
+    else:
+        staging = Path(tempfile.mkdtemp(prefix="dmlrc-shards-"))
     (staging / "shards").mkdir(parents=True, exist_ok=True)
 
     shards: list[dict] = []
+    uploaded: list[str] = []
     state = {"writer": None, "path": None, "rows": 0, "bytes": 0, "groups": []}
 
     def open_shard():
@@ -280,8 +302,9 @@ def write_shards(
         entry = {"path": state["name"], "sha256": digest, "rows": state["rows"], "bytes": tmp.stat().st_size,
                  "row_groups": state["groups"]}
         if local:
-            os.replace(tmp, storage.root / state["name"])
+            os.replace(tmp, staging / state["name"])
         else:
+            uploaded.append(state["name"])
             storage.put_file(tmp, state["name"])
             tmp.unlink()
         shards.append(entry)
@@ -304,6 +327,7 @@ def write_shards(
         if state["bytes"] >= max_shard_bytes:
             close_shard()
 
+    done = False
     try:
         for index, rec in enumerate(tqdm(rows, desc=f"prepare {dataset}", unit="img", disable=not progress)):
             data = rec.read()
@@ -323,15 +347,25 @@ def write_shards(
         flush_group()
         if state["writer"] is not None:
             close_shard()
+        if local:
+            for entry in shards:
+                os.replace(staging / entry["path"], storage.root / entry["path"])
+        done = True
     finally:
+        import shutil
+
         if state["writer"] is not None:  # failed mid-shard: drop the partial file
             state["writer"].close()
             with contextlib.suppress(FileNotFoundError):
                 Path(state["path"]).unlink()
-        if not local:
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        if not done:
+            for d in reversed(created):  # folders this run created, if nothing else was put there since
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            for key in uploaded:  # best effort: the manifest is absent, so readers refuse these anyway
+                with contextlib.suppress(Exception):
+                    storage.delete(key)
 
     labels = np.array([r.label for r in rows], dtype=np.int64)
     uniq, counts = np.unique(labels, return_counts=True)
@@ -357,27 +391,65 @@ def write_shards(
     return manifest
 
 
-def _validate_records(rows: Sequence[Record], dataset: str) -> None:
-    """One relpath per image, labels >= 0, and labels <-> class names one-to-one (two classes with one name
-    would be merged by anyone who goes by names)."""
+def class_name_problem(name) -> str | None:
+    """Why `name` cannot be a class name, or None; the text follows the name (`f"class name {name!r} {problem}"`).
+    A name must be a non-empty string without control characters: a newline would split every one-line report
+    and log that prints it (U+2028 / U+2029 are line breaks too)."""
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a string"
+    if not name:
+        return "is empty"
+    for ch in name:
+        if unicodedata.category(ch) in ("Cc", "Cs", "Zl", "Zp"):
+            return f"contains the control character U+{ord(ch):04X}"
+    return None
+
+
+def class_name_key(name: str) -> str:
+    """Two class names with the same key differ only by case or by Unicode normalisation (NFC vs NFD): on a
+    case-insensitive file system, in a spreadsheet or to a reader they are one class."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", name).casefold())
+
+
+def nfc(name: str) -> str:
+    """The NFC form `prepare` stores class names in (macOS folders are NFD: 'café' would otherwise be stored in two
+    byte sequences depending on where the dataset was unpacked)."""
+    return unicodedata.normalize("NFC", name)
+
+
+def _validate_records(rows: Sequence[Record], dataset: str) -> list[Record]:
+    """One relpath per image, labels >= 0, class names valid (`class_name_problem`), and labels <-> class names
+    one-to-one after NFC normalisation; two labels whose names differ only by case or normalisation are refused,
+    naming both (anyone who goes by names would merge them).  Returns the rows with NFC class names."""
     seen: set[str] = set()
     names: dict[int, str] = {}
-    labels: dict[str, int] = {}
+    keys: dict[str, tuple[int, str]] = {}
+    out = []
     for r in rows:
         where = r.source or r.relpath
         if r.relpath in seen:
             raise DataError(f"{where}: {dataset}: duplicate image path {r.relpath!r}")
         seen.add(r.relpath)
-        if int(r.label) < 0:
+        label = int(r.label)
+        if label < 0:
             raise DataError(f"{where}: {dataset}: negative label {r.label}")
-        prev = names.setdefault(int(r.label), r.class_name)
-        if prev != r.class_name:
+        problem = class_name_problem(r.class_name)
+        if problem:
+            raise DataError(f"{where}: {dataset}: label {label}: class name {r.class_name!r} {problem}")
+        name = nfc(r.class_name)
+        prev = names.setdefault(label, name)
+        if prev != name:
             raise DataError(f"{where}: {dataset}: label {r.label} has two class names, {prev!r} and "
                             f"{r.class_name!r}")
-        other = labels.setdefault(r.class_name, int(r.label))
-        if other != int(r.label):
-            raise DataError(f"{where}: {dataset}: labels {other} and {r.label} have the same class name "
-                            f"{r.class_name!r}")
+        other_label, other_raw = keys.setdefault(class_name_key(name), (label, r.class_name))
+        if other_label != label:
+            if other_raw == r.class_name:
+                raise DataError(f"{where}: {dataset}: labels {other_label} and {r.label} have the same class name "
+                                f"{r.class_name!r}")
+            raise DataError(f"{where}: {dataset}: class names {other_raw!r} (label {other_label}) and "
+                            f"{r.class_name!r} (label {label}) differ only by case or Unicode normalisation")
+        out.append(r if name == r.class_name else dataclasses.replace(r, class_name=name))
+    return out
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -478,6 +550,15 @@ def _validate_manifest(m, where: str) -> dict:
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})[:5]
         raise ManifestError(f"{where}: classes: two classes have the same name {dup}")
+    first: dict[str, int] = {}
+    for i, c in enumerate(m["classes"]):
+        problem = class_name_problem(c["name"])
+        if problem:
+            raise ManifestError(f"{where}: classes[{i}].name: class name {c['name']!r} {problem}")
+        j = first.setdefault(class_name_key(c["name"]), i)
+        if j != i:
+            raise ManifestError(f"{where}: classes[{j}].name {m['classes'][j]['name']!r} and classes[{i}].name "
+                                f"{c['name']!r} differ only by case or Unicode normalisation")
     if sum(c["count"] for c in m["classes"]) != m["num_images"]:
         raise ManifestError(f"{where}: classes: counts sum to {sum(c['count'] for c in m['classes'])}, "
                             f"num_images = {m['num_images']}")
@@ -588,6 +669,10 @@ class _ShardSource:
         need = set(PARQUET_SCHEMA.names) - ({"index"} if self.id_column == "label" else set())
         if not need <= names:
             raise ManifestError(f"{where}: the file lacks columns {sorted(need - names)}")
+        for name in sorted(need):  # a label column of strings would otherwise be parsed back into numbers
+            got, want = f.schema_arrow.field(name).type, PARQUET_SCHEMA.field(name).type
+            if got != want:
+                raise ManifestError(f"{where}: column {name!r} is {got}, expected {want}")
         meta = f.metadata
         if meta.num_rows != entry["rows"]:
             raise ManifestError(f"{where}: rows {entry['rows']}, but the file holds {meta.num_rows} rows")
@@ -770,7 +855,8 @@ class ShardedTable:
         labels, splits = [], []
         v2 = source.id_column == "index"
         for k in range(len(source.manifest["shards"])):
-            t = source.read_group(k, None, ["label", "split"] + (["index"] if v2 else []))
+            t = source.read_group(k, None, ["label", "class_name", "split"] + (["index"] if v2 else []))
+            _check_shard_names(source, k, t)
             labels.append(t.column("label").to_numpy())
             splits.append(np.asarray(t.column("split").to_pylist(), dtype=str))
             if v2:  # rows in their global order: the shard is the one the manifest lists at this position
@@ -846,6 +932,52 @@ class ShardedTable:
         return self._source.shard_name(k), r
 
 
+def _check_shard_names(src: _ShardSource, k: int, t: pa.Table) -> None:
+    """Every row's (label, class_name) of shard k must be a class of the manifest: labels and class names map one
+    to one within the shard and, as every shard is held to the same list, across shards.  A shard re-stamped after
+    its labels were swapped, shifted or its class names exchanged fails here, naming its first such row."""
+    want = {int(c["label"]): c["name"] for c in src.manifest["classes"]}
+    labels, names = t.column("label"), t.column("class_name")
+    pairs = pa.table({"label": labels, "class_name": names}).group_by(["label", "class_name"]).aggregate([])
+    bad = [(int(l), n) for l, n in zip(pairs.column("label").to_pylist(), pairs.column("class_name").to_pylist())
+           if want.get(int(l)) != n]
+    if not bad:
+        return
+    lab, nam = labels.to_numpy(), np.asarray(names.to_pylist(), dtype=object)
+    r = min(int(np.flatnonzero((lab == l) & (nam == n))[0]) for l, n in bad)
+    l, n = int(lab[r]), nam[r]
+    if l not in want:
+        problem = f"label {l} (class name {n!r}) is not a class of the manifest"
+    else:
+        problem = f"label {l} has class name {n!r} here, but the manifest's label {l} is {want[l]!r}"
+    groups = src.group_starts[k]
+    rg = int(np.searchsorted(groups, r, side="right") - 1)
+    relpath = src.read_group(k, rg, ["relpath"]).column("relpath")[r - int(groups[rg])].as_py()
+    raise ManifestError(f"{src.manifest_uri}: shard {src.shard_name(k)} row {r} ({relpath}): {problem} (labels "
+                        "and class names must match one to one)")
+
+
+def check_label_names(source, *, endpoint_url: str | None = None, cache_dir=None) -> dict:
+    """Labels <-> class names one to one: the manifest's class list (no two names that differ only by case or
+    Unicode normalisation, no control characters) and every row's (label, class_name) in every shard against it.
+
+    `source`: an opened `ShardedTable` (re-reads the label and class_name columns of its verified local shards:
+    two small columns, no image bytes), a manifest URI (opening it runs the same check), or a manifest dict (its
+    class list only).  Opening a `ShardedTable` runs this check already; this function is for a caller that holds
+    a table opened earlier, or only a URI (a sweep's preflight).  Raises `ManifestError` naming the file, shard,
+    row, label and class; returns {"classes": C, "rows": N}."""
+    if isinstance(source, dict):
+        m = _validate_manifest(source, f"manifest of {source.get('dataset', '?')}")
+        return {"classes": len(m["classes"]), "rows": int(m["num_images"])}
+    table = source if isinstance(source, ShardedTable) else ShardedTable(source, endpoint_url=endpoint_url,
+                                                                         cache_dir=cache_dir, cache_row_groups=1)
+    src = table._source
+    _validate_manifest(src.manifest, src.manifest_uri)
+    for k in range(len(src.manifest["shards"])):
+        _check_shard_names(src, k, src.read_group(k, None, ["label", "class_name"]))
+    return {"classes": len(src.manifest["classes"]), "rows": int(src.manifest["num_images"])}
+
+
 def _check_label_counts(labels: np.ndarray, manifest: dict, where: str) -> None:
     uniq, counts = np.unique(labels, return_counts=True)
     got = {int(l): int(c) for l, c in zip(uniq, counts)}
@@ -856,8 +988,9 @@ def _check_label_counts(labels: np.ndarray, manifest: dict, where: str) -> None:
 
 
 def verify_shards(uri, *, endpoint_url=None, cache_dir=None, decode: bool = True, progress: bool = False) -> dict:
-    """Hash every shard (always: cache stamps are not trusted here), check the row-group layout, every row's
-    index and sha256 and (if `decode`) fully decode every image (`check_image`).
+    """Hash every shard (always: cache stamps are not trusted here), check the row-group layout and column types,
+    labels <-> class names one to one (`check_label_names`), every row's index and sha256 and (if `decode`) fully
+    decode every image (`check_image`).
 
     Raises `ShardChecksumError` / `CorruptImageError` / `ManifestError` naming the file and row; returns a
     summary dict.
@@ -876,9 +1009,10 @@ def verify_shards(uri, *, endpoint_url=None, cache_dir=None, decode: bool = True
 
 def check_rows(uri, *, endpoint_url=None, cache_dir=None, hash_rows: bool = False) -> dict:
     """The preflight's cheap check of a prepared dataset: the manifest, every shard's sha256 (stamped, as reads
-    do), the row-group layout, every row's `index`, and every row's image *header* (magic bytes + dimensions,
-    `PIL.Image.open` without decoding).  `hash_rows` also checks every image's sha256 (about the cost of reading
-    the bytes once more).  Full decoding is `verify_shards`' job (and `write_shards` decoded every image).
+    do), the row-group layout, labels <-> class names, every row's `index`, and every row's image *header* (magic
+    bytes + dimensions, `PIL.Image.open` without decoding).  `hash_rows` also checks every image's sha256 (about
+    the cost of reading the bytes once more).  Full decoding is `verify_shards`' job (and `write_shards` decoded
+    every image).
 
     Raises a `DataError` whose message starts with the manifest and names the shard and row; returns
     {"dataset", "rows", "shards", "formats": {format: count}, "min_size": (w, h), "max_size": (w, h)}.

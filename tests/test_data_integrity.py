@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -418,3 +419,325 @@ def test_a_truncated_copy_of_the_real_omniglot_zip_names_the_file(tmp_path):
 def test_errors_are_value_errors_that_start_with_the_file():
     for cls in (ManifestError, CorruptImageError, ShardChecksumError):
         assert issubclass(cls, DataError) and issubclass(cls, ValueError)
+
+
+# --------------------------------------------------------------------------------------------- dmlrc data: CLI lines
+
+
+def _data_cli(capsys, *argv) -> str:
+    """`dmlrc data ...` through the real CLI entry: exit status 2 and exactly one stderr line, returned."""
+    from pipelines.cli import main
+
+    capsys.readouterr()
+    rc = main(["data", *map(str, argv)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("data error: "), err
+    return lines[0]
+
+
+def _expect_line(line: str, text: str) -> None:
+    assert line == f"data error: {text}"
+
+
+def _image_folder(root: Path, classes=("a", "b"), per_class: int = 2) -> Path:
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for j in range(per_class):
+            (root / name / f"{j}.jpg").write_bytes(jpeg(400 + 100 * c + j))
+    return root
+
+
+# --------------------------------------------------------------------------------------------- csv datasets
+
+_CSV_CASES = {
+    "missing column": ("path,class_name\na/0.jpg,a\n",
+                       "row 1: missing column 'label' (the header has 'path', 'class_name'; required: path, label)"),
+    "empty path": ("path,label\na/0.jpg,0\n,0\n", "row 3: empty path"),
+    "dotdot path": ("path,label\na/0.jpg,0\na/../../secret.jpg,0\n",
+                    "row 3: image path 'a/../../secret.jpg' contains '..' and leaves the root {root}"),
+    "absolute path": ("path,label\n{secret},0\n",
+                      "row 2: image path '{secret}' is absolute (paths must be relative to the root {root})"),
+    "backslash path": ("path,label\na\\0.jpg,0\n",
+                       "row 2: image path 'a\\\\0.jpg' contains a backslash (paths are '/'-separated)"),
+    "missing file": ("path,label\na/0.jpg,0\na/9.jpg,0\n", "row 3: image 'a/9.jpg' not found under {root}"),
+    "label not an integer": ("path,label\na/0.jpg,zero\n", "row 2: label 'zero' is not a non-negative integer"),
+    "label a float": ("path,label\na/0.jpg,1.0\n", "row 2: label '1.0' is not a non-negative integer"),
+    "label negative": ("path,label\na/0.jpg,-1\n", "row 2: label '-1' is not a non-negative integer"),
+    "duplicate path": ("path,label\na/0.jpg,0\na/1.jpg,0\n./a//0.jpg,0\n",
+                       "row 4: image 'a/0.jpg' is listed twice (first on row 2)"),
+    "label with two names": ("path,label,class_name\na/0.jpg,0,a\na/1.jpg,0,b\n",
+                             "row 3: label 0 has class name 'b', but row 2 names it 'a'"),
+    "name with two labels": ("path,label,class_name\na/0.jpg,0,a\nb/0.jpg,1,a\n",
+                             "row 3: class name 'a' has label 1, but row 2 gives it label 0"),
+    "names differ by case": ("path,label,class_name\na/0.jpg,0,Apple\nb/0.jpg,1,apple\n",
+                             ("row 3: class names 'Apple' (label 0, row 2) and 'apple' (label 1) differ only by case "
+                              "or Unicode normalisation")),
+    "names differ by normalisation": ("path,label,class_name\na/0.jpg,0,caf\u00e9\nb/0.jpg,1,cafe\u0301\n",
+                                      ("row 3: class names 'caf\u00e9' (label 0, row 2) and 'cafe\u0301' (label 1) "
+                                       "differ only by case or Unicode normalisation")),
+    "control character in a name": ('path,label,class_name\na/0.jpg,0,"bad\nname"\n',
+                                    "row 2: class name 'bad\\nname' contains the control character U+000A"),
+    "ragged row": ("path,label,class_name\na/0.jpg,0,a,extra\n", "row 2: expected 3 fields (as the header), got 4"),
+    "train row flagged as query": ("path,label,split,is_query,is_gallery\na/0.jpg,0,train,True,\n",
+                                   "row 2: a train row cannot be a query or gallery image"),
+    "bad query flag": ("path,label,split,is_query,is_gallery\na/0.jpg,0,validation,maybe,\n",
+                       "row 2: query 'maybe' is not a boolean (True/False, 1/0, yes/no, or empty)"),
+    "no image rows": ("path,label\n", "has a header but no image rows"),
+    "not utf-8": (b"path,label\n\xff.jpg,0\n", "row 2: not UTF-8 text (byte 11: b'\\xff')"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CSV_CASES))
+def test_bad_csv_datasets_are_one_data_error_line_naming_the_row(tmp_path, capsys, case):
+    text, problem = _CSV_CASES[case]
+    root = _image_folder(tmp_path / "src")
+    secret = tmp_path / "secret.jpg"
+    secret.write_bytes(jpeg(1))
+    listing = root / "data.csv"
+    if isinstance(text, bytes):
+        listing.write_bytes(text)
+    else:
+        listing.write_text(text.format(secret=secret), encoding="utf-8")
+    line = _data_cli(capsys, "prepare", "csv", "--src", listing, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{listing}: " + problem.format(root=root, secret=secret))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_csv_image_linked_out_of_the_root_is_refused(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src")
+    secret = tmp_path / "secret.jpg"
+    secret.write_bytes(jpeg(2))
+    (root / "a" / "evil.jpg").symlink_to(secret)
+    (root / "data.csv").write_text("path,label\na/0.jpg,0\na/evil.jpg,0\n")
+    line = _data_cli(capsys, "prepare", "csv", "--src", root / "data.csv", "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root / 'data.csv'}: row 3: image 'a/evil.jpg' is a symbolic link (or under one) to "
+                       f"{os.path.realpath(secret)}, outside the root {root}")
+
+
+def test_two_csv_rows_that_are_one_file_through_a_link_are_refused(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src")
+    (root / "b" / "alias.jpg").symlink_to(root / "a" / "0.jpg")
+    (root / "data.csv").write_text("path,label\na/0.jpg,0\nb/alias.jpg,1\n")
+    line = _data_cli(capsys, "prepare", "csv", "--src", root / "data.csv", "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root / 'data.csv'}: row 3: image 'b/alias.jpg' is the same file as row 2's 'a/0.jpg' "
+                       "(through a symbolic link)")
+
+
+def test_a_corrupt_image_listed_in_a_csv_names_the_file_and_writes_nothing(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src", per_class=40)
+    victim = root / "b" / "39.jpg"
+    victim.write_bytes(victim.read_bytes()[:100])
+    (root / "data.csv").write_text("path,label\n" + "".join(f"{c}/{j}.jpg,{i}\n" for i, c in enumerate("ab")
+                                                              for j in range(40)))
+    line = _data_cli(capsys, "prepare", "csv", "--src", root / "data.csv", "--dest", tmp_path / "out", "--no-progress",
+                     "--row-group-rows", "4")
+    assert re.fullmatch(rf"data error: {re.escape(str(victim))}: (does not decode|not a readable image) .*", line)
+    assert not (tmp_path / "out").exists()  # the row groups already written were staged, then removed
+
+
+# --------------------------------------------------------------------------------------------- image folders
+
+
+def test_folder_class_names_that_differ_only_by_case_are_refused(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src", classes=("Cat", "cat"))
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root}: class folders 'Cat' and 'cat' differ only by case or Unicode normalisation")
+
+
+def test_folder_class_names_that_differ_only_by_unicode_normalisation_are_refused(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src", classes=("caf\u00e9", "cafe\u0301"))
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root}: class folders 'cafe\u0301' and 'caf\u00e9' differ only by case or Unicode "
+                       "normalisation")
+
+
+def test_a_folder_class_name_with_a_control_character_is_refused(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src", classes=("good", "bad\nname"))
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root}: class folder 'bad\\nname' contains the control character U+000A")
+
+
+def test_a_folder_rooted_at_the_file_system_root_fails_at_once(tmp_path, capsys):
+    """Before: `read_image_folder('/')` walked the whole disk (still going after 2 minutes), following links
+    such as /usr/bin/X11 -> . over and over."""
+    import time
+
+    t = time.monotonic()
+    line = _data_cli(capsys, "prepare", "folder", "--src", "/", "--dest", tmp_path / "out", "--no-progress")
+    assert time.monotonic() - t < 10
+    _expect_line(line, "/: is the root of a file system, not an image folder (the layout is <root>/<class>/<image>)")
+
+
+def test_a_tree_that_is_not_an_image_folder_fails_fast_naming_the_root(tmp_path, capsys, monkeypatch):
+    from dml_core.datasets import folder
+
+    monkeypatch.setattr(folder, "MAX_OTHER_ENTRIES", 20)
+    root = tmp_path / "home"
+    (root / "notes").mkdir(parents=True)
+    for i in range(25):
+        (root / "notes" / f"{i:02d}.txt").write_text("x")
+    _image_folder(root, classes=("photos",))
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root}: does not look like an image folder (the layout is <root>/<class>/<image>): 21 "
+                       "entries are not images (e.g. 'notes/20.txt') against 0 images so far; give the dataset's own "
+                       "root")
+
+
+def test_a_link_cycle_in_a_folder_is_refused_not_followed_forever(tmp_path, capsys):
+    """Before: `a/loop -> .` listed a/0.jpg 40 times (a/loop/0.jpg, a/loop/loop/0.jpg, ...) without an error."""
+    root = _image_folder(tmp_path / "src")
+    (root / "a" / "loop").symlink_to(".")
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root / 'a' / 'loop'}: is a symbolic link to {os.path.realpath(root / 'a')}, a folder "
+                       "already listed as 'a' (a cycle, or one folder under two names)")
+
+
+def test_a_class_folder_linked_into_another_class_is_refused(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src")
+    (root / "b" / "more").symlink_to(root / "a")
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root / 'b' / 'more'}: is a symbolic link to {os.path.realpath(root / 'a')}, a folder "
+                       "already listed as 'a' (a cycle, or one folder under two names)")
+
+
+def test_a_folder_image_linked_out_of_the_root_is_refused(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src")
+    secret = tmp_path / "secret.jpg"
+    secret.write_bytes(jpeg(3))
+    (root / "a" / "evil.jpg").symlink_to(secret)
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root / 'a' / 'evil.jpg'}: is a symbolic link to {os.path.realpath(secret)}, outside the "
+                       f"image folder {root}")
+
+
+def test_an_empty_class_folder_is_refused(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src")
+    (root / "empty").mkdir()
+    (root / "empty" / "README.txt").write_text("nothing here")
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    _expect_line(line, f"{root}: class directories without images: ['empty'] (the layout is <root>/<class>/<image>; "
+                       f"is {root} the dataset's root?)")
+
+
+def test_a_corrupt_image_in_a_folder_names_the_file_and_writes_nothing(tmp_path, capsys):
+    root = _image_folder(tmp_path / "src")
+    victim = root / "b" / "1.jpg"
+    victim.write_bytes(victim.read_bytes()[:-200])
+    line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
+    assert re.fullmatch(rf"data error: {re.escape(str(victim))}: does not decode .*", line)
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------- consistent lies
+
+
+def _toy_shards(tmp_path, n_classes=3, per_class=4, **kw) -> tuple[Path, dict]:
+    recs, _ = _records(n_classes, per_class)
+    out = tmp_path / "out"
+    return out, write_shards(recs, out, dataset="toy", row_group_rows=3, progress=False, **kw)
+
+
+def _restamp(out: Path, k: int, edit) -> None:
+    """Rewrite shard k through `edit(table) -> table` with its row groups kept, and stamp the new sha256 into the
+    manifest: the shard checksum then passes, only the contents lie."""
+    m = json.loads((out / "manifest.json").read_text())
+    shard = out / m["shards"][k]["path"]
+    pq.write_table(edit(pq.read_table(shard)), shard, row_group_size=m["shards"][k]["row_groups"][0])
+    m["shards"][k]["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(m))
+
+
+def _set(t: pa.Table, column: str, values) -> pa.Table:
+    return t.set_column(t.schema.get_field_index(column), column, values)
+
+
+def _verify_line(capsys, out: Path, tmp_path: Path) -> str:
+    return _data_cli(capsys, "verify", out, "--no-progress", "--cache-dir", tmp_path / "cache")
+
+
+def test_two_classes_labels_swapped_and_restamped_fail_verify(tmp_path, capsys):
+    """Before: the class sizes are equal, so the count check passed and `verify` said ok."""
+    out, _ = _toy_shards(tmp_path, 2, 4)
+    _restamp(out, 0, lambda t: _set(t, "label", pa.array([1 - v for v in t.column("label").to_pylist()], pa.int64())))
+    _expect_line(_verify_line(capsys, out, tmp_path),
+                 f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 1 has class name "
+                 "'class0' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)")
+
+
+def test_labels_shifted_by_one_and_restamped_fail_verify(tmp_path, capsys):
+    out, _ = _toy_shards(tmp_path, 3, 4)
+    _restamp(out, 0, lambda t: _set(t, "label", pa.array([(v + 1) % 3 for v in t.column("label").to_pylist()],
+                                                         pa.int64())))
+    _expect_line(_verify_line(capsys, out, tmp_path),
+                 f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 1 has class name "
+                 "'class0' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)")
+
+
+def test_a_label_column_turned_into_strings_fails_verify(tmp_path, capsys):
+    """Before: the strings were parsed back into numbers and `verify` said ok."""
+    out, _ = _toy_shards(tmp_path, 2, 4)
+    _restamp(out, 0, lambda t: _set(t, "label", pa.array([str(v) for v in t.column("label").to_pylist()])))
+    _expect_line(_verify_line(capsys, out, tmp_path),
+                 f"{out / 'manifest.json'}: shards[0] (shards/part-00000.parquet): column 'label' is string, "
+                 "expected int64")
+
+
+def test_class_names_swapped_in_a_shard_fail_verify(tmp_path, capsys):
+    out, _ = _toy_shards(tmp_path, 2, 4)
+    swap = {"class0": "class1", "class1": "class0"}
+    _restamp(out, 0, lambda t: _set(t, "class_name", pa.array([swap[v] for v in t.column("class_name").to_pylist()])))
+    _expect_line(_verify_line(capsys, out, tmp_path),
+                 f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 0 has class name "
+                 "'class1' here, but the manifest's label 0 is 'class0' (labels and class names must match one to one)")
+
+
+def test_class_names_swapped_in_the_manifest_fail_verify(tmp_path, capsys):
+    out, _ = _toy_shards(tmp_path, 2, 4)
+    _rewrite_manifest(out, lambda m: (m["classes"][0].update(name="class1"), m["classes"][1].update(name="class0")))
+    _expect_line(_verify_line(capsys, out, tmp_path),
+                 f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 0 has class name "
+                 "'class0' here, but the manifest's label 0 is 'class1' (labels and class names must match one to one)")
+
+
+def test_a_class_named_differently_in_another_shard_fails_verify(tmp_path, capsys):
+    """Across shards: shard 1 alone calls class 1 'class2' (every shard is held to the manifest's one list)."""
+    out, m = _toy_shards(tmp_path, 3, 4, max_shard_bytes=2500)
+    assert len(m["shards"]) > 1
+    t1 = pq.read_table(out / m["shards"][1]["path"])
+    assert 1 in t1.column("label").to_pylist()
+    first = t1.column("label").to_pylist().index(1)
+    rel = t1.column("relpath")[first].as_py()
+    def rename(t):
+        pairs = zip(t.column("label").to_pylist(), t.column("class_name").to_pylist())
+        return _set(t, "class_name", pa.array(["class2" if l == 1 else n for l, n in pairs]))
+
+    _restamp(out, 1, rename)
+    _expect_line(_verify_line(capsys, out, tmp_path),
+                 f"{out / 'manifest.json'}: shard {m['shards'][1]['path']} row {first} ({rel}): label 1 has class name "
+                 "'class2' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)")
+
+
+def test_a_manifest_with_case_colliding_class_names_fails(tmp_path, capsys):
+    out, _ = _toy_shards(tmp_path, 2, 4)
+    _rewrite_manifest(out, lambda m: (m["classes"][0].update(name="Class"), m["classes"][1].update(name="class")))
+    _expect_line(_verify_line(capsys, out, tmp_path),
+                 f"{out / 'manifest.json'}: classes[0].name 'Class' and classes[1].name 'class' differ only by case or "
+                 "Unicode normalisation")
+
+
+def test_check_label_names_on_an_open_table_sees_a_shard_changed_since(tmp_path):
+    from dml_core.shards import check_label_names
+
+    out, _ = _toy_shards(tmp_path, 2, 4)
+    table = read_parquet_manifest(out, cache_dir=tmp_path / "cache")
+    assert check_label_names(table) == {"classes": 2, "rows": 8}
+    assert check_label_names(out, cache_dir=tmp_path / "cache") == {"classes": 2, "rows": 8}
+    assert check_label_names(json.loads((out / "manifest.json").read_text())) == {"classes": 2, "rows": 8}
+    _restamp(out, 0, lambda t: _set(t, "label", pa.array([1 - v for v in t.column("label").to_pylist()], pa.int64())))
+    table._source.manifest = json.loads((out / "manifest.json").read_text())  # as a re-read manifest would say
+    table._source._files.clear()
+    table._source._local.clear()
+    with pytest.raises(ManifestError, match=r"row 0 \(c0/0.jpg\): label 1 has class name 'class0' here"):
+        check_label_names(table)
