@@ -8,7 +8,8 @@
   S3), `read_omniglot` (the `images_background_small*.zip` files).
 * `synthetic(...)` — compositional toy classes with several modes each, for smoke tests and the demo.
 * `train_transform` / `eval_transform` — MLRC protocol spec §3 ("train transform", "eval transform"), PIL + torch
-  only: bit-identical to torchvision v2's, without importing it.
+  only: bit-identical to torchvision v2's, without importing it; `preprocessing=` normalises for a trunk's weights
+  (BN-Inception: BGR, 0–255, mean-subtracted; `dml_core.trunks.Preprocessing`, docs/trunks.md).
 * `check_classes_fill_folds` — fail before training when the classes cannot fill 4 folds of m-per-class batches.
 """
 
@@ -213,11 +214,31 @@ def _to_tensor(img) -> torch.Tensor:
     return hwc.permute(2, 0, 1).to(torch.float32).mul_(1.0 / 255)
 
 
-def _normalise(x: torch.Tensor) -> torch.Tensor:
-    """ImageNet mean/std per channel: (x - mean) / std, as two float32 tensor ops (torchvision's Normalize)."""
-    mean = torch.as_tensor(IMAGENET_MEAN, dtype=x.dtype).view(-1, 1, 1)
-    std = torch.as_tensor(IMAGENET_STD, dtype=x.dtype).view(-1, 1, 1)
+def _preprocessing(value, who: str):
+    """``preprocessing=`` of a transform as a :class:`dml_core.trunks.Preprocessing` (``None``: ImageNet)."""
+    from dml_core.trunks.preprocessing import Preprocessing  # imports neither timm nor torchvision
+
+    return Preprocessing.coerce(value, where=f"{who}(preprocessing=...)")
+
+
+def _normalise(x: torch.Tensor, pre=None) -> torch.Tensor:
+    """RGB [0, 1] CxHxW -> the trunk's input: channels reordered (BGR), scaled (x 255), then (x - mean) / std per
+    channel as two float32 tensor ops (torchvision's Normalize).  ``pre`` is a ``Preprocessing``; ``None`` or the
+    ImageNet default run exactly the ops of the ImageNet mean/std normalisation (bit-identical to torchvision)."""
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if pre is None else (pre.mean, pre.std)
+    if pre is not None and pre.channel_order == "BGR":
+        x = x.flip(0)  # a copy: C is the first dim of a single image
+    if pre is not None and pre.value_scale != 1.0:
+        x = x.mul_(pre.value_scale)  # powerful-benchmarker / pretrainedmodels: ToTensor, then x 255, then Normalize
+    mean = torch.as_tensor(mean, dtype=x.dtype).view(-1, 1, 1)
+    std = torch.as_tensor(std, dtype=x.dtype).view(-1, 1, 1)
     return x.sub(mean).div_(std)
+
+
+def _describe_normalise(pre) -> str:
+    from dml_core.trunks.preprocessing import IMAGENET_PREPROCESSING
+
+    return "Normalize(ImageNet)" if pre == IMAGENET_PREPROCESSING else f"Normalize({pre.describe()})"
 
 
 class TrainTransform:
@@ -230,10 +251,18 @@ class TrainTransform:
     fraction, a log-uniform aspect ratio, then ``randint`` top and left; the centre-crop fallback after 10 misses;
     then one ``rand`` for the flip — so ``torch.manual_seed`` reproduces torchvision's output bit for bit
     (``tests/test_transforms.py``).
+
+    ``preprocessing`` (a :class:`dml_core.trunks.Preprocessing` or a dict of its fields, e.g. ``model.preprocessing``
+    or ``trunk_preprocessing(name)``) replaces the final ImageNet normalisation by the trunk's: channel order, value
+    scale, mean and std — BN-Inception's gives BGR values in [0, 255] minus (104, 117, 128).  Its geometry fields are
+    not used: crop size, scale range and bilinear resampling stay the protocol's (``docs/trunks.md``).  ``None``
+    (the default) is the ImageNet normalisation.
     """
 
-    def __init__(self, size: int = 227, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), flip_p: float = 0.5):
+    def __init__(self, size: int = 227, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), flip_p: float = 0.5,
+                 preprocessing=None):
         self.size, self.scale, self.ratio, self.flip_p = int(size), tuple(scale), tuple(ratio), float(flip_p)
+        self.preprocessing = _preprocessing(preprocessing, "train_transform")
         # float32 logs, as torchvision keeps them: the uniform bounds must be the same doubles.
         self._log_ratio = tuple(float(v) for v in torch.log(torch.tensor(self.ratio)))
 
@@ -269,21 +298,23 @@ class TrainTransform:
         img = _resize_bilinear(img.crop((left, top, left + w, top + h)), self.size, self.size)
         if bool(torch.rand(1) < self.flip_p):  # torchvision: no flip when rand >= p
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        return _normalise(_to_tensor(img))
+        return _normalise(_to_tensor(img), self.preprocessing)
 
     def __repr__(self) -> str:
         return (f"TrainTransform(RandomResizedCrop({self.size}, scale={self.scale}, ratio={self.ratio}, bilinear), "
-                f"HorizontalFlip(p={self.flip_p}), ToTensor, Normalize(ImageNet))")
+                f"HorizontalFlip(p={self.flip_p}), ToTensor, {_describe_normalise(self.preprocessing)})")
 
 
 class EvalTransform:
     """MLRC evaluation (protocol spec §3 "eval transform"): Resize(round(size·256/227)) of the short side, bilinear
     — i.e. Resize(256) at the paper's 227 — then CenterCrop(size), ToTensor, ImageNet Normalize; grayscale becomes
-    3 channels.  PIL + torch only, the same pixels as torchvision's ``Resize`` + ``CenterCrop`` on PIL images."""
+    3 channels.  PIL + torch only, the same pixels as torchvision's ``Resize`` + ``CenterCrop`` on PIL images.
+    ``preprocessing`` replaces the ImageNet normalisation by a trunk's, as for :class:`TrainTransform`."""
 
-    def __init__(self, size: int = 227):
+    def __init__(self, size: int = 227, preprocessing=None):
         self.size = int(size)
         self.resize = round(self.size * 256 / 227)
+        self.preprocessing = _preprocessing(preprocessing, "eval_transform")
 
     def __call__(self, img) -> torch.Tensor:
         _check_pil(img, "eval_transform")
@@ -296,20 +327,23 @@ class EvalTransform:
         top = int(round((img.height - self.size) / 2.0))
         left = int(round((img.width - self.size) / 2.0))
         img = img.crop((left, top, left + self.size, top + self.size))
-        return _normalise(_to_tensor(img))
+        return _normalise(_to_tensor(img), self.preprocessing)
 
     def __repr__(self) -> str:
-        return f"EvalTransform(Resize({self.resize}, bilinear), CenterCrop({self.size}), ToTensor, Normalize(ImageNet))"
+        return (f"EvalTransform(Resize({self.resize}, bilinear), CenterCrop({self.size}), ToTensor, "
+                f"{_describe_normalise(self.preprocessing)})")
 
 
-def train_transform(size: int = 227) -> TrainTransform:
-    """The protocol's training transform at crop ``size`` (:class:`TrainTransform`)."""
-    return TrainTransform(size)
+def train_transform(size: int = 227, preprocessing=None) -> TrainTransform:
+    """The protocol's training transform at crop ``size`` (:class:`TrainTransform`), normalised for the trunk's
+    ``preprocessing`` (default: ImageNet mean/std, RGB in [0, 1])."""
+    return TrainTransform(size, preprocessing=preprocessing)
 
 
-def eval_transform(size: int = 227) -> EvalTransform:
-    """The protocol's evaluation transform at crop ``size`` (:class:`EvalTransform`)."""
-    return EvalTransform(size)
+def eval_transform(size: int = 227, preprocessing=None) -> EvalTransform:
+    """The protocol's evaluation transform at crop ``size`` (:class:`EvalTransform`), normalised for the trunk's
+    ``preprocessing`` (default: ImageNet mean/std, RGB in [0, 1])."""
+    return EvalTransform(size, preprocessing=preprocessing)
 
 
 # --------------------------------------------------------------------------------------------- readers

@@ -5,23 +5,31 @@ pooled feature feeds one ``Linear(1024, 128)`` (no ReLU, no BN); the trunk's Bat
 in eval mode); embeddings are raw (losses and the evaluator normalise).  This module builds that recipe and
 the variants the newer papers use:
 
-Trunks (``trunk=``)
-    ``googlenet``  torchvision GoogLeNet (Inception v1 with BatchNorm after every convolution), 1024-d.
-                   BN-Inception (Ioffe & Szegedy 2015; ``pretrainedmodels.bninception``) is **not in
-                   torchvision**.  GoogLeNet-with-BN is the closest torchvision architecture (same Inception v1
-                   topology and 1024-d output, slightly different modules), so it stands in for the MLRC
-                   trunk; absolute numbers are therefore not the paper's.
+Trunks (``trunk=``) — resolved by :func:`dml_core.trunks.resolve_trunk` (user guide: ``docs/trunks.md``)
+    ``bninception`` BN-Inception (Ioffe & Szegedy 2015), 1024-d — **the MLRC trunk** (protocol spec §3), written
+                   in :mod:`dml_core.trunks.bninception` with ``pretrainedmodels.bninception``'s exact state-dict
+                   layout, so its ImageNet file (``bn_inception-52deb4733.pth``) loads as-is.  Its weights expect BGR
+                   input in [0, 255] minus the mean (104, 117, 128): give the data transforms
+                   ``preprocessing=model.preprocessing``.
+    ``googlenet``  torchvision GoogLeNet (Inception v1 with BatchNorm after every convolution), 1024-d, the closest
+                   torchvision architecture to BN-Inception (same Inception v1 topology, slightly different modules).
     ``resnet50``   torchvision ResNet-50, 2048-d — what most later papers use (ProxyNCA++ §4.1, RSW, MPA).
     ``resnet18``   torchvision ResNet-18, 512-d — a cheaper ResNet for smoke runs on a GPU.
     ``tiny``       a small conv-BN-ReLU CNN (256-d) for CPU tests and Omniglot-sized images (any size ≥ 16 px).
+    ``timm:<model>``  any model of the timm registry (``timm.create_model(name, pretrained=False, num_classes=0,
+                   global_pool="")``): its unpooled feature map; token models (ViT) give timm's pooled pre-logits and
+                   accept only ``pooling="avg"``.
+    ``package.module:callable`` or an entry-point name of the group ``dml_reality_check.trunks`` — a trunk from
+                   user code (contract in ``docs/trunks.md``).
 
     torchvision trunks are built with ``weights=None`` (GoogLeNet: ``aux_logits=False, init_weights=True``)
     and keep everything up to the last feature map; their pooling and classifier are dropped.  Nothing is
-    downloaded: pretrained weights come only from a local file ``pretrained=`` holding a torchvision
-    ``state_dict`` of the classifier (its ``fc.*``/``aux*`` entries are ignored; every trunk entry must
-    match).  For GoogLeNet with pretrained weights the input is re-normalised like torchvision does for its
-    ImageNet weights (``transform_input=True``): those weights expect inputs scaled to [-1, 1], while the
-    data layer normalises with the ImageNet mean/std.
+    downloaded: pretrained weights come only from ``pretrained=``, a local file or an ``s3://`` object (fetched
+    through :mod:`dml_core.storage`), holding a state dict of the full classifier: its classifier entries
+    (torchvision ``fc.*``/``aux*``, BN-Inception ``last_linear.*``, timm's ``pretrained_cfg["classifier"]``) are
+    ignored, every trunk entry must match.  For GoogLeNet with pretrained weights the input is re-normalised like
+    torchvision does for its ImageNet weights (``transform_input=True``): those weights expect inputs scaled to
+    [-1, 1], while the data layer normalises with the ImageNet mean/std.
 
 Pooling (``pooling=``) over the trunk's last feature map
     ``avg``      global average pooling — MLRC (BN-Inception's pooled feature).
@@ -59,92 +67,22 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from dml_core.trunks import BUILTIN_TRUNKS, Preprocessing, TinyCNN, resolve_trunk
+
 __all__ = ["TRUNKS", "POOLINGS", "TinyCNN", "GlobalPooling", "EmbeddingModel", "build_model", "parse_pooling"]
 
-TRUNKS = ("tiny", "resnet18", "resnet50", "googlenet")
+#: The built-in trunk names; ``timm:<model>``, import paths and entry points are accepted too (docs/trunks.md).
+TRUNKS = BUILTIN_TRUNKS
 #: Pooling names; ``gem`` and ``kmax`` take an argument after a colon (``gem:3``, ``kmax:4``).
 POOLINGS = ("avg", "max", "avg+max", "gem", "kmax")
 #: "cubic" GeM (MPA §4.2) and GeM's clamp floor (spec loss_multi_proxy_anchor §3).
 GEM_P = 3.0
 GEM_EPS = 1e-6
-
-_FEATURE_DIMS = {"tiny": 256, "resnet18": 512, "resnet50": 2048, "googlenet": 1024}
-# Children of the torchvision classifiers that come after the last feature map (or are auxiliary heads).
-_HEAD_PREFIXES = ("fc.", "avgpool.", "dropout.", "aux1.", "aux2.")
-
-
-class TinyCNN(nn.Sequential):
-    """Four conv3×3-BN-ReLU blocks (32, 64, 128, 256 channels), 2×2 max-pool after the first three.
-
-    A 16-px input leaves a 2×2 map, a 64-px input 8×8; about 0.4 M parameters, cheap on a CPU.
-    """
-
-    def __init__(self, widths: tuple[int, ...] = (32, 64, 128, 256)):
-        layers: list[nn.Module] = []
-        c_in = 3
-        for i, c_out in enumerate(widths):
-            layers += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
-            if i < len(widths) - 1:
-                layers.append(nn.MaxPool2d(2))
-            c_in = c_out
-        super().__init__(*layers)
-
-
-class _GoogLeNetInputTransform(nn.Module):
-    """torchvision's ``GoogLeNet._transform_input``: ImageNet mean/std normalisation → (x − 0.5)/0.5."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        std = x.new_tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-        mean = x.new_tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
-        return x * (std / 0.5) + (mean - 0.5) / 0.5
-
-
-def _torchvision_trunk(name: str, pretrained_transform: bool) -> nn.Sequential:
-    """The torchvision classifier ``name`` (``weights=None``) up to its last feature map, as a Sequential
-    whose child names (and so state_dict keys) are torchvision's."""
-    # Imported here, only for these trunks: torchvision loads torchvision.ops and with it torch._dynamo (~150 MB
-    # per process), which a ``tiny``-trunk fold process does not need (bench/README_overhead.md).
-    import torchvision.models as tvm
-
-    if name == "googlenet":
-        full = tvm.googlenet(weights=None, aux_logits=False, init_weights=True)
-    else:
-        full = getattr(tvm, name)(weights=None)
-    children = [
-        (n, m) for n, m in full.named_children() if m is not None and n + "." not in _HEAD_PREFIXES
-    ]
-    if name == "googlenet" and pretrained_transform:
-        children.insert(0, ("transform_input", _GoogLeNetInputTransform()))
-    return nn.Sequential(OrderedDict(children))
-
-
-def _check_weights_file(path: str | os.PathLike, trunk_name: str) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"pretrained weights file not found: {str(path)!r} (trunk {trunk_name!r})")
-    return path
-
-
-def _load_trunk_weights(trunk: nn.Module, path: Path, trunk_name: str) -> None:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt file, pickle of something else, ...
-        raise ValueError(f"pretrained weights file {str(path)!r} could not be read as a state_dict: {e}") from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-        raise ValueError(f"pretrained weights file {str(path)!r} does not hold a state_dict (a dict of tensors)")
-    state = {k: v for k, v in state.items() if not k.startswith(_HEAD_PREFIXES)}
-    missing, unexpected = trunk.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"pretrained weights file {str(path)!r} does not match trunk {trunk_name!r}: "
-            f"{len(missing)} missing entries {missing[:5]}, {len(unexpected)} unexpected entries {unexpected[:5]}"
-        )
 
 
 def parse_pooling(spec: str) -> tuple[str, float | int | None]:
@@ -215,7 +153,10 @@ class EmbeddingModel(nn.Module):
     """trunk → global pooling → [LayerNorm] → Linear; ``forward(images) -> (B, embedding_dim)`` raw embeddings.
 
     Attributes: ``trunk`` (feature-map extractor), ``pool``, ``embedder`` (``[layer_norm,] linear``),
-    ``feature_dim`` (pooled trunk width), ``embedding_dim``.  See the module docstring for the choices.
+    ``feature_dim`` (pooled trunk width), ``embedding_dim``, ``trunk_name``, ``preprocessing`` (the
+    :class:`dml_core.trunks.Preprocessing` the trunk's weights expect — pass it to the data transforms).  ``trunk``
+    is any name :func:`dml_core.trunks.resolve_trunk` accepts; ``pretrained`` a local file or an ``s3://`` URI.
+    See the module docstring for the choices.
     """
 
     def __init__(
@@ -229,8 +170,6 @@ class EmbeddingModel(nn.Module):
         freeze_bn_affine: bool = False,
     ):
         super().__init__()
-        if trunk not in TRUNKS:
-            raise ValueError(f"trunk must be one of {TRUNKS}, got {trunk!r}")
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"embedding_dim must be a positive integer, got {embedding_dim!r}")
         for name, flag in (("layer_norm", layer_norm), ("freeze_bn", freeze_bn), ("freeze_bn_affine", freeze_bn_affine)):
@@ -239,16 +178,19 @@ class EmbeddingModel(nn.Module):
         if freeze_bn_affine and not freeze_bn:
             raise ValueError("freeze_bn_affine=True needs freeze_bn=True")
 
+        # validate the trunk and pooling names before the (slower) trunk is built; the weights file is checked
+        # (or fetched from S3) by spec.build before the trunk is constructed
+        spec = resolve_trunk(trunk)
+        self.pool = GlobalPooling(pooling)
         self.trunk_name = trunk
-        self.feature_dim = _FEATURE_DIMS[trunk]
         self.embedding_dim = embedding_dim
         self.freeze_bn = freeze_bn
-        # validate the pooling name and the weights path before the (slower) trunk is built
-        self.pool = GlobalPooling(pooling)
-        weights = _check_weights_file(pretrained, trunk) if pretrained is not None else None
-        self.trunk = TinyCNN() if trunk == "tiny" else _torchvision_trunk(trunk, weights is not None)
-        if weights is not None:
-            _load_trunk_weights(self.trunk, weights, trunk)
+        self.trunk, self.feature_dim = spec.build(pretrained)
+        #: the input convention of the trunk's weights: give it to the data transforms (``preprocessing=``)
+        self.preprocessing: Preprocessing = spec.preprocessing_for(self.trunk)
+        if getattr(self.trunk, "pooled_features_only", False) and self.pool.kind != "avg":
+            raise ValueError(f"trunk {trunk!r} gives pooled features (timm's pre-logits of a token model), not a "
+                             f"feature map: only pooling 'avg' applies, got {pooling!r}")
         embedder: list[tuple[str, nn.Module]] = []
         if layer_norm:
             embedder.append(("layer_norm", nn.LayerNorm(self.feature_dim, elementwise_affine=False)))
@@ -286,7 +228,11 @@ class EmbeddingModel(nn.Module):
         MLRC also evaluates these ("untrained trunk", spec §1.4)."""
         if images.dim() != 4 or images.size(1) != 3:
             raise ValueError(f"images must be a (B, 3, H, W) tensor, got shape {tuple(images.shape)}")
-        return self.pool(self.trunk(images))
+        fmap = self.trunk(images)
+        if fmap.dim() != 4 or fmap.size(1) != self.feature_dim:
+            raise ValueError(f"trunk {self.trunk_name!r} returned shape {tuple(fmap.shape)}, expected a (B, "
+                             f"{self.feature_dim}, H, W) feature map (its feature_dim is {self.feature_dim})")
+        return self.pool(fmap)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.embedder(self.pooled_features(images))
@@ -302,6 +248,7 @@ def build_model(**kwargs) -> EmbeddingModel:
     if unknown:
         raise ValueError(f"build_model: unknown model field(s) {unknown}; known: {list(allowed)}")
     if "trunk" not in kwargs:
-        raise ValueError(f"build_model: field 'trunk' is required (one of {TRUNKS})")
+        raise ValueError(f"build_model: field 'trunk' is required (a built-in name {TRUNKS}, 'timm:<model>', "
+                         "'package.module:callable' or an entry-point name; docs/trunks.md)")
     return EmbeddingModel(**kwargs)
 

@@ -32,7 +32,8 @@ def test_tiny_trunk_any_size_and_pooling(size, pooling):
     assert out.shape == (3, 7) and model.embedding_dim == 7 and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("trunk, feature_dim", [("resnet18", 512), ("resnet50", 2048), ("googlenet", 1024)])
+@pytest.mark.parametrize("trunk, feature_dim", [("resnet18", 512), ("resnet50", 2048), ("googlenet", 1024),
+                                                ("bninception", 1024)])
 def test_torchvision_trunks_forward(trunk, feature_dim):
     model = build_model(trunk=trunk, pooling="avg+max", layer_norm=True, embedding_dim=16)
     model.eval()
@@ -141,7 +142,7 @@ def _bn_state(model):
     return {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
 
 
-@pytest.mark.parametrize("trunk", ["tiny", "googlenet"])
+@pytest.mark.parametrize("trunk", ["tiny", "googlenet", "bninception"])
 def test_frozen_bn_keeps_running_statistics_in_train_mode(trunk):
     model = EmbeddingModel(trunk, freeze_bn=True)
     model.eval()
@@ -227,6 +228,17 @@ def test_pretrained_googlenet_with_aux_heads_loads_and_transforms_input_like_tor
         torch.testing.assert_close(model.pooled_features(_images(2, 64)), ref(_images(2, 64)))
 
 
+def test_every_builtin_model_records_the_preprocessing_its_trunk_expects():
+    from dml_core.trunks import BNINCEPTION_PREPROCESSING, IMAGENET_PREPROCESSING, trunk_preprocessing
+
+    assert EmbeddingModel("bninception").preprocessing == BNINCEPTION_PREPROCESSING
+    for trunk in ("tiny", "resnet18"):
+        pre = EmbeddingModel(trunk).preprocessing
+        assert pre == trunk_preprocessing(trunk)
+        assert (pre.mean, pre.std, pre.channel_order, pre.value_scale) == (
+            IMAGENET_PREPROCESSING.mean, IMAGENET_PREPROCESSING.std, "RGB", 1.0)
+
+
 def test_missing_pretrained_file_names_the_path(tmp_path):
     missing = tmp_path / "nope" / "resnet50.pth"
     with pytest.raises(FileNotFoundError, match="nope/resnet50.pth"):
@@ -254,7 +266,9 @@ def test_pretrained_file_for_another_architecture_is_rejected(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"trunk": "bninception"}, "trunk must be one of"),
+        ({"trunk": "alexnet"}, r"unknown trunk 'alexnet': a trunk is a built-in name \(tiny, resnet18"),
+        ({"trunk": "resnet5O"}, "did you mean 'resnet50'"),
+        ({"trunk": ""}, "trunk must be a non-empty name"),
         ({"trunk": "tiny", "pooling": "median"}, "pooling must be one of avg, max"),
         ({"trunk": "tiny", "pooling": "max:2"}, "pooling must be one of"),
         ({"trunk": "tiny", "pooling": "gem:0.5"}, "GeM's p must be a finite number >= 1"),

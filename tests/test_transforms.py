@@ -114,3 +114,105 @@ def test_transforms_refuse_non_pil_input_with_one_line():
         train_transform(16)(torch.zeros(3, 20, 20))
     with pytest.raises(TypeError, match="eval_transform takes a PIL image"):
         eval_transform(16)(np.zeros((20, 20, 3), np.uint8))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# trunk preprocessing (dml_core.trunks.Preprocessing, docs/trunks.md)
+
+
+def _ref_tail_for(pre):
+    """torchvision's ToTensor-style tail, then the trunk convention as MLRC's powerful-benchmarker applies it for
+    BN-Inception (pretrainedmodels settings): BGR channels, x 255, Normalize(mean, std)."""
+    steps = [v2.ToImage(), _RefToRGB(), v2.ToDtype(torch.float32, scale=True)]
+    if pre.channel_order == "BGR":
+        steps.append(v2.Lambda(lambda x: x[[2, 1, 0]]))
+    if pre.value_scale != 1.0:
+        steps.append(v2.Lambda(lambda x: x * pre.value_scale))
+    return steps + [v2.Normalize(list(pre.mean), list(pre.std))]
+
+
+@pytest.mark.parametrize("size", [16, 227])
+def test_default_preprocessing_is_todays_imagenet_normalisation_bit_for_bit(size):
+    from dml_core.trunks import IMAGENET_PREPROCESSING
+
+    rng = np.random.default_rng(size)
+    ref_train, ref_eval = _ref_train(size), _ref_eval(size)
+    for pre in (None, IMAGENET_PREPROCESSING, IMAGENET_PREPROCESSING.as_dict()):
+        tr, ev = train_transform(size, preprocessing=pre), eval_transform(size, preprocessing=pre)
+        for h, w in SHAPES[:6]:
+            img = _image(rng, h, w)
+            torch.manual_seed(h * w)
+            a = tr(img)
+            torch.manual_seed(h * w)
+            assert torch.equal(a, ref_train(img))
+            assert torch.equal(ev(img), ref_eval(img))
+        assert repr(tr).endswith("Normalize(ImageNet))") and repr(ev).endswith("Normalize(ImageNet))")
+
+
+@pytest.mark.parametrize("size", [32, 227])
+def test_bninception_preprocessing_gives_bgr_0_255_mean_subtracted_like_torchvision(size):
+    from dml_core.trunks import BNINCEPTION_PREPROCESSING as pre
+
+    rng = np.random.default_rng(size + 1)
+    ours_train, ours_eval = train_transform(size, preprocessing=pre), eval_transform(size, preprocessing=pre)
+    ref_train = v2.Compose([_RefToRGB(), v2.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3),
+                                                               antialias=True),
+                            v2.RandomHorizontalFlip(0.5), *_ref_tail_for(pre)])
+    ref_eval = v2.Compose([_RefToRGB(), v2.Resize(round(size * 256 / 227), antialias=True), v2.CenterCrop(size),
+                           *_ref_tail_for(pre)])
+    for k, (h, w) in enumerate(SHAPES):
+        img = _image(rng, h, w, "L" if k == 3 else "RGB")
+        for seed in range(3):
+            torch.manual_seed(seed)
+            a = ours_train(img)
+            torch.manual_seed(seed)
+            assert torch.equal(a, ref_train(img)), f"{h}x{w} seed {seed}"
+        b = ours_eval(img)
+        assert torch.equal(b, ref_eval(img)), f"{h}x{w}"
+    # by hand: the eval crop of a solid colour is that colour, BGR, in 0-255 minus (104, 117, 128)
+    solid = Image.new("RGB", (40, 50), (200, 100, 10))
+    out = ours_eval(solid)
+    torch.testing.assert_close(out[:, 0, 0], torch.tensor([10 - 104.0, 100 - 117.0, 200 - 128.0]), rtol=0,
+                               atol=1e-4)
+    assert "BGR x255 mean=(104, 117, 128) std=(1, 1, 1)" in repr(ours_eval)
+
+
+def test_same_seed_same_crop_whatever_the_preprocessing():
+    """The preprocessing changes only the normalisation: the random crop and flip draws stay the protocol's."""
+    from dml_core.trunks import BNINCEPTION_PREPROCESSING, Preprocessing
+
+    img = _image(np.random.default_rng(9), 80, 60)
+    identity = Preprocessing(mean=(0, 0, 0), std=(1, 1, 1))
+    torch.manual_seed(5)
+    x01 = train_transform(32, preprocessing=identity)(img)
+    after_a = torch.rand(2)
+    torch.manual_seed(5)
+    bgr = train_transform(32, preprocessing=BNINCEPTION_PREPROCESSING)(img)
+    after_b = torch.rand(2)
+    mean = torch.tensor([104.0, 117.0, 128.0]).view(3, 1, 1)
+    assert torch.equal(bgr, x01.flip(0).mul(255).sub(mean)) and torch.equal(after_a, after_b)
+
+
+def test_transform_preprocessing_must_be_a_preprocessing_or_its_fields():
+    with pytest.raises(ValueError, match=r"train_transform\(preprocessing=...\): unknown Preprocessing field"):
+        train_transform(16, preprocessing={"order": "BGR"})
+    with pytest.raises(ValueError, match=r"eval_transform\(preprocessing=...\) must be a dml_core.trunks"):
+        eval_transform(16, preprocessing="BGR")
+    with pytest.raises(ValueError, match="value_scale must be 1.0"):
+        eval_transform(16, preprocessing={"value_scale": 256})
+
+
+def test_transforms_with_preprocessing_pickle_for_dataloader_workers():
+    import pickle
+
+    from dml_core.trunks import BNINCEPTION_PREPROCESSING
+
+    img = _image(np.random.default_rng(2), 40, 40)
+    for tf in (train_transform(16, preprocessing=BNINCEPTION_PREPROCESSING),
+               eval_transform(16, preprocessing=BNINCEPTION_PREPROCESSING.as_dict())):
+        clone = pickle.loads(pickle.dumps(tf))
+        assert clone.preprocessing == BNINCEPTION_PREPROCESSING
+        torch.manual_seed(0)
+        a = tf(img)
+        torch.manual_seed(0)
+        assert torch.equal(a, clone(img))

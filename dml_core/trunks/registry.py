@@ -1,0 +1,179 @@
+"""One resolver for every kind of trunk name (``docs/trunks.md``):
+
+==============================  =============================================================================
+``tiny``, ``resnet18``, …       built-in (:data:`BUILTIN_TRUNKS`)
+``timm:<model>``                a model of the timm registry (:mod:`dml_core.trunks.timm_trunk`)
+``package.module:attr``         a callable from user code, by import path (:mod:`dml_core.trunks.plugins`)
+``<name>``                      an installed entry point of the group ``dml_reality_check.trunks``
+==============================  =============================================================================
+
+:func:`resolve_trunk` validates a name and returns a :class:`TrunkSpec` without building anything;
+``spec.build(pretrained)`` builds the trunk (and loads weights from a local file or an ``s3://`` object).
+Entry points are only looked at for names that are not built in, except to refuse an installed entry point that
+takes a built-in name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from torch import nn
+
+from dml_core.trunks import plugins
+from dml_core.trunks.builtin import (BUILTIN_TRUNKS, FEATURE_DIMS, build_builtin, builtin_preprocessing,
+                                     head_prefixes)
+from dml_core.trunks.preprocessing import IMAGENET_PREPROCESSING, Preprocessing
+from dml_core.trunks.timm_trunk import TIMM_PREFIX
+from dml_core.trunks.weights import load_trunk_weights, local_weights
+
+__all__ = ["TrunkSpec", "resolve_trunk", "check_trunk", "trunk_preprocessing", "list_trunks", "TRUNK_KINDS"]
+
+TRUNK_KINDS = ("builtin", "timm", "import", "entry_point")
+
+# (local weights file or None, how errors name it) -> (trunk module, feature_dim)
+_Factory = Callable[..., tuple]
+
+
+@dataclass(frozen=True, eq=False)
+class TrunkSpec:
+    """A resolved trunk name.
+
+    ``name``: the name as given; ``kind``: one of :data:`TRUNK_KINDS`; ``source``: where it comes from, for humans
+    (``built-in``, ``timm 1.0.x``, ``import path``, ``entry point of <distribution> <version>``).
+    ``build(pretrained=None) -> (module, feature_dim)``: a fresh trunk mapping (B, 3, H, W) to (B, feature_dim, H',
+    W'), with the weights of ``pretrained`` (a local path or ``s3://`` URI) loaded.  ``preprocessing``: the input
+    convention of its pretrained weights (:class:`Preprocessing`).
+    """
+
+    name: str
+    kind: str
+    source: str
+    _factory: _Factory = field(repr=False)
+    _declared: Preprocessing | None = field(default=None, repr=False)
+
+    def build(self, pretrained: str | os.PathLike | None = None) -> tuple[nn.Module, int]:
+        """The trunk module and its feature dimension; ``pretrained`` is read (downloaded from S3 if needed) here."""
+        with local_weights(pretrained, self.name) as path:
+            return self._factory(path, pretrained)
+
+    def preprocessing_for(self, module: nn.Module | None) -> Preprocessing:
+        """The preprocessing, given the module built from this spec (plugins may declare it on the module only)."""
+        if self._declared is not None:
+            return self._declared
+        if self.kind in ("import", "entry_point"):
+            if module is None:
+                module, _ = self.build(None)
+            declared = plugins.declared_preprocessing(module, f"{self.name}()", self.name)
+            return declared if declared is not None else IMAGENET_PREPROCESSING
+        return IMAGENET_PREPROCESSING
+
+    @cached_property
+    def preprocessing(self) -> Preprocessing:
+        """Declared without building for built-in and timm trunks and plugins that declare it on the callable; a
+        plugin declaring it on its module only is built once (without weights) to read it."""
+        return self.preprocessing_for(None)
+
+
+def _builtin_spec(name: str) -> TrunkSpec:
+    def factory(path, shown):
+        module = build_builtin(name, pretrained=path is not None)
+        if path is not None:
+            load_trunk_weights(module, path, name, ignore_prefixes=head_prefixes(name), shown=shown)
+        return module, FEATURE_DIMS[name]
+
+    return TrunkSpec(name, "builtin", "built-in", factory, builtin_preprocessing(name))
+
+
+def _timm_spec(name: str) -> TrunkSpec:
+    from dml_core.trunks.timm_trunk import (_timm, build_timm_trunk, check_timm_name, timm_head_prefixes,
+                                            timm_preprocessing)
+
+    model = name[len(TIMM_PREFIX):]
+    check_timm_name(model, name)
+
+    def factory(path, shown):
+        trunk = build_timm_trunk(model, name)
+        if path is not None:
+            load_trunk_weights(trunk.model, path, name, ignore_prefixes=timm_head_prefixes(model), shown=shown)
+        return trunk, trunk.feature_dim
+
+    return TrunkSpec(name, "timm", f"timm {_timm().__version__}", factory, timm_preprocessing(model))
+
+
+def _plugin_spec(name: str, kind: str, source: str, module: str, attr: str, what: str) -> TrunkSpec:
+    obj = plugins.load_object(module, attr, name, what)
+    ref = f"{module}:{attr}"
+    plugins.check_signature(obj, ref, name)
+    declared = plugins.declared_preprocessing(obj, ref, name)
+
+    def factory(path, shown):
+        trunk, took_weights = plugins.call_factory(obj, ref, name, path)
+        dim = plugins.feature_dim_of(trunk, ref, name)
+        if path is not None and not took_weights:
+            load_trunk_weights(trunk, path, name, shown=shown)
+        return trunk, dim
+
+    return TrunkSpec(name, kind, source, factory, declared)
+
+
+def _unknown(name: str) -> ValueError:
+    installed = sorted({ep.name for ep in plugins.installed_entry_points()})
+    close = difflib.get_close_matches(name, list(BUILTIN_TRUNKS) + installed, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return ValueError(
+        f"unknown trunk {name!r}: a trunk is a built-in name ({', '.join(BUILTIN_TRUNKS)}), 'timm:<model name>', an "
+        f"import path 'package.module:callable' or an installed entry point of group {plugins.ENTRY_POINT_GROUP} "
+        f"({', '.join(installed) if installed else 'none installed'}){hint}"
+    )
+
+
+def resolve_trunk(name: str) -> TrunkSpec:
+    """The :class:`TrunkSpec` of ``name``, validated without building a model: a built-in name, ``timm:<model>``
+    (a registry name of the installed timm), ``package.module:attr`` (imported, looked up, checked callable) or an
+    entry point (loaded the same way).  Anything wrong is a ``ValueError`` with one message."""
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ValueError(f"trunk must be a non-empty name without surrounding spaces, got {name!r}")
+    if name in BUILTIN_TRUNKS:
+        plugins.entry_points_named(name, builtin=True)  # an installed plugin must not shadow a built-in
+        return _builtin_spec(name)
+    if name.startswith(TIMM_PREFIX):
+        return _timm_spec(name)
+    if ":" in name:
+        if not plugins.IMPORT_PATH.fullmatch(name):
+            raise ValueError(f"trunk {name!r} is neither 'timm:<model name>' nor an import path "
+                             "'package.module:callable'")
+        module, attr = name.split(":", 1)
+        return _plugin_spec(name, "import", "import path", module, attr, f"import path {name!r}")
+    eps = plugins.entry_points_named(name, builtin=False)
+    if not eps:
+        raise _unknown(name)
+    ep = eps[0]
+    dist = plugins.distribution_of(ep)
+    what = f"entry point {name!r} = {ep.value!r} of {dist!r}"
+    if not ep.attr or not plugins.IMPORT_PATH.fullmatch(f"{ep.module}:{ep.attr}"):
+        raise ValueError(f"trunk {name!r}: {what} must name 'package.module:callable'")
+    return _plugin_spec(name, "entry_point", f"entry point of {dist}", ep.module, ep.attr, what)
+
+
+def check_trunk(name: str) -> TrunkSpec:
+    """Validate a trunk name for a config, as :func:`resolve_trunk` (nothing is built: built-ins by name, ``timm:``
+    names against timm's registry, import paths imported, entry points installed and loadable); returns the spec."""
+    return resolve_trunk(name)
+
+
+def trunk_preprocessing(name: str) -> Preprocessing:
+    """The input convention of trunk ``name``'s pretrained weights (see :class:`TrunkSpec.preprocessing`)."""
+    return resolve_trunk(name).preprocessing
+
+
+def list_trunks() -> dict[str, str]:
+    """Trunk names usable without a prefix — the built-ins and the installed entry points — and where each comes
+    from (metadata only: no plugin is imported).  ``timm:<model>`` and import paths are open-ended and not listed."""
+    out = {name: "built-in" for name in BUILTIN_TRUNKS}
+    for ep in plugins.installed_entry_points():
+        out.setdefault(ep.name, f"entry point of {plugins.distribution_of(ep)}")
+    return out
