@@ -52,7 +52,7 @@ def in_flight(spans: list[tuple[float, float]]) -> tuple[int, float, float]:
 
 
 def measure(client, experiment: str) -> dict:
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     exp = client.get_experiment_by_name(experiment)
     runs = search_all(client, exp.experiment_id, "")

@@ -1,11 +1,11 @@
 """Benchmark: the ways of running warm single-worker folds on Ray, measured on the same folds (issue #11: "measure the
 options before you choose").
 
-The same ``--trials`` × 4 demo folds (``pipelines/demo.yaml``'s data, model and training budget, contrastive loss,
+The same ``--trials`` × 4 demo folds (``pipelines/config/demo.yaml``'s data, model and training budget, contrastive loss,
 one seed per trial) are trained four ways, one after the other in one run:
 
 1. **bare loop** — ``dml_core.train.train_fold`` in this process, fold after fold: the anchor;
-2. **tasks** — what :mod:`pipelines.warm_folds` does: one Ray task per fold with ``max_calls=0`` (Ray keeps the
+2. **tasks** — what :mod:`pipelines.execution.warm_folds` does: one Ray task per fold with ``max_calls=0`` (Ray keeps the
    worker process for the next task), a trial's four folds submitted together, trials one after another;
 3. **actors** — a pool of four long-lived actors (``ray.util.ActorPool``), each holding its process for the whole
    run, a trial's four folds mapped onto the pool;
@@ -39,7 +39,7 @@ FOLDS = 4
 def _demo():
     import yaml
 
-    return yaml.safe_load((ROOT / "pipelines" / "demo.yaml").read_text())
+    return yaml.safe_load((ROOT / "pipelines" / "config" / "demo.yaml").read_text())
 
 
 def fold_jobs(trials: int) -> list[dict]:

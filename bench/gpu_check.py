@@ -12,7 +12,7 @@ results of a run.
 Steps:
 
 * ``tests``:  ``tests/test_cuda.py`` and the CUDA tests of ``tests/test_knn.py`` / ``tests/test_metrics.py``;
-* ``warm``:   the built-in demo preset (``pipelines/demo.yaml``) on the same synthetic classes written as parquet
+* ``warm``:   the built-in demo preset (``pipelines/config/demo.yaml``) on the same synthetic classes written as parquet
   shards, ``use_gpu: true`` with ``gpus_per_worker: 0.25`` (four folds share one GPU) on warm Ray worker
   processes; checks every fold run's ``device`` tag is CUDA, that a process served several folds, and that the
   CI table was printed;
@@ -109,7 +109,7 @@ def _sweep_config(work: Path, name: str, data: str, *, executor: str, gpus_per_w
             shutil.rmtree(old)
         elif old.exists():
             old.unlink()
-    doc = yaml.safe_load((ROOT / "pipelines" / "demo.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "pipelines" / "config" / "demo.yaml").read_text())
     size = doc["datasets"][0]["image_size"]
     doc["name"] = name
     doc["datasets"] = [{"name": DATASET, "kind": "parquet", "path": data, "image_size": size}]
@@ -172,7 +172,7 @@ def main() -> int:
                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "steps": {}}
     print(f"torch {summary['torch']} (CUDA {summary['cuda']}), GPU: {summary['gpu']}", flush=True)
     py = sys.executable
-    doc = yaml.safe_load((ROOT / "pipelines" / "demo.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "pipelines" / "config" / "demo.yaml").read_text())
     ds = doc["datasets"][0]
     data = None
     if {"warm", "train", "reeval"} & set(args.steps):

@@ -38,7 +38,7 @@ SOP_CLASSES = 11318
 def _space_params() -> dict[str, tuple[dict, str]]:
     """Per loss: (build_loss kwargs from its tune space's paper_defaults + fixed, where they came from)."""
     try:
-        from pipelines.spaces import LOSS_LR, all_spaces
+        from pipelines.config.spaces import LOSS_LR, all_spaces
     except ImportError:  # pipelines not importable: constructor defaults only
         return {}
     out = {}

@@ -2,7 +2,7 @@
 
 One run, the same folds three ways:
 
-1. **warm** — the demo preset (``pipelines/demo.yaml``; ``--losses`` to cut it down) as a real sweep with
+1. **warm** — the demo preset (``pipelines/config/demo.yaml``; ``--losses`` to cut it down) as a real sweep with
    single-worker folds on reused Ray worker processes (``resources.fold_executor: warm``);
 2. **bare loop** — the anchor: every fold that sweep ran (same hyperparameters, same seeds, same data), trained again
    one after another in this process with ``dml_core`` alone (no Ray, no MLflow), test embeddings included for
@@ -155,8 +155,8 @@ steps = [
     ("dml_core.data, .models, .train", lambda: __import__("dml_core.train") and __import__("dml_core.models")),
     ("dml_core.metrics (faiss)", lambda: __import__("dml_core.metrics")),
     ("dml_core.losses (pytorch-metric-learning, scipy)", lambda: __import__("dml_core.losses")),
-    ("pipelines.fold, pipelines.warm_folds", lambda: __import__("pipelines.warm_folds")),
-    ("pipelines.tracking (MLflow client)", lambda: __import__("pipelines.tracking")),
+    ("pipelines.execution.fold, pipelines.execution.warm_folds", lambda: __import__("pipelines.execution.warm_folds")),
+    ("pipelines.tracking.runs (MLflow client)", lambda: __import__("pipelines.tracking.runs")),
     ("tiny model + transforms, applied", build),
     ("tiny fold trained (torch.optim)", tiny_fold),
     ("+ torchvision.transforms.v2 (the old transforms)", lambda: __import__("torchvision.transforms.v2")),
@@ -202,8 +202,8 @@ def _import_breakdown() -> dict:
 
 
 def _sweep(doc: dict, storage: Path, name: str):
-    from pipelines.config import parse_config
-    from pipelines.sweep import run_sweep
+    from pipelines.config.schema import parse_config
+    from pipelines.execution.sweep import run_sweep
 
     doc = copy.deepcopy(doc)
     doc["name"], doc["storage"] = name, str(storage)
@@ -218,7 +218,7 @@ def _sweep(doc: dict, storage: Path, name: str):
 def _fold_runs(outcome) -> list:
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     c = MlflowClient(outcome.tracking_uri)
     return search_all(c, outcome.experiment_id, "")
@@ -263,9 +263,9 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
     from dml_core.losses import build_loss
     from dml_core.models import build_model
     from dml_core.train import TrainConfig, embed, train_fold
-    from pipelines.preflight import preflight
-    from pipelines.sweep import _Sweep
-    from pipelines.trial import _fold_config
+    from pipelines.execution.preflight import preflight
+    from pipelines.execution.sweep import _Sweep
+    from pipelines.execution.trial import _fold_config
 
     plans = {p.key: p for p in preflight(cfg)}
     by_id = {r.info.run_id: r for r in runs}
@@ -354,7 +354,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(out, indent=2))
         return 0
 
-    from pipelines.presets import DEMO
+    from pipelines.config.presets import DEMO
 
     doc = copy.deepcopy(DEMO)
     if args.losses:

@@ -4,7 +4,7 @@
                                  [--trunk tiny] [--dim 64] [--batch 256] [--cpus 2]
 
 Prepares the Omniglot zips as parquet shards (``dmlrc data prepare omniglot``) in a temp dir, logs ``--reproductions``
-pyfunc models (4 untrained fold models each, :mod:`pipelines.pyfunc_model`) to a local MLflow store, then runs
+pyfunc models (4 untrained fold models each, :mod:`pipelines.tracking.pyfunc_model`) to a local MLflow store, then runs
 ``dmlrc reeval``'s own steps on *every* class of the dataset as the test set:
 
 * embed: :func:`pipelines.reeval.embed_version` (Ray Data ``read_parquet`` → ``map_batches`` with model-holding
@@ -51,9 +51,9 @@ def main() -> int:
 
     from dml_core.models import build_model
     from dml_core.shards import read_manifest
-    from pipelines import pyfunc_model
-    from pipelines.reeval import ReevalConfig, Target, embed_version, reproduction_metrics
-    from pipelines.registry import _signature
+    from pipelines.tracking import pyfunc_model
+    from pipelines.reeval.run import ReevalConfig, Target, embed_version, reproduction_metrics
+    from pipelines.tracking.model_registry import _signature
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -89,7 +89,7 @@ def main() -> int:
         target = Target("bench", "1", {"image_size": str(args.size)}, str(tmp / "shards"), manifest, classes, reps)
         cfg = ReevalConfig(schedule="bench", tracking_uri=uri, models=[], datasets={}, batch_size=args.batch)
 
-        from pipelines.reeval import _start_ray
+        from pipelines.reeval.run import _start_ray
 
         os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
         ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")

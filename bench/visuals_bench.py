@@ -1,4 +1,4 @@
-"""Benchmark: the time the study visuals (pipelines.visuals) add to a study, and their peak memory.
+"""Benchmark: the time the study visuals (pipelines.results.visuals) add to a study, and their peak memory.
 
 At the end of a study ``log_study_visuals`` runs once, sequentially, after the CIs: it reads reproduction 0's four
 fold checkpoints (test embeddings), runs ``retrieval_details`` (one exact kNN search), decodes the gallery's images
@@ -58,8 +58,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from dml_core.splits import trainval_test_split
-    from pipelines.tracking import Tracker
-    from pipelines.visuals import log_study_visuals
+    from pipelines.tracking.runs import Tracker
+    from pipelines.results.visuals import log_study_visuals
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)

@@ -3,13 +3,13 @@
     dmlrc sweep CONFIG.yaml [--resume] [--address ADDR]   run / continue a reality-check sweep
     dmlrc demo [--storage DIR] [--name NAME]               smoke sweep with the built-in demo preset
     dmlrc data prepare|verify ...                          datasets as parquet shards (pipelines.data_cli)
-    dmlrc report --experiment NAME ...                     one table over every study (pipelines.report)
-    dmlrc reeval CONFIG.yaml                               re-evaluate registered models (pipelines.reeval)
+    dmlrc report --experiment NAME ...                     one table over every study (pipelines.results.report)
+    dmlrc reeval CONFIG.yaml                               re-evaluate registered models (pipelines.reeval.run)
 
 Bad input exits with status 2 and one line ``config error: <field>: <problem>`` (``data error: <file>: ...`` for
 ``dmlrc data``) — before Ray or MLflow start and before anything is written.  An MLflow server unreachable
 mid-sweep for longer than ``tracking.outage_timeout_s`` stops the sweep with one line ``tracking error: ...`` and
-status 3; its state is kept for ``--resume`` (:mod:`pipelines.tracking_watch`).
+status 3; its state is kept for ``--resume`` (:mod:`pipelines.tracking.outage`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.config import ConfigError
-from pipelines.tracking_watch import TrackingUnavailable
+from pipelines.config.schema import ConfigError
+from pipelines.tracking.outage import TrackingUnavailable
 
 __all__ = ["main", "build_parser"]
 
@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_demo(sub)
     from pipelines.data_cli import add_data_parser
-    from pipelines.reeval import add_reeval_parser
-    from pipelines.report import add_report_parser
+    from pipelines.reeval.run import add_reeval_parser
+    from pipelines.results.report import add_report_parser
 
     add_data_parser(sub)
     add_report_parser(sub)
@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_report_args(args) -> None:
     """What ``dmlrc report`` is given, checked before MLflow is asked (which would retry an unreachable server
     for minutes, or create an empty sqlite DB at a mistyped path)."""
-    from pipelines.config import check_tracking_uri
-    from pipelines.preflight import _check_dir_writable, check_mlflow_server
+    from pipelines.config.schema import check_tracking_uri
+    from pipelines.execution.locations import check_dir_writable
+    from pipelines.tracking.server import check_mlflow_server
 
     if not str(args.experiment).strip():
         raise ConfigError("--experiment", "must not be empty")
@@ -81,7 +82,7 @@ def _check_report_args(args) -> None:
                 raise ConfigError(where, f"no sqlite DB at {str(db)!r} (the report only reads)")
         if uri.startswith(("http://", "https://")):
             check_mlflow_server(uri, where)
-    _check_dir_writable(Path(args.out).resolve(), "--out", "report folder")
+    check_dir_writable(Path(args.out).resolve(), "--out", "report folder")
 
 
 def _checked_report(run):
@@ -100,8 +101,8 @@ def _checked_report(run):
 
 
 def _finish(outcome, reference: str = "") -> int:
-    from pipelines.config import redact_uri
-    from pipelines.study_results import ci_table, params_table
+    from pipelines.config.schema import redact_uri
+    from pipelines.results.study_results import ci_table, params_table
 
     print()
     print(f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
@@ -121,9 +122,9 @@ def _finish(outcome, reference: str = "") -> int:
 
 
 def _run_sweep(args) -> int:
-    from pipelines.config import load_config
-    from pipelines.preflight import check_local_gpus
-    from pipelines.sweep import run_sweep
+    from pipelines.config.schema import load_config
+    from pipelines.execution.resources import check_local_gpus
+    from pipelines.execution.sweep import run_sweep
 
     cfg = load_config(args.config, name=args.name)
     check_local_gpus(cfg, args.address)
@@ -131,9 +132,9 @@ def _run_sweep(args) -> int:
 
 
 def _run_demo(args) -> int:
-    from pipelines.config import parse_config
-    from pipelines.presets import demo_config
-    from pipelines.sweep import run_sweep
+    from pipelines.config.schema import parse_config
+    from pipelines.config.presets import demo_config
+    from pipelines.execution.sweep import run_sweep
 
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
     outcome = run_sweep(cfg, resume=args.resume, address=args.address)
@@ -142,8 +143,8 @@ def _run_demo(args) -> int:
 
 def _untrained_reference(cfg) -> str:
     """The demo's floor: the same network with its initial weights on the same test classes."""
-    from pipelines.preflight import preflight
-    from pipelines.presets import untrained_test_metrics
+    from pipelines.execution.preflight import preflight
+    from pipelines.config.presets import untrained_test_metrics
 
     plan = preflight(cfg)[0]
     m = untrained_test_metrics(plan, cfg.protocol.seed)

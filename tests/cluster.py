@@ -45,7 +45,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
-TRIAL_DRIVER_RESOURCE = "dmlrc_trial_driver"  # pipelines.ray_runtime.TRIAL_DRIVER_RESOURCE (no pipelines import here)
+TRIAL_DRIVER_RESOURCE = "dmlrc_trial_driver"  # pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE (no pipelines import here)
 
 __all__ = ["LocalCluster", "local_cluster", "ClusterUnavailable"]
 

@@ -46,7 +46,7 @@ def cluster_sweep_config(tmp_path: Path, tracking_uri: str, storage: str, *, nam
 def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
     from tests.cluster import ClusterUnavailable, local_cluster
 
     try:

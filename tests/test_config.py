@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import ConfigError, check_tracking_uri, check_uri, load_config, parse_config
-from pipelines.presets import DEMO, demo_config
+from pipelines.config.schema import ConfigError, check_tracking_uri, check_uri, load_config, parse_config
+from pipelines.config.presets import DEMO, demo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def _error(doc) -> ConfigError:
     return info.value
 
 
-@pytest.mark.parametrize("path", ["pipelines/demo.yaml", "configs/omniglot.yaml", "configs/mlrc-cub200.yaml"])
+@pytest.mark.parametrize("path", ["pipelines/config/demo.yaml", "configs/omniglot.yaml", "configs/mlrc-cub200.yaml"])
 def test_shipped_presets_parse(path):
     cfg = load_config(ROOT / path)
     name = Path(path).stem
@@ -197,7 +197,7 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
 
 
 def test_missing_dataset_names_the_path(tmp_path):
-    from pipelines.preflight import preflight
+    from pipelines.execution.preflight import preflight
 
     cfg = parse_config(_cfg(**{"datasets.0": {"kind": "folder", "path": str(tmp_path / "nowhere")}}))
     with pytest.raises(ConfigError) as info:
@@ -206,7 +206,7 @@ def test_missing_dataset_names_the_path(tmp_path):
 
 
 def test_too_few_classes_for_four_folds_times_m():
-    from pipelines.preflight import preflight
+    from pipelines.execution.preflight import preflight
 
     cfg = parse_config(_cfg(**{"datasets.0": {"kind": "synthetic", "num_classes": 16, "per_class": 4,
                                               "image_size": 16}}))
@@ -218,7 +218,7 @@ def test_too_few_classes_for_four_folds_times_m():
 
 
 def test_unknown_loss_parameter_is_rejected_by_the_loss():
-    from pipelines.preflight import preflight
+    from pipelines.execution.preflight import preflight
 
     cfg = parse_config(_cfg(losses=[{"name": "contrastive", "params": {"pos_margn": 0.1}}]))
     with pytest.raises(ConfigError) as info:
@@ -228,7 +228,7 @@ def test_unknown_loss_parameter_is_rejected_by_the_loss():
 
 
 def test_batch_must_split_across_workers():
-    from pipelines.preflight import preflight
+    from pipelines.execution.preflight import preflight
 
     cfg = parse_config(_cfg(**{"resources.workers_per_fold": 3}))
     with pytest.raises(ConfigError) as info:
@@ -249,7 +249,7 @@ def test_bad_train_setting_names_its_own_field(train, field):
 
 def test_train_config_errors_left_to_preflight_name_their_own_field():
     """What only dml_core.train.TrainConfig rejects is mapped by the field it names, not by a substring."""
-    from pipelines.preflight import _train_config_field
+    from pipelines.execution.preflight import _train_config_field
 
     assert _train_config_field("TrainConfig.momentum must be a finite non-negative number, got nan") == \
         "protocol.train.momentum"
@@ -258,7 +258,7 @@ def test_train_config_errors_left_to_preflight_name_their_own_field():
 
 
 def test_preflight_builds_one_plan_per_dataset_and_loss():
-    from pipelines.preflight import preflight
+    from pipelines.execution.preflight import preflight
 
     plans = preflight(parse_config(DEMO))
     assert [p.key for p in plans] == ["synthetic/contrastive", "synthetic/proxynca_pp", "synthetic/mpa"]
@@ -274,7 +274,7 @@ def test_preflight_builds_one_plan_per_dataset_and_loss():
 
 
 def test_existing_sweep_needs_resume_and_resume_must_not_change_the_study(tmp_path):
-    from pipelines.sweep import _check_resume
+    from pipelines.execution.sweep import _check_resume
 
     cfg = parse_config(_cfg(storage=str(tmp_path)))
     cfg.local_dir().mkdir(parents=True)
@@ -316,8 +316,8 @@ def test_cli_bad_config_exits_2_with_one_line_and_starts_nothing(tmp_path):
 
 def test_a_new_sweep_never_reuses_mlflow_runs_of_an_old_one_with_the_same_name(tmp_path, monkeypatch):
     """Fresh storage but the same sweep name in the same MLflow experiment: refused before Ray starts."""
-    from pipelines.sweep import run_sweep
-    from pipelines.tracking import Tracker
+    from pipelines.execution.sweep import run_sweep
+    from pipelines.tracking.runs import Tracker
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'shared.db'}"
@@ -331,7 +331,7 @@ def test_a_new_sweep_never_reuses_mlflow_runs_of_an_old_one_with_the_same_name(t
 
 def test_kmax_pooling_larger_than_the_feature_map_fails_in_preflight():
     """The tiny trunk maps 16-px images to 2×2 positions: K-max with K = 4 fits, K = 5 is one named error."""
-    from pipelines.preflight import preflight
+    from pipelines.execution.preflight import preflight
 
     plans = preflight(parse_config(_cfg(**{"model.pooling": "kmax:4"})))
     assert {p.model_kwargs["pooling"] for p in plans} == {"kmax:4"}
@@ -342,7 +342,7 @@ def test_kmax_pooling_larger_than_the_feature_map_fails_in_preflight():
 
 
 def test_recipe_paper_gives_each_loss_its_papers_model_and_batch():
-    from pipelines.preflight import batch_of, preflight
+    from pipelines.execution.preflight import batch_of, preflight
 
     doc = copy.deepcopy(DEMO)
     doc["protocol"]["recipe"] = "paper"
@@ -365,7 +365,7 @@ def test_recipe_paper_gives_each_loss_its_papers_model_and_batch():
 def test_loss_weight_decay_follows_the_loss_unless_configured():
     from types import SimpleNamespace
 
-    from pipelines.trial import _fold_config
+    from pipelines.execution.trial import _fold_config
 
     fold = SimpleNamespace(index=0, train_classes=(0, 1), val_classes=(2, 3))
     manifest = SimpleNamespace(test_classes=(4, 5))
@@ -400,7 +400,7 @@ def test_lists_must_be_non_empty_with_distinct_names(key):
 
 
 def test_published_json_schema_is_the_models_current_schema():
-    from pipelines.config import sweep_json_schema
+    from pipelines.config.schema import sweep_json_schema
 
     published = json.loads((ROOT / "docs" / "sweep-config.schema.json").read_text())
     assert published == json.loads(json.dumps(sweep_json_schema())), \
@@ -422,7 +422,7 @@ def test_protocol_training_defaults_are_train_configs():
     import dataclasses
 
     from dml_core.train import TrainConfig
-    from pipelines.config import ProtocolSpec, TrainSpec
+    from pipelines.config.schema import ProtocolSpec, TrainSpec
 
     tc = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     p = ProtocolSpec()
@@ -431,7 +431,7 @@ def test_protocol_training_defaults_are_train_configs():
     for name, f in TrainSpec.model_fields.items():
         if f.default is not None:
             assert f.default == tc[name], name
-    source = (ROOT / "pipelines" / "config.py").read_text()
+    source = (ROOT / "pipelines" / "config" / "schema.py").read_text()
     assert "_TC[\"iters_per_epoch\"]" in source and "= Field(100," not in source
 
 
@@ -519,7 +519,7 @@ def test_alias_bomb_is_refused_quickly(tmp_path):
 
 
 def test_passwords_in_uris_are_never_echoed_nor_stored(monkeypatch):
-    from pipelines.config import redact_uri
+    from pipelines.config.schema import redact_uri
 
     e = _error(_cfg(**{"tracking.uri": "http://user:hunter2@host:99999"}))
     assert e.field == "tracking.uri" and "hunter2" not in str(e) and "user:***@host" in str(e)
@@ -545,7 +545,7 @@ def test_postgresql_uris_use_the_installed_driver():
 
 
 def _preflight_error(cfg) -> ConfigError:
-    from pipelines.preflight import preflight
+    from pipelines.execution.preflight import preflight
 
     with pytest.raises(ConfigError) as info:
         preflight(cfg)
@@ -557,7 +557,7 @@ def test_unwritable_storage_and_sqlite_fail_fast_naming_the_field(tmp_path, monk
     import os
     import time
 
-    import pipelines.preflight as pf
+    import pipelines.execution.preflight as pf
 
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -585,7 +585,7 @@ def test_unwritable_storage_by_permissions(tmp_path, monkeypatch):
 def test_use_gpu_without_gpus_fails_before_launch(monkeypatch):
     import torch
 
-    from pipelines.preflight import check_cluster_resources, check_local_gpus
+    from pipelines.execution.resources import check_cluster_resources, check_local_gpus
 
     cfg = parse_config(_cfg(**{"resources.use_gpu": True}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -610,7 +610,7 @@ def test_pretrained_weights_are_checked_in_preflight(tmp_path):
 
     good = tmp_path / "resnet18.pt"
     torch.save(torchvision.models.resnet18().state_dict(), good)
-    from pipelines.preflight import check_pretrained
+    from pipelines.execution.preflight import check_pretrained
 
     check_pretrained(parse_config(_cfg(model={"trunk": "resnet18", "pretrained": str(good)})))
     torch.save([torch.zeros(1)], tmp_path / "list.pt")
@@ -634,7 +634,7 @@ def test_a_row_whose_image_header_is_corrupt_names_the_dataset_path(tmp_path):
     from PIL import Image
 
     from dml_core.shards import Record, write_shards
-    from pipelines.preflight import check_image_rows
+    from pipelines.execution.datasets import check_image_rows
 
     buf = _io.BytesIO()
     Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(buf, format="PNG")
@@ -658,7 +658,7 @@ def test_prepared_parquet_rows_are_read_in_preflight(tmp_path, monkeypatch):
     import numpy as np
     from PIL import Image
 
-    import pipelines.preflight as pf
+    import pipelines.execution.preflight as pf
     from dml_core.shards import Record, write_shards
 
     def png(v):
@@ -716,7 +716,7 @@ def test_report_bad_input_is_one_config_error(tmp_path, capsys, monkeypatch):
     assert rc == 2 and err.startswith("config error: --tracking-uri: MLflow server") and "hunter2" not in err
     rc, err = _cli(["report", "--experiment", "x", "--tracking-uri", "file:///x"], capsys)
     assert rc == 2 and err.startswith("config error: --tracking-uri: ")
-    from pipelines.tracking import Tracker
+    from pipelines.tracking.runs import Tracker
 
     uri = f"sqlite:///{tmp_path / 'db.sqlite'}"
     Tracker.open(uri, "real")

@@ -106,7 +106,7 @@ def _write_fixture(path: Path, spec) -> None:
 
 def build_case(case: dict, tmp: Path) -> Path:
     """Write the case's config (and fixtures) under ``tmp``; returns the path handed to ``dmlrc sweep``."""
-    from pipelines.presets import DEMO
+    from pipelines.config.presets import DEMO
 
     for rel, spec in (case.get("files") or {}).items():
         _write_fixture(tmp / rel, spec)
@@ -145,14 +145,14 @@ def _stub_launch(patch) -> None:
     def launched(*args, **kwargs):
         raise Launched("validation passed: Ray / MLflow would start now")
 
-    for module, name in (("pipelines.sweep", "start_ray"), ("pipelines.ray_runtime", "start_ray")):
+    for module, name in (("pipelines.execution.sweep", "start_ray"), ("pipelines.execution.ray_runtime", "start_ray")):
         try:
             mod = importlib.import_module(module)
         except ImportError:
             continue
         if hasattr(mod, name):
             patch(mod, name, launched)
-    from pipelines.tracking import Tracker
+    from pipelines.tracking.runs import Tracker
 
     patch(Tracker, "open", classmethod(lambda cls, *a, **k: launched()))
     if "ray" in sys.modules:
@@ -214,7 +214,7 @@ def _schema_fields() -> set[str]:
     """Every leaf field of the sweep schema, as ``protocol.train.m`` / ``datasets[].kind``."""
     from pydantic import BaseModel
 
-    from pipelines import config
+    from pipelines.config import schema as config
 
     out: set[str] = set()
 

@@ -8,9 +8,9 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.study_results import StudySummary, ci_table
-from pipelines.sweep import max_concurrent_studies, study_cost
-from pipelines.trial import fold_cost
+from pipelines.results.study_results import StudySummary, ci_table
+from pipelines.execution.sweep import max_concurrent_studies, study_cost
+from pipelines.execution.trial import fold_cost
 
 OUTCOME = {"time_start": 100.0, "time_end": 130.0, "world_size": 2}
 
@@ -41,8 +41,8 @@ def test_the_sweeps_table_shows_cpu_and_gpu_hours():
 
 
 def _cfg(**resources):
-    from pipelines.config import parse_config
-    from pipelines.presets import demo_config
+    from pipelines.config.schema import parse_config
+    from pipelines.config.presets import demo_config
 
     doc = demo_config("cost", "runs")
     doc["resources"] = {**doc.get("resources", {}), **resources}
@@ -63,7 +63,7 @@ def test_default_studies_in_flight_fill_a_local_ray_but_do_not_oversubscribe_it(
 
 
 def test_report_has_a_cost_column_in_every_format(tmp_path):
-    from pipelines.report import write_report
+    from pipelines.results.report import write_report
     from tests.test_report import _populate
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -86,7 +86,7 @@ def test_report_has_a_cost_column_in_every_format(tmp_path):
 
 def test_trial_drivers_take_the_driver_resource_where_a_node_declares_it():
     """A trial driver takes no fold slot: the driver node's custom resource, or 0.01 CPU where none declares it."""
-    from pipelines.ray_runtime import TRIAL_DRIVER_RESOURCE, trial_bundle
+    from pipelines.execution.ray_runtime import TRIAL_DRIVER_RESOURCE, trial_bundle
 
     assert trial_bundle({"CPU": 8.0, TRIAL_DRIVER_RESOURCE: 10_000.0}) == {TRIAL_DRIVER_RESOURCE: 1}
     assert trial_bundle({"CPU": 8.0}) == {"CPU": 0.01}

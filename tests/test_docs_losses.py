@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dml_core.losses import list_losses, list_wrappers, loss_info
-from pipelines.spaces import all_spaces
+from pipelines.config.spaces import all_spaces
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "losses.md"

@@ -111,7 +111,7 @@ def _runs(c, experiment: str, view=None):
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     client = MlflowClient(c.tracking_uri)
     exp = client.get_experiment_by_name(experiment)

@@ -66,7 +66,7 @@ def test_a_killed_fold_resumes_from_its_checkpoint_and_its_fold_is_logged_once(t
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     doc = {
         "name": "restart",

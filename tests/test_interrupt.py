@@ -24,7 +24,7 @@ def test_first_sigint_stops_the_sweep_closes_its_runs_and_resume_finishes_it(tmp
 
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     ray_tmp = ray_tmpdir()
     db = tmp_path / "mlflow.db"

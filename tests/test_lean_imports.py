@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _FOLD_LIKE = r"""
 import json, sys
 import torch
-import pipelines.fold, pipelines.warm_folds  # what a warm fold task imports
+import pipelines.execution.fold, pipelines.execution.warm_folds  # what a warm fold task imports
 from dml_core.data import ImageDataset, eval_transform, synthetic, train_transform
 from dml_core.losses import build_loss
 from dml_core.models import build_model

@@ -113,12 +113,12 @@ def test_a_plain_module_gets_mlrcs_loss_weight_decay():
 
 def test_sweep_protocol_defaults_are_the_library_defaults():
     """One place decides: the sweep's schema defaults equal TrainConfig's field defaults."""
-    config = pytest.importorskip("pipelines.config")
+    config = pytest.importorskip("pipelines.config.schema")
     lib = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     proto = {name: f.default for name, f in config.ProtocolSpec.model_fields.items()}  # pydantic schema
     for key in ("iters_per_epoch", "max_epochs", "eval_every", "patience"):
         assert proto[key] == lib[key], f"ProtocolSpec.{key} = {proto[key]} but TrainConfig.{key} = {lib[key]}"
-    presets = pytest.importorskip("pipelines.presets")
+    presets = pytest.importorskip("pipelines.config.presets")
     doc = copy.deepcopy(getattr(presets, "DEMO", None) or pytest.skip("no DEMO preset"))
     for key in ("iters_per_epoch", "max_epochs", "eval_every", "patience"):
         doc.get("protocol", {}).pop(key, None)

@@ -1,6 +1,6 @@
 """What a user sees in MLflow 3's UI (issue #10): headless Chromium against a real ``mlflow server``.
 
-The state is written by the real code (``pipelines.registry``: experiment kind, dataset input, study note, pyfunc
+The state is written by the real code (``pipelines.tracking.model_registry``: experiment kind, dataset input, study note, pyfunc
 models, registered version) from fold checkpoints of untrained models, so no sweep is needed; the version's
 ``reeval.status`` is set as ``dmlrc reeval`` sets it.  Checks, on the rendered DOM (``chromium --dump-dom``):
 
@@ -35,13 +35,14 @@ def render(url: str, png: Path, *, wait_ms: int = 20000) -> str:
 
 
 def _fake_study(tmp: Path, uri: str, experiment: str):
-    """A study run + registered version written by pipelines.registry from 4 untrained fold checkpoints."""
+    """A study run + registered version written by pipelines.tracking.model_registry from 4 untrained fold checkpoints."""
     import torch
 
     from dml_core.models import build_model
-    from pipelines.config import DatasetSpec
-    from pipelines.registry import on_study_end, on_study_start, set_experiment_kind
-    from pipelines.tracking import Tracker
+    from pipelines.config.schema import DatasetSpec
+    from pipelines.tracking.model_registry import on_study_end, on_study_start
+    from pipelines.tracking.ui import set_experiment_kind
+    from pipelines.tracking.runs import Tracker
 
     kwargs = {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False}
     ckpts = []
@@ -72,7 +73,7 @@ def _fake_study(tmp: Path, uri: str, experiment: str):
 
 
 def check_ui(uri: str, experiment_id: str, run_id: str, model_name: str, out: Path, dataset: str = "shapes") -> None:
-    from pipelines.registry import experiment_url
+    from pipelines.tracking.ui import experiment_url
 
     exp_dom = render(experiment_url(uri, experiment_id), out / "experiment.png")
     # the runs view lists the study run; the GenAI overview shows trace usage ("Detect Issues", "Tool calls")

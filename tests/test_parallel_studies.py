@@ -42,7 +42,7 @@ def _sweep(tmp_path, cfg) -> subprocess.CompletedProcess:
 def _runs(uri: str, experiment: str) -> dict[str, list]:
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     c = MlflowClient(uri)
     runs = search_all(c, c.get_experiment_by_name(experiment).experiment_id, "")
@@ -70,7 +70,7 @@ def _check_studies_finished(by_stage, losses=tuple(LOSSES)) -> None:
 
 def _check_cost(by_stage) -> None:
     """study cost = Σ its trials' and reproductions' = Σ their fold runs' (cost.cpu_seconds = wall × 1 CPU × 1)."""
-    from pipelines.tracking import PARENT
+    from pipelines.tracking.runs import PARENT
 
     kids: dict[str, list] = {}
     for runs in by_stage.values():
@@ -99,7 +99,7 @@ def _check_cost(by_stage) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_studies_run_at_once_by_default_with_their_cost(tmp_path):
-    from pipelines.report import write_report
+    from pipelines.results.report import write_report
 
     # default max_concurrent_studies on a local Ray of 6 CPUs: 6 // (1 trial × 2 folds × 1 worker × 1 CPU) = 3
     uri = f"sqlite:///{tmp_path / 'par.db'}"

@@ -26,8 +26,8 @@ PASSWORD = "pw-never-printed-7f3a"
 def test_sweep_with_postgresql_as_direct_tracking_store(tmp_path, scheme):
     from mlflow.tracking import MlflowClient
 
-    from pipelines.config import ConfigError, check_tracking_uri
-    from pipelines.tracking import search_all
+    from pipelines.config.schema import ConfigError, check_tracking_uri
+    from pipelines.tracking.runs import search_all
     from tests.mlflow_server import PostgresUnavailable, postgres_database
 
     try:
@@ -51,7 +51,7 @@ def test_sweep_with_postgresql_as_direct_tracking_store(tmp_path, scheme):
         out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
                              capture_output=True, text=True, timeout=300, env=sweep_env(ray_tmp))
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
-        # the banner, password redacted (postgresql:// may be pinned to the installed psycopg2: pipelines.config)
+        # the banner, password redacted (postgresql:// may be pinned to the installed psycopg2: pipelines.config.schema)
         assert f":***@{hostpart} experiment" in out.stdout and "MLflow postgresql" in out.stdout, out.stdout[-3000:]
         assert PASSWORD not in out.stdout + out.stderr
 

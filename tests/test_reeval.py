@@ -20,7 +20,7 @@ from tests.test_registry import check_registered, parquet_dataset, run_cli, run_
 
 
 def test_regression_needs_a_drop_beyond_tolerance_and_outside_the_paired_interval():
-    from pipelines.reeval import regression_verdict
+    from pipelines.reeval.run import regression_verdict
 
     # equal values: ok
     assert regression_verdict([0.5, 0.6], [0.5, 0.6], tolerance=0.01)[0] is False
@@ -86,8 +86,8 @@ def _copy_as_second_version(uri: str, name: str) -> str:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from pipelines.registry import log_reproduction_model
-    from pipelines.tracking import search_all
+    from pipelines.tracking.model_registry import log_reproduction_model
+    from pipelines.tracking.runs import search_all
 
     c = MlflowClient(uri)
     mlflow.set_tracking_uri(uri)
@@ -125,8 +125,9 @@ def test_reeval_ok_regressed_failed_and_s3(tmp_path):
 def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    from pipelines.registry import ALIAS, registered_model_name
-    from pipelines.tracking import search_all
+    from pipelines.tracking.model_registry import registered_model_name
+    from pipelines.names import ALIAS
+    from pipelines.tracking.runs import search_all
 
     c = MlflowClient(uri)
     name = registered_model_name(experiment, "shapes", "contrastive")
@@ -207,11 +208,11 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
 
 
 def test_every_model_of_an_experiment_resolves_and_a_dataset_without_its_test_classes_is_a_config_error(tmp_path):
-    """Fast: resolution against a sqlite store (pipelines.registry output of untrained fold models), before Ray."""
+    """Fast: resolution against a sqlite store (pipelines.tracking.model_registry output of untrained fold models), before Ray."""
     from mlflow.tracking import MlflowClient
 
     from dml_core.splits import FoldManifest
-    from pipelines.reeval import ReevalConfig, resolve_versions
+    from pipelines.reeval.run import ReevalConfig, resolve_versions
     from tests.test_mlflow_ui import _fake_study
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -225,7 +226,7 @@ def test_every_model_of_an_experiment_resolves_and_a_dataset_without_its_test_cl
     assert (t.name, t.version, t.test_classes) == (name, "1", [4, 5, 6, 7])
     assert [r["seed"] for r in t.reproductions] == [1003]
 
-    from pipelines.config import ConfigError
+    from pipelines.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="no registered model of experiment 'other'"):
         resolve_versions(ReevalConfig("t", uri, [{"experiment": "other"}], {"shapes": data}))

@@ -25,15 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_registered_model_name_is_readable_and_uri_safe():
-    from pipelines.registry import registered_model_name
+    from pipelines.tracking.model_registry import registered_model_name
 
     assert registered_model_name("mlrc", "cub200", "sec:triplet") == "dmlrc.mlrc.cub200.sec-triplet"
     assert "/" not in registered_model_name("a/b", "c d", "e")
 
 
 def test_dataset_digest_is_the_manifest_hash_or_the_generator_parameters(tmp_path):
-    from pipelines.config import DatasetSpec
-    from pipelines.registry import dataset_info
+    from pipelines.config.schema import DatasetSpec
+    from pipelines.tracking.datasets import dataset_info
 
     a = dataset_info(DatasetSpec("s", "synthetic", 16, num_classes=8, per_class=4, seed=1), None)
     b = dataset_info(DatasetSpec("s", "synthetic", 16, num_classes=8, per_class=4, seed=2), None)
@@ -133,9 +133,10 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     from dml_core.models import build_model
     from dml_core.splits import FoldManifest
     from dml_core.train import embed
-    from pipelines.registry import ALIAS, HEADLINE, registered_model_name
-    from pipelines.tracking import search_all
-    from pipelines.trial import concatenated_embeddings
+    from pipelines.tracking.model_registry import registered_model_name
+    from pipelines.names import ALIAS, HEADLINE_METRICS as HEADLINE
+    from pipelines.tracking.runs import search_all
+    from pipelines.results.embeddings import concatenated_embeddings
 
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name(experiment)
@@ -203,14 +204,14 @@ def test_sweep_registers_one_version_per_study_with_its_tags_sqlite(tmp_path):
 
 
 def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unpickling(tmp_path):
-    """Fast: pipelines.registry on a sqlite store from 4 untrained fold checkpoints (no Ray cluster, no server)."""
+    """Fast: pipelines.tracking.model_registry on a sqlite store from 4 untrained fold checkpoints (no Ray cluster, no server)."""
     import mlflow
     import torch
     from mlflow.tracking import MlflowClient
 
     from dml_core.models import build_model
-    from pipelines.registry import ALIAS
-    from pipelines.trial import concatenated_embeddings
+    from pipelines.names import ALIAS
+    from pipelines.results.embeddings import concatenated_embeddings
     from tests.test_mlflow_ui import _fake_study
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -269,7 +270,7 @@ def test_studies_logging_the_same_new_dataset_at_once_do_not_collide(tmp_path):
 
     from mlflow import MlflowClient
 
-    from pipelines.registry import log_dataset_input
+    from pipelines.tracking.datasets import log_dataset_input
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     info = {"name": "synthetic", "digest": "0" * 32, "sha256": "0" * 64, "kind": "synthetic",

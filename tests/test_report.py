@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from scipy import stats
 
 from dml_core.stats import confidence_interval
-from pipelines.report import collect_studies, write_report
+from pipelines.results.report import collect_studies, write_report
 
 # Reproduction test MAP@R per loss; reproduction i of both losses used seed 100 + i (so they pair).
 REPRO = {"contrastive": [0.30, 0.32, 0.31, 0.29], "mpa": [0.35, 0.36, 0.37, 0.34]}

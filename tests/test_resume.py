@@ -72,7 +72,7 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
         pytest.skip("needs /proc to find the killed driver's child processes")
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     trials, folds = 2, 2
     doc = {

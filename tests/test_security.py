@@ -113,7 +113,7 @@ def _is_loopback(ip: str) -> bool:
 
 
 def test_redact_uri_hides_only_the_password():
-    from pipelines.ray_runtime import redact_uri, scrub
+    from pipelines.execution.ray_runtime import redact_uri, scrub
 
     assert redact_uri("postgresql://alice:s3cr%40t@db:5432/mlflow") == "postgresql://alice:***@db:5432/mlflow"
     assert redact_uri("postgresql+psycopg2://u:p@127.0.0.1/x") == "postgresql+psycopg2://u:***@127.0.0.1/x"
@@ -126,7 +126,7 @@ def test_redact_uri_hides_only_the_password():
 
 
 def test_failure_reason_says_why_each_trial_failed():
-    from pipelines.stopping import failure_reason
+    from pipelines.execution.interrupts import failure_reason
 
     rows = [{"trial_id": "t1", "status": "diverged", "reason": "fold 0: loss is NaN"},
             {"trial_id": "t2", "error": RuntimeError("fold 1: worker died")},
@@ -144,7 +144,7 @@ def test_failure_reason_unwraps_what_ray_raised_in_a_task_inside_a_trial():
     RayTaskError whose text is a coloured traceback: the reason is the innermost error's own line."""
     from ray.exceptions import RayTaskError
 
-    from pipelines.stopping import error_text, failure_reason
+    from pipelines.execution.interrupts import error_text, failure_reason
 
     inner = ValueError("s3://b/shards/part-00000.parquet: sha256 abc does not match the manifest's def")
     fold = RayTaskError("fold", "Traceback (most recent call last):\n  ...\n", inner).as_instanceof_cause()
@@ -162,8 +162,8 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
     config, no run (before: Ray Train retried its worker-group start-up forever).  Ray itself is stubbed here."""
     import ray
 
-    from pipelines import sweep
-    from pipelines.config import ConfigError, parse_config
+    from pipelines.execution import sweep
+    from pipelines.config.schema import ConfigError, parse_config
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     doc = yaml.safe_load(tiny_sweep_config(tmp_path, f"sqlite:///{tmp_path / 'm.db'}", name="gpu",

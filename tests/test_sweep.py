@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import yaml
 
-from pipelines.trial import OBJECTIVE, REPRODUCTION, concatenated_embeddings, reduce_folds
+from pipelines.execution.trial import reduce_folds
+from pipelines.names import OBJECTIVE, REPRODUCTION
+from pipelines.results.embeddings import concatenated_embeddings
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("map_at_r", "r_precision", "precision_at_1")
@@ -53,7 +55,7 @@ def test_a_diverged_fold_scores_the_trial_zero_and_says_why():
 
 
 def test_best_trial_is_the_highest_observed_mean_among_ok_trials():
-    from pipelines.search import best_result
+    from pipelines.execution.search import best_result
 
     rows = [
         {"trial_id": "a_00000", OBJECTIVE: 0.30, "status": "ok"},
@@ -78,7 +80,7 @@ def test_concatenated_embedding_normalises_each_fold_model_first():
 def test_confidence_intervals_are_student_t_across_reproductions():
     from scipy import stats
 
-    from pipelines.study_results import ci_report, ci_table, confidence_intervals, StudySummary
+    from pipelines.results.study_results import ci_report, ci_table, confidence_intervals, StudySummary
 
     reps = [{REPRODUCTION: i, "test_concat_map_at_r": v, "test_separated_map_at_r": v - 0.05}
             for i, v in enumerate([0.30, 0.34, 0.32])]
@@ -95,8 +97,8 @@ def test_confidence_intervals_are_student_t_across_reproductions():
 def test_optuna_space_follows_the_tune_space_scales():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    from pipelines.spaces import Param
-    from pipelines.search import optuna_space
+    from pipelines.config.spaces import Param
+    from pipelines.execution.search import optuna_space
 
     sp = optuna_space({"a": Param("a", 1e-6, 1.0, log=True), "k": Param("k", 1, 10, type="int"),
                        "m": Param("m", -0.2, 2.0), "c": Param("c", type="categorical", choices=(0.05, 0.1))})
@@ -113,7 +115,7 @@ def test_gp_sampler_exists_with_startup_trials():
 
 
 def test_tracker_finds_runs_by_tags_and_hides_unfinished_attempts(tmp_path):
-    from pipelines.tracking import PARENT, Tracker
+    from pipelines.tracking.runs import PARENT, Tracker
 
     t = Tracker.open(f"sqlite:///{tmp_path / 'm.db'}", "exp", (tmp_path / "art").as_uri())
     study, created = t.get_or_create({"study": "d/l", "stage": "study"})
@@ -138,8 +140,8 @@ def test_trials_a_restored_search_no_longer_knows_are_ended_and_hidden(tmp_path)
     """A sweep driver killed before Tune's last snapshot reached storage: ``--resume`` reran a suggestion under a new
     trial id.  The lost trial's RUNNING run and its folds are ended KILLED with the reason and hidden; trials Tune
     knows (by id, or by the directory name of a trial that reported nothing) and finished runs stay."""
-    from pipelines.sweep import retire_lost_trials
-    from pipelines.tracking import Tracker
+    from pipelines.execution.sweep import retire_lost_trials
+    from pipelines.tracking.runs import Tracker
 
     t = Tracker.open(f"sqlite:///{tmp_path / 'm.db'}", "exp", (tmp_path / "art").as_uri())
     study, _ = t.get_or_create({"study": "d/l", "stage": "study"})
@@ -201,7 +203,7 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
 
     from dml_core.splits import FoldManifest
     from dml_core.stats import confidence_interval
-    from pipelines.tracking import PARENT, search_all
+    from pipelines.tracking.runs import PARENT, search_all
 
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name(experiment)
@@ -262,6 +264,9 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
                 assert steps == sorted(set(steps)) and steps[0] == 0  # epoch 0 = untrained model, step = iteration
                 assert f.data.metrics["best.val.map_at_r"] == pytest.approx(max(h.value for h in hist))
                 assert f.data.tags["world_size"] == str(workers)
+                assert f.data.tags["device"] == "cpu" and "gpu_name" not in f.data.tags
+                if workers > 1:  # a Ray Train fold: torch.distributed on gloo (NCCL on GPUs: bench/README_gpu.md)
+                    assert f.data.tags["dist_backend"] == "gloo"
             # the four folds of a trial ran concurrently: all four time spans overlap
             starts = [f.data.metrics["time.start"] for f in folds]
             ends = [f.data.metrics["time.end"] for f in folds]
@@ -299,7 +304,7 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
 
 
 def _tune_result(storage: Path, name: str, study: str, trial_id: str) -> dict:
-    from pipelines.preflight import study_dirname
+    from pipelines.names import study_dirname
 
     search = storage / name / "ray" / study_dirname(study) / "search"
     for result in search.glob(f"*{trial_id}*/result.json"):
@@ -348,7 +353,7 @@ def test_sweep_end_to_end_against_mlflow_server_postgresql(tmp_path):
                             storage=tmp_path / "runs", name="e2epg")
             from mlflow.tracking import MlflowClient
 
-            from pipelines.tracking import search_all
+            from pipelines.tracking.runs import search_all
 
             c = MlflowClient(uri)
             runs = search_all(c, c.get_experiment_by_name("e2epg-experiment").experiment_id, "tags.stage = 'trial'")
@@ -365,7 +370,7 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
     import boto3
     from mlflow.tracking import MlflowClient
 
-    from pipelines.preflight import study_dirname
+    from pipelines.names import study_dirname
     from s3_server import s3_server
 
     with s3_server(tmp_path) as (endpoint, access_key, secret_key):
@@ -417,7 +422,7 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
 
 
 def test_s3_compat_env_only_for_a_custom_endpoint_and_never_over_the_users_choice(monkeypatch):
-    from pipelines.ray_runtime import s3_compat_env
+    from pipelines.execution.ray_runtime import s3_compat_env
 
     keys = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REQUEST_CHECKSUM_CALCULATION",
             "AWS_RESPONSE_CHECKSUM_VALIDATION")

@@ -1,4 +1,4 @@
-"""pipelines.tracking_watch: MLflow retries that outlast the outage timeout, and the watch that measures an outage.
+"""pipelines.tracking.outage: MLflow retries that outlast the outage timeout, and the watch that measures an outage.
 
 The retry arithmetic is checked against urllib3's own ``Retry`` (what MLflow's HTTP session uses), not against our
 formula; the watch probes a real HTTP server on a loopback port that is stopped mid-test.  The whole fault (an
@@ -15,9 +15,9 @@ import time
 import pytest
 from urllib3.util.retry import Retry
 
-from pipelines.config import ConfigError, parse_config
-from pipelines.presets import demo_config
-from pipelines.tracking_watch import TrackingWatch, apply_retry_env, mlflow_retry_env
+from pipelines.config.schema import ConfigError, parse_config
+from pipelines.config.presets import demo_config
+from pipelines.tracking.outage import TrackingWatch, apply_retry_env, mlflow_retry_env
 
 
 def _urllib3_sleeps(max_retries: int, factor: int) -> float:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dml_core.losses import build_loss, list_losses, list_wrappers, loss_info
-from pipelines.spaces import LOSS_LR, SearchSpace, SpaceError, all_spaces, load_space
+from pipelines.config.spaces import LOSS_LR, SearchSpace, SpaceError, all_spaces, load_space
 
 SPACES = all_spaces()
 

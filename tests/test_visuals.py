@@ -1,4 +1,4 @@
-"""Study visuals (pipelines.visuals): gallery, per-class metrics, embedding map, and their report page (fast: no Ray
+"""Study visuals (pipelines.results.visuals): gallery, per-class metrics, embedding map, and their report page (fast: no Ray
 cluster, no server; MLflow on a sqlite file)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from mlflow.tracking import MlflowClient
 from dml_core.data import synthetic
 from dml_core.metrics import retrieval_metrics
 from dml_core.stats import confidence_interval
-from pipelines.visuals import (METRICS, VisualSettings, build_visuals, confusions, gallery_queries, log_study_visuals,
+from pipelines.names import HEADLINE_METRICS as METRICS
+from pipelines.results.visuals import (VisualSettings, build_visuals, confusions, gallery_queries, log_study_visuals,
                                map_sample, pca_2d, table_rows)
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -90,7 +91,7 @@ def test_per_class_metrics_average_back_to_the_global_ones(setup):
     assert worst["map_at_r"] == min(c["map_at_r"] for c in classes)
     assert v.per_class["worst"][0] == worst["label"]
     csv_rows = v.per_class_csv().splitlines()
-    assert csv_rows[0].startswith("label,class_name,queries,map_at_r") and len(csv_rows) == 16
+    assert csv_rows[0].startswith("label,class_name,queries,precision_at_1,r_precision,map_at_r") and len(csv_rows) == 16
 
 
 def test_confusions_count_other_classes_within_r():
@@ -146,14 +147,14 @@ def _fake_study(tmp_path: Path, table, test_classes, emb: np.ndarray, labels: np
         ckpts.append(str(d))
     plan = types.SimpleNamespace(key=f"synthetic/{loss}", dataset=types.SimpleNamespace(
         table=table, manifest=types.SimpleNamespace(test_classes=tuple(test_classes))))
-    from pipelines.trial import concatenated_embeddings
+    from pipelines.results.embeddings import concatenated_embeddings
 
     concat = retrieval_metrics(concatenated_embeddings([emb[:, 3 * k:3 * k + 3] for k in range(4)]), labels, nmi=False)
     return plan, [{"fold_checkpoints": ckpts, "test_concat_map_at_r": concat["map_at_r"]}]
 
 
 def _populate(tmp_path: Path, uri: str):
-    from pipelines.tracking import Tracker
+    from pipelines.tracking.runs import Tracker
 
     table = _table()
     rows = table_rows(table.labels, range(16, 32))
@@ -174,7 +175,7 @@ def _populate(tmp_path: Path, uri: str):
 
 
 def test_study_visuals_are_logged_and_the_report_puts_losses_side_by_side(tmp_path):
-    from pipelines.report import write_report
+    from pipelines.results.report import write_report
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     t, runs = _populate(tmp_path, uri)
@@ -204,7 +205,7 @@ def test_study_visuals_are_logged_and_the_report_puts_losses_side_by_side(tmp_pa
 
 
 def test_a_reproduction_whose_metrics_disagree_gets_no_visuals_but_a_reason(tmp_path):
-    from pipelines.tracking import Tracker
+    from pipelines.tracking.runs import Tracker
 
     table = _table()
     rows = table_rows(table.labels, range(16, 32))
@@ -220,7 +221,7 @@ def test_a_reproduction_whose_metrics_disagree_gets_no_visuals_but_a_reason(tmp_
 
 def test_visuals_reuse_the_reproductions_search_instead_of_searching_again(setup, monkeypatch):
     """The reproduction's concatenated search is handed over as bytes (no pickle) and the visuals use it as is."""
-    import pipelines.visuals as pv
+    import pipelines.results.visuals as pv
     from dml_core.metrics import retrieval_details
 
     table, rows, labels, emb, v = setup

@@ -66,8 +66,8 @@ def _studies(uri: str):
 
 @pytest.mark.timeout(1800)
 def test_every_study_has_visuals_that_match_its_labels_and_metrics(swept):
-    from pipelines.config import load_config
-    from pipelines.preflight import preflight
+    from pipelines.config.schema import load_config
+    from pipelines.execution.preflight import preflight
 
     uri, tmp, cfg_path = swept
     c, exp, studies = _studies(uri)
@@ -120,7 +120,7 @@ def _screenshot(url: str, path: Path, size: str = "1500,2200") -> None:
 def test_report_page_and_mlflow_run_page_in_headless_chromium(swept):
     from PIL import Image
 
-    from pipelines.report import write_report
+    from pipelines.results.report import write_report
 
     uri, tmp, _ = swept
     paths = write_report(uri, "viz-experiment", tmp / "report", log_to_mlflow=False)

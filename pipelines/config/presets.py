@@ -1,6 +1,6 @@
 """Built-in sweep presets: what ``dmlrc demo`` runs with no arguments from a fresh clone.
 
-The demo preset is defined once, in ``pipelines/demo.yaml`` (package data, commented line by line), so the demo
+The demo preset is defined once, in ``pipelines/config/demo.yaml`` (package data, commented line by line), so the demo
 needs no file of the user's and no network.  It is a *smoke* run of the whole protocol, not a benchmark: synthetic
 data, a tiny CNN, three losses (the reality-check baseline ``contrastive`` and two seed-paper methods,
 ``proxynca_pp`` (ProxyNCA++) and ``mpa`` (Multi-Proxy-Anchor)), a few BO trials, 4 warm single-worker folds per
@@ -22,8 +22,8 @@ import yaml
 __all__ = ["DEMO", "DEMO_FILE", "demo_config", "untrained_test_metrics"]
 
 DEMO_FILE = "demo.yaml"
-#: The preset as written in ``pipelines/demo.yaml`` (sweep name ``demo``).
-DEMO: dict[str, Any] = yaml.safe_load(resources.files("pipelines").joinpath(DEMO_FILE).read_text(encoding="utf-8"))
+#: The preset as written in ``pipelines/config/demo.yaml`` (sweep name ``demo``).
+DEMO: dict[str, Any] = yaml.safe_load(resources.files("pipelines.config").joinpath(DEMO_FILE).read_text(encoding="utf-8"))
 
 
 def demo_config(name: str | None = None, storage: str | None = None) -> dict[str, Any]:

@@ -3,14 +3,14 @@
 A config names the datasets, the losses, the model, the protocol (MLRC §1–§2: 4 class-disjoint folds in the
 ``mlrc`` layout, 50 Bayesian-optimisation trials of which 5 random start-up trials, 10 reproductions, 100-iteration
 "epochs", evaluation interval and patience), the resources, MLflow tracking and storage.  The documented examples
-are ``configs/{demo,omniglot,mlrc-cub200}.yaml``; the ``demo`` preset is also built in (:mod:`pipelines.presets`).
+are ``configs/{demo,omniglot,mlrc-cub200}.yaml``; the ``demo`` preset is also built in (:mod:`pipelines.config.presets`).
 
 The schema is a set of pydantic models (``extra="forbid"``, strict types, bounds); :func:`sweep_json_schema`
 publishes it as JSON Schema (``docs/sweep-config.schema.json``, which editors use to complete and check YAML).
 Protocol training defaults are :class:`dml_core.train.TrainConfig`'s field defaults — that dataclass is the one
 place deciding them.  :func:`load_config` reads the file (UTF-8, bounded size, duplicate keys and alias bombs
 rejected); :func:`parse_config` checks *shape* (keys, types, ranges, URIs) and that every loss exists with a
-search space, and never touches the disk or the network; :func:`pipelines.preflight.preflight` then checks
+search space, and never touches the disk or the network; :func:`pipelines.execution.preflight.preflight` then checks
 paths, loads the datasets and builds every loss once.  All raise :class:`ConfigError` whose message names the
 field, e.g. ``losses[1].name: unknown loss 'mpaa' (known: ...)``.  Nothing (no Ray, no MLflow run, no folder)
 starts before they pass.
@@ -26,9 +26,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
-from urllib.parse import urlsplit
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -40,7 +38,10 @@ from pydantic import (
 )
 
 from dml_core.train import _AMP_DTYPES, _OPTIMIZERS, TrainConfig
-from pipelines.spaces import LOSS_LR, SearchSpace, SpaceError, load_space, spaces_dir
+from pipelines.config.errors import ConfigError, FieldError
+from pipelines.config.loader import load_yaml, read_yaml_file
+from pipelines.config.spaces import LOSS_LR, SearchSpace, SpaceError, load_space, spaces_dir
+from pipelines.config.uris import TRACKING_SCHEMES, absolute_tracking_uri, check_tracking_uri, check_uri, redact_uri, shown
 
 __all__ = [
     "ConfigError",
@@ -69,123 +70,14 @@ __all__ = [
 DATASET_KINDS = ("synthetic", "omniglot", "parquet", "folder")
 #: numpy/Optuna seeds are 32-bit; every seed a sweep derives (folds, reproductions) must stay below this.
 SEED_MAX = 2**32 - 1
-#: A config file larger than this is not a sweep config (and would be slow to parse).
-MAX_CONFIG_BYTES = 1 << 20
-#: YAML aliases may share a node many times over ("billion laughs"): bound the expanded document.
-MAX_YAML_NODES = 20_000
 #: Synthetic data is generated in memory (``num_classes × per_class`` H×W×3 uint8 images).
 MAX_SYNTHETIC_BYTES = 4 << 30
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql")
 #: TrainConfig's field defaults: the single source of protocol training defaults (MLRC §1.5, §3).
 _TC = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
-class ConfigError(ValueError):
-    """One bad field.  ``str(e)`` is ``"<field>: <what is wrong>"``; the CLI prints ``config error: <that>``."""
-
-    def __init__(self, field_path: str, message: str):
-        self.field = field_path
-        self.problem = message
-        super().__init__(f"{field_path}: {message}" if field_path else message)
-
-
-class _At(ValueError):
-    """Raised inside a validator: ``path`` is relative to the validated object (``"params.margin"``)."""
-
-    def __init__(self, path: str, message: str):
-        self.path = path
-        super().__init__(message)
-
-
 # --------------------------------------------------------------------------------------------------- URIs
-
-_USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
-
-
-def redact_uri(text: str) -> str:
-    """Replace the password of every ``scheme://user:password@host`` in ``text`` by ``***``."""
-    return _USERINFO_RE.sub(r"\1:***@", text) if isinstance(text, str) else text
-
-
-def _short(v: Any, n: int = 60) -> str:
-    """``repr(v)`` cut to ``n`` characters, credentials removed (messages never echo a password)."""
-    r = redact_uri(repr(v))
-    return r if len(r) <= n else r[: n - 3] + "..."
-
-
-def check_uri(uri: str, where: str, *, allow_s3: bool = True) -> str:
-    """A local path or ``s3://bucket[/prefix]``; any other ``scheme://`` is an error naming ``where``."""
-    if not isinstance(uri, str) or not uri.strip():
-        raise ConfigError(where, f"expected a path or URI, got {_short(uri)}")
-    if "\x00" in uri:
-        raise ConfigError(where, "contains a NUL character")
-    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", uri)
-    if not m:
-        return uri
-    scheme, rest = m.group(1).lower(), m.group(2)
-    if scheme == "s3" and allow_s3:
-        if not rest or rest.startswith("/") or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest):
-            raise ConfigError(where, f"{_short(uri)} is not a valid s3://bucket/prefix URI")
-        return uri
-    if scheme == "file":
-        if not rest.startswith("/"):
-            raise ConfigError(where, f"{_short(uri)}: a file:// URI must be absolute (file:///...)")
-        return rest
-    allowed = "a local path or s3://bucket/prefix" if allow_s3 else "a local path"
-    raise ConfigError(where, f"unsupported URI scheme {scheme!r} in {_short(uri)} (expected {allowed})")
-
-
-def check_tracking_uri(uri: str, where: str = "tracking.uri") -> str:
-    """An MLflow tracking URI: ``http(s)://[user[:password]@]host[:port]``, ``sqlite:///path``,
-    ``postgresql[+psycopg2]://user[:password]@host[:port]/database``.  ``file://`` stores are refused: MLflow 3
-    no longer accepts them as a tracking store (use ``sqlite:///path/mlflow.db``)."""
-    shown = _short(uri)
-    m = re.match(r"^([A-Za-z][A-Za-z0-9]*)(\+[A-Za-z0-9_]+)?://(.*)$", uri or "")
-    if not m:
-        raise ConfigError(where, f"{shown} is not a URI (expected one of "
-                                 f"{', '.join(s + '://' for s in _TRACKING_SCHEMES)})")
-    scheme, driver, rest = m.group(1).lower(), (m.group(2) or "")[1:].lower(), m.group(3)
-    if scheme == "file":
-        raise ConfigError(where, f"{shown}: file:// tracking stores are not supported by MLflow 3; "
-                                 "use sqlite:///path/mlflow.db (or an http:// server)")
-    if scheme not in _TRACKING_SCHEMES:
-        raise ConfigError(where, f"unsupported scheme {scheme!r} in {shown} (expected one of "
-                                 f"{', '.join(_TRACKING_SCHEMES)})")
-    if driver and scheme != "postgresql":
-        raise ConfigError(where, f"{shown}: a '+driver' suffix is only meaningful for postgresql")
-    if driver and driver not in ("psycopg2", "psycopg"):
-        raise ConfigError(where, f"{shown}: unknown PostgreSQL driver {driver!r} (use postgresql+psycopg2://)")
-    if scheme in ("http", "https", "postgresql"):
-        try:
-            parts = urlsplit(f"{scheme}://{rest}")
-            host, port = parts.hostname, parts.port
-        except ValueError as e:
-            raise ConfigError(where, f"{shown}: malformed host or port ({redact_uri(str(e))})") from None
-        if not host or not re.match(r"^[A-Za-z0-9.\-_:]+$", host):
-            raise ConfigError(where, f"{shown}: missing or malformed host")
-        if port is not None and not 0 < port < 65536:
-            raise ConfigError(where, f"{shown}: port out of range")
-        if scheme == "postgresql" and not parts.path.strip("/"):
-            raise ConfigError(where, f"{shown}: expected postgresql://user[:password]@host[:port]/database")
-    if scheme == "sqlite":
-        if not rest.startswith("/") or rest == "/" or rest.endswith("/"):
-            raise ConfigError(where, f"{shown}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
-    return uri
-
-
-def absolute_tracking_uri(uri: str) -> str:
-    """Make a ``sqlite:///relative.db`` URI absolute (workers must never resolve relative paths: ray #18387), and
-    pin ``postgresql://`` to the installed driver (SQLAlchemy 2.1 maps the bare scheme to psycopg 3)."""
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
-    if uri.startswith("postgresql://"):
-        import importlib.util
-
-        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
-            return "postgresql+psycopg2://" + uri[len("postgresql://"):]
-    return uri
-
 
 # --------------------------------------------------------------------------------------------------- schema
 
@@ -207,7 +99,7 @@ class _Strict(BaseModel):
 
 def _check_name(v: str) -> str:
     if not _NAME_RE.match(v):
-        raise ValueError(f"{_short(v)}: use letters, digits, '_', '-', '.' (max 64, no '/')")
+        raise ValueError(f"{shown(v)}: use letters, digits, '_', '-', '.' (max 64, no '/')")
     return v
 
 
@@ -238,7 +130,7 @@ class SyntheticDataset(_DatasetBase):
     def _fits_in_memory(self):
         nbytes = self.num_classes * self.per_class * self.image_size ** 2 * 3
         if nbytes > MAX_SYNTHETIC_BYTES:
-            raise _At("num_classes", f"{self.num_classes} classes × {self.per_class} images of {self.image_size}² "
+            raise FieldError("num_classes", f"{self.num_classes} classes × {self.per_class} images of {self.image_size}² "
                                      f"pixels need {nbytes / 2**30:.0f} GiB in memory (limit "
                                      f"{MAX_SYNTHETIC_BYTES >> 30} GiB)")
         return self
@@ -394,9 +286,9 @@ class ProtocolSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self):
         if self.fold_layout == "mlrc" and self.folds != 4:
-            raise _At("folds", f"the mlrc layout has exactly 4 folds (got {self.folds}); use fold_layout: kfold")
+            raise FieldError("folds", f"the mlrc layout has exactly 4 folds (got {self.folds}); use fold_layout: kfold")
         if self.max_epochs < self.eval_every:
-            raise _At("max_epochs", f"{self.max_epochs} must be >= eval_every ({self.eval_every})")
+            raise FieldError("max_epochs", f"{self.max_epochs} must be >= eval_every ({self.eval_every})")
         return self
 
 
@@ -434,11 +326,11 @@ class ResourcesSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self):
         if self.fold_executor == "warm" and self.workers_per_fold != 1:
-            raise _At("fold_executor", f"'warm' runs single-worker folds; workers_per_fold is "
+            raise FieldError("fold_executor", f"'warm' runs single-worker folds; workers_per_fold is "
                                        f"{self.workers_per_fold} (use 'train' or 'auto')")
         need = self.workers_per_fold * self.cpus_per_worker
         if self.num_cpus is not None and self.num_cpus < need:
-            raise _At("num_cpus", f"{self.num_cpus} CPUs cannot hold one fold's {self.workers_per_fold} workers × "
+            raise FieldError("num_cpus", f"{self.num_cpus} CPUs cannot hold one fold's {self.workers_per_fold} workers × "
                                   f"{self.cpus_per_worker} CPUs = {need:g} (its placement group would wait forever)")
         return self
 
@@ -508,13 +400,13 @@ class SweepDocument(_Strict):
             for i, item in enumerate(items):
                 n = item.name or getattr(item, "kind", None)
                 if n in seen:
-                    raise _At(f"{key}[{i}].name", f"{n!r} already listed as {key}[{seen[n]}]")
+                    raise FieldError(f"{key}[{i}].name", f"{n!r} already listed as {key}[{seen[n]}]")
                 seen[n] = i
         p = self.protocol
         base = p.seed if p.seed is not None else self.seed
-        top = base + 1000 * p.reproductions + p.folds - 1  # pipelines.trial.reproduction_seed + fold index
+        top = base + 1000 * p.reproductions + p.folds - 1  # pipelines.execution.trial.reproduction_seed + fold index
         if top > SEED_MAX:
-            raise _At("protocol.seed" if p.seed is not None else "seed",
+            raise FieldError("protocol.seed" if p.seed is not None else "seed",
                       f"{base} is too large: reproduction and fold seeds reach {top} > 2**32-1 = {SEED_MAX}")
         return self
 
@@ -679,7 +571,7 @@ def _to_config_error(e: ValidationError) -> ConfigError:
     err = errors[0]
     loc, kind, ctx, value = tuple(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
     where = _path(loc)
-    if kind == "value_error" and isinstance(ctx.get("error"), _At):
+    if kind == "value_error" and isinstance(ctx.get("error"), FieldError):
         rel = ctx["error"].path
         where = f"{where}.{rel}" if where and not rel.startswith("[") else f"{where}{rel}"
         problem = str(ctx["error"])
@@ -692,15 +584,15 @@ def _to_config_error(e: ValidationError) -> ConfigError:
         allowed = f" (allowed here: {', '.join(sorted(model.model_fields))})" if model else ""
         problem = f"unknown key{allowed}"
     elif kind.endswith("_type") and kind[: -len("_type")] in _KIND_NAMES:
-        problem = f"expected {_KIND_NAMES[kind[: -len('_type')]]}, got {_short(value)}"
+        problem = f"expected {_KIND_NAMES[kind[: -len('_type')]]}, got {shown(value)}"
     elif kind == "finite_number":
-        problem = f"{_short(value)} must be a finite number"
+        problem = f"{shown(value)} must be a finite number"
     elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         op, bound = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
                      "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}[kind]
-        problem = f"{_short(value)} must be {op} {ctx[bound]}"
+        problem = f"{shown(value)} must be {op} {ctx[bound]}"
     elif kind == "literal_error":
-        problem = f"{_short(value)} is not one of {ctx.get('expected')}"
+        problem = f"{shown(value)} is not one of {ctx.get('expected')}"
     elif kind == "too_short" and loc in (("datasets",), ("losses",)):
         problem = f"needs at least one {loc[0][:-1] if loc[0] == 'datasets' else 'loss'}"
     elif kind == "too_long":
@@ -713,7 +605,7 @@ def _to_config_error(e: ValidationError) -> ConfigError:
         where, problem = f"{where}.kind", f"is required (one of {', '.join(DATASET_KINDS)})"
     elif kind == "union_tag_invalid":
         where = f"{where}.kind"
-        problem = f"unknown dataset kind {_short(ctx.get('tag'))} (known: {', '.join(DATASET_KINDS)})"
+        problem = f"unknown dataset kind {shown(ctx.get('tag'))} (known: {', '.join(DATASET_KINDS)})"
     else:
         problem = redact_uri(err["msg"])
     if len(errors) > 1:
@@ -724,7 +616,7 @@ def _to_config_error(e: ValidationError) -> ConfigError:
 # --------------------------------------------------------------------------------------------------- parsing
 
 
-def _loss_spec(entry: LossEntry, where: str, space_dir: Path, custom_spaces: bool) -> LossSpec:
+def _loss_spec(entry: LossEntry, where: str, space_dir: Path | None, custom_spaces: bool) -> LossSpec:
     """The registry decides what exists; imported here so that a config error never needs Ray or MLflow."""
     from dml_core.losses import list_losses, list_wrappers, loss_info
 
@@ -733,7 +625,7 @@ def _loss_spec(entry: LossEntry, where: str, space_dir: Path, custom_spaces: boo
         loss_info(name)
     except ValueError:
         known = list_losses() + [f"{w}:<base>" for w in list_wrappers()]
-        raise ConfigError(f"{where}.name", f"unknown loss {_short(name)} (known: {', '.join(known)})") from None
+        raise ConfigError(f"{where}.name", f"unknown loss {shown(name)} (known: {', '.join(known)})") from None
     try:
         space = load_space(name, space_dir)
     except SpaceError as e:
@@ -743,10 +635,10 @@ def _loss_spec(entry: LossEntry, where: str, space_dir: Path, custom_spaces: boo
     for k, v in entry.params.items():
         p = space.params.get(k)
         if k == LOSS_LR and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
-            raise ConfigError(f"{where}.params.{k}", f"{_short(v)} must be a positive number")
+            raise ConfigError(f"{where}.params.{k}", f"{shown(v)} must be a positive number")
         if p is not None and not p.contains(v):
             raise ConfigError(f"{where}.params.{k}",
-                              f"{_short(v)} is outside the search space of {name!r} ({p.describe()})")
+                              f"{shown(v)} is outside the search space of {name!r} ({p.describe()})")
     return LossSpec(name, dict(entry.params), space)
 
 
@@ -767,7 +659,7 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
 
     Checks keys, types, ranges and URI shapes (the pydantic :class:`SweepDocument`), that every loss exists in the
     registry and has a search space, and that pinned parameters lie inside it.  Building every loss and loading
-    every dataset is :mod:`pipelines.preflight`.
+    every dataset is :mod:`pipelines.execution.preflight`.
     """
     if not isinstance(doc, dict):
         raise ConfigError(source or "config", f"expected a mapping at the top level, got {type(doc).__name__}")
@@ -779,8 +671,8 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
         raise ConfigError(source or "config", "nested too deeply") from None
 
     space_dir = Path(d.tune_spaces) if d.tune_spaces else spaces_dir()
-    if d.tune_spaces is not None and not space_dir.is_dir():
-        raise ConfigError("tune_spaces", f"directory {_short(d.tune_spaces)} does not exist")
+    if space_dir is not None and not space_dir.is_dir():
+        raise ConfigError("tune_spaces", f"directory {shown(d.tune_spaces)} does not exist")
     datasets = tuple(_dataset_spec(x, f"datasets[{i}]", d.seed) for i, x in enumerate(d.datasets))
     losses = tuple(_loss_spec(x, f"losses[{i}]", space_dir, d.tune_spaces is not None)
                    for i, x in enumerate(d.losses))
@@ -791,96 +683,15 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
     if d.tracking.uri is None and os.environ.get("MLFLOW_TRACKING_URI"):
         check_tracking_uri(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI (environment, used as tracking.uri)")
     return SweepConfig(d.name, datasets, losses, d.model, protocol, d.resources, d.tracking, d.storage,
-                       str(space_dir), source)
-
-
-# --------------------------------------------------------------------------------------------------- YAML
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader; :func:`load_yaml` inspects the composed node graph before constructing it."""
-
-
-def _check_nodes(root: yaml.Node, source: str) -> None:
-    """Reject duplicate mapping keys and documents whose aliases expand beyond ``MAX_YAML_NODES`` nodes."""
-    sizes: dict[int, int] = {}
-    active: set[int] = set()
-
-    def walk(node: yaml.Node, path: str) -> int:
-        key = id(node)
-        if key in sizes:
-            return sizes[key]
-        if key in active:
-            raise ConfigError(source, f"recursive YAML alias at {path or 'the top level'}")
-        active.add(key)
-        total = 1
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for k, v in node.value:
-                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                    name = (k.tag, k.value)
-                    sub = f"{path}.{k.value}" if path else str(k.value)
-                    if k.tag != "tag:yaml.org,2002:str":
-                        raise ConfigError(sub, f"keys must be strings; YAML reads {k.value!r} as "
-                                               f"{k.tag.rsplit(':', 1)[-1]} (quote it)")
-                    if name in seen:
-                        raise ConfigError(sub, f"duplicate key (lines {seen[name] + 1} and {k.start_mark.line + 1})")
-                    seen[name] = k.start_mark.line
-                else:
-                    sub = path
-                total += walk(k, sub) + walk(v, sub)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                total += walk(v, f"{path}[{i}]")
-        active.discard(key)
-        sizes[key] = total
-        if total > MAX_YAML_NODES:
-            raise ConfigError(source, f"the document (its YAML aliases expanded) has more than {MAX_YAML_NODES} "
-                                      "nodes")
-        return total
-
-    walk(root, "")
-
-
-def load_yaml(text: str, source: str) -> Any:
-    """Parse one YAML document safely: no duplicate keys, bounded alias expansion, errors as one line."""
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_nodes(node, source)
-        return loader.construct_document(node)
-    except yaml.YAMLError as e:
-        raise ConfigError(source, "not valid YAML: " + " ".join(str(e).split())) from None
-    except RecursionError:
-        raise ConfigError(source, "not valid YAML: nested too deeply") from None
-    finally:
-        loader.dispose()
+                       str(space_dir) if space_dir is not None else None, source)
 
 
 def load_config(path: str | os.PathLike, *, name: str | None = None) -> SweepConfig:
-    """Read and validate ``CONFIG.yaml``; a missing, unreadable, non-UTF-8 or unparsable file is a
-    :class:`ConfigError` naming it.
-
-    ``name`` overrides the sweep name (e.g. a dated name for scheduled re-runs of the same config).
-    """
-    path = Path(path)
+    """Read and validate ``CONFIG.yaml`` (:func:`read_yaml_file`: a missing, unreadable, non-UTF-8 or unparsable
+    file is a :class:`ConfigError` naming it).  ``name`` overrides the sweep name (e.g. a dated name for scheduled
+    re-runs of the same config)."""
     src = str(path)
-    try:
-        if not path.is_file():
-            raise ConfigError(src, "is a directory, not a config file" if path.is_dir() else "config file not found")
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(src, f"{path.stat().st_size} bytes is too large for a sweep config "
-                                   f"(limit {MAX_CONFIG_BYTES})")
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(src, f"cannot read: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(src, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
-    doc = load_yaml(text, src)
+    doc = read_yaml_file(path)
     if name is not None and isinstance(doc, dict):
         doc = {**doc, "name": name}
     return parse_config(doc, source=src)

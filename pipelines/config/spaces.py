@@ -1,4 +1,5 @@
-"""Search spaces: ``tune_spaces/<file>.yaml`` → :class:`SearchSpace`.
+"""Search spaces: the built-in ``tune_spaces/<file>.yaml``, a user's folder, a config's inline space or a plugin's
+shipped one → :class:`SearchSpace`.
 
 One YAML per loss (format in ``docs/architecture.md``)::
 
@@ -17,14 +18,19 @@ job.  It imports neither Ray nor MLflow, so configs can be validated before anyt
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator
 
+from pipelines.config.errors import ConfigError
+from pipelines.config.loader import load_yaml
 
-__all__ = ["Param", "SearchSpace", "SpaceError", "spaces_dir", "load_space", "all_spaces", "LOSS_LR"]
+__all__ = ["Param", "SearchSpace", "SpaceError", "spaces_dir", "builtin_spaces", "folder_spaces", "all_spaces",
+           "load_space", "parse_space", "LOSS_LR"]
 
 #: The learning rate of the loss's own parameters: a TrainConfig field, never a build_loss argument.
 LOSS_LR = "loss_lr"
@@ -106,10 +112,41 @@ class SearchSpace:
         return params, values.get(LOSS_LR)
 
 
-def spaces_dir() -> Path:
-    """``$DMLRC_TUNE_SPACES`` if set, else the repository's ``tune_spaces/``."""
+def spaces_dir() -> Path | None:
+    """A folder of the user's own spaces named by ``$DMLRC_TUNE_SPACES`` (``None`` if unset).  Its files add to and
+    override the built-in spaces, loss by loss."""
     env = os.environ.get("DMLRC_TUNE_SPACES")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "tune_spaces"
+    return Path(env) if env else None
+
+
+def builtin_spaces() -> dict[str, SearchSpace]:
+    """The built-in losses' spaces: the ``tune_spaces`` package's ``*.yaml`` (package data, read through
+    ``importlib.resources``: the same in a source checkout and an installed wheel)."""
+    return dict(_builtin_spaces())
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_spaces() -> dict[str, SearchSpace]:
+    out: dict[str, SearchSpace] = {}
+    files = sorted((f for f in resources.files("tune_spaces").iterdir() if f.name.endswith(".yaml")),
+                   key=lambda f: f.name)
+    for f in files:
+        space = _parse_doc(_read(f, f.name), f.name, f if isinstance(f, Path) else Path(f.name))
+        if space.loss in out:
+            raise SpaceError(f"{f.name}: loss {space.loss!r} already defined in {out[space.loss].path.name}")
+        out[space.loss] = space
+    return out
+
+
+def _read(f, name: str) -> Any:
+    try:
+        return load_yaml(f.read_bytes().decode("utf-8"), name)  # no duplicate keys, no alias bombs
+    except ConfigError as e:
+        raise SpaceError(str(e)) from None
+    except UnicodeDecodeError as e:
+        raise SpaceError(f"{name}: not UTF-8 text (offset {e.start})") from None
+    except OSError as e:
+        raise SpaceError(f"{name}: cannot read: {e.strerror or e}") from None
 
 
 def _parse_param(path: Path, name: str, spec: Any) -> Param:
@@ -145,41 +182,44 @@ def _parse_param(path: Path, name: str, spec: Any) -> Param:
 
 
 def _load_file(path: Path) -> SearchSpace:
-    from pipelines.config import ConfigError, load_yaml  # (config imports this module)
+    return _parse_doc(_read(path, path.name), path.name, path)
 
-    try:
-        doc = load_yaml(path.read_bytes().decode("utf-8"), path.name)  # no duplicate keys, no alias bombs
-    except ConfigError as e:
-        raise SpaceError(str(e)) from None
-    except UnicodeDecodeError as e:
-        raise SpaceError(f"{path.name}: not UTF-8 text (offset {e.start})") from None
-    except OSError as e:
-        raise SpaceError(f"{path.name}: cannot read: {e.strerror or e}") from None
+
+def parse_space(doc: Any, source: str, loss: str | None = None) -> SearchSpace:
+    """A space given as a mapping (a config's inline ``space:``, a plugin's shipped space); ``source`` names it in
+    errors; ``loss`` fills in a missing ``loss:`` key."""
+    if isinstance(doc, dict) and loss is not None and "loss" not in doc:
+        doc = {"loss": loss, **doc}
+    return _parse_doc(doc, source, None)
+
+
+def _parse_doc(doc: Any, name: str, path: Path | None) -> SearchSpace:
     if not isinstance(doc, dict):
-        raise SpaceError(f"{path.name}: expected a mapping at top level")
+        raise SpaceError(f"{name}: expected a mapping at top level")
     unknown = set(doc) - _TOP_KEYS
     if unknown:
-        raise SpaceError(f"{path.name}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+        raise SpaceError(f"{name}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
     if not all(isinstance(k, str) for k in doc):
-        raise SpaceError(f"{path.name}: keys must be strings")
+        raise SpaceError(f"{name}: keys must be strings")
     if not isinstance(doc.get("loss"), str):
-        raise SpaceError(f"{path.name}: 'loss' (the registry name) is missing")
+        raise SpaceError(f"{name}: 'loss' (the registry name) is missing")
     for key in ("space", "fixed", "paper_defaults"):
         if doc.get(key) is not None and not isinstance(doc[key], dict):
-            raise SpaceError(f"{path.name}: '{key}' must be a mapping")
-    params = {str(n): _parse_param(path, str(n), s) for n, s in (doc.get("space") or {}).items()}
+            raise SpaceError(f"{name}: '{key}' must be a mapping")
+    where = Path(name)
+    params = {str(n): _parse_param(where, str(n), s) for n, s in (doc.get("space") or {}).items()}
     fixed = dict(doc.get("fixed") or {})
     both = sorted(set(fixed) & set(params))
     if both:
-        raise SpaceError(f"{path.name}: {both} both searched (space) and fixed")
-    space = SearchSpace(doc["loss"], params, fixed, dict(doc.get("paper_defaults") or {}), path)
-    space.check(space.paper_defaults, where=f"{path.name}: paper_defaults")
+        raise SpaceError(f"{name}: {both} both searched (space) and fixed")
+    space = SearchSpace(doc["loss"], params, fixed, dict(doc.get("paper_defaults") or {}), path or where)
+    space.check(space.paper_defaults, where=f"{name}: paper_defaults")
     return space
 
 
-def all_spaces(directory: str | Path | None = None) -> dict[str, SearchSpace]:
-    """Every space in ``directory`` keyed by loss name; two files for one loss is an error."""
-    directory = Path(directory) if directory else spaces_dir()
+def folder_spaces(directory: str | Path) -> dict[str, SearchSpace]:
+    """Every space in a user's folder keyed by loss name; two files for one loss is an error."""
+    directory = Path(directory)
     if not directory.is_dir():
         raise SpaceError(f"search-space directory {directory} does not exist")
     out: dict[str, SearchSpace] = {}
@@ -191,12 +231,45 @@ def all_spaces(directory: str | Path | None = None) -> dict[str, SearchSpace]:
     return out
 
 
+def all_spaces(directory: str | Path | None = None) -> dict[str, SearchSpace]:
+    """The built-in spaces, overridden and extended loss by loss by a user's folder (``directory``, else
+    ``$DMLRC_TUNE_SPACES``)."""
+    out = builtin_spaces()
+    directory = directory if directory is not None else spaces_dir()
+    if directory is not None:
+        out.update(folder_spaces(directory))
+    return out
+
+
 def load_space(loss: str, directory: str | Path | None = None) -> SearchSpace:
-    """The search space of one loss (``"sec:triplet"`` lives in ``sec_triplet.yaml``)."""
-    spaces = all_spaces(directory)
-    if loss not in spaces:
-        raise SpaceError(
-            f"no search space for loss {loss!r} in {Path(directory) if directory else spaces_dir()} "
-            f"(have: {', '.join(sorted(spaces))})"
-        )
-    return spaces[loss]
+    """The search space of one loss (``"sec:triplet"`` lives in ``sec_triplet.yaml``): a user's folder (``directory``,
+    else ``$DMLRC_TUNE_SPACES``) first, then a space shipped by the plugin that provides the loss, then the built-in
+    one.  (A config's inline ``losses[].space`` comes before all of them: :mod:`pipelines.config.schema`.)"""
+    directory = directory if directory is not None else spaces_dir()
+    if directory is not None:
+        user = folder_spaces(directory)
+        if loss in user:
+            return user[loss]
+    shipped = _plugin_space(loss)
+    if shipped is not None:
+        return shipped
+    builtin = builtin_spaces()
+    if loss not in builtin:
+        raise SpaceError(f"no search space for loss {loss!r}: give one inline (losses[].space), in a tune_spaces "
+                         f"folder, or ship one with its plugin (built-in spaces: {', '.join(sorted(builtin))})")
+    return builtin[loss]
+
+
+def _plugin_space(loss: str) -> SearchSpace | None:
+    """The space a plugin loss ships (``dml_core.losses.loss_metadata(space=...)``), if any."""
+    from dml_core.losses import plugin_space, resolve_loss
+
+    try:
+        resolve_loss(loss)
+    except ValueError:  # not a loss at all: the config's loss check names it
+        return None
+    try:
+        doc = plugin_space(loss)
+    except ValueError as e:
+        raise SpaceError(" ".join(str(e).split())) from None
+    return None if doc is None else parse_space(doc, f"the space shipped with {loss!r}", loss)

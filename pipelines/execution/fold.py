@@ -10,10 +10,10 @@ MLRC §1.4: each fold trains an independent model on the fold's train classes, e
   span, process id, node id) and — for reproductions — the test-set embeddings of the best model
   (``test_embeddings.npy``/``test_labels.npy``, for the concatenated evaluation) and the model state (``model.pt``).
 
-The two executors (chosen by :func:`pipelines.trial.fold_executor`) only differ in how the process is obtained and
+The two executors (chosen by :func:`pipelines.execution.trial.fold_executor`) only differ in how the process is obtained and
 where the result directory goes:
 
-* **warm** (:mod:`pipelines.warm_folds`, single-worker folds): a Ray task on a reused worker process; the directory
+* **warm** (:mod:`pipelines.execution.warm_folds`, single-worker folds): a Ray task on a reused worker process; the directory
   is copied to the sweep's storage;
 * **train** (:func:`fold_worker` here, ``workers_per_fold > 1`` or forced): a Ray Train ``TorchTrainer`` job.
   ``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs); ``train_fold`` detects it, wraps
@@ -51,16 +51,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["run_fold", "fold_worker", "worker_env", "OUTCOME_FILE", "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE",
-           "METRIC_KEYS", "CHECKPOINT_DIR", "checkpoint_uri_of", "clear_checkpoints", "evaluation_metrics",
+from pipelines.names import HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
+
+__all__ = ["run_fold", "fold_worker", "worker_env", "CHECKPOINT_DIR", "checkpoint_uri_of", "clear_checkpoints", "evaluation_metrics",
            "logged_evaluations"]
 
-OUTCOME_FILE = "outcome.json"
-TEST_EMBEDDINGS = "test_embeddings.npy"
-TEST_LABELS = "test_labels.npy"
-MODEL_FILE = "model.pt"
-#: The metrics logged per evaluation (all of retrieval_metrics' keys are kept in outcome.json).
-METRIC_KEYS = ("map_at_r", "r_precision", "precision_at_1")
 #: A fold's mid-fold checkpoints: ``<fold_storage>/<run name>/ckpt/`` (next to the warm executor's ``result/``).
 CHECKPOINT_DIR = "ckpt"
 ATTEMPTS_FILE = "attempts.json"
@@ -72,7 +67,7 @@ _STEP_METRIC = "epoch"
 def evaluation_metrics(record: dict[str, Any]) -> dict[str, float]:
     """What a fold run logs for one evaluation (at step = its iteration): ``val.<metric>``, ``train.loss``, and
     the epoch (the step metric that tells which evaluations a run holds)."""
-    metrics = {f"val.{k}": v for k, v in record["metrics"].items() if k in METRIC_KEYS}
+    metrics = {f"val.{k}": v for k, v in record["metrics"].items() if k in HEADLINE_METRICS}
     if record.get("train_loss") is not None:
         metrics["train.loss"] = record["train_loss"]
     metrics[_STEP_METRIC] = record["epoch"]
@@ -224,7 +219,7 @@ class _Checkpoints:
 
 def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, out_dir: Path,
              node_id: str = "") -> dict[str, Any]:
-    """Train and evaluate one fold (keys of ``cfg``: see :func:`pipelines.trial._fold_config`).
+    """Train and evaluate one fold (keys of ``cfg``: see :func:`pipelines.execution.trial._fold_config`).
 
     Every rank calls it; rank 0 writes the result directory ``out_dir``.  Returns the small summary every rank
     reports (status, fold, best val metrics, time span).
@@ -260,7 +255,7 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
     resume_state = ckpt.resume_state()  # every rank: the state rank 0's pointer names, or None
     logged: set[int] = set()  # iterations the fold run already holds an evaluation for
     if rank == 0:
-        from pipelines.tracking import Tracker
+        from pipelines.tracking.runs import Tracker
 
         tracker = Tracker.from_uri(cfg["tracking_uri"], cfg["experiment_id"])
         run = tracker.run(fold_run_id)
@@ -342,7 +337,7 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         "redone_iterations": ckpt.redone_iterations,
         "history": [
             {"epoch": r["epoch"], "iteration": r["iteration"], "train_loss": r.get("train_loss"),
-             "metrics": _finite({k: v for k, v in r["metrics"].items() if k in METRIC_KEYS})}
+             "metrics": _finite({k: v for k, v in r["metrics"].items() if k in HEADLINE_METRICS})}
             for r in result.history
         ],
     }

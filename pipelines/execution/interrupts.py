@@ -3,7 +3,7 @@
 * **Ctrl-C** (:func:`stop_on_sigint`): the first SIGINT prints what happens and how to resume, then raises
   :class:`SweepInterrupted` (a ``KeyboardInterrupt``) in the driver, which leaves the running ``Tuner.fit()`` at
   once.  Ray Tune's own handler is switched off (``TUNE_DISABLE_SIGINT_HANDLER=1`` in
-  :data:`pipelines.ray_runtime.RAY_ENV`): it would only end the current Tuner, quietly, and the sweep would go on
+  :data:`pipelines.execution.ray_runtime.RAY_ENV`): it would only end the current Tuner, quietly, and the sweep would go on
   with the next one.  Nothing is lost: Tune snapshots its experiment state every ``TUNE_GLOBAL_CHECKPOINT_S``
   seconds and finished fold runs keep their Ray Train checkpoints, so ``--resume`` continues as after a killed
   driver (unfinished trials rerun under their trial ids).  A second Ctrl-C interrupts the clean-up too.
@@ -71,7 +71,7 @@ def close_open_runs(tracker, sweep: str, *, reason: str, status: str = "FAILED",
     """Close every run of ``sweep`` (of ``study`` only, if given) that is still RUNNING: MLflow status ``status``
     (``KILLED`` for an interruption), tags ``status`` (``interrupted`` | ``failed``) and ``reason``.  Call it once
     no Ray worker can write to them any more.  Returns how many runs it closed."""
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     flt = f"tags.sweep = '{_q(sweep)}' and attributes.status = 'RUNNING'"
     if study is not None:
@@ -86,7 +86,7 @@ def close_open_runs(tracker, sweep: str, *, reason: str, status: str = "FAILED",
 
 def reopen_interrupted(tracker, sweep: str) -> int:
     """On ``--resume``: study runs an interruption closed (``KILLED``, not ``done``) are RUNNING again."""
-    from pipelines.tracking import search_all
+    from pipelines.tracking.runs import search_all
 
     flt = (f"tags.sweep = '{_q(sweep)}' and tags.stage = 'study' and attributes.status = 'KILLED' "
            f"and tags.status = '{INTERRUPTED}'")

@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Any
 
-from pipelines.config import ConfigError, SweepConfig, redact_uri
+from pipelines.config.schema import ConfigError, SweepConfig, redact_uri
 
 __all__ = ["RAY_ENV", "S3_ENV", "AWS_SECRET_ENV", "s3_compat_env", "check_storage_reachable",
            "check_tracking_reachable", "default_num_cpus", "init_ray", "start_ray", "stop_ray", "check_cluster_resources",
@@ -58,7 +58,7 @@ RAY_ENV = {
     "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_AIR_NEW_OUTPUT": "0",
     "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "60",
-    # Ctrl-C is the sweep's (pipelines.stopping): Tune's handler would end only the current Tuner, quietly, and let
+    # Ctrl-C is the sweep's (pipelines.execution.interrupts): Tune's handler would end only the current Tuner, quietly, and let
     # the sweep go on with the next one.
     "TUNE_DISABLE_SIGINT_HANDLER": "1",
     # the driver downloads fold models to register them: no progress bar per artifact in the sweep's output
@@ -131,7 +131,7 @@ def check_tracking_reachable(uri: str) -> None:
         _check_postgres(uri)
         return
     if uri.startswith(("http://", "https://")):
-        from pipelines.preflight import check_mlflow_server
+        from pipelines.tracking.server import check_mlflow_server
 
         check_mlflow_server(uri, "tracking.uri")
 
@@ -249,8 +249,8 @@ def stop_ray(started: bool) -> None:
 def start_ray(cfg: SweepConfig, address: str | None) -> bool:
     """:func:`init_ray` for a sweep: a local Ray gets ``resources.num_cpus`` logical CPUs (default
     :func:`default_num_cpus`); this process and every worker get MLflow HTTP retries that outlast
-    ``tracking.outage_timeout_s`` (:mod:`pipelines.tracking_watch`)."""
-    from pipelines.tracking_watch import apply_retry_env
+    ``tracking.outage_timeout_s`` (:mod:`pipelines.tracking.outage`)."""
+    from pipelines.tracking.outage import apply_retry_env
 
     retries = apply_retry_env(cfg.tracking.outage_timeout_s, _UNDO)
     return init_ray(address, num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg), env=retries)
@@ -266,7 +266,7 @@ def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None =
     _hide_credentials()
     import ray
 
-    from pipelines.fold import worker_env
+    from pipelines.execution.fold import worker_env
 
     if ray.is_initialized():
         return False
@@ -306,17 +306,6 @@ def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None =
     for name in ("ray.tune", "ray.train", "ray.air", "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
     return True
-
-
-def check_cluster_resources(cfg: SweepConfig) -> None:
-    """Right after Ray starts (also a cluster's, with ``--address``), before any trial: the config's resources
-    against ``ray.cluster_resources()`` (:func:`pipelines.preflight.check_cluster_resources` names the field and
-    what the cluster has).  Otherwise Ray Train would retry its worker-group start-up forever."""
-    import ray
-
-    from pipelines.preflight import check_cluster_resources as check
-
-    check(cfg, ray.cluster_resources())
 
 
 def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from pipelines.trial import OBJECTIVE
+from pipelines.names import OBJECTIVE
 
 __all__ = ["optuna_space", "make_searcher", "best_result", "grid_rows"]
 
@@ -20,7 +20,7 @@ __all__ = ["optuna_space", "make_searcher", "best_result", "grid_rows"]
 
 
 def optuna_space(searched: dict) -> dict:
-    """``pipelines.spaces.Param`` → Optuna distributions (log-uniform / uniform / int / categorical)."""
+    """``pipelines.config.spaces.Param`` → Optuna distributions (log-uniform / uniform / int / categorical)."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     out = {}

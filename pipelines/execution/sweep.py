@@ -1,24 +1,24 @@
 """The reality-check sweep: per (dataset, loss) study, Bayesian optimisation → best config → reproductions → CIs.
 
 This module is the study loop; the parts it calls each live in their own module: Ray start-up, the searcher and
-best-trial choice (:mod:`pipelines.search`), one trial (:mod:`pipelines.trial`), one fold (:mod:`pipelines.fold`,
-:mod:`pipelines.warm_folds`), the intervals and tables (:mod:`pipelines.study_results`).
+best-trial choice (:mod:`pipelines.execution.search`), one trial (:mod:`pipelines.execution.trial`), one fold (:mod:`pipelines.execution.fold`,
+:mod:`pipelines.execution.warm_folds`), the intervals and tables (:mod:`pipelines.results.study_results`).
 
 For each study (MLRC §2, spec protocol_reality_check.md):
 
-1. **Search** — one Ray Tune ``Tuner`` (never nested: ray #36024) over :func:`pipelines.trial.run_trial` with
-   ``OptunaSearch`` (:func:`pipelines.search.make_searcher`).  ``protocol.trials`` trials (MLRC: 50), at most
+1. **Search** — one Ray Tune ``Tuner`` (never nested: ray #36024) over :func:`pipelines.execution.trial.run_trial` with
+   ``OptunaSearch`` (:func:`pipelines.execution.search.make_searcher`).  ``protocol.trials`` trials (MLRC: 50), at most
    ``max_concurrent_trials`` at a time.  Objective: mean over the folds of best-checkpoint val MAP@R (SEM
    recorded), MLRC §1.6.
-2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.search.best_result`, MLRC §2.2).
+2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.execution.search.best_result`, MLRC §2.2).
 3. **Reproductions** — a second ``Tuner`` runs ``reproductions`` retrainings of the best config (grid over the
-   reproduction index; each a full 4-fold trial with seed ``pipelines.trial.reproduction_seed(seed, i)``), each tested
+   reproduction index; each a full 4-fold trial with seed ``pipelines.execution.trial.reproduction_seed(seed, i)``), each tested
    on the test classes, separated and concatenated (MLRC §2.3).
 4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.stats.confidence_interval``), written to the
    study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints).
 
 Resources: a trial is a driver reserving one unit of ``dmlrc_trial_driver`` on the driver's node, or 0.01 CPU
-where no node declares it (:data:`pipelines.ray_runtime.TRIAL_DRIVER_RESOURCE`; its Tune actor is reused from trial to trial, which saves a
+where no node declares it (:data:`pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE`; its Tune actor is reused from trial to trial, which saves a
 process start and its imports per trial — the trainable keeps no state); each of its four folds reserves
 ``cpus_per_worker`` CPUs (and a GPU with ``use_gpu``) per worker, as a warm Ray task or a Ray Train worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default
 enough for ``max_concurrent_trials`` × folds × workers — on a 2-core machine that oversubscribes the cores, which
@@ -32,7 +32,7 @@ and not one Ray task per study driver: ``docs/architecture.md`` ("Studies in par
 signal to the main thread only; the study threads get the same ``SweepInterrupted`` raised into them
 (:func:`_raise_in_thread`), so each ``Tuner.fit()`` leaves exactly as the single one of a sequential sweep did.
 
-Cost: every fold run records what it held and for how long (``cost.*``, :func:`pipelines.trial.fold_cost`); trials
+Cost: every fold run records what it held and for how long (``cost.*``, :func:`pipelines.execution.trial.fold_cost`); trials
 and reproductions sum their folds; the study run sums its trials and reproductions (:func:`study_cost`), diverged
 trials' share also as ``cost.diverged.*``.
 
@@ -55,16 +55,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import ConfigError, SweepConfig
-from pipelines.preflight import StudyPlan, preflight, study_dirname
-from pipelines.registry import on_study_end, on_study_start, set_experiment_kind
-from pipelines.visuals import log_study_visuals
-from pipelines.ray_runtime import (check_cluster_resources, check_storage_reachable, check_tracking_reachable,
-                                    redact_uri, scrub, start_ray, stop_ray, warn_multi_node)
-from pipelines.search import best_result, grid_rows, make_searcher
-from pipelines.stopping import failure_reason
-from pipelines.study_results import COST_KEYS, StudySummary, ci_report, confidence_intervals, fmt_ci
-from pipelines.trial import OBJECTIVE, PARAMS, REPRODUCTION, StudyContext, run_trial
+from pipelines.config.schema import ConfigError, SweepConfig
+from pipelines.execution.preflight import StudyPlan, preflight
+from pipelines.names import study_dirname
+from pipelines.tracking.model_registry import on_study_end, on_study_start
+from pipelines.tracking.ui import set_experiment_kind
+from pipelines.results.visuals import log_study_visuals
+from pipelines.execution.ray_runtime import check_storage_reachable, check_tracking_reachable, redact_uri, scrub, start_ray, stop_ray, warn_multi_node
+from pipelines.execution.resources import check_cluster_resources
+from pipelines.execution.search import best_result, grid_rows, make_searcher
+from pipelines.execution.interrupts import failure_reason
+from pipelines.results.study_results import COST_KEYS, StudySummary, ci_report, confidence_intervals, fmt_ci
+from pipelines.execution.trial import StudyContext, run_trial
+from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION
 
 __all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies", "study_cost"]
 
@@ -86,7 +89,7 @@ class SweepOutcome:
 
     def mlflow_ui_command(self) -> str:
         """How to look at the runs; the link opens the experiment on MLflow 3's training-runs view."""
-        from pipelines.registry import experiment_url
+        from pipelines.tracking.ui import experiment_url
 
         if self.tracking_uri.startswith(("http://", "https://")):
             return f"open {experiment_url(self.tracking_uri, self.experiment_id)}"
@@ -144,7 +147,7 @@ def max_concurrent_studies(cfg: SweepConfig, address: str | None, resources: dic
 
 def study_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The study run's ``cost.*``: the sum over its trials' and reproductions' Tune results (each the sum of its
-    folds, :func:`pipelines.trial.fold_cost`); ``cost.diverged.*`` is the part spent on diverged trials."""
+    folds, :func:`pipelines.execution.trial.fold_cost`); ``cost.diverged.*`` is the part spent on diverged trials."""
     out = {f"cost.{k}": 0.0 for k in COST_KEYS}
     out.update({f"cost.diverged.{k}": 0.0 for k in COST_KEYS})
     for r in rows:
@@ -164,7 +167,7 @@ def retire_lost_trials(tracker, study_run_id: str, known: set[str]) -> int:
     trial under a new id in its place (a seeded searcher: the same values).  Such a run (and its fold runs) would
     stay RUNNING and double the trial in the MLflow tree: it is ended KILLED, tagged with the reason, and hidden.
     Returns how many trials it retired."""
-    from pipelines.tracking import PARENT
+    from pipelines.tracking.runs import PARENT
 
     def is_known(tid: str | None) -> bool:  # a row's id is the trial id, or its directory name that holds it
         return bool(tid) and any(tid == k or f"_{tid}_" in k for k in known)
@@ -206,7 +209,7 @@ def _register_study_trainable(plan: StudyPlan, ctx: StudyContext) -> str:
     trial.__name__ = trial.__qualname__ = name
     import ray
 
-    from pipelines.ray_runtime import trial_bundle
+    from pipelines.execution.ray_runtime import trial_bundle
 
     bundle = trial_bundle(ray.cluster_resources())  # on the driver's node when it declares the driver resource
     with _REGISTRY_LOCK:
@@ -224,7 +227,7 @@ class _Sweep:
         self.plans = plans
         self.tracker = tracker
         self.out = out or sys.stdout
-        #: the tracking store's health (pipelines.tracking_watch.TrackingWatch), or None (sqlite)
+        #: the tracking store's health (pipelines.tracking.outage.TrackingWatch), or None (sqlite)
         self.watch = watch
         #: set when the sweep stops (Ctrl-C, a crash): a study thread whose Tuner returns then goes no further
         self.stopping = threading.Event()
@@ -256,7 +259,7 @@ class _Sweep:
         return [f.result() for f in futures]
 
     def _study_thread(self, plan: StudyPlan) -> StudySummary:
-        from pipelines.stopping import SweepInterrupted
+        from pipelines.execution.interrupts import SweepInterrupted
 
         if self.stopping.is_set():
             raise SweepInterrupted("stopped before it started")
@@ -272,7 +275,7 @@ class _Sweep:
         """Queued studies never start; running ones get ``SweepInterrupted`` raised in their thread (it leaves
         ``Tuner.fit()`` as Ctrl-C left it in a sequential sweep; Tune's state is its last periodic snapshot);
         wait a bounded time for them, then the caller shuts Ray down."""
-        from pipelines.stopping import SweepInterrupted
+        from pipelines.execution.interrupts import SweepInterrupted
 
         self.stopping.set()
         for f in futures:
@@ -288,8 +291,8 @@ class _Sweep:
 
     def _check_tracking(self) -> None:
         """Stop the sweep (as Ctrl-C does: state kept) once MLflow has been unreachable for the configured time."""
-        from pipelines.stopping import resume_command
-        from pipelines.tracking_watch import TrackingUnavailable
+        from pipelines.execution.interrupts import resume_command
+        from pipelines.tracking.outage import TrackingUnavailable
 
         if self.watch is not None and self.watch.expired():
             raise TrackingUnavailable(
@@ -298,7 +301,7 @@ class _Sweep:
                 f"{self.cfg.ray_storage()}; once MLflow answers again, resume with: {resume_command(self.cfg)}")
 
     def _check_stopping(self) -> None:
-        from pipelines.stopping import SweepInterrupted
+        from pipelines.execution.interrupts import SweepInterrupted
 
         if self.stopping.is_set():
             raise SweepInterrupted("the sweep is stopping")
@@ -334,7 +337,7 @@ class _Sweep:
         )
 
     def _open_study_run(self, plan: StudyPlan) -> str:
-        from pipelines.tracking import git_commit
+        from pipelines.tracking.runs import git_commit
 
         t = self.tracker
         run_id, created = t.get_or_create({"sweep": self.cfg.name, "study": plan.key, "stage": "study"},
@@ -370,7 +373,7 @@ class _Sweep:
         import ray
         from ray import tune
 
-        from pipelines.progress import TrialProgress, format_duration
+        from pipelines.execution.progress import TrialProgress, format_duration
 
         cfg, t = self.cfg, self.tracker
         t0 = time.time()
@@ -526,10 +529,10 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything starts.
 
     Ctrl-C stops it within seconds, closes the runs it leaves (``KILLED``, reason ``interrupted``) and raises
-    :class:`pipelines.stopping.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed study's
-    leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.stopping`).
+    :class:`pipelines.execution.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed study's
+    leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.execution.interrupts`).
     """
-    from pipelines.stopping import INTERRUPTED, close_open_runs, reopen_interrupted, resume_command, stop_on_sigint
+    from pipelines.execution.interrupts import INTERRUPTED, close_open_runs, reopen_interrupted, resume_command, stop_on_sigint
 
     out = out or sys.stdout
     t0 = time.time()
@@ -543,14 +546,14 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     local = cfg.local_dir()
     local.mkdir(parents=True, exist_ok=True)
 
-    from pipelines.tracking import Tracker
+    from pipelines.tracking.runs import Tracker
 
     tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
     if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
         raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
                                   f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
     set_experiment_kind(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
-    from pipelines.tracking_watch import TrackingUnavailable, TrackingWatch
+    from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
 
     watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
     try:

@@ -6,10 +6,10 @@ builds ``TorchTrainer``\\ s; spec ray_mlflow_notes §5.1).  Per trial it
 1. finds or creates its MLflow run (``stage=trial``, child of the study run; tags ``trial_id``, ``status``), or for a
    reproduction the ``stage=reproduction`` run (tags ``reproduction``, ``seed``), and one ``stage=fold`` child per fold;
 2. runs the 4 folds concurrently through one of two executors (:func:`fold_executor`), both around the same
-   :func:`pipelines.fold.run_fold`: **warm** — single-worker folds as Ray tasks on reused worker processes
-   (:mod:`pipelines.warm_folds`); **train** — one Ray Train ``TorchTrainer`` per fold, started from 4 threads (DDP
+   :func:`pipelines.execution.fold.run_fold`: **warm** — single-worker folds as Ray tasks on reused worker processes
+   (:mod:`pipelines.execution.warm_folds`); **train** — one Ray Train ``TorchTrainer`` per fold, started from 4 threads (DDP
    folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The trial itself
-   reserves only the driver resource (see :mod:`pipelines.sweep`);
+   reserves only the driver resource (see :mod:`pipelines.execution.sweep`);
 3. reduces the folds (MLRC §1.6): objective = mean over folds of each fold's best-checkpoint val MAP@R, with its SEM
    (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score 0 and the trial
    run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
@@ -39,18 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.fold import (METRIC_KEYS, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS, evaluation_metrics, fold_worker,
-                           logged_evaluations)
-from pipelines.spaces import LOSS_LR
-from pipelines.stopping import error_text
+from pipelines.execution.fold import (evaluation_metrics, fold_worker, logged_evaluations)
+from pipelines.config.spaces import LOSS_LR
+from pipelines.names import HEADLINE_METRICS, OBJECTIVE, OUTCOME_FILE, PARAMS, REPRODUCTION, TEST_EMBEDDINGS, TEST_LABELS
+from pipelines.results.embeddings import reproduction_test_metrics
+from pipelines.execution.interrupts import error_text
 
-__all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "REPRODUCTION", "PARAMS", "OBJECTIVE", "reproduction_seed"]
+__all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "reproduction_seed"]
 
-#: Tune config keys of a reproduction trial (a search trial's config is the sampled hyperparameters themselves).
-REPRODUCTION = "__reproduction__"
-PARAMS = "__params__"
-#: The metric Tune and the searcher optimise (mode "max").
-OBJECTIVE = "val_map_at_r_mean"
 
 
 def reproduction_seed(base_seed: int, i: int) -> int:
@@ -181,7 +177,7 @@ def _run_folds(ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
     errors: dict[int, BaseException] = {}
     t_submit = time.time()
     if fold_executor(ctx) == "warm":
-        from pipelines.warm_folds import result_uri, warm_fold_ref
+        from pipelines.execution.warm_folds import result_uri, warm_fold_ref
 
         gpus = ctx.gpus_per_worker if ctx.use_gpu else 0.0
         refs = {k: warm_fold_ref(cfg, result_uri(ctx.fold_storage, f"{prefix}-fold{k}"), cpus=ctx.cpus_per_worker,
@@ -235,18 +231,6 @@ def checkpoint_uri(ckpt) -> str:
     return ckpt.path
 
 
-def concatenated_embeddings(parts: list[np.ndarray]) -> np.ndarray:
-    """MLRC §2.3 "concatenated": L2-normalise each fold model's embedding, then concatenate (4 × d).
-
-    ``retrieval_metrics`` L2-normalises the concatenation again, as the MLRC tester did.
-    """
-    out = []
-    for e in parts:
-        e = np.asarray(e, dtype=np.float32)
-        out.append(e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12))
-    return np.concatenate(out, axis=1)
-
-
 def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     """The trial's objective from its folds (MLRC §1.6): mean ± SEM of best val metrics; 0 if a fold diverged."""
     from dml_core.stats import fold_summary
@@ -256,34 +240,14 @@ def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     if diverged:
         out["status"] = "diverged"
         out["reason"] = "; ".join(f"fold {o['fold']}: {o['reason']}" for o in diverged)
-        for k in METRIC_KEYS:
+        for k in HEADLINE_METRICS:
             out[f"val.{k}.mean"], out[f"val.{k}.sem"] = 0.0, 0.0
         return out
     out["status"], out["reason"] = "ok", ""
-    for k in METRIC_KEYS:
+    for k in HEADLINE_METRICS:
         mean, sem = fold_summary([o["best_metrics"][k] for o in outcomes])
         out[f"val.{k}.mean"], out[f"val.{k}.sem"] = mean, sem
     return out
-
-
-def reproduction_test_metrics(outcomes: list[dict[str, Any]], embeddings: list[np.ndarray], labels: list[np.ndarray]
-                              ) -> tuple[dict[str, float], Any]:
-    """``test.separated.<metric>`` (mean over fold models) and ``test.concat.<metric>`` (concatenated embedding),
-    with the concatenated search's ``RetrievalDetails`` (neighbours, per-query and per-class values)."""
-    from dml_core.metrics import retrieval_details
-
-    out: dict[str, float] = {}
-    keys = sorted(set.intersection(*(set(o["test_metrics"]) for o in outcomes)))
-    for k in keys:
-        out[f"test.separated.{k}"] = float(np.mean([o["test_metrics"][k] for o in outcomes]))
-    for lab in labels[1:]:
-        if not np.array_equal(lab, labels[0]):
-            raise RuntimeError("fold models embedded the test set in different row orders")
-    details = retrieval_details(concatenated_embeddings(embeddings), labels[0], normalize=True)
-    for k, v in details.metrics.items():
-        if isinstance(v, float) and math.isfinite(v):
-            out[f"test.concat.{k}"] = float(v)
-    return out, details
 
 
 def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
@@ -292,8 +256,8 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     from ray import tune
 
     from dml_core.splits import FoldManifest
-    from pipelines.registry import log_fold_dataset_input
-    from pipelines.tracking import PARENT, Tracker
+    from pipelines.tracking.datasets import log_fold_dataset_input
+    from pipelines.tracking.runs import PARENT, Tracker
 
     trial_id = tune.get_context().get_trial_id()
     rep = config.get(REPRODUCTION)
@@ -398,7 +362,7 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
 def _store_details(ctx: StudyContext, prefix: str, details) -> str:
     """The concatenated test search's neighbours, next to the folds' results, for the study's visuals."""
     from dml_core.storage import open_storage
-    from pipelines.visuals import details_to_bytes
+    from pipelines.results.visuals import details_to_bytes
 
     folder = ctx.fold_storage.rstrip("/") + f"/{prefix}-concat"
     open_storage(folder).put_bytes(details_to_bytes(details), "details.npz")
@@ -416,7 +380,7 @@ def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpo
     for rec in outcome["history"]:
         if rec["iteration"] not in logged:
             tracker.log_metrics(fold_run_id, evaluation_metrics(rec), step=rec["iteration"])
-    summary = {f"best.val.{k}": v for k, v in outcome["best_metrics"].items() if k in METRIC_KEYS}
+    summary = {f"best.val.{k}": v for k, v in outcome["best_metrics"].items() if k in HEADLINE_METRICS}
     summary.update({f"test.{k}": v for k, v in outcome.get("test_metrics", {}).items()})
     # Wall-clock marks (s since the epoch) for the overhead benchmark: fold submitted (fit() called) → fold function
     # starts → train_fold starts → fold function ends → the trial has its result.

@@ -21,8 +21,8 @@ Per model version (:func:`evaluate_version`): the test classes come from the stu
 (``folds.json``); Ray Data streams the dataset's parquet shards (``read_parquet`` → filter to the test classes →
 ``map_batches`` with actors that hold every reproduction's pyfunc model, one actor per GPU with ``use_gpu``) and
 returns only the embeddings to the driver; the metrics are the sweep's own test step
-(``retrieval_metrics`` per fold model → ``pipelines.trial.reproduction_test_metrics``, concatenated with
-``pipelines.trial.concatenated_embeddings``), the intervals ``pipelines.sweep.confidence_intervals``
+(``retrieval_metrics`` per fold model → ``pipelines.execution.trial.reproduction_test_metrics``, concatenated with
+``pipelines.execution.trial.concatenated_embeddings``), the intervals ``pipelines.execution.sweep.confidence_intervals``
 (95 % Student-t across reproductions, MLRC §2.3).
 
 Regression rule (per compared metric, concatenated and separated).  The re-evaluated models are the registered
@@ -53,17 +53,16 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.config import ConfigError
+from pipelines.config.schema import ConfigError
+from pipelines.names import HEADLINE_METRICS, MODES
 
 __all__ = ["ReevalConfig", "load_reeval_config", "run_reeval", "add_reeval_parser", "regression_verdict",
            "manifest_digest"]
 
 KEYS = {"schedule", "tracking_uri", "models", "datasets", "metrics", "tolerance", "ray_address", "use_gpu",
         "batch_size", "out"}
-DEFAULT_METRICS = ("map_at_r", "r_precision", "precision_at_1")
 KNOWN_METRICS = ("map_at_r", "r_precision", "precision_at_1", "recall_at_1", "recall_at_2", "recall_at_4",
                  "recall_at_8", "ndcg_at_2", "ndcg_at_4", "ndcg_at_8", "nmi")
-MODES = ("concat", "separated")
 
 
 @dataclass
@@ -72,7 +71,7 @@ class ReevalConfig:
     tracking_uri: str
     models: list[dict[str, Any]]
     datasets: dict[str, str]
-    metrics: tuple[str, ...] = DEFAULT_METRICS
+    metrics: tuple[str, ...] = HEADLINE_METRICS
     tolerance: float = 0.01
     ray_address: str | None = None
     use_gpu: bool = False
@@ -114,7 +113,7 @@ def load_reeval_config(path: str | os.PathLike) -> ReevalConfig:
     if not isinstance(datasets, dict) or not datasets or not all(
             isinstance(k, str) and isinstance(v, str) and v for k, v in datasets.items()):
         raise ConfigError("datasets", "must map dataset names (the version tag `dataset`) to parquet URIs")
-    metrics = doc.get("metrics", list(DEFAULT_METRICS))
+    metrics = doc.get("metrics", list(HEADLINE_METRICS))
     if not isinstance(metrics, list) or not metrics:
         raise ConfigError("metrics", "must be a non-empty list")
     for j, m in enumerate(metrics):
@@ -156,7 +155,7 @@ class Target:
 
 
 def manifest_digest(manifest: dict) -> str:
-    """sha256 of the canonical JSON of a parquet manifest (the digest ``pipelines.registry`` registers)."""
+    """sha256 of the canonical JSON of a parquet manifest (the digest ``pipelines.tracking.model_registry`` registers)."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -166,14 +165,14 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
 
     from dml_core.shards import read_manifest
     from dml_core.splits import FoldManifest
-    from pipelines.registry import ALIAS
+    from pipelines.names import ALIAS
 
     import logging
 
     for noisy in ("mlflow.store", "alembic"):  # a fresh sqlite store announces its migrations at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if cfg.tracking_uri.startswith(("http://", "https://")):
-        from pipelines.ray_runtime import check_tracking_reachable
+        from pipelines.execution.ray_runtime import check_tracking_reachable
 
         check_tracking_reachable(cfg.tracking_uri)
     client = MlflowClient(cfg.tracking_uri)
@@ -238,7 +237,7 @@ class _Embedder:
     def __init__(self, tracking_uri: str, model_uris: list[str], image_size: int, batch_size: int):
         import mlflow
 
-        from pipelines.pyfunc_model import preprocess
+        from pipelines.tracking.pyfunc_model import preprocess
 
         mlflow.set_tracking_uri(tracking_uri)
         self.models = [mlflow.pyfunc.load_model(u) for u in model_uris]
@@ -312,11 +311,11 @@ def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.nd
 
 
 def reproduction_metrics(folds_output: np.ndarray, labels: np.ndarray, n_folds: int) -> dict[str, float]:
-    """The sweep's test step on one reproduction's embeddings: separated + concatenated (``pipelines.trial``)."""
+    """The sweep's test step on one reproduction's embeddings: separated + concatenated (``pipelines.execution.trial``)."""
     from dml_core.metrics import retrieval_metrics
-    from pipelines.fold import _finite
-    from pipelines.pyfunc_model import split_folds
-    from pipelines.trial import reproduction_test_metrics
+    from pipelines.execution.fold import _finite
+    from pipelines.results.embeddings import split_folds
+    from pipelines.results.embeddings import reproduction_test_metrics
 
     parts = split_folds(folds_output, n_folds)
     # fold_worker's "separated" call, per fold model: retrieval_metrics(test_emb, test_labels)
@@ -364,8 +363,8 @@ class VersionResult:
 def evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
     import mlflow
 
-    from pipelines.sweep import confidence_intervals
-    from pipelines.trial import REPRODUCTION
+    from pipelines.execution.sweep import confidence_intervals
+    from pipelines.names import REPRODUCTION
 
     t0 = time.time()
     mlflow.set_tracking_uri(cfg.tracking_uri)
@@ -463,7 +462,7 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
     from mlflow.entities import LoggedModelInput
     from mlflow.tracking import MlflowClient
 
-    from pipelines.registry import log_dataset_input
+    from pipelines.tracking.datasets import log_dataset_input
 
     c = MlflowClient(cfg.tracking_uri)
     t = r.target
@@ -506,9 +505,9 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
 
 
 def _start_ray(cfg: ReevalConfig) -> bool:
-    """The sweep's Ray start-up (:func:`pipelines.ray_runtime.init_ray`: loopback only, credentials kept out of
+    """The sweep's Ray start-up (:func:`pipelines.execution.ray_runtime.init_ray`: loopback only, credentials kept out of
     Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
-    from pipelines.ray_runtime import init_ray
+    from pipelines.execution.ray_runtime import init_ray
 
     started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1))
     import ray.data
@@ -520,7 +519,7 @@ def _start_ray(cfg: ReevalConfig) -> bool:
 def run_reeval(cfg: ReevalConfig, out=None) -> int:
     """Resolve (ConfigError before Ray), evaluate every version, write and log the table; the exit status."""
     out = out or sys.stdout
-    from pipelines.tracking import git_commit
+    from pipelines.tracking.runs import git_commit
 
     # Resolving reads each version's folds.json from MLflow: no download progress bars in a scheduled job's log.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -540,7 +539,7 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
                   + (f" ({r.images} images embedded in {r.embed_seconds:.1f} s, {r.seconds:.1f} s total)"
                      if r.images else "") + (f" — {r.message}" if r.message else ""), file=out, flush=True)
     finally:
-        from pipelines.ray_runtime import stop_ray
+        from pipelines.execution.ray_runtime import stop_ray
 
         stop_ray(started)  # also puts back what init_ray moved out of the environment
     paths = write_outputs(results, cfg)

@@ -6,7 +6,7 @@ Written as markdown, CSV, HTML and a PNG bar chart with CI whiskers, and logged 
 ``stage=report`` run.  Where two losses were reproduced on the same folds and seeds, a paired t-test
 on the reproduction runs gives a p-value per pair (``dml_core.stats.paired_t_test``).
 
-Where the study runs carry the visuals of :mod:`pipelines.visuals`, the HTML gets one page (section) per dataset:
+Where the study runs carry the visuals of :mod:`pipelines.results.visuals`, the HTML gets one page (section) per dataset:
 the losses' retrieval galleries side by side on the same queries, their embedding maps and their worst classes
 (with the classes they are confused with); the markdown lists the worst classes.  Images are embedded as data URIs,
 so the HTML stays one file that works offline.
@@ -36,13 +36,11 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from dml_core.stats import paired_t_test
-from pipelines.tracking import search_all
+from pipelines.tracking.runs import search_all
+from pipelines.names import HEADLINE_METRICS, METRIC_LABELS, MODES
 
 __all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons"]
 
-METRICS = ("precision_at_1", "r_precision", "map_at_r")
-MODES = ("concat", "separated")
-_LABEL = {"precision_at_1": "P@1", "r_precision": "RP", "map_at_r": "MAP@R"}
 
 
 @dataclass
@@ -57,7 +55,7 @@ class Study:
     reproductions: dict[int, dict[str, float]] = field(default_factory=dict)
     #: reproduction index → seed (pairing requires equal seeds)
     seeds: dict[int, str] = field(default_factory=dict)
-    #: the study's ``visuals/`` artifacts (pipelines.visuals), if it has them: gallery/per_class (parsed JSON),
+    #: the study's ``visuals/`` artifacts (pipelines.results.visuals), if it has them: gallery/per_class (parsed JSON),
     #: gallery_png/map_png (bytes)
     visuals: dict[str, Any] = field(default_factory=dict)
     #: the winning trial's hyperparameters (the study run's ``best.<name>`` params)
@@ -136,13 +134,13 @@ def _grid(studies: list[Study]) -> tuple[list[str], list[str]]:
 def _rows(studies: list[Study], mode: str) -> tuple[list[str], list[list[str]]]:
     datasets, losses = _grid(studies)
     index = {(s.dataset, s.loss): s for s in studies}
-    header = ["loss"] + [f"{d} {_LABEL[m]}" for d in datasets for m in METRICS]
+    header = ["loss"] + [f"{d} {METRIC_LABELS[m]}" for d in datasets for m in HEADLINE_METRICS]
     rows = []
     for loss in losses:
         row = [loss]
         for d in datasets:
             s = index.get((d, loss))
-            row += [_fmt(*s.cell(mode, m)) if s else "–" for m in METRICS]
+            row += [_fmt(*s.cell(mode, m)) if s else "–" for m in HEADLINE_METRICS]
         rows.append(row)
     return header, rows
 
@@ -344,7 +342,7 @@ def _write_csv(studies: list[Study], path: Path) -> None:
     w.writerow(["dataset", "loss", "mode", "metric", "mean", "ci_low", "ci_high", "n_reproductions", "study_run_id"])
     for s in studies:
         for mode in MODES:
-            for m in METRICS:
+            for m in HEADLINE_METRICS:
                 w.writerow([s.dataset, s.loss, mode, m, *s.cell(mode, m), len(s.reproductions), s.run_id])
     path.write_text(buf.getvalue())
 
@@ -366,7 +364,7 @@ def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> No
         ax.bar(range(len(losses)), means, yerr=np.nan_to_num(err), capsize=4, color="#4c72b0")
         ax.set_xticks(range(len(losses)), losses, rotation=45, ha="right")
         ax.set_title(f"{d} · {mode}")
-        ax.set_ylabel(f"{_LABEL[metric]} (×100, 95 % CI)")
+        ax.set_ylabel(f"{METRIC_LABELS[metric]} (×100, 95 % CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -2,7 +2,7 @@
 the tables printed at the end of a sweep.
 
 Cost: ``cost`` holds the study run's ``cost.*`` metrics (without the prefix): resource-seconds summed over every fold
-of its trials and reproductions (:func:`pipelines.trial.fold_cost`); the end-of-sweep table shows them as CPU-hours
+of its trials and reproductions (:func:`pipelines.execution.trial.fold_cost`); the end-of-sweep table shows them as CPU-hours
 and GPU-hours.
 
 Intervals: Student-t across reproductions (``dml_core.stats.confidence_interval``), for the *concatenated* and the
@@ -15,12 +15,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.trial import REPRODUCTION
+from pipelines.names import MODES, REPRODUCTION
 
-__all__ = ["StudySummary", "CI_MODES", "COST_KEYS", "cost_hours", "confidence_intervals", "ci_report", "ci_table", "params_table", "fmt_ci"]
+__all__ = ["StudySummary", "COST_KEYS", "cost_hours", "confidence_intervals", "ci_report", "ci_table", "params_table", "fmt_ci"]
 
-CI_MODES = ("concat", "separated")
-#: What a fold run records as ``cost.<key>`` and trials, reproductions and studies sum (pipelines.trial.fold_cost).
+#: What a fold run records as ``cost.<key>`` and trials, reproductions and studies sum (pipelines.execution.trial.fold_cost).
 COST_KEYS = ("wall_seconds", "cpu_seconds", "gpu_seconds", "restarts", "resumes", "redone_iterations")
 
 
@@ -50,7 +49,7 @@ def confidence_intervals(reps: list[dict[str, Any]]) -> dict[str, dict[str, tupl
     from dml_core.stats import confidence_interval
 
     out: dict[str, dict[str, tuple[float, float, float]]] = {}
-    for mode in CI_MODES:
+    for mode in MODES:
         prefix = f"test_{mode}_"
         keys = sorted(set.intersection(*(
             {k[len(prefix):] for k in r if k.startswith(prefix)} for r in reps))) if reps else []
@@ -80,7 +79,7 @@ def ci_report(summary: StudySummary, reps: list[dict[str, Any]]) -> tuple[str, d
                      key=lambda k: (k not in ("precision_at_1", "r_precision", "map_at_r"), k))
     for k in metrics:
         cells = []
-        for mode in CI_MODES:
+        for mode in MODES:
             t = summary.ci.get(mode, {}).get(k)
             cells.append(fmt_ci(t) if t else "–")
         lines.append(f"| {k} | {cells[0]} | {cells[1]} |")
@@ -105,12 +104,12 @@ def cost_hours(cost: dict[str, float], kind: str) -> str:
 def ci_table(studies: list[StudySummary]) -> str:
     """The end-of-sweep table: one row per study, P@1 / RP / MAP@R concatenated and separated (×100, ± CI
     half-width), and what the study cost (CPU-hours, GPU-hours over all its folds)."""
-    head = ["dataset", "loss"] + [f"{mode} {lab}" for mode in CI_MODES for lab in ("P@1", "RP", "MAP@R")] + \
+    head = ["dataset", "loss"] + [f"{mode} {lab}" for mode in MODES for lab in ("P@1", "RP", "MAP@R")] + \
         ["CPU-h", "GPU-h"]
     rows = []
     for s in studies:
         row = [s.dataset, s.loss]
-        for mode in CI_MODES:
+        for mode in MODES:
             for k in ("precision_at_1", "r_precision", "map_at_r"):
                 t = s.ci.get(mode, {}).get(k)
                 if t is None:

@@ -35,11 +35,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pipelines.names import HEADLINE_METRICS
+
 __all__ = ["ARTIFACT_DIR", "VisualSettings", "StudyVisuals", "table_rows", "gallery_queries", "map_sample",
            "confusions", "build_visuals", "log_study_visuals", "reproduction_embeddings"]
 
 ARTIFACT_DIR = "visuals"
-METRICS = ("map_at_r", "r_precision", "precision_at_1")
 HIT, MISS, QUERY = "#1a9850", "#d73027", "#2b6cb0"
 
 
@@ -68,9 +69,9 @@ class StudyVisuals:
     def per_class_csv(self) -> str:
         buf = io.StringIO()
         w = csv.writer(buf)
-        w.writerow(["label", "class_name", "queries", *METRICS, "confused_with"])
+        w.writerow(["label", "class_name", "queries", *HEADLINE_METRICS, "confused_with"])
         for c in self.per_class["classes"]:
-            w.writerow([c["label"], c["class_name"], c["queries"], *(c[m] for m in METRICS),
+            w.writerow([c["label"], c["class_name"], c["queries"], *(c[m] for m in HEADLINE_METRICS),
                         "; ".join(f"{x['class_name']} ({x['count']})" for x in c["confused_with"])])
         return buf.getvalue()
 
@@ -177,7 +178,7 @@ def details_from_bytes(data: bytes):
 def _per_class_rows(details) -> list[dict[str, Any]]:
     """The per-class table of ``retrieval_details`` as rows (label, queries, MAP@R, RP, P@1)."""
     # Classes of a single image have no leave-one-out query (PML excludes them) and no entry.
-    return [{"label": int(label), "queries": int(v["count"]), **{m: float(v[m]) for m in METRICS}}
+    return [{"label": int(label), "queries": int(v["count"]), **{m: float(v[m]) for m in HEADLINE_METRICS}}
             for label, v in sorted(details.per_class.items())]
 
 
@@ -323,7 +324,7 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
             nbs.append({"test_index": t, "table_row": int(rows[t]), "label": int(labels[t]),
                         "class_name": names[int(labels[t])], "hit": bool(labels[t] == labels[q]),
                         **({"similarity": float(sims[q, j])} if sims is not None else {})})
-        pq = {m: float(details.per_query[m][q]) for m in METRICS if m in details.per_query}
+        pq = {m: float(details.per_query[m][q]) for m in HEADLINE_METRICS if m in details.per_query}
         queries.append({"test_index": q, "table_row": int(rows[q]), "label": int(labels[q]),
                         "class_name": names[int(labels[q])], "neighbours": nbs, **pq})
     gallery = {"seed": s.seed, "k": k, "n_test": int(len(labels)), "queries": queries,
@@ -341,7 +342,7 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
         c["class_name"] = names[c["label"]]
         c["confused_with"] = [{"label": o, "class_name": names[o], "count": n} for o, n in conf.get(c["label"], [])]
     classes.sort(key=lambda c: (c["map_at_r"], c["label"]))
-    per_class = {"global": {m: float(details.metrics[m]) for m in METRICS}, "classes": classes,
+    per_class = {"global": {m: float(details.metrics[m]) for m in HEADLINE_METRICS}, "classes": classes,
                  "worst": [c["label"] for c in classes[:s.worst]],
                  "confusion_window": "wrong neighbours within each query's first R (R = class size - 1)"}
 
@@ -356,14 +357,14 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
 
 
 def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated test embeddings (MLRC §2.3, :func:`pipelines.trial.concatenated_embeddings`) and labels of a
+    """Concatenated test embeddings (MLRC §2.3, :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a
     reproduction, from its folds' Ray Train checkpoints (local paths or ``s3://`` URIs)."""
     from pathlib import Path
 
     import ray.train
 
-    from pipelines.fold import TEST_EMBEDDINGS, TEST_LABELS
-    from pipelines.trial import concatenated_embeddings
+    from pipelines.names import TEST_EMBEDDINGS, TEST_LABELS
+    from pipelines.results.embeddings import concatenated_embeddings
 
     parts, labels = [], None
     for uri in fold_checkpoints:

@@ -1,8 +1,8 @@
-"""Models in MLflow's own format, registered; datasets as MLflow dataset inputs; the experiment's UI kind.
+"""Models in MLflow's own format, registered.
 
 At the end of every study (:func:`register_study`, called by the sweep):
 
-* each reproduction's 4 fold models become one MLflow **pyfunc model** (:mod:`pipelines.pyfunc_model`, a model
+* each reproduction's 4 fold models become one MLflow **pyfunc model** (:mod:`pipelines.tracking.pyfunc_model`, a model
   from code + state-dict artifacts: nothing is unpickled), logged on the study run as ``reproduction_<i>``, with a
   signature (images ``(B, 3, S, S)`` float32 in, embeddings ``(B, 4·d)`` out, parameter ``output``);
 * the study becomes **one version** of the registered model :func:`registered_model_name` =
@@ -10,14 +10,6 @@ At the end of every study (:func:`register_study`, called by the sweep):
   source is reproduction 0's model; its tags carry everything a re-evaluation compares against
   (:data:`VERSION_TAGS`, and ``reproductions``: JSON list of ``{reproduction, seed, model_uri, metrics}``);
 * the alias ``reality-check`` moves to that version (the latest sweep's).
-
-Datasets: :func:`dataset_info` gives the MLflow dataset of a sweep dataset — digest = the first 32 hex digits of
-the sha256 of the parquet manifest (canonical JSON), or of the synthetic generator's parameters — logged as a
-dataset input on study runs (context ``trainval+test``) and fold runs (context ``train``).
-
-UI: :func:`set_experiment_kind` tags the experiment ``mlflow.experimentKind = custom_model_development`` (the
-value MLflow 3.17's UI reads, else it may open a new experiment on the GenAI overview), and the study run's
-description (``mlflow.note.content``) is its headline test table, which the run page shows without any column set-up.
 """
 
 from __future__ import annotations
@@ -35,15 +27,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["registered_model_name", "dataset_info", "log_dataset_input", "log_fold_dataset_input",
-           "register_study", "set_experiment_kind", "ALIAS", "VERSION_TAGS", "HEADLINE"]
+from pipelines.names import ALIAS, HEADLINE_METRICS, MODES, REPRODUCTION
+from pipelines.tracking.datasets import dataset_info, log_dataset_input
+from pipelines.tracking.ui import NOTE_TAG, experiment_note, study_note
 
-ALIAS = "reality-check"
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-EXPERIMENT_KIND = "custom_model_development"
-NOTE_TAG = "mlflow.note.content"
-HEADLINE = ("precision_at_1", "r_precision", "map_at_r")
-MODES = ("concat", "separated")
+__all__ = ["registered_model_name", "register_study", "log_reproduction_model", "on_study_start", "on_study_end",
+           "VERSION_TAGS"]
+
 #: Tags every registered version carries (besides the metric tags ``test.<mode>.<metric>.{mean,ci_low,ci_high}``).
 VERSION_TAGS = ("sweep", "experiment", "study", "dataset", "loss", "study_run_id", "git_commit", "folds_hash",
                 "dataset_digest", "dataset_uri", "seed", "seeds", "n_reproductions", "image_size", "reproductions")
@@ -53,101 +43,6 @@ def registered_model_name(experiment: str, dataset: str, loss: str) -> str:
     """``dmlrc.<experiment>.<dataset>.<loss>``, unsafe characters → ``-`` (``/`` would break ``models:/`` URIs)."""
     safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]", "-", str(s))  # noqa: E731
     return f"dmlrc.{safe(experiment)}.{safe(dataset)}.{safe(loss)}"
-
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def dataset_info(spec, table) -> dict[str, Any]:
-    """``{name, digest (32 hex), sha256, uri, source, profile}`` of a sweep dataset (a ``DatasetSpec`` + its table)."""
-    if spec.kind == "parquet":
-        manifest = table.manifest
-        full = _sha256_json(manifest)
-        uri = spec.path
-        profile = {"num_images": manifest["num_images"], "num_classes": len(manifest["classes"]),
-                   "shards": len(manifest["shards"])}
-    elif spec.kind == "synthetic":
-        params = {"generator": "dml_core.data.synthetic", "num_classes": spec.num_classes,
-                  "per_class": spec.per_class, "image_size": spec.image_size, "seed": spec.seed}
-        full = _sha256_json(params)
-        uri = "synthetic:" + json.dumps(params, sort_keys=True)
-        profile = params
-    else:  # omniglot zips / image folder: the rows' names and labels identify the content well enough
-        h = hashlib.sha256(np.asarray(table.labels, dtype=np.int64).tobytes())
-        for i in range(len(table)):
-            h.update(table.row_name(i).encode())
-        full, uri = h.hexdigest(), str(spec.path)
-        profile = {"num_images": len(table), "num_classes": int(len(np.unique(table.labels)))}
-    if spec.classes:
-        profile["classes"] = spec.classes
-    return {"name": spec.name, "digest": full[:32], "sha256": full, "uri": uri, "kind": spec.kind,
-            "profile": profile}
-
-
-def _dataset_entity(info: dict[str, Any]):
-    from mlflow.data.meta_dataset import MetaDataset
-
-    if info["kind"] == "synthetic":
-        from mlflow.data.code_dataset_source import CodeDatasetSource
-
-        source = CodeDatasetSource({"generator": info["uri"]})
-    else:
-        from mlflow.data.dataset_source_registry import resolve_dataset_source
-
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "can be interpreted in multiple ways": both are the local source
-            source = resolve_dataset_source(info["uri"])
-    from mlflow.entities import Dataset
-
-    ent = MetaDataset(source, name=info["name"], digest=info["digest"])._to_mlflow_entity()
-    return Dataset(name=ent.name, digest=ent.digest, source_type=ent.source_type, source=ent.source,
-                   schema=ent.schema, profile=json.dumps({**info["profile"], "sha256": info["sha256"]}))
-
-
-#: Serialises this process's dataset logging: MLflow's SQL store looks a dataset up, then inserts it, so studies that
-#: start at once on the same new dataset (threads of one driver) would race to the table's unique key.
-_DATASET_LOCK = threading.Lock()
-
-
-def log_dataset_input(client, run_id: str, info: dict[str, Any], context: str) -> None:
-    """Log ``info`` as a dataset input of ``run_id`` (idempotent: MLflow dedups by (name, digest, context))."""
-    from mlflow.entities import DatasetInput, InputTag
-
-    with _DATASET_LOCK:
-        client.log_inputs(run_id, datasets=[DatasetInput(_dataset_entity(info),
-                                                         tags=[InputTag("mlflow.data.context", context)])])
-    client.set_tag(run_id, "dataset_digest", info["sha256"])
-
-
-_STUDY_DATASETS: dict[str, list] = {}
-
-
-def log_fold_dataset_input(tracker, fold_run_id: str, study_run_id: str) -> None:
-    """The study run's dataset input(s), logged on a fold run with context ``train`` (cached per study)."""
-    from mlflow.entities import DatasetInput, InputTag
-
-    if study_run_id not in _STUDY_DATASETS:
-        run = tracker.client.get_run(study_run_id)
-        _STUDY_DATASETS[study_run_id] = [d.dataset for d in (run.inputs.dataset_inputs if run.inputs else [])]
-    datasets = _STUDY_DATASETS[study_run_id]
-    if datasets:
-        tracker.client.log_inputs(fold_run_id, datasets=[
-            DatasetInput(d, tags=[InputTag("mlflow.data.context", "train")]) for d in datasets])
-
-
-def experiment_url(tracking_uri: str, experiment_id: str) -> str:
-    """The experiment's page on its training-runs view.  MLflow 3.17's UI keeps a per-browser GenAI / Model training
-    switch (localStorage ``mlflow.workflowType``, GenAI by default) that the experiment kind tag does not override;
-    the ``workflowType=machine_learning`` query parameter does, so this is the link to print and share."""
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
-
-
-def set_experiment_kind(client, experiment_id: str) -> None:
-    """Open the experiment on the training-runs view in MLflow 3's UI (not the GenAI overview)."""
-    client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -182,7 +77,7 @@ def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: lis
     import mlflow
     import torch
 
-    from pipelines import pyfunc_model
+    from pipelines.tracking import pyfunc_model
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -230,30 +125,12 @@ def _fluent_tracking(uri: str):
 def _metric_tags(ci: dict[str, dict[str, tuple[float, float, float]]]) -> dict[str, str]:
     tags = {}
     for mode in MODES:
-        for metric in HEADLINE:
+        for metric in HEADLINE_METRICS:
             t = ci.get(mode, {}).get(metric)
             if t:
                 for part, v in zip(("mean", "ci_low", "ci_high"), t):
                     tags[f"test.{mode}.{metric}.{part}"] = repr(float(v))
     return tags
-
-
-def study_note(study: str, ci: dict, n: int) -> str:
-    """The study run's description: its headline test metrics, shown on the run page without any set-up."""
-    lines = [f"**{study}** — test metrics ×100 over {n} reproductions (mean, 95 % t-interval)", "",
-             "| metric | concatenated | separated |", "|---|---|---|"]
-    for metric in HEADLINE:
-        cells = []
-        for mode in MODES:
-            t = ci.get(mode, {}).get(metric)
-            if not t:
-                cells.append("–")
-            elif np.isfinite(t[1]):
-                cells.append(f"{100 * t[0]:.2f} [{100 * t[1]:.2f}, {100 * t[2]:.2f}]")
-            else:
-                cells.append(f"{100 * t[0]:.2f}")
-        lines.append(f"| {metric} | {cells[0]} | {cells[1]} |")
-    return "\n".join(lines) + "\n"
 
 
 def register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps: list[dict[str, Any]],
@@ -270,11 +147,7 @@ def register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, p
 
 def _register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps: list[dict[str, Any]],
                     ci: dict, say: Callable[[str], None]) -> str | None:
-    from mlflow.tracking import MlflowClient
-
-    from pipelines.trial import REPRODUCTION
-
-    client: MlflowClient = tracker.client
+    client = tracker.client
     run = client.get_run(study_run_id)
     tags = run.data.tags
     spec = plan.dataset.spec
@@ -322,25 +195,6 @@ def on_study_start(tracker, study_run_id: str, plan) -> None:
     a unique-key violation on PostgreSQL.)"""
     log_dataset_input(tracker.client, study_run_id, dataset_info(plan.dataset.spec, plan.dataset.table),
                       "trainval+test")
-
-
-def experiment_note(tracker) -> str:
-    """The experiment's description: one row per study run with test metrics (shown above the runs table)."""
-    from pipelines.tracking import search_all
-
-    runs = search_all(tracker.client, tracker.experiment_id, "tags.stage = 'study'")
-    lines = ["Reality-check studies — test metrics ×100, mean over reproductions (95 % t-intervals on each study "
-             "run's page). Models: Models tab / registered models `dmlrc.<experiment>.<dataset>.<loss>`.", "",
-             "| sweep | study | " + " | ".join(f"concat {m}" for m in HEADLINE) + " | registered model |",
-             "|---|---|" + "---|" * (len(HEADLINE) + 1)]
-    for r in sorted(runs, key=lambda r: (r.data.tags.get("sweep", ""), r.data.tags.get("study", ""))):
-        m = r.data.metrics
-        if "test.concat.map_at_r.mean" not in m:
-            continue
-        cells = [f"{100 * m[f'test.concat.{k}.mean']:.2f}" if f"test.concat.{k}.mean" in m else "–" for k in HEADLINE]
-        lines.append(f"| {r.data.tags.get('sweep', '')} | {r.data.tags.get('study', '')} | " + " | ".join(cells)
-                     + f" | {r.data.tags.get('registered_model', '–')} |")
-    return "\n".join(lines) + "\n"
 
 
 def on_study_end(tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps, ci,

@@ -1,6 +1,6 @@
 """The MLflow pyfunc model of one reproduction: its 4 fold models and how they combine (MLRC §2.3).
 
-This file is an MLflow *model from code*: :mod:`pipelines.registry` logs it with
+This file is an MLflow *model from code*: :mod:`pipelines.tracking.model_registry` logs it with
 ``mlflow.pyfunc.log_model(python_model=<this file>, artifacts=...)``, MLflow copies the file into the model and
 executes it on load (``mlflow.models.set_model`` below).  Nothing is unpickled: the weights are ``fold_<k>.pt``
 state dicts read with ``torch.load(weights_only=True)`` and the architecture is ``embedder.json``
@@ -11,7 +11,7 @@ Input (signature): float32 tensor ``(B, 3, S, S)`` of images after ``dml_core.da
 Output, by the ``output`` parameter:
 
 * ``concatenated`` (default) — the MLRC "concatenated" embedding ``(B, 4·d)``: each fold model's embedding
-  L2-normalised, then concatenated (``pipelines.trial.concatenated_embeddings``, the sweep's own function);
+  L2-normalised, then concatenated (``pipelines.results.embeddings.concatenated_embeddings``, the sweep's own function);
 * ``folds`` — the raw fold embeddings side by side ``(B, 4·d)``: columns ``k·d:(k+1)·d`` are fold model ``k``
   ("separated": each fold model alone), exactly what the sweep's test step fed to ``retrieval_metrics``.
 """
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pipelines.results.embeddings import concatenated_embeddings
 
 EMBEDDER_FILE = "embedder.json"
 OUTPUTS = ("concatenated", "folds")
@@ -90,14 +92,7 @@ class FoldEnsembleEmbedder(_Base):
                 parts.append(np.concatenate(chunks) if chunks else np.zeros((0, d), np.float32))
         if output == "folds":
             return np.concatenate(parts, axis=1)
-        from pipelines.trial import concatenated_embeddings
-
         return concatenated_embeddings(parts)
-
-
-def split_folds(folds_output: np.ndarray, n_folds: int) -> list[np.ndarray]:
-    """``output="folds"`` → the list of per-fold raw embeddings."""
-    return np.split(np.asarray(folds_output), n_folds, axis=1)
 
 
 if _Base is not object:

@@ -1,0 +1,99 @@
+"""Paths and URIs of a config: storage and dataset locations, MLflow tracking URIs, credentials kept out of messages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipelines.config.errors import ConfigError
+
+__all__ = ["redact_uri", "shown", "check_uri", "check_tracking_uri", "absolute_tracking_uri", "TRACKING_SCHEMES"]
+
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql")
+_USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
+
+
+def redact_uri(text: str) -> str:
+    """Replace the password of every ``scheme://user:password@host`` in ``text`` by ``***``."""
+    return _USERINFO_RE.sub(r"\1:***@", text) if isinstance(text, str) else text
+
+
+def shown(v: Any, n: int = 60) -> str:
+    """``repr(v)`` cut to ``n`` characters, credentials removed (messages never echo a password)."""
+    r = redact_uri(repr(v))
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def check_uri(uri: str, where: str, *, allow_s3: bool = True) -> str:
+    """A local path or ``s3://bucket[/prefix]``; any other ``scheme://`` is an error naming ``where``."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError(where, f"expected a path or URI, got {shown(uri)}")
+    if "\x00" in uri:
+        raise ConfigError(where, "contains a NUL character")
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", uri)
+    if not m:
+        return uri
+    scheme, rest = m.group(1).lower(), m.group(2)
+    if scheme == "s3" and allow_s3:
+        if not rest or rest.startswith("/") or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest):
+            raise ConfigError(where, f"{shown(uri)} is not a valid s3://bucket/prefix URI")
+        return uri
+    if scheme == "file":
+        if not rest.startswith("/"):
+            raise ConfigError(where, f"{shown(uri)}: a file:// URI must be absolute (file:///...)")
+        return rest
+    allowed = "a local path or s3://bucket/prefix" if allow_s3 else "a local path"
+    raise ConfigError(where, f"unsupported URI scheme {scheme!r} in {shown(uri)} (expected {allowed})")
+
+
+def check_tracking_uri(uri: str, where: str = "tracking.uri") -> str:
+    """An MLflow tracking URI: ``http(s)://[user[:password]@]host[:port]``, ``sqlite:///path``,
+    ``postgresql[+psycopg2]://user[:password]@host[:port]/database``.  ``file://`` stores are refused: MLflow 3
+    no longer accepts them as a tracking store (use ``sqlite:///path/mlflow.db``)."""
+    text = shown(uri)
+    m = re.match(r"^([A-Za-z][A-Za-z0-9]*)(\+[A-Za-z0-9_]+)?://(.*)$", uri or "")
+    if not m:
+        raise ConfigError(where, f"{text} is not a URI (expected one of "
+                                 f"{', '.join(s + '://' for s in TRACKING_SCHEMES)})")
+    scheme, driver, rest = m.group(1).lower(), (m.group(2) or "")[1:].lower(), m.group(3)
+    if scheme == "file":
+        raise ConfigError(where, f"{text}: file:// tracking stores are not supported by MLflow 3; "
+                                 "use sqlite:///path/mlflow.db (or an http:// server)")
+    if scheme not in TRACKING_SCHEMES:
+        raise ConfigError(where, f"unsupported scheme {scheme!r} in {text} (expected one of "
+                                 f"{', '.join(TRACKING_SCHEMES)})")
+    if driver and scheme != "postgresql":
+        raise ConfigError(where, f"{text}: a '+driver' suffix is only meaningful for postgresql")
+    if driver and driver not in ("psycopg2", "psycopg"):
+        raise ConfigError(where, f"{text}: unknown PostgreSQL driver {driver!r} (use postgresql+psycopg2://)")
+    if scheme in ("http", "https", "postgresql"):
+        try:
+            parts = urlsplit(f"{scheme}://{rest}")
+            host, port = parts.hostname, parts.port
+        except ValueError as e:
+            raise ConfigError(where, f"{text}: malformed host or port ({redact_uri(str(e))})") from None
+        if not host or not re.match(r"^[A-Za-z0-9.\-_:]+$", host):
+            raise ConfigError(where, f"{text}: missing or malformed host")
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(where, f"{text}: port out of range")
+        if scheme == "postgresql" and not parts.path.strip("/"):
+            raise ConfigError(where, f"{text}: expected postgresql://user[:password]@host[:port]/database")
+    if scheme == "sqlite":
+        if not rest.startswith("/") or rest == "/" or rest.endswith("/"):
+            raise ConfigError(where, f"{text}: expected sqlite:///relative/path.db or sqlite:////absolute/path.db")
+    return uri
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """Make a ``sqlite:///relative.db`` URI absolute (workers must never resolve relative paths: ray #18387), and
+    pin ``postgresql://`` to the installed driver (SQLAlchemy 2.1 maps the bare scheme to psycopg 3)."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    if uri.startswith("postgresql://"):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + uri[len("postgresql://"):]
+    return uri

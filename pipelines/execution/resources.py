@@ -1,0 +1,53 @@
+"""The resources a sweep asks for against what there is: GPUs on this machine before an embedded Ray starts, and
+CPUs/GPUs of the Ray cluster right after it starts (a fold that can never be placed would make Ray Train retry its
+worker-group start-up forever)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from pipelines.config import ConfigError, SweepConfig
+
+__all__ = ["check_local_gpus", "check_cluster_resources"]
+
+
+def _gpu_error(cfg: SweepConfig, gpus: float, cpus: float | None, where: str) -> None:
+    r = cfg.resources
+    need = r.workers_per_fold * r.gpus_per_worker
+    if r.use_gpu and gpus < need:
+        has = f"{gpus:g} GPUs" + (f" and {cpus:g} CPUs" if cpus is not None else "")
+        raise ConfigError("resources.use_gpu", f"one fold needs {r.workers_per_fold} workers × gpus_per_worker "
+                                               f"{r.gpus_per_worker:g} = {need:g} GPUs; {where} has {has}")
+
+
+def check_local_gpus(cfg: SweepConfig, address: str | None = None) -> None:
+    """``use_gpu: true`` with an embedded Ray (no ``--address``, no ``RAY_ADDRESS``): its GPUs are this machine's,
+    which torch.cuda knows before Ray starts.  (On a cluster, :func:`check_cluster_resources` after ``ray.init``.)"""
+    if not cfg.resources.use_gpu or address or os.environ.get("RAY_ADDRESS"):
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    _gpu_error(cfg, gpus, os.cpu_count(), "this machine (the local Ray's resources)")
+
+
+def check_cluster_resources(cfg: SweepConfig, resources: Mapping[str, float] | None = None) -> None:
+    """Right after Ray starts (also a cluster's, with ``--address``), before any trial: the config's resources against
+    ``resources`` (default ``ray.cluster_resources()``): a fold that cannot be placed would make Ray Train retry its
+    worker-group start-up forever.  Names ``resources.use_gpu`` / ``resources.cpus_per_worker``
+    and what the cluster has.  (An autoscaling cluster may grow later; this checks what it has now.)"""
+    if resources is None:
+        import ray  # only here: the config checks above run before Ray is imported
+
+        resources = ray.cluster_resources()
+    r = cfg.resources
+    gpus, cpus = float(resources.get("GPU", 0)), float(resources.get("CPU", 0))
+    _gpu_error(cfg, gpus, cpus, "the Ray cluster")
+    need = r.workers_per_fold * r.cpus_per_worker
+    if cpus < need:
+        raise ConfigError("resources.cpus_per_worker",
+                          f"one fold needs {r.workers_per_fold} workers × {r.cpus_per_worker:g} CPUs = {need:g}; "
+                          f"the Ray cluster has {cpus:g} CPUs and {gpus:g} GPUs")
+
+

@@ -1,0 +1,43 @@
+"""Names shared across the orchestration layer: the headline metrics and evaluation modes, the keys of a trial's
+Tune config and result, the files a fold leaves, the registered-model alias and how a study is named.
+
+One definition each: the sweep, the MLflow tree, the report, the visuals and re-evaluation read them from here.
+"""
+
+from __future__ import annotations
+
+__all__ = ["HEADLINE_METRICS", "METRIC_LABELS", "MODES", "REPRODUCTION", "PARAMS", "OBJECTIVE", "OUTCOME_FILE",
+           "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE", "ALIAS", "study_key", "study_dirname"]
+
+#: The reality check's three headline metrics (MLRC §2.3), in the order tables show them.
+HEADLINE_METRICS = ("precision_at_1", "r_precision", "map_at_r")
+#: Their short column labels.
+METRIC_LABELS = {"precision_at_1": "P@1", "r_precision": "RP", "map_at_r": "MAP@R"}
+#: The two ways the reality check evaluates a reproduction's 4 fold models: their L2-normalised embeddings
+#: concatenated, and the mean of each fold model's own metrics.
+MODES = ("concat", "separated")
+
+#: Tune config keys of a reproduction trial (a search trial's config is the sampled hyperparameters themselves).
+REPRODUCTION = "__reproduction__"
+PARAMS = "__params__"
+#: The metric Tune and the searcher optimise (mode "max"): the fold mean of the best validation MAP@R.
+OBJECTIVE = "val_map_at_r_mean"
+
+#: What a finished fold leaves in its result directory (``outcome.json`` last: it marks a complete result).
+OUTCOME_FILE = "outcome.json"
+TEST_EMBEDDINGS = "test_embeddings.npy"
+TEST_LABELS = "test_labels.npy"
+MODEL_FILE = "model.pt"
+
+#: The alias of a study's latest registered model version.
+ALIAS = "reality-check"
+
+
+def study_key(dataset: str, loss: str) -> str:
+    """``<dataset>/<loss>``: the MLflow ``study`` tag and (with ':' made safe) the study's storage folder."""
+    return f"{dataset}/{loss}"
+
+
+def study_dirname(key: str) -> str:
+    """A study key as a folder name (``/`` and ``:`` replaced)."""
+    return key.replace("/", "__").replace(":", "-")

@@ -1,0 +1,48 @@
+"""The reality check's evaluation of a reproduction's fold models (MLRC §2.3): "concatenated" — each fold model's
+embedding L2-normalised, then concatenated — and "separated" — the mean of the fold models' own metrics."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["concatenated_embeddings", "split_folds", "reproduction_test_metrics"]
+
+
+def concatenated_embeddings(parts: list[np.ndarray]) -> np.ndarray:
+    """L2-normalise each fold model's embedding, then concatenate (4 × d).
+
+    ``retrieval_metrics`` L2-normalises the concatenation again, as the reality check's tester did.
+    """
+    out = []
+    for e in parts:
+        e = np.asarray(e, dtype=np.float32)
+        out.append(e / np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12))
+    return np.concatenate(out, axis=1)
+
+
+def split_folds(folds_output: np.ndarray, n_folds: int) -> list[np.ndarray]:
+    """The registered model's ``output="folds"`` (fold embeddings side by side) → the per-fold raw embeddings."""
+    return np.split(np.asarray(folds_output), n_folds, axis=1)
+
+
+def reproduction_test_metrics(outcomes: list[dict[str, Any]], embeddings: list[np.ndarray], labels: list[np.ndarray]
+                              ) -> tuple[dict[str, float], Any]:
+    """``test.separated.<metric>`` (mean over fold models) and ``test.concat.<metric>`` (concatenated embedding),
+    with the concatenated search's ``RetrievalDetails`` (neighbours, per-query and per-class values)."""
+    from dml_core.metrics import retrieval_details  # faiss: loaded where metrics are computed, not by the pyfunc model
+
+    out: dict[str, float] = {}
+    keys = sorted(set.intersection(*(set(o["test_metrics"]) for o in outcomes)))
+    for k in keys:
+        out[f"test.separated.{k}"] = float(np.mean([o["test_metrics"][k] for o in outcomes]))
+    for lab in labels[1:]:
+        if not np.array_equal(lab, labels[0]):
+            raise RuntimeError("fold models embedded the test set in different row orders")
+    details = retrieval_details(concatenated_embeddings(embeddings), labels[0], normalize=True)
+    for k, v in details.metrics.items():
+        if isinstance(v, float) and math.isfinite(v):
+            out[f"test.concat.{k}"] = float(v)
+    return out, details
