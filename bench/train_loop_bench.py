@@ -3,8 +3,8 @@
 Both loops train the same tiny CNN (``EmbeddingModel(trunk="tiny")``, 16-px synthetic images held as tensors, so
 decoding does not dilute the comparison) with the same m-per-class batches (``MPerClassBatchSampler``, one
 ``DataLoader``, no worker processes), the same loss (``proxynca_pp`` by default: a learnable loss, so the
-loss-parameter optimiser runs too), the same RMSprop settings per parameter group (trunk, embedder, loss: MLRC
-protocol spec §3), one thread, ``--iters`` iterations (300 = 3 "epochs" of 100).
+loss-parameter optimiser runs too), the same RMSprop settings per parameter group (trunk, embedder, loss:
+docs/protocol.md §Optimisers), one thread, ``--iters`` iterations (300 = 3 "epochs" of 100).
 
 * bare: what a researcher would write — move the batch, remap labels to 0..C-1, forward, loss, ``zero_grad``,
   ``backward``, ``step``, accumulate the loss on the device.  No finiteness check, no DDP, no bookkeeping.
@@ -22,7 +22,7 @@ third variant in the same run.
     python bench/train_loop_bench.py                 # 9 repeats of 300 iterations
     python bench/train_loop_bench.py --repeats 15 --before /tmp/train_before.py
 
-Measured (2026-11-24, the shared 2-core VM, run under the heavy-jobs lock but with other engineers' jobs around it,
+Measured (2026-11-24, the shared 2-core VM, run under the heavy-jobs lock but with other jobs around it,
 so noisy; ``--repeats 9 --before <train.py of 73e1246>``, defaults otherwise), medians of 9 interleaved rounds:
 
     variant                      CPU ms/it   bare / variant (median of paired ratios, quartiles)

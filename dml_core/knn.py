@@ -1,9 +1,9 @@
 """Exact k-nearest-neighbour search of a set against itself, computing each pair's distance once.
 
 The Metric Learning Reality Check evaluates leave-one-out on one set (Musgrave et al., "A Metric Learning
-Reality Check", §3.2; PML ``AccuracyCalculator`` with ``ref_includes_query=True``): queries = references,
-so the distance matrix is symmetric and a flat search (faiss ``IndexFlatL2``, what PML uses) computes
-every pair twice.  ``self_knn`` computes the tile X_a·X_bᵀ of each block pair a ≤ b once and merges it
+Reality Check", §3.2; docs/protocol.md §Metrics; PML ``AccuracyCalculator`` with ``ref_includes_query=True``):
+queries = references, so the distance matrix is symmetric and a flat search (faiss ``IndexFlatL2``, what PML
+uses) computes every pair twice.  ``self_knn`` computes the tile X_a·X_bᵀ of each block pair a ≤ b once and merges it
 into the running top-k of *both* its row block and its column block.
 
 Result semantics are faiss's exact flat L2 search of the set against itself (``faiss.knn(x, x, k)``):
@@ -38,14 +38,13 @@ hold a better neighbour are gathered from the panel; the tile as a whole is neve
 of both sides then go through one merge per tile.
 Runs on CPU or CUDA tensors with torch's thread count (``torch.get_num_threads()``); CUDA matmuls run in
 full fp32 (TF32 off for the call).  On CPU the fp32 panel products are ``torch.mm`` (MKL) or oneDNN's matmul,
-whichever ``_fp32_product`` measures faster for the shape (MKL runs AVX2 kernels on AMD CPUs: 114 vs 265 GFLOP/s
-on the Zen 5 VM); every product of one search goes the same way, and oneDNN is used only where a pair's product
-does not depend on where its rows sit.
+whichever ``_fp32_product`` measures faster for the shape (MKL runs only its AVX2 kernels on AMD CPUs, where
+oneDNN can be more than twice as fast; figures in bench/README_metrics.md); every product of one search goes the
+same way, and oneDNN is used only where a pair's product does not depend on where its rows sit.
 
 bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``chosen_prune``): on CPUs whose bf16
-GEMMs run well ahead of the fp32 ones at hand (the AMX Xeon VM: 865 vs 190 GFLOP/s for a panel product in
-``bench/knn_profile.py``; the Zen 4 VM with MKL: 214 vs 95), on sets large enough for that to pay (``_bf16_pays``),
-the off-diagonal panels are multiplied in bf16 and used only to *prune*: every comparison with a threshold is
+GEMMs run well ahead of the fp32 ones at hand (e.g. with AMX tiles; figures in bench/README_metrics.md), on sets
+large enough for that to pay (``_bf16_pays``), the off-diagonal panels are multiplied in bf16 and used only to *prune*: every comparison with a threshold is
 lowered by a rigorous bound on the bf16 error, and the pairs that pass are keyed in fp32 pair by pair
 (``_PairDots``: exact, but summed in another order than a GEMM); the diagonal tiles stay fp32 GEMMs, used for
 bounds and candidates (widened by the fp32-vs-fp32 rounding bound, ``_widen``). That search runs ``BF16_EXTRA``
@@ -70,19 +69,16 @@ __all__ = ["self_knn", "chosen_prune", "TILE_CPU", "TILES_CUDA"]
 TILE_CPU = 4096
 #: CUDA tile edges, largest first: the search takes the largest whose buffers (``CUDA_TILE_BYTES`` per tile entry)
 #: fit in half the device's free memory.  A CUDA tile is one GEMM, and the per-tile selection ops are small
-#: kernels whose launches and host syncs dominate small tiles: at 1M × 128 on an H200, tiles of 32768 / 16384 / 8192
-#: rows took 9.4 / 11.5 / 19.6 s with 10.1 / 3.9 / 2.6 GB of peak GPU memory (bench/README_gpu.md).
+#: kernels whose launches and host syncs dominate small tiles, so the largest tile that fits is the fastest (sizes
+#: chosen by measurement: bench/README_gpu.md, "The symmetric kNN on CUDA: tile size").
 TILES_CUDA = (32768, 16384, 8192)
-#: Peak GPU bytes per tile entry: 9.1 GB for a 32768² tile at 100k (two float32 tile buffers and their masks).
+#: Peak GPU bytes per tile entry (two float32 tile buffers and their masks), measured: bench/README_gpu.md.
 CUDA_TILE_BYTES = 8.5
 
-#: Rows per GEMM panel on CPU (a multiple of CHUNK).  Tile and panel sizes are measured, not derived:
-#: on the 2-core Xeon dev VM (AVX-512) 4096-row tiles in 1024-row panels searched 100k × 128 in 15.6 s
-#: (1 thread) / 8.7 s (2 threads) against 17.0 / 11.0 s for 2048-row tiles in cache-sized 256-row panels
-#: (fewer, larger GEMMs and fewer per-panel ops; ``bench/knn_profile.py --sweep``, bench/README_metrics.md).
-#: With oneDNN's faster products (``_fp32_product``) on the Zen 5 VM, 512-row panels searched it in 9.45 / 9.58 s
-#: against 10.70 / 10.87 s for 1024 (1 thread) and 5.74 / 5.21 vs 5.79 / 5.53 s (2 threads); 256 rows: 9.60 s.
-#: The Xeon VM was not re-measured at 512.  CUDA computes a tile in one GEMM.
+#: Rows per GEMM panel on CPU (a multiple of CHUNK).  Tile and panel sizes are chosen by measurement, not derived:
+#: large tiles in large panels mean fewer, larger GEMMs and fewer per-panel ops, which beat cache-sized panels; with
+#: oneDNN's faster products (``_fp32_product``) a 512-row panel beat 1024 and 256 (``bench/knn_profile.py --sweep``;
+#: figures in bench/README_metrics.md).  CUDA computes a tile in one GEMM.
 PANEL_CPU = 512
 
 #: Width of the chunks whose maximum gates the elementwise check (a multiple of it pads each tile).
@@ -99,14 +95,10 @@ BF16_EXTRA = 4
 #: The bf16 mode's own work, which ``_bf16_pays`` weighs against the time its bf16 panel products save: per
 #: off-diagonal panel, ``BF16_PANEL_EXTRA`` times its bf16 product (the extra live chunks, hits and working keys of
 #: the pairs its error bound admits); per row and unit of search depth (k + ``BF16_EXTRA``), ``BF16_PAIR_COST``
-#: working-key computations (``_PairDots``; ``_refine``'s GEMM-rounded keys, the merges).  Fitted on the AMX Xeon
-#: VM, 128-D SOP-like sets, k = 19, two threads, from the two modes' times, fp32 vs bf16 (``_bf16_times``: fp32
-#: panel product 1.47-1.53 ms, bf16 + conversion 0.64-0.70 ms, a working key 84-86 ns): 7.8 vs 8.2 s at 100k
-#: rows, 56.5 vs 47.1 s at 300k; the same model says fp32 for one thread at 100k, where the two measured 13.7 vs
-#: 13.6 s: near a tie it keeps the simpler fp32 mode.  ``bench/knn_profile.py --modes`` re-measures such points
-#: (bench/README_metrics.md).  Earlier points of the trade-off at 100k, one thread (``_fma_dots`` in float64
-#: then): bf16 won on the Zen 4 VM against MKL's fp32 (18.4 vs 22.2 s) and lost on the Zen 5 VM against
-#: oneDNN's (11.2 vs 10.2 s).
+#: working-key computations (``_PairDots``; ``_refine``'s GEMM-rounded keys, the merges).  Fitted to the two modes'
+#: measured times on a CPU with fast bf16 GEMMs (128-D SOP-like sets, k = 19; the points are in
+#: bench/README_metrics.md, and ``bench/knn_profile.py --modes`` re-measures them); near a tie the model keeps the
+#: simpler fp32 mode.
 BF16_PANEL_EXTRA = 1 / 3
 BF16_PAIR_COST = 10.0
 
@@ -181,7 +173,7 @@ class _PairDots:
 
 def _fused_addcmul() -> bool:
     """Whether ``torch.addcmul`` on CPU float32 is a fused multiply-add (the product exact, one rounding of the sum):
-    torch's vectorised kernel is compiled with FMA contraction on the build measured (torch 2.15, the AMX Xeon VM),
+    torch's vectorised kernel is compiled with FMA contraction on the builds checked (bench/README_metrics.md),
     which no API promises, so it is checked once per process against the float64 emulation on 2¹⁶ random triples
     whose unfused result differs in ~23 % of them."""
     global _FUSED_ADDCMUL
@@ -196,21 +188,20 @@ def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | No
     """float32 dot products x_i·x_j of rows of ``x``, rounded as an SGEMM rounds them: within each K block of
     ``block`` dimensions (``None``: all D at once) one chain of fused multiply-adds, each product exact and each
     sum rounded once to float32, started at 0; the blocks' sums added to the result in order, each addition
-    rounded once.  That is the order of MKL's and OpenBLAS's micro-kernels: on the Zen 3 VM MKL's
-    1024 × 4096 panel products use one chain up to D = 128 and blocks of 128 (D = 256) or 192 (D = 512) above it;
-    ``_gemm_k_block`` finds the block of the BLAS at hand (an elementwise product summed by ``torch.sum`` agrees
-    on ~13 % of pairs).  The chain is ``torch.addcmul_`` in float32 where that is a fused multiply-add
-    (``_fused_addcmul``), else emulated in float64 (a product of two floats is exact there; an f64 sum rounded to
-    f32 differs from one rounding only at double-rounding ties, ~2⁻²⁸ of sums) at three times the passes over
-    memory: 2.3 M pairs of D = 128 took 5.2 s that way and 0.9 s with ``addcmul_`` on the AMX Xeon VM.  D steps are
+    rounded once.  That is the order of MKL's and OpenBLAS's micro-kernels; the block size depends on the BLAS,
+    the CPU and D (examples in bench/README_metrics.md), so ``_gemm_k_block`` finds the block of the BLAS at hand
+    (an elementwise product summed by ``torch.sum`` agrees on ~13 % of pairs).  The chain is ``torch.addcmul_`` in
+    float32 where that is a fused multiply-add (``_fused_addcmul``), else emulated in float64 (a product of two
+    floats is exact there; an f64 sum rounded to f32 differs from one rounding only at double-rounding ties, ~2⁻²⁸
+    of sums) at three times the passes over memory, several times slower (bench/README_metrics.md).  D steps are
     vectorised over a cache-sized slice of pairs at a time.  On exact data (quantised) it is the exact dot
     product, like every order."""
     d = x.shape[1]
     block = d if block is None else block
     out = torch.empty(i.numel(), device=x.device)
     fused = x.device.type == "cpu" and _fused_addcmul()
-    # pairs per slice: 16384 fit the cache best for addcmul_ (0.34-0.37 µs a pair at 1 and 2 threads on the AMX
-    # Xeon VM; 4096-8192 and 32768 per thread were slower); the float64 emulation's slice grows with the threads
+    # pairs per slice: 16384 fit the cache best for addcmul_ (chosen by measurement, bench/README_metrics.md); the
+    # float64 emulation's slice grows with the threads
     step = max(1, min(i.numel(), 16384 * (1 if fused else torch.get_num_threads())))
     dt = torch.float32 if fused else torch.float64
     pa = torch.empty(d, step, dtype=dt, device=x.device)
@@ -293,9 +284,9 @@ def _fp32_product(d: int, panel: int, tile: int) -> str:
     """How the CPU search multiplies its fp32 panel × tile × d products: ``"onednn"`` where torch has oneDNN's
     fp32 matmul, it is ``ONEDNN_MIN_SPEEDUP`` times faster than ``torch.mm`` (best of three each) and a pair's
     product does not depend on where its rows sit in the operands (rows rolled: the same bits; duplicated rows
-    must tie); else ``"mm"``.  torch's CPU ``mm`` is MKL, which runs its AVX2 kernels on AMD CPUs: on the Zen 5
-    dev VM a 1024 × 4096 × 128 product ran at 111–114 GFLOP/s in ``mm`` and 265 in oneDNN (``bench/knn_profile.py``),
-    bit for bit the same values.  Measured once per process, shape and thread count."""
+    must tie); else ``"mm"``.  torch's CPU ``mm`` is MKL, which runs only its AVX2 kernels on AMD CPUs, where
+    oneDNN's product can be more than twice as fast with bit-identical values (bench/README_metrics.md).  Measured
+    once per process, shape and thread count."""
     key = (d, panel, tile, torch.get_num_threads())
     if key not in _FP32_PRODUCT:
         _FP32_PRODUCT[key] = "mm"
@@ -372,9 +363,9 @@ def _bf16_pays(n: int, d: int, k: int, panel: int, tile: int) -> bool:
 
         panels · (t_fp32 − (1 + BF16_PANEL_EXTRA) · t_bf16) > n · (k + BF16_EXTRA) · BF16_PAIR_COST · t_pair
 
-    Panels grow with n² and the per-row work with n, so the same CPU may search 100k rows in fp32 and 300k in bf16
-    (the AMX Xeon VM: the break-even is near 120k-150k rows of 128-D at k = 19).
-    The Zen 3 VM has the K block (MKL, D = 128 and 512) but bf16 products slower than fp32 ones."""
+    Panels grow with n² and the per-row work with n, so the same CPU may search a smaller set in fp32 and a larger
+    one in bf16 (where the break-even fell on the CPUs measured: bench/README_metrics.md).  A CPU whose bf16 products
+    are slower than its fp32 ones never picks bf16."""
     if _gemm_k_block(d, panel, tile) is None:
         return False
     t32, t16, t_pair = _bf16_times(d, panel, tile)

@@ -3,16 +3,16 @@
 ``retrieval_metrics`` returns, for L2-normalised embeddings ranked by exact L2 distance:
 
 * ``precision_at_1``, ``r_precision``, ``map_at_r`` -- Musgrave et al., "A Metric Learning Reality
-  Check" (ECCV 2020) §3.2.  MAP@R(q) = (1/R) Σ_{i=1..R} P(i)·rel(i), R = number of references of the
-  query's class (minus the query itself when it is part of the reference set); R-Precision(q) = (hits
-  among the first R)/R.  Values equal pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")``
-  (spec ``protocol_reality_check.md`` §5): same lone-query exclusion, same self-exclusion (the query's
+  Check" (ECCV 2020), paper §3.2; docs/protocol.md §Metrics.  MAP@R(q) = (1/R) Σ_{i=1..R} P(i)·rel(i),
+  R = number of references of the query's class (minus the query itself when it is part of the reference
+  set); R-Precision(q) = (hits among the first R)/R.  Values equal pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")``
+  (docs/protocol.md §Metrics): same lone-query exclusion, same self-exclusion (the query's
   own index is removed wherever it ranks; if it is not among the k+1 results the last column is
   dropped), the same exact L2 ranking with ties broken by the smaller index (faiss ``IndexFlatL2``),
   queries averaged micro (one query = one vote).
 * ``recall_at_{k}`` -- the "Recall@k" of DML papers: the fraction of queries with at least one
-  same-class item among their k nearest neighbours (MPA paper §4 / spec ``loss_multi_proxy_anchor.md``
-  §1.7).  ``recall_at_1 == precision_at_1``.
+  same-class item among their k nearest neighbours (MPA paper §3.5; docs/losses/multi_proxy_anchor.md §nDCG@k).
+  ``recall_at_1 == precision_at_1``.
 * ``ndcg_at_{k}`` -- MPA paper Eqs. 19-20: DCG(k) = Σ_{i=1..k} (2^{r_i} − 1)/log2(i+1) with binary
   r_i, divided by the ideal DCG Σ_{i=1..min(k, n_q)} 1/log2(i+1); n_q = R.  Returned as a fraction
   (the paper prints 100 × nDCG@k).
@@ -132,7 +132,7 @@ def _ks(ks: Sequence[int], name: str) -> tuple[int, ...]:
 
 
 def ndcg_at_k(relevance: Sequence[int] | np.ndarray, num_relevant: int, k: int) -> float:
-    """nDCG@k of one ranking, MPA paper Eqs. 19-20 (spec ``loss_multi_proxy_anchor.md`` §1.7).
+    """nDCG@k of one ranking, MPA paper Eqs. 19-20 (docs/losses/multi_proxy_anchor.md §nDCG@k).
 
     ``relevance[i]`` is 1 if the (i+1)-th retrieved item has the query's class.  ``num_relevant`` is
     n_q, the number of database items of the query's class (the query itself excluded).
@@ -175,13 +175,13 @@ def _per_query(
     in_r = cols[None, :] < r[:, None]
     hits_r = match & in_r  # relevant items among the first R
     n_hits_r = hits_r.sum(axis=1)
-    # MAP@R (MLRC §3.2): P(i)·rel(i) summed over i <= R, divided by R.  cumsum of hits_r equals the
+    # MAP@R (MLRC paper §3.2): P(i)·rel(i) summed over i <= R, divided by R.  cumsum of hits_r equals the
     # number of hits up to i for every i <= R, i.e. P(i)·i.
     cum = np.cumsum(hits_r, axis=1, dtype=np.int32 if depth < 2**31 else np.int64)
     ap = (np.where(hits_r, cum, 0) / (cols + 1.0)[None, :]).sum(axis=1) / r
     out = {
         "precision_at_1": match[:, 0].astype(np.float64),
-        "r_precision": n_hits_r / r,  # MLRC §3.2: hits among the first R, over R
+        "r_precision": n_hits_r / r,  # MLRC paper §3.2: hits among the first R, over R
         "map_at_r": ap,
     }
     for k in recall_ks:
@@ -532,7 +532,8 @@ def retrieval_metrics(
     are searched against ``embeddings``: R = count of the query's class in the reference set and
     queries whose class is absent from it are excluded.  If every query is excluded the kNN metrics are
     NaN (PML's behaviour).  NMI clusters the query embeddings (the whole set without a query set).
-    MAP@R and R-Precision as defined in Musgrave et al., "A Metric Learning Reality Check", §3.2; the
+    MAP@R and R-Precision as defined in Musgrave et al., "A Metric Learning Reality Check", §3.2
+    (docs/protocol.md §Metrics); the
     global values are the means of the per-query values (``retrieval_details`` exposes them).
 
     Embeddings are L2-normalised (``normalize=True``, torch ``F.normalize``) and searched with exact L2

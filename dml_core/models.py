@@ -1,12 +1,12 @@
 """Embedding models: trunk → global pooling → [LayerNorm] → linear embedder.
 
-The MLRC model (protocol spec §3): an ImageNet-pretrained **BN-Inception** trunk whose 1024-d global-average-
+The MLRC model (docs/protocol.md §Model): an ImageNet-pretrained **BN-Inception** trunk whose 1024-d global-average-
 pooled feature feeds one ``Linear(1024, 128)`` (no ReLU, no BN); the trunk's BatchNorm layers are frozen (kept
 in eval mode); embeddings are raw (losses and the evaluator normalise).  This module builds that recipe and
 the variants the newer papers use:
 
 Trunks (``trunk=``) — resolved by :func:`dml_core.trunks.resolve_trunk` (user guide: ``docs/trunks.md``)
-    ``bninception`` BN-Inception (Ioffe & Szegedy 2015), 1024-d — **the MLRC trunk** (protocol spec §3), written
+    ``bninception`` BN-Inception (Ioffe & Szegedy 2015), 1024-d — **the MLRC trunk** (docs/protocol.md §Model), written
                    in :mod:`dml_core.trunks.bninception` with ``pretrainedmodels.bninception``'s exact state-dict
                    layout, so its ImageNet file (``bn_inception-52deb4733.pth``) loads as-is.  Its weights expect BGR
                    input in [0, 255] minus the mean (104, 117, 128): give the data transforms
@@ -33,21 +33,22 @@ Trunks (``trunk=``) — resolved by :func:`dml_core.trunks.resolve_trunk` (user 
 
 Pooling (``pooling=``) over the trunk's last feature map
     ``avg``      global average pooling — MLRC (BN-Inception's pooled feature).
-    ``max``      global max pooling — ProxyNCA++'s "+max" (ProxyNCA++ §3.5, spec loss_proxynca_pp §1.7).
+    ``max``      global max pooling — ProxyNCA++'s "+max" (ProxyNCA++ §3.5; docs/losses/proxynca.md §Paper settings).
     ``avg+max``  the **sum** of the two (not a concatenation), as the Realigned-Softmax-Warping code does
-                 (spec loss_realigned_softmax_warping "Max + average pooling"; also its ProxyNCA++ rerun).
+                 (RSW paper §IV-B; docs/losses/rsw.md §Official code settings; also its ProxyNCA++ rerun).
                  ProxyNCA++ itself evaluates GAP, GMP and K-max only (its Eq. 7), never GMP+GAP.
     ``gem``      generalised-mean pooling (mean_hw clamp(x, 1e-6)^p)^(1/p) with a fixed p = 3: the MPA paper's
-                 "cubic GeM" (MPA §4.2, spec loss_multi_proxy_anchor §3).  ``gem:P`` sets another fixed p ≥ 1
-                 (p = 1 is ``avg``; p → ∞ tends to ``max``).
+                 "cubic GeM" (MPA paper §4.2; docs/losses/multi_proxy_anchor.md §Paper settings).  ``gem:P`` sets
+                 another fixed p ≥ 1 (p = 1 is ``avg``; p → ∞ tends to ``max``).
     ``kmax:K``   global K-max pooling, ProxyNCA++ Eq. 7 (from WELDON): per channel, the mean of its K largest
                  activations over the H·W positions.  K = 1 is ``max``, K = H·W is ``avg``; K larger than the
                  feature map is an error (the sweep's preflight checks it before training).
 
 LayerNorm (``layer_norm=True``)
     ``LayerNorm(d, elementwise_affine=False)`` on the pooled trunk feature, **before** the linear embedder —
-    ProxyNCA++ "+norm" (§3.7; placement from its code, spec §1.9) and RSW (same placement).  It has no
-    parameters; it lives inside ``model.embedder`` so that everything after pooling is one parameter group.
+    ProxyNCA++ "+norm" (§3.7; placement from its code, docs/losses/proxynca.md §Paper settings) and RSW (same
+    placement).  It has no parameters; it lives inside ``model.embedder`` so that everything after pooling is one
+    parameter group.
 
 Parameter groups
     ``model.trunk`` and ``model.embedder`` get separate optimisers (MLRC: RMSprop 1e-6 each).
@@ -56,7 +57,7 @@ Frozen BatchNorm (``freeze_bn=True``, the MLRC default)
     Every BatchNorm layer of the trunk stays in eval mode even after ``model.train()``, so its running
     statistics never change and batches are normalised with them.  This is exactly what MLRC does (PML
     ``maybe_freeze_trunk_batchnorm`` sets the layers to eval): the BN **affine** parameters are still trained
-    there (spec §3: "BN affine params still get gradients").  ``freeze_bn_affine=True`` additionally stops
+    there (docs/protocol.md §Model).  ``freeze_bn_affine=True`` additionally stops
     their gradients (``requires_grad=False``) for a fully frozen BN.  ProxyNCA++/RSW/MPA train with BN in
     train mode (``freeze_bn=False``).  A ``tiny`` trunk trained from scratch has fresh running statistics
     (mean 0, var 1), so frozen BN there is a plain affine layer; use ``freeze_bn=False`` for it.
@@ -80,7 +81,7 @@ __all__ = ["TRUNKS", "POOLINGS", "TinyCNN", "GlobalPooling", "EmbeddingModel", "
 TRUNKS = BUILTIN_TRUNKS
 #: Pooling names; ``gem`` and ``kmax`` take an argument after a colon (``gem:3``, ``kmax:4``).
 POOLINGS = ("avg", "max", "avg+max", "gem", "kmax")
-#: "cubic" GeM (MPA §4.2) and GeM's clamp floor (spec loss_multi_proxy_anchor §3).
+#: "cubic" GeM (MPA paper §4.2) and GeM's clamp floor (the usual GeM formulation; p is not said to be learnt).
 GEM_P = 3.0
 GEM_EPS = 1e-6
 
@@ -134,7 +135,7 @@ class GlobalPooling(nn.Module):
         if self.kind == "max":
             return x.amax(dim=(2, 3))
         if self.kind == "gem":
-            # MPA §4.2 "cubic GeM": the clamp keeps the fractional power defined (trunk maps end in a ReLU).
+            # MPA paper §4.2 "cubic GeM": the clamp keeps the fractional power defined (trunk maps end in a ReLU).
             return x.clamp(min=GEM_EPS).pow(self.arg).mean(dim=(2, 3)).pow(1.0 / self.arg)
         if self.kind == "kmax":
             positions = x.shape[2] * x.shape[3]
@@ -225,7 +226,7 @@ class EmbeddingModel(nn.Module):
     def pooled_features(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) images → (B, feature_dim) pooled trunk features (before LayerNorm/embedder).
 
-        MLRC also evaluates these ("untrained trunk", spec §1.4)."""
+        MLRC also evaluates these ("untrained trunk", docs/protocol.md §Test evaluation)."""
         if images.dim() != 4 or images.size(1) != 3:
             raise ValueError(f"images must be a (B, 3, H, W) tensor, got shape {tuple(images.shape)}")
         fmap = self.trunk(images)

@@ -1,11 +1,9 @@
 """Which kernels the OpenBLAS inside faiss-cpu uses, chosen from the CPU's own flags before faiss loads it.
 
-faiss-cpu's wheels bundle OpenBLAS 0.3.15 (2021).  It does not know recent Xeon models: on this project's VMs and on
-the H100 host (both "Intel(R) Xeon(R) Processor" with AVX-512) it reports ``Core: Prescott`` and runs its SSE3
-kernels.  Measured on the 2-core VM, ``faiss.knn`` of 30,000 × 128 against itself, one thread: 10.7 s of CPU with
-the detected Prescott kernels, 3.2 s with the SkylakeX kernels chosen here (``bench/README_metrics.md``) -- every faiss
-search in the metrics (the faiss backend, query/gallery evaluation, PML's comparisons) is ~3.3× slower than it needs
-to be.
+faiss-cpu's wheels bundle OpenBLAS 0.3.15 (2021).  It does not know recent Xeon models: on CPUs that report
+themselves as "Intel(R) Xeon(R) Processor" with AVX-512 it detects ``Core: Prescott`` and runs its SSE3 kernels, so
+every faiss search in the metrics (the faiss backend, query/gallery evaluation, PML's comparisons) runs several times
+slower than the CPU allows (measurements and the command: ``bench/README_metrics.md``, "faiss's kernels").
 
 OpenBLAS reads ``OPENBLAS_CORETYPE`` once, when the library is loaded.  :func:`for_faiss_import` sets it for that
 moment only, from ``/proc/cpuinfo``: SkylakeX kernels where the CPU has AVX-512 F/DQ/BW/VL, Haswell kernels where it

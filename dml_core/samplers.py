@@ -1,6 +1,6 @@
 """DDP-aware m-per-class batch sampler.
 
-MLRC (protocol spec §3, "sampler") trains with PML's ``MPerClassSampler(m=4)`` and batch 32, i.e.
+MLRC (docs/protocol.md §Batch) trains with PML's ``MPerClassSampler(m=4)`` and batch 32, i.e.
 8 classes × 4 samples; classes with fewer than ``m`` images are sampled with replacement (SOP).
 The losses need every class of a batch to appear ``m`` times in the *global* batch, so under DDP
 this sampler builds the global batch identically on every rank (same seed, same RNG stream) and each

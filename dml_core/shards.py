@@ -30,7 +30,7 @@ cache dir remembers path, inode, size, mtime and ctime: restoring a file's mtime
 ctime).  Opening an S3 table therefore downloads every shard once (the label column lives in the shards): disk use
 is the dataset's size, memory is not.
 
-Integrity (issue #16): a shard's row-group layout must equal the manifest's `row_groups` (a reordered list would
+Integrity: a shard's row-group layout must equal the manifest's `row_groups` (a reordered list would
 otherwise map rows to other classes' images); every row read checks its own `index` column (the row it holds)
 and its image's sha256, so no check can pass at a wrong offset; `verify_shards` always re-hashes every shard (the
 stamp only speeds up reads); `write_shards` fully decodes every image (PNG chunk CRCs included) before storing it.

@@ -3,10 +3,10 @@
 Everything here works on **class ids**, never on sample indices: a split says which classes go where, and
 the data layer keeps the rows of those classes (``ImageTable.subset(classes)``).
 
-1. :func:`trainval_test_split` (protocol spec §1.2): the sorted unique class ids are cut in two halves
+1. :func:`trainval_test_split` (docs/protocol.md §Class split): the sorted unique class ids are cut in two halves
    without shuffling; the first ``int(0.5·N)`` are trainval, the rest are test (CUB 0–99 | 100–199,
    Cars 1–98 | 99–196, SOP 0–11316 | 11317–22633).
-2. :func:`class_disjoint_folds` (spec §1.3): the sorted trainval classes are cut into class-disjoint
+2. :func:`class_disjoint_folds` (docs/protocol.md §Folds): the sorted trainval classes are cut into class-disjoint
    cross-validation folds, in one of two layouts.
 
    * ``"mlrc"`` — powerful-benchmarker's ``MLRCSplitManager``, the layout that produced the paper's numbers.
@@ -101,7 +101,7 @@ def _sorted_unique_classes(classes, name: str) -> np.ndarray:
 
 
 def trainval_test_split(labels) -> tuple[np.ndarray, np.ndarray]:
-    """Split the sorted unique class ids of ``labels`` into (trainval, test) halves (spec §1.2).
+    """Split the sorted unique class ids of ``labels`` into (trainval, test) halves (docs/protocol.md §Class split).
 
     ``labels`` are the per-sample labels (any integer ids; they need not be 0..N-1).  The first
     ``int(0.5·N)`` sorted class ids are trainval, the remaining ``N − int(0.5·N)`` are test; no shuffling.
@@ -140,7 +140,7 @@ class Fold:
 
 
 def _mlrc_blocks(n_classes: int, n_folds: int) -> list[tuple[list[int], list[int]]]:
-    """(train, val) positions in the sorted trainval list for MLRCSplitManager (spec §1.3)."""
+    """(train, val) positions in the sorted trainval list for MLRCSplitManager (docs/protocol.md §Folds)."""
     len_val = n_classes // n_folds
     len_train = n_classes - len_val
     blocks = []
@@ -174,7 +174,8 @@ def class_disjoint_folds(
     min_val_samples: int = 2,
     min_train_classes: int = 0,
 ) -> list[Fold]:
-    """Cut the trainval classes into ``n_folds`` class-disjoint folds (spec §1.3; layouts in the module doc).
+    """Cut the trainval classes into ``n_folds`` class-disjoint folds (docs/protocol.md §Folds; layouts in the
+    module doc).
 
     ``trainval_classes`` are class ids (e.g. Cars 1..98); folds index into their sorted order and return
     class ids.  If ``labels`` (per-sample labels of the dataset) is given, the folds are also checked with
@@ -210,10 +211,10 @@ def validate_folds(
     """Check folds before anything expensive starts; raise ONE ``ValueError`` listing every problem.
 
     Always checked: fold indices are 0..n−1 in order, every fold has val classes, train and val of a fold
-    share no class, and no class is validated on in two folds (the reference asserts both, spec §1.3).
+    share no class, and no class is validated on in two folds (the reference asserts both, docs/protocol.md §Folds).
     With ``labels`` (per-sample labels): every val class has ≥ ``min_val_samples`` samples (a lone sample
-    has no positive to retrieve, so MAP@R/R-Precision are undefined for it, spec §5.5), every train class
-    has ≥ 1 sample, and every fold has ≥ ``min_train_classes`` train classes with samples (e.g. the
+    has no positive to retrieve, so MAP@R/R-Precision are undefined for it, docs/protocol.md §Metrics), every
+    train class has ≥ 1 sample, and every fold has ≥ ``min_train_classes`` train classes with samples (e.g. the
     sampler's ``classes_per_batch``).  Without labels, the train-class count uses the class ids alone.
 
     A fold with a single val class passes with a warning: retrieval metrics inside one class are

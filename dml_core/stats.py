@@ -1,11 +1,11 @@
-"""Statistics of the Metric Learning Reality Check (protocol spec §1.6 and §2.3).
+"""Statistics of the Metric Learning Reality Check (docs/protocol.md §Objective and §Intervals).
 
 * :func:`fold_summary` — mean and standard error of the mean over the cross-validation folds.  The MLRC
   Bayesian optimiser receives exactly this pair as its objective: the fold mean of best-epoch val MAP@R and
-  ``scipy.stats.sem`` across folds (spec §1.6).
+  ``scipy.stats.sem`` across folds (docs/protocol.md §Objective).
 * :func:`confidence_interval` — the 95% Student-t interval across independent training runs (the best trial
   and its reproductions) that the paper reports:
-  ``scipy.stats.t.interval(level, n − 1, loc=mean, scale=sem)`` (spec §2.3).  The interval is across
+  ``scipy.stats.t.interval(level, n − 1, loc=mean, scale=sem)`` (docs/protocol.md §Intervals).  The interval is across
   *runs*, not folds.
 * :func:`paired_t_test` — ``scipy.stats.ttest_rel`` on two losses run on the same folds and seeds
   (reproduction ``i`` of every loss uses the same seed and folds), so differences can be tested pairwise.
@@ -57,7 +57,8 @@ def fold_summary(values) -> tuple[float, float]:
 
 
 def confidence_interval(values, level: float = 0.95) -> tuple[float, float, float]:
-    """``(mean, low, high)``: the Student-t interval ``t.interval(level, n − 1, mean, sem)`` (spec §2.3).
+    """``(mean, low, high)``: the Student-t interval ``t.interval(level, n − 1, mean, sem)``
+    (docs/protocol.md §Intervals).
 
     ``n < 2`` → ``(mean, nan, nan)``; zero spread → ``(mean, mean, mean)`` (see the module docstring).
     """

@@ -1,9 +1,17 @@
-"""docs/losses/*.md: every sentence that states which pooling a loss's recipe *declares* agrees with the registry's
-ModelRecipe (issue 11.4: the MPA page said average pooling in one place and GeM in another)."""
+"""The library's documentation stays consistent with the code and can be followed from it.
+
+* docs/losses/*.md: every sentence that states which pooling a loss's recipe *declares* agrees with the registry's
+  ModelRecipe (a page that said average pooling in one place and GeM in another would fail here).
+* Every ``docs/<page>.md §<Section>`` citation in the library, the tune files, the sweep configs and the docs names a
+  page and a heading that exist, and none of them cites implementation notes kept outside the repository.
+"""
 
 from __future__ import annotations
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -51,3 +59,98 @@ def test_declared_pooling_matches_the_model_recipe(page):
             checked += 1
     if page.name == "multi_proxy_anchor.md":
         assert checked >= 5, "the MPA page no longer states the family's declared pooling"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# citations: "docs/protocol.md §Folds", "docs/losses/sec.md §Base losses", ...
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Files whose comments, docstrings and prose cite the documentation.
+CITING = sorted(
+    [*(ROOT / "dml_core").rglob("*.py"), *(ROOT / "pipelines").rglob("*.py"), *(ROOT / "pipelines").rglob("*.yaml"),
+     *(ROOT / "pipelines").rglob("*.md"), *(ROOT / "tune_spaces").glob("*.yaml"), *(ROOT / "configs").glob("*.yaml"),
+     *(ROOT / "docs").rglob("*.md"), ROOT / "bench" / "train_loop_bench.py"]
+)
+#: A page, then one or more "§Name" on the same line ("docs/protocol.md §Schedule and §Optimisers").
+CITATION = re.compile(r"\bdocs/((?:[\w-]+/)*[\w-]+\.md)`?\s*((?:§(?:(?!docs/)[^§\n])*)+)")
+#: Citations of implementation notes that are not part of the repository.
+OUTSIDE = re.compile(r"protocol_reality_check|shared/spec|\bspec\s*§|\bspec\s+`*loss_|\b(?:protocol|SEC|MPA|ProxyNCA\+\+|RSW)"
+                     r" spec\b|\bMLRC §|\(spec\s|\bthe spec's\b|\bloss_(?:group|multi_proxy_anchor|proxynca_pp|"
+                     r"realigned_softmax_warping|spherical_embedding_constraint)\b", re.IGNORECASE)
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of what a reader reads: for Python the comments and docstrings, otherwise every line."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix != ".py":
+        return list(enumerate(text.splitlines(), 1))
+    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    return sorted(out)
+
+
+def _headings(page: Path) -> list[tuple[str, str]]:
+    """(number, title) of every Markdown heading of ``page``; a heading "## 3. Folds" gives ("3", "Folds")."""
+    out = []
+    for line in page.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"#+\s+(?:(\d+(?:\.\d+)*)\.?\s+)?(.+?)\s*$", line)
+        if m:
+            out.append((m.group(1) or "", m.group(2)))
+    return out
+
+
+def _names_a_heading(cited: str, headings: list[tuple[str, str]]) -> bool:
+    """Whether the text after a "§" starts with a heading's title (or its number), or is the start of a title."""
+    cited = cited.strip()
+    lead = re.match(r"[\w@+' -]*", cited).group().strip()
+    for number, title in headings:
+        if number and re.match(rf"{re.escape(number)}\b", cited):
+            return True
+        if cited.lower().startswith(title.lower()) or (len(lead) >= 3 and title.lower().startswith(lead.lower())):
+            return True
+    return False
+
+
+def test_citing_files_are_found():
+    names = {p.relative_to(ROOT).as_posix() for p in CITING}
+    assert {"dml_core/splits.py", "tune_spaces/mpa.yaml", "configs/mlrc-cub200.yaml", "docs/protocol.md"} <= names
+
+
+@pytest.mark.parametrize("path", CITING, ids=[p.relative_to(ROOT).as_posix() for p in CITING])
+def test_section_citations_resolve(path):
+    bad = []
+    for lineno, line in _prose(path):
+        for m in CITATION.finditer(line):
+            page = ROOT / "docs" / m.group(1)
+            if not page.is_file():
+                bad.append(f"{lineno}: docs/{m.group(1)} does not exist")
+                continue
+            headings = _headings(page)
+            for cited in m.group(2).split("§")[1:]:
+                if not _names_a_heading(cited, headings):
+                    bad.append(f"{lineno}: docs/{m.group(1)} has no section {cited.strip()!r}")
+    assert not bad, f"{path.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("path", CITING, ids=[p.relative_to(ROOT).as_posix() for p in CITING])
+def test_no_citation_outside_the_repository(path):
+    bad = [f"{n}: {line.strip()}" for n, line in _prose(path) if OUTSIDE.search(line)]
+    assert not bad, f"{path.relative_to(ROOT)} cites notes outside the repository: " + " | ".join(bad[:5])
+
+
+def test_citation_checks_catch_bad_citations(tmp_path):
+    headings = _headings(ROOT / "docs" / "protocol.md")
+    assert _names_a_heading("Folds: the layouts", headings)
+    assert _names_a_heading("3", headings)
+    assert not _names_a_heading("Foldings", headings)
+    assert not _names_a_heading("Nonexistent section", headings)
+    assert OUTSIDE.search("(spec §1.3)") and OUTSIDE.search("protocol spec §3") and OUTSIDE.search("MLRC §2.2")
+    assert not OUTSIDE.search("MLRC paper §3.2; docs/protocol.md §Metrics") and not OUTSIDE.search("spec = resolve(x)")
+    code = tmp_path / "m.py"
+    code.write_text('"""Doc (spec §1.2)."""\n\nx = "spec §3"  # see (spec §4)\n', encoding="utf-8")
+    assert [line for _, line in _prose(code) if OUTSIDE.search(line)] == ["Doc (spec §1.2).", "# see (spec §4)"]

@@ -1,8 +1,8 @@
 """train_fold's loop is bit-identical to a plain reference loop written out here (CPU, fixed seed).
 
-The reference spells out what train_fold did before its loop was made leaner (issue 11.4): three separate
-optimisers (trunk, embedder, loss: MLRC protocol spec §3), the m-per-class sampler re-seeded per epoch, the
-per-rank torch seed, a finiteness check before every step.  Any change to train_fold that alters a single bit of
+The reference spells out the loop in its plainest form: three separate optimisers (trunk, embedder, loss:
+docs/protocol.md §Optimisers), the m-per-class sampler re-seeded per epoch, the per-rank torch seed, a finiteness
+check before every step.  Any change to train_fold that alters a single bit of
 the per-iteration loss, the mean train loss it reports, or the final weights fails here.
 """
 

@@ -56,7 +56,7 @@ GRADCHECK_PARAMS: dict[str, dict] = {
 #: Order-dependent by design: the first sample(s) of each class *in batch order* play a role.
 ORDER_DEPENDENT = {
     "group_loss": "anchors = first anchors_per_class samples of each class",
-    "npair": "anchor / positive = first / second sample of each class (SEC Eq. 3, spec §2.4)",
+    "npair": "anchor / positive = first / second sample of each class (SEC Eq. 3; docs/losses/sec.md §Base losses)",
 }
 
 

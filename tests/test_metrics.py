@@ -2,9 +2,9 @@
 
 * MAP@R / R-Precision / P@1 / NMI: pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")``
   to 1e-6, leave-one-out and query-vs-reference, with uneven class sizes, singleton classes and
-  exact duplicates (spec protocol_reality_check.md §5).
+  exact duplicates (docs/protocol.md §Metrics).
 * Recall@k, nDCG@k, MAP@R: a brute-force numpy reference (full distance matrix, stable sort) written here.
-* nDCG@k: the MPA paper's Table 3 rankings (spec loss_multi_proxy_anchor.md §5 Table 3, §7 item 6).
+* nDCG@k: the MPA paper's Table 3 rankings (§3.5; docs/losses/multi_proxy_anchor.md §nDCG@k).
 * NMI: sklearn ``normalized_mutual_info_score``.
 """
 
@@ -228,7 +228,7 @@ def test_memory_stays_far_below_n_by_n():
 # nDCG@k: MPA paper Table 3
 
 
-TABLE3 = [  # ranking (top 10), nDCG@10 ×100 (unrounded, spec §7 item 6), MAP@R ×100 (R=4)
+TABLE3 = [  # ranking (top 10), nDCG@10 ×100 (unrounded; the paper prints one decimal), MAP@R ×100 (R=4)
     ([1, 0, 0, 0, 0, 0, 0, 0, 0, 0], 39.04, 25.0),
     ([1, 0, 0, 0, 0, 0, 0, 0, 0, 1], 50.32, 25.0),
     ([1, 0, 1, 0, 0, 0, 0, 0, 0, 0], 58.56, 41.67),
@@ -263,7 +263,7 @@ def test_ndcg_at_k_edge_cases():
 
 
 def test_well_separated_classes_score_one():
-    """Spec loss_multi_proxy_anchor.md §7 item 6: 5 classes × 4 images, one-hot-like embeddings."""
+    """5 classes × 4 images, one-hot-like embeddings: R@1 = nDCG@10 = MAP@R = 1 (query excluded, n_q = 3)."""
     rng = np.random.default_rng(10)
     y = np.repeat(np.arange(5), 4)
     x = np.eye(5, dtype=np.float32)[y] + 0.01 * rng.normal(size=(20, 5)).astype(np.float32)
@@ -329,7 +329,7 @@ def test_nmi_close_to_pml_on_overlapping_clusters():
 
 
 # ---------------------------------------------------------------------------------------------------
-# edge cases of protocol_reality_check.md §5 and bad input
+# edge cases of docs/protocol.md §Metrics (self-exclusion, lone queries) and bad input
 
 
 def test_all_queries_lone_gives_nan_like_pml():
@@ -483,7 +483,7 @@ def test_details_neighbours_are_the_ranked_leave_one_out_list():
     expect = np.argsort(-sim, axis=1, kind="stable")[:, :depth]
     np.testing.assert_array_equal(d.knn_indices, expect)  # continuous data: no ties
     np.testing.assert_allclose(d.knn_similarity, np.take_along_axis(sim, expect, axis=1), atol=1e-6)
-    # the per-query values are recomputable from those neighbours (MLRC §3.2)
+    # the per-query values are recomputable from those neighbours (MLRC paper §3.2)
     i = int(np.flatnonzero(np.bincount(y)[y] > 3)[0])
     r = int((y == y[i]).sum()) - 1
     rel = (y[d.knn_indices[i, :r]] == y[i]).astype(float)

@@ -80,7 +80,7 @@ def test_gem_is_the_generalised_mean_with_cubic_default():
 
 def test_kmax_pooling_interpolates_between_max_and_avg():
     """ProxyNCA++ Eq. 7: per channel the mean of the K largest activations; K = 1 is GMP, K = H·W is GAP, and the
-    output does not increase with K (spec loss_proxynca_pp, test idea 5)."""
+    output does not increase with K (ProxyNCA++ §3.5, Eq. 7)."""
     g = torch.randn(2, 2048, 8, 8, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(GlobalPooling("kmax:1")(g), g.amax(dim=(2, 3)))
     torch.testing.assert_close(GlobalPooling("kmax:64")(g), g.mean(dim=(2, 3)))

@@ -1,8 +1,8 @@
 """Class splits: MLRC layout (powerful-benchmarker MLRCSplitManager), sklearn-KFold layout, manifest, validation.
 
-External anchors: the spec table (protocol_reality_check.md §1.2–1.3), sklearn.model_selection.KFold, and an
-independent re-derivation of the MLRC rule from its own arithmetic (lengths from the *total* class count,
-wrapped numeric class ranges), written here from the spec's description.
+External anchors: the tables of docs/protocol.md §Class split and §Folds, sklearn.model_selection.KFold, and an
+independent re-derivation of the MLRC rule from the released code's own arithmetic (lengths from the *total* class
+count, wrapped numeric class ranges; docs/protocol.md §Folds).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from dml_core.splits import Fold, FoldManifest, class_disjoint_folds, trainval_test_split, validate_folds
 
 # --------------------------------------------------------------------------------------------------------------
-# trainval / test (§1.2)
+# trainval / test (docs/protocol.md §Class split)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_trainval_test_split_rejects_bad_labels():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# MLRC layout (§1.3)
+# MLRC layout (docs/protocol.md §Folds)
 
 MLRC_TABLE = {
     # name: (first class id, n trainval classes, val index ranges per fold (inclusive), never-in-val indices)
@@ -86,7 +86,7 @@ def test_mlrc_train_is_trainval_minus_val_in_every_fold(name):
 
 
 def _mlrc_oracle(all_classes: list[int], n_folds: int) -> list[tuple[list[int], list[int]]]:
-    """MLRCSplitManager as the spec describes it: lengths from the ratios of the TOTAL class count
+    """MLRCSplitManager's arithmetic (docs/protocol.md §Folds): lengths from the ratios of the TOTAL class count
     (val = (1/n)(1-0.5), train = (1-val)(1-0.5), test = 0.5, int-truncated, remainder to train), trainval =
     first int(0.5 N) sorted labels, fold p starts at int(p/n * T), class rules are numeric label ranges
     [label(s), label(e)] that wrap (label >= a or label <= b) when the range passes the end of the list."""

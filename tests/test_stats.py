@@ -1,4 +1,4 @@
-"""Statistics against scipy itself: sem (ddof=1), the t-interval MLRC reports (spec §2.3), ttest_rel."""
+"""Statistics against scipy itself: sem (ddof=1), the t-interval MLRC reports (docs/protocol.md §Intervals), ttest_rel."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Layout: `<src>/cars_annos.mat` and `<src>/car_ims/*.jpg`.  The .mat struct array
 `relative_im_path` (`car_ims/000001.jpg`), `bbox_*`, `class` (1..196) and `test` (0/1); `class_names` names
 the classes.  Read with `scipy.io.loadmat`.
 
-Labels (protocol spec §1.1): MLRC uses every entry (official train and test halves merged) with the .mat class
+Labels (docs/protocol.md §Datasets): MLRC uses every entry (official train and test halves merged) with the .mat class
 ids **1..196 as labels** (its class split: 1..98 trainval, 99..196 test).  We keep 1..196; a consumer that needs
 0-based ids must remap (the class split works on sorted ids either way).  `split` = `train` / `test` from the
 `test` field.  Class name = `class_names[class - 1]` when present, else `class_<id>`.

@@ -4,7 +4,7 @@ Layout: `<src>/CUB_200_2011/` (or `<src>` itself) with `images.txt` (`<image_id>
 `image_class_labels.txt` (`<image_id> <class_id 1..200>`), `train_test_split.txt` (`<image_id> <is_training>`)
 and the images under `images/`.
 
-Labels (protocol spec §1.1): MLRC reads CUB with torchvision `ImageFolder` over `images/`, so labels are the
+Labels (docs/protocol.md §Datasets): MLRC reads CUB with torchvision `ImageFolder` over `images/`, so labels are the
 class directories' sorted order 0..199.  The directories are named `001.Black_footed_Albatross` ... so that
 order equals `class_id - 1`; we use `class_id - 1` and check it agrees with the directory order.
 Class name = the class directory.  `split` = the official image-level split (`train` / `test`); the protocol

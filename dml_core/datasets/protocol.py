@@ -1,10 +1,10 @@
-"""Which classes train and which test, and how the test is scored, per dataset (protocol spec §1.1-1.2).
+"""Which classes train and which test, and how the test is scored, per dataset (docs/protocol.md §Class split).
 
 * Default (CUB200, Cars196, SOP with `sop_split="mlrc"`, Omniglot, synthetic, image folders): the sorted unique
-  labels are cut in half, first half trainval, second half test (`dml_core.splits.trainval_test_split`, spec
-  §1.2); the test set is scored compared-to-self (every test image queries all the others).
+  labels are cut in half, first half trainval, second half test (`dml_core.splits.trainval_test_split`,
+  docs/protocol.md §Class split); the test set is scored compared-to-self (every test image queries all the others).
 * SOP with `sop_split="official"`: trainval = the classes of `Ebay_train.txt` (labels 0..11317), test = those of
-  `Ebay_test.txt`.  MLRC's halves put class 11317 in test instead — "one class off" (spec §1.2).
+  `Ebay_test.txt`.  MLRC's halves put class 11317 in test instead — "one class off" (docs/protocol.md §Class split).
 * In-Shop: trainval = the `train` items; the test is **query vs gallery**: query images rank the gallery
   images only (`retrieval_metrics(gallery_emb, gallery_labels, query_embeddings=..., query_labels=...)`).
 
@@ -95,7 +95,7 @@ def dataset_protocol(dataset: str, labels, splits=None, *, sop_split: str = "mlr
     trainval, test = trainval_test_split(labels)
     note = "sorted classes halved (MLRC)"
     if dataset == "sop":
-        note += "; one class off the official SOP split (spec §1.2)"
+        note += "; one class off the official SOP split (docs/protocol.md §Class split)"
     return DatasetProtocol(dataset, trainval, test, "self", note)
 
 

@@ -3,10 +3,10 @@
 Layout: `<src>/Ebay_train.txt`, `<src>/Ebay_test.txt` (header `image_id class_id super_class_id path`, paths like
 `bicycle_final/111085122871_0.JPG` relative to `<src>`).
 
-Labels (protocol spec §1.1): MLRC concatenates both files and uses `class_id - 1` (0..22633).  `split` = the
+Labels (docs/protocol.md §Datasets): MLRC concatenates both files and uses `class_id - 1` (0..22633).  `split` = the
 file a row came from (`train` / `test`): the official split has train classes 0..11317 (11,318 classes), while
-MLRC's sorted-halves split puts 0..11316 in trainval — one class off (spec §1.2).  Which one a sweep uses is
-`dataset_protocol(..., sop_split="mlrc" | "official")`.  Class name = `<super-class dir>/<class_id>`.
+MLRC's sorted-halves split puts 0..11316 in trainval — one class off (docs/protocol.md §Class split).
+Which one a sweep uses is `dataset_protocol(..., sop_split="mlrc" | "official")`.  Class name = `<super-class dir>/<class_id>`.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 #: Half-precision embeddings are upcast before the loss: norms, log-sum-exps and reductions in fp32 even under
-#: AMP (SEC spec §1.8.2, MPA spec §1.0.4, ProxyNCA++ spec §1.13).  float64 stays float64 (gradcheck).
+#: AMP (fp16 overflows exp(α·S) at the MPA family's α = 32 and loses ProxyNCA++'s distances to cancellation; the
+#: "Precision"/"Dtype" items of docs/losses/*.md §Ambiguities resolved).  float64 stays float64 (gradcheck).
 _UPCAST = (torch.float16, torch.bfloat16)
 
 

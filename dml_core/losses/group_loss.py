@@ -1,7 +1,7 @@
 """The Group Loss (Elezi, Vascon, Torcinovich, Pelillo & Leal-Taixé, ECCV 2020).
 
-Equation numbers are the paper's; "App." its supplementary appendices; "spec §x" is
-``shared/spec/loss_group.md``; "[C]" the official code (dvl-tum/group_loss) as the spec reports it.
+Equation and section numbers are the paper's; "App." its supplementary appendices; "[C]" the official code
+(dvl-tum/group_loss).  The choices made where the paper is silent: docs/losses/group_loss.md §Ambiguities resolved.
 
 One forward pass on a batch (z_i, y_i), i = 1..B, C training classes (Alg. 1):
 
@@ -48,7 +48,7 @@ __all__ = [
 
 GROUP_LOSS_PAPER = "Elezi, Vascon, Torcinovich, Pelillo & Leal-Taixé, The Group Loss for Deep Metric Learning, ECCV 2020"
 
-#: [C] on CUB: 6 classes × 9 samples, 2 anchors per class (spec §2).
+#: [C] on CUB: 6 classes × 9 samples, 2 anchors per class (docs/losses/group_loss.md §Settings).
 GROUP_LOSS_BATCH = BatchSpec(classes_per_batch=6, m=9, anchors_per_class=2)
 #: [C]: the global-average-pooled backbone feature is the embedding (no LayerNorm).
 GROUP_LOSS_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
@@ -65,7 +65,7 @@ def pearson_similarity(embeddings: torch.Tensor, zero_diag: bool = True) -> torc
     """W (B, B) = ReLU of the Pearson correlation between embeddings (Eq. 1, App. 0.G).
 
     Each embedding is one sample of D paired observations: centre it over its own features,
-    L2-normalise, take dot products (spec §1.2).  Invariant to z_i → a_i z_i + b_i (a_i > 0).
+    L2-normalise, take dot products (as [C] reads Eq. 1).  Invariant to z_i → a_i z_i + b_i (a_i > 0).
     Negative correlations are clamped to 0 (the replicator step needs W ≥ 0).  ``zero_diag``:
     w_ii = 0 as in the paper (§3.2); False keeps w_ii = 1 as the official code does.  A constant
     embedding has no defined correlation and gets an all-zero row.
@@ -105,8 +105,8 @@ def replicator_dynamics(
 
     π_iλ = Σ_j w_ij x_jλ (Eqs. 2–3);  x_iλ ← x_iλ π_iλ / Σ_μ x_iμ π_iμ (Eq. 4; matrix form Eqs. 5–6).
 
-    Numerical guard (spec §1.7.2–3): every support gets a floor ``eps`` (π ← π + ε), so the
-    normaliser Q_ii ≥ ε Σ_λ x_iλ > 0.  A row with zero support (e.g. anticorrelated with the
+    Numerical guard (docs/losses/group_loss.md §Ambiguities resolved, "Zero support"): every support gets a
+    floor ``eps`` (π ← π + ε), so the normaliser Q_ii ≥ ε Σ_λ x_iλ > 0.  A row with zero support (e.g. anticorrelated with the
     whole batch, or a one-sample batch) then keeps its distribution instead of becoming 0/0, and
     gradients stay bounded by 1/ε.  One-hot rows (anchors) map to themselves exactly; ε = 1e-12
     is far below any real support, so regular rows follow Eq. 4.  Returns X(T), or with
@@ -144,7 +144,7 @@ class Refinement:
     own_optimizer=True,
     batch=GROUP_LOSS_BATCH,
     model=GROUP_LOSS_MODEL,
-    loss_weight_decay=1e-6,  # spec §2: the paper's best weight decay on CUB (1e-7 Cars, 1e-12 SOP)
+    loss_weight_decay=1e-6,  # App. 0.B: the paper's best weight decay on CUB (1e-7 Cars, 1e-12 SOP)
     description="Group Loss: softmax priors of a linear classifier (temperature-scaled, anchors one-hot) refined "
     "by replicator dynamics on the ReLU-Pearson similarity of the batch, then NLL; plus the official code's "
     "auxiliary cross-entropy.",
@@ -152,7 +152,7 @@ class Refinement:
 class GroupLoss(nn.Module):
     """The Group Loss (Alg. 1; Eqs. 1–6, 9).
 
-    Hyperparameters (defaults: the official code's CUB values, spec §2):
+    Hyperparameters (defaults: the official code's CUB values, docs/losses/group_loss.md §Settings):
 
     * ``temperature`` T (24): priors softmax(logits / T), App. 0.C Eq. 9 (T > 1 softens).
     * ``num_iterations`` (1): replicator steps; the paper gives no value, [C] uses 1.

@@ -1,16 +1,16 @@
 """Multi-proxy losses: the Multi-Proxy-Anchor (MPA) family, SoftTriple and ProxyAnchor.
 
 Paper: Saeki, Kawahara & Aman, "Multi Proxy Anchor Family Loss for Several Types of Gradients"
-(arXiv 2110.03997 v8; "MPA paper" below).  Equation numbers are the MPA paper's; "spec §x" is
-``shared/spec/loss_multi_proxy_anchor.md``.
+(arXiv 2110.03997 v8; "MPA paper" below).  Equation and section numbers are the MPA paper's; the paper's settings
+and the choices made where it is silent: docs/losses/multi_proxy_anchor.md.
 
-Shared building blocks (spec §1.0):
+Shared building blocks (MPA paper §3, from SoftTriple):
 
 * :func:`pooled_class_similarity` — S(x, c) = Σ_k softmax_k(s_ick / γ) · s_ick, the soft-max
   pooling of the cosines to the K proxies of class c (Eq. 1, from SoftTriple).
 * :func:`proxy_regularizer` — Σ_c Σ_{t<s} sqrt(2 + ε − 2 w_csᵀ w_ct) / (C·K·(K−1)) (Eq. 3).
 * :func:`log1p_sum_exp` — log(1 + Σ_{mask} exp(z)) as a log-sum-exp with an appended zero logit
-  (spec §1.0.4), so α up to 1000 stays finite in fp32.
+  (docs/losses/multi_proxy_anchor.md §Ambiguities resolved), so α up to 1000 stays finite in fp32.
 
 Registered losses (all learnable, with their own optimiser — "fast proxies", lr ``loss_lr``):
 
@@ -19,7 +19,7 @@ Registered losses (all learnable, with their own optimiser — "fast proxies", l
 ``mpa_dw``       data-wise MPA-DW, Eqs. 12–13
 ``mpa_ap``       data-wise, all-paired MPA-AP, Eqs. 15–17
 ``soft_triple``  SoftTriple, Eqs. 2–4 (the reality check's PML ``SoftTripleLoss`` settings)
-``proxy_anchor`` ProxyAnchor = ``mpa`` with K = 1 and no regulariser (spec §1.2; PML
+``proxy_anchor`` ProxyAnchor = ``mpa`` with K = 1 and no regulariser (MPA paper §3.2; PML
                  ``ProxyAnchorLoss``)
 ===============  =====================================================================
 
@@ -66,12 +66,12 @@ MPA_BATCH = BatchSpec(classes_per_batch=45, m=4)
 #: MPA paper §4.2: cubic GeM pooling (p = 3, fixed), no LayerNorm.
 MPA_MODEL = ModelRecipe(pooling="gem", layer_norm=False)
 
-#: ε inside the regulariser's square root (SoftTriple's official code, spec §1.0.2).
+#: ε inside the regulariser's square root (SoftTriple's official code).
 REGULARIZER_EPS = 1e-5
 
 
 # --------------------------------------------------------------------------------------------
-# building blocks (spec §1.0)
+# building blocks (MPA paper Eqs. 1 and 3)
 # --------------------------------------------------------------------------------------------
 def l2_normalize(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x / ||x||₂ along ``dim``, without overflow for huge inputs.
@@ -109,7 +109,7 @@ def proxy_regularizer(proxies: torch.Tensor, eps: float = REGULARIZER_EPS) -> to
     L_reg = Σ_c Σ_{t<s} sqrt(2 + ε − 2 ŵ_csᵀ ŵ_ct) / (C·K·(K−1)): half the mean distance between
     two proxies of the same class (the paper's divisor counts ordered pairs).  ε = 1e-5 as in
     SoftTriple's code keeps the gradient finite at coincident proxies; K = 1 has no pairs and the
-    0/0 is defined as 0 (spec §1.0.2).
+    0/0 is defined as 0.
     """
     C, K, D = proxies.shape
     if K < 2:
@@ -122,7 +122,7 @@ def proxy_regularizer(proxies: torch.Tensor, eps: float = REGULARIZER_EPS) -> to
 
 
 def log1p_sum_exp(logits: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
-    """log(1 + Σ_{j: mask_j} exp(z_j)) along ``dim`` (spec §1.0.4).
+    """log(1 + Σ_{j: mask_j} exp(z_j)) along ``dim`` (the form of every MPA-family term).
 
     Masked-out entries are set to −inf (never multiplied by 0: exp overflow × 0 = NaN) and a
     zero logit stands for the "1"; an empty mask gives log 1 = 0.
@@ -164,7 +164,8 @@ def mpa_ap_similarity_losses(S: torch.Tensor, labels: torch.Tensor, alpha: float
     """Per-sample MPA-AP similarity losses (the summand of Eq. 16), shape (B,).
 
     ℓ_i = log(1 + Σ_{c∈C} e^{α S'(x_i,c)}), S' = δ − S for the sample's class, S + δ otherwise
-    (Eq. 15).  Per sample ℓ_AP ≤ ℓ_DW (spec §1.5: ℓ_DW − ℓ_AP = log(1 + ab/(1+a+b))).
+    (Eq. 15).  Per sample ℓ_AP ≤ ℓ_DW, ℓ_DW − ℓ_AP = log(1 + ab/(1+a+b)) (docs/losses/multi_proxy_anchor.md
+    §Identities).
     """
     pos = _positive_mask(S, labels)
     s_prime = torch.where(pos, delta - S, S + delta)
@@ -202,7 +203,7 @@ class MultiProxyLoss(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """ProxyAnchor's init: ``kaiming_normal_(mode='fan_out')`` on the (C·K, D) view (spec §1.8.8)."""
+        """ProxyAnchor's init: ``kaiming_normal_(mode='fan_out')`` on the (C·K, D) view (the paper states none)."""
         with torch.no_grad():
             flat = torch.empty(self.num_classes * self.num_proxies, self.embedding_dim)
             nn.init.kaiming_normal_(flat, mode="fan_out")
@@ -211,7 +212,7 @@ class MultiProxyLoss(nn.Module):
     def class_similarity(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked inputs → ``(S, labels)`` with S (B, C) of Eq. 1.
 
-        fp16/bf16 embeddings are upcast to fp32 (spec §1.0.4: the loss runs in fp32 even under AMP);
+        fp16/bf16 embeddings are upcast to fp32 (the loss runs in fp32 even under AMP: exp(α·S) overflows fp16);
         float64 stays float64.  An empty batch is an error (Eq. 6 would divide by |C⁺| = 0, Eqs. 12 and 16 by N = 0).
         """
         x, y = check_batch(
@@ -235,7 +236,7 @@ class MultiProxyLoss(nn.Module):
 
 
 class _MPAFamily(MultiProxyLoss):
-    """Shared constructor of the three MPA-family members (α, δ, γ, τ, K; spec §2 defaults)."""
+    """Shared constructor of the three MPA-family members (α, δ, γ, τ, K; defaults of MPA paper §4.2)."""
 
     def __init__(
         self,
@@ -268,7 +269,7 @@ class MultiProxyAnchor(_MPAFamily):
 
     Class-wise: each class is an anchor and its log-sum-exp runs over the batch samples, so a
     sample's gradient depends on its batch-mates (Eqs. 8–9).  With K = 1 it is ProxyAnchor.
-    Hyperparameters: α = ``alpha`` (32, ProxyAnchor's value; the paper gives none, spec §1.8.1),
+    Hyperparameters: α = ``alpha`` (32, ProxyAnchor's value; the paper gives none),
     δ = ``delta`` (0.1), γ = ``gamma`` (0.1), τ = ``tau`` (0.2), K = ``num_proxies`` (10 CUB/Cars).
     """
 
@@ -350,7 +351,7 @@ class MultiProxyAnchorAP(_DataWise):
     "plus reg_weight * the centre regulariser (MPA paper Eqs. 1-4).",
 )
 class SoftTriple(MultiProxyLoss):
-    """SoftTriple loss (MPA paper Eqs. 2–4; spec §1.1), the reality check's PML ``SoftTripleLoss``.
+    """SoftTriple loss (MPA paper Eqs. 2–4, §3.1), the reality check's PML ``SoftTripleLoss``.
 
     L = mean_i CE(λ(S_i − δ·onehot(c_i)), c_i) + τ L_Regularizer, with S from Eq. 1 over the
     K = ``num_proxies`` centres (PML ``centers_per_class``).  Eq. 4 sums over the batch; the
@@ -405,7 +406,7 @@ class SoftTriple(MultiProxyLoss):
     description="Proxy-Anchor loss (one proxy per class; = mpa with K=1, MPA paper §3.2), as PML ProxyAnchorLoss.",
 )
 class ProxyAnchor(MultiProxyLoss):
-    """ProxyAnchor loss = MPA's Eq. 6 with K = 1 (spec §1.2), i.e. PML ``ProxyAnchorLoss``.
+    """ProxyAnchor loss = MPA's Eq. 6 with K = 1 (MPA paper §3.2), i.e. PML ``ProxyAnchorLoss``.
 
     (1/|C⁺|) Σ_{c∈C⁺} log(1 + Σ_{x∈X_c⁺} e^{−α(cos(x,w_c)−δ)}) + (1/|C|) Σ_c log(1 + Σ_{x∈X_c⁻} e^{α(cos(x,w_c)+δ)}).
     Names are PML's: α = ``alpha`` (32), δ = ``margin`` (0.1).  One proxy per class, initialised

@@ -8,7 +8,7 @@ temperature T (logits z_ic = −d_ic / T ∈ [−4/T, 0]):
   denominator runs over the *other* proxies only, so L_i can be negative (≥ log(C−1) − 4/T).
 * Eqs. 4–6/8 (ProxyNCA++ "+prob", ``prob=True``): L_i = −log P_i with
   P_i = softmax_c(z_ic)[y_i] over *all* proxies, i.e. ``cross_entropy(−d/T, y)``.
-  Per sample L_prob = softplus(L_classic) (spec §1.6 identity 2).
+  Per sample L_prob = softplus(L_classic) (docs/losses/proxynca.md §Identities).
 
 Registered losses:
 
@@ -17,13 +17,13 @@ Registered losses:
   ``softmax_scale`` = 1/T and ``prob=True`` (the default).  ``prob=False`` gives the ProxyNCA
   paper's Eq. 3.  Proxies start N(0, 1) like PML's.
 * ``proxynca_pp`` — ProxyNCA++: ``temperature`` T (default 1/9, §4.1), ``prob=True``; proxies
-  start randn/8 (official code, spec §1.6 item 5: the init norm sets the effective proxy lr).
+  start randn/8 (official code; the init norm sets the effective proxy lr, docs/losses/proxynca.md §Identities).
   The paper's other components are declared as metadata: "+max" and "+norm" as the model recipe
   (global max pooling, LayerNorm without affine before the embedding layer), "+cbs" as the batch
   (8 classes × 4), "+fast" as ``own_optimizer`` (the proxies' lr is the searched ``loss_lr``).
 
 Both losses are batch means (official code ``loss.mean()``).  Everything is computed in the
-embeddings' precision (fp16/bf16 upcast to fp32, spec §1.13) with log-sum-exp, so T down to
+embeddings' precision (fp16/bf16 upcast to fp32) with log-sum-exp, so T down to
 1e-3 (logits −4000) stays finite.
 """
 
@@ -144,12 +144,14 @@ class ProxyNCA(_ProxyNCABase):
     paper=PAPER_PP,
     learnable=True,
     own_optimizer=True,
-    # +cbs: 8 classes x 4 images per batch (Table 1, CUB/Cars; spec §1.10).
+    # +cbs: 8 classes x 4 images per batch (Table 1, CUB/Cars; §3.7).
     batch=BatchSpec(classes_per_batch=8, m=4),
-    # +max: global max pooling; +norm: LayerNorm without affine before the embedding layer (spec §1.7, §1.9).
+    # +max: global max pooling (§3.5); +norm: LayerNorm without affine before the embedding layer (§3.7; the
+    # placement is the official code's).
     model=ModelRecipe(pooling="max", layer_norm=True),
     # Official code: weight decay 0 on every group; decay would shrink ||p|| and so raise the effective proxy lr
-    # (the gradient scales as 1/||p||; spec §1.13).  proxynca keeps MLRC's 1e-4 (registry default).
+    # (the gradient scales as 1/||p||; docs/losses/proxynca.md §Identities).  proxynca keeps MLRC's 1e-4 (registry
+    # default).
     loss_weight_decay=0.0,
     description="ProxyNCA++: softmax over all proxies of -||x^ - p^||^2 / T at low temperature (T = 1/9), fast "
     "proxies with their own learning rate, global max pooling + LayerNorm (Eqs. 4-8).",
@@ -161,7 +163,7 @@ class ProxyNCAPlusPlus(_ProxyNCABase):
     * ``prob`` (default True; False is the "−prob" ablation: Eq. 3 at the same T).
 
     The official code multiplies x̂ and p̂ by sqrt(1/T) = 3 before the squared distance;
-    ||3x̂ − 3p̂||² = d/T is the same number (spec §1.6 item 7).
+    ||3x̂ − 3p̂||² = d/T is the same number (docs/losses/proxynca.md §Identities).
     """
 
     name = "proxynca_pp"

@@ -16,14 +16,13 @@ is projected onto a sphere.
   with respect to t1 is scaled by k1 (by k2 outside α).  m > 1 acts as a margin (Fig. 8's kΔ,
   ``margin`` in the official code); m = 0 drops Δ (Eq. 7 without Δ, the "handicapped" form).
 
-The spec (``loss_realigned_softmax_warping.md``) fixes the readings the paper leaves open:
-s multiplies the *warped* distances (§1.5), α is in raw distance units and the branch is chosen
-per sample from the detached t1 with a strict ``<`` (§1.6), proxies start from
-``kaiming_normal_(fan_out)`` = N(0, 2/C) (§1.9 item 12).
+Where the paper leaves a reading open, the official code decides (docs/losses/rsw.md §Ambiguities resolved):
+s multiplies the *warped* distances, α is in raw distance units and the branch is chosen per sample from the
+detached t1 with a strict ``<``, proxies start from ``kaiming_normal_(fan_out)`` = N(0, 2/C).
 
-The paper trains in two phases (§2.2: a larger α first, then a "followup" with other k1, k2,
-α, s).  ``rsw`` exposes this as loss options: a step counter (the ``step`` buffer, +1 per
-forward call in training mode) switches to the ``phase2_*`` values once it reaches
+The paper trains in two phases (§IV-B: a larger α first, then a "followup" with other k1, k2,
+α, s; the code's values in docs/losses/rsw.md §Official code settings).  ``rsw`` exposes this as loss
+options: a step counter (the ``step`` buffer, +1 per forward call in training mode) switches to the ``phase2_*`` values once it reaches
 ``phase2_step``.  Only the loss hyperparameters switch; the official code also lowers the
 learning rates at the switch, which is the training loop's business.
 """
@@ -49,13 +48,14 @@ __all__ = [
 ]
 
 PAPER = "DeMoor & Prevost, Realigned Softmax Warping for Deep Metric Learning, 2024"
-#: Official code, CUB: 8 classes x 8 samples per batch (spec §2.2).
+#: Official code, CUB: 8 classes x 8 samples per batch (docs/losses/rsw.md §Official code settings).
 RSW_BATCH = BatchSpec(classes_per_batch=8, m=8)
 #: Global max + avg pooling (summed) and a LayerNorm without affine before the embedding layer;
-#: the embedding itself is never normalised (spec §1.9 items 7-8, §3).
+#: the embedding itself is never normalised (the official code; docs/losses/rsw.md §Official code settings).
 RSW_MODEL = ModelRecipe(pooling="avg+max", layer_norm=True)
-#: Official code: Adam weight_decay 1e-7 on every group, proxies included (spec §2.2).  The proxies are
-#: not normalised, so decay acts on them directly; MLRC's 1e-4 would be 1000x the paper's.
+#: Official code: Adam weight_decay 1e-7 on every group, proxies included
+#: (docs/losses/rsw.md §Official code settings).  The proxies are not normalised, so decay acts on them
+#: directly; MLRC's 1e-4 would be 1000x the paper's.
 RSW_PROXY_WEIGHT_DECAY = 1e-7
 
 
@@ -66,7 +66,7 @@ def euclidean_distances(embeddings: torch.Tensor, proxies: torch.Tensor) -> torc
     """T_ij = ||e_i − p_j||_2, shape (B, C): plain, not squared (Eq. 4's norm).
 
     Computed as sqrt(clamp(|e|² + |p|² − 2 e·p, 1e-12)) (one matmul, fast for C = 11,318);
-    the clamp keeps an embedding that sits exactly on a proxy finite (spec §1.8).
+    the clamp keeps an embedding that sits exactly on a proxy finite (the official code's formula).
     """
     sq = (embeddings * embeddings).sum(1, keepdim=True) + (proxies * proxies).sum(1)[None] - 2 * embeddings @ proxies.t()
     return sq.clamp_min(1e-12).sqrt()
@@ -134,7 +134,7 @@ class _EuclideanProxyLoss(nn.Module):
         num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
         self.num_classes, self.embedding_dim = num_classes, embedding_dim
         self.proxies = nn.Parameter(torch.empty(num_classes, embedding_dim))
-        # Official code: kaiming_normal_(fan_out) on (C, D) = N(0, 2/C) (spec §1.9 item 12).
+        # Official code: kaiming_normal_(fan_out) on (C, D) = N(0, 2/C); the paper says only "normal" (§IV-B).
         nn.init.kaiming_normal_(self.proxies, mode="fan_out")
 
     def _distances(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +203,7 @@ _PHASE_KEYS = ("k1", "k2", "alpha", "scale")
 class RealignedSoftmaxWarping(_EuclideanProxyLoss):
     """Warped-Softmax, Eqs. 7–8 (see the module docstring for the equations).
 
-    Parameters (defaults: the official code's CUB phase-1 values, spec §2.2):
+    Parameters (defaults: the official code's CUB phase-1 values, docs/losses/rsw.md §Official code settings):
 
     * ``k1`` (0.93), ``k2`` (1.15) – slopes of f1 inside / outside α.  The paper uses
       0 < k1 < 1 < k2 (outward force inside α, inward outside, minimum at distance α,

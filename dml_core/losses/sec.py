@@ -2,7 +2,8 @@
 SEC paper's own base losses ``semihard_triplet`` and ``npair``.
 
 Paper: Zhang, Li & Zhang, "Deep Metric Learning with Spherical Embedding", NeurIPS 2020
-(spec ``loss_spherical_embedding_constraint.md``).  Equation numbers below are the paper's.
+(arXiv 2011.02785).  Equation, appendix and table numbers below are the paper's; its settings and the choices made
+where it is silent: docs/losses/sec.md.
 
 SEC adds to a base loss, on the same *raw* (un-normalised) embeddings f_i, the batch variance of
 their norms (Eq. 17 with μ = the batch-mean norm):
@@ -13,7 +14,7 @@ L2-reg (Eq. 30) is the same penalty with μ = 0: L_L2 = (1/N) Σ_i ||f_i||²_2.
 
 Use ``build_loss("sec:triplet", sec_eta=0.5)`` or ``build_loss("triplet", sec_eta=0.5)``;
 ``l2_reg:<base>`` / ``l2_reg_eta`` likewise.  The loss always sees the global batch (``train_fold``
-all-gathers under DDP), so μ is the global-batch mean, as in the paper (spec §1.8.6).
+all-gathers under DDP), so μ is the global-batch mean, as in the single-GPU paper (App. B.1).
 The other two SEC base losses, ``triplet`` and ``multi_similarity``, are registered with the
 reality-check baselines in :mod:`dml_core.losses.baselines`.
 """
@@ -44,7 +45,7 @@ DEFAULT_L2_REG_ETA = 1e-4
 
 
 def _fp32_at_least(f: torch.Tensor) -> torch.Tensor:
-    # Spec §1.8.2: norms and the variance in fp32 even under AMP.
+    # Norms and the variance in fp32 even under AMP (docs/losses/sec.md §Ambiguities resolved, "Precision").
     return f.float() if f.dtype in (torch.float16, torch.bfloat16) else f
 
 
@@ -83,8 +84,9 @@ class SphericalEmbeddingConstraint(nn.Module):
     * ``rho = 1`` (default): μ = this batch's mean norm (the paper's SEC, Eq. 17).
     * ``0 <= rho < 1``: "SEC (EMA)", App. D Eq. 31: μ_t = (1 − ρ) μ_{t−1} + ρ · mean_i ||f_{t,i}||,
       μ_0 = the first batch's mean.  As in the official code μ_t is updated *before* L_sec is
-      computed, from the detached batch mean, and is itself detached (spec §1.6).  μ_t is the
-      buffer ``mu`` (saved in the state dict); it advances only in training mode
+      computed, from the detached batch mean, and is itself detached
+      (docs/losses/sec.md §Ambiguities resolved, "EMA variant").  μ_t is the buffer ``mu`` (saved in
+      the state dict); it advances only in training mode
       (``module.train()``, the default), and the next training batch after construction or
       :meth:`reset_ema` re-initialises it.  DML used ρ = 0.01 (Table 10).
 
@@ -176,7 +178,7 @@ def l2_reg(base: nn.Module, *, l2_reg_eta: float = DEFAULT_L2_REG_ETA) -> L2Norm
     "squared normalised Euclidean distances.",
 )
 class SemihardTriplet(nn.Module):
-    """Semi-hard triplet loss, FaceNet / TensorFlow ``triplet_semihard_loss`` form (SEC spec §2.3).
+    """Semi-hard triplet loss, FaceNet / TensorFlow ``triplet_semihard_loss`` form (docs/losses/sec.md §Base losses).
 
     D_ij = ||f̂_i − f̂_j||²_2 = 2 − 2 cos θ_ij.  For every positive pair (a, p), a ≠ p:
     D_neg = min{D_an : y_n ≠ y_a, D_an > D_ap} if that set is non-empty, else max_n D_an
@@ -230,7 +232,7 @@ class SemihardTriplet(nn.Module):
     description="Normalised multi-class N-pair (tuplet) loss with scale s: one anchor and one positive per class.",
 )
 class NormalizedNPair(nn.Module):
-    """Normalised N-pair / tuplet loss (SEC paper Eq. 3, structure from its code; spec §2.4).
+    """Normalised N-pair / tuplet loss (SEC paper Eq. 3, structure from its code; docs/losses/sec.md §Base losses).
 
     For each class c in the batch with ≥ 2 samples, the anchor a_c is its first sample and the
     positive p_c its second (in batch order).  With s = ``scale``:

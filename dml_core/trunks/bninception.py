@@ -1,5 +1,5 @@
 """BN-Inception (Ioffe & Szegedy 2015, "Batch Normalization: Accelerating Deep Network Training by Reducing Internal
-Covariate Shift", arXiv:1502.03167) — the trunk of the Metric Learning Reality Check (protocol spec §3).
+Covariate Shift", arXiv:1502.03167) — the trunk of the Metric Learning Reality Check (docs/protocol.md §Model).
 
 The layout is ``pretrainedmodels.bninception``'s (Cadene's pretrained-models.pytorch, the port of Y. Xiong's
 Caffe-trained ImageNet model that MLRC loads), written as a table instead of 700 unrolled lines: every parameter and

@@ -1,4 +1,4 @@
-"""The Group Loss: properties from spec loss_group.md ("Unit-test ideas", §6) and the paper (Eqs. 1-9)."""
+"""The Group Loss: properties of the paper's equations (Eqs. 1-9) and of docs/losses/group_loss.md §Tests."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _batch(P=6, K=9, D=64, C=100, seed=0):
 
 
 # --------------------------------------------------------------------------------------------
-# idea 1: row-stochastic after every iteration, anchors stay one-hot, X(0) = temperature softmax
+# row-stochastic after every iteration, anchors stay one-hot, X(0) = temperature softmax (Eqs. 4, 9)
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("T", [1, 3, 10])
 def test_rows_stochastic_and_anchors_one_hot_after_every_iteration(T):
@@ -58,7 +58,7 @@ def test_anchors_are_the_first_occurrences_of_each_class_in_batch_order():
 
 
 # --------------------------------------------------------------------------------------------
-# idea 5: zero-similarity / degenerate rows give no NaN and keep their distribution
+# zero-similarity / degenerate rows give no NaN and keep their distribution
 # --------------------------------------------------------------------------------------------
 def test_zero_similarity_rows_are_finite_and_unchanged():
     D = 8
@@ -117,7 +117,7 @@ def test_anchor_without_support_for_its_class_stays_one_hot():
 
 
 # --------------------------------------------------------------------------------------------
-# idea 4: Fig. 2 toy propagation
+# Fig. 2 toy propagation
 # --------------------------------------------------------------------------------------------
 def test_fig2_toy_propagation():
     # A = anchor of class 0, B = anchor of class 1, C unlabelled with a uniform prior
@@ -134,7 +134,7 @@ def test_fig2_toy_propagation():
 
 
 # --------------------------------------------------------------------------------------------
-# idea 2: Baum–Eagon — F(X) = trace(XᵀWX) never decreases (Eqs. 7–8)
+# Baum–Eagon — F(X) = trace(XᵀWX) never decreases (Eqs. 7–8)
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("zero_diag", [True, False])
 def test_consistency_is_non_decreasing(zero_diag):
@@ -153,7 +153,7 @@ def test_consistency_is_non_decreasing(zero_diag):
 
 
 # --------------------------------------------------------------------------------------------
-# idea 3: similarity-matrix properties (Eq. 1 + ReLU, App. 0.G)
+# similarity-matrix properties (Eq. 1 + ReLU, App. 0.G)
 # --------------------------------------------------------------------------------------------
 def test_similarity_matrix_is_relu_pearson_and_affine_invariant():
     g = torch.Generator().manual_seed(3)
@@ -173,7 +173,7 @@ def test_similarity_matrix_is_relu_pearson_and_affine_invariant():
 
 
 # --------------------------------------------------------------------------------------------
-# idea 6: degenerate-case equivalences and gradients
+# degenerate-case equivalences and gradients
 # --------------------------------------------------------------------------------------------
 def test_zero_iterations_is_temperature_cross_entropy_on_unlabelled_samples():
     z, y = _batch(seed=4)

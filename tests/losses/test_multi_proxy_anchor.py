@@ -1,7 +1,8 @@
 """MPA family (mpa, mpa_dw, mpa_ap), SoftTriple and ProxyAnchor.
 
 External anchors: pytorch-metric-learning's ProxyAnchorLoss / SoftTripleLoss, and the closed forms
-and expected values of spec loss_multi_proxy_anchor.md §6.3 / §7 (MPA paper Eqs. 1, 3, 6, 8, 12, 14-18).
+and properties of the MPA paper's equations (Eqs. 1, 3, 6, 8, 12, 14-18; docs/losses/multi_proxy_anchor.md
+§Identities).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _build(name, C, D, seed=0, **params):
 
 
 # --------------------------------------------------------------------------------------------
-# spec §7.1: K = 1 reduces to ProxyAnchor (PML ProxyAnchorLoss as the external reference)
+# K = 1 reduces to ProxyAnchor (MPA paper §3.2; PML ProxyAnchorLoss as the external reference)
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("gamma", [0.1, 1.0])
 def test_mpa_with_one_proxy_equals_pml_proxy_anchor(gamma):
@@ -120,7 +121,7 @@ def test_soft_triple_init_matches_pml_layout():
 
 
 # --------------------------------------------------------------------------------------------
-# spec §1.5 / §6.3.6: per sample L_AP <= L_DW, with the closed-form gap
+# per sample L_AP <= L_DW, with the closed-form gap (docs/losses/multi_proxy_anchor.md §Identities)
 # --------------------------------------------------------------------------------------------
 def test_mpa_ap_le_mpa_dw_per_sample():
     C, D = 12, 16
@@ -144,7 +145,7 @@ def test_mpa_ap_le_mpa_dw_per_sample():
 
 
 # --------------------------------------------------------------------------------------------
-# spec §7.2: data-wise losses ignore the other batch samples; class-wise MPA does not
+# data-wise losses ignore the other batch samples; class-wise MPA does not (MPA paper §3.3)
 # --------------------------------------------------------------------------------------------
 def _scaled_grad_x0(loss, x, y):
     x = x.clone().requires_grad_()
@@ -168,7 +169,7 @@ def test_data_wise_gradients_do_not_depend_on_batch_mates():
 
 
 # --------------------------------------------------------------------------------------------
-# spec §7.3: gradient signs, bounds and closed forms (Eqs. 8, 14, 18) with respect to S
+# gradient signs, bounds and closed forms (Eqs. 8, 14, 18) with respect to S
 # --------------------------------------------------------------------------------------------
 def test_gradient_signs_bounds_and_closed_forms():
     g = torch.Generator().manual_seed(6)
@@ -217,7 +218,7 @@ def test_gradient_signs_bounds_and_closed_forms():
 
 
 # --------------------------------------------------------------------------------------------
-# spec §7.4: SoftTriple is blind to S -> S + const; the MPA family is not
+# SoftTriple is blind to S -> S + const; the MPA family is not (MPA paper §3.1)
 # --------------------------------------------------------------------------------------------
 def test_similarity_shift_sensitivity():
     g = torch.Generator().manual_seed(7)
@@ -239,7 +240,7 @@ def test_similarity_shift_sensitivity():
 
 
 # --------------------------------------------------------------------------------------------
-# spec §7.5: pooling limits and regulariser values
+# pooling limits and regulariser values (Eqs. 1 and 3)
 # --------------------------------------------------------------------------------------------
 def test_pooling_limits_and_replicated_proxies():
     g = torch.Generator().manual_seed(8)

@@ -1,4 +1,4 @@
-"""ProxyNCA (proxynca) and ProxyNCA++ (proxynca_pp): spec loss_proxynca_pp.md §1.6 identities and §6/§8 test ideas.
+"""ProxyNCA (proxynca) and ProxyNCA++ (proxynca_pp): the identities of docs/losses/proxynca.md §Identities.
 
 External anchors: the paper's equations written out here (explicit differences, explicit exp), the official
 code's scale trick ||3x̂ − 3p̂||², and pytorch-metric-learning's ProxyNCALoss (what the reality check ran).
@@ -43,7 +43,7 @@ def _sq_dist_oracle(x, p):
 
 
 # ---------------------------------------------------------------------------------------------
-# §1.6.1 / §1.6.7 / §1.6.3: cross-entropy on −d/T, the official scale trick, NormSoftMax(T/2)
+# cross-entropy on −d/T, the official scale trick, NormSoftMax(T/2)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [1 / 9, 1.0, 0.03])
 def test_proxynca_pp_is_cross_entropy_on_negative_squared_distance_over_t(temperature):
@@ -61,7 +61,7 @@ def test_proxynca_pp_is_cross_entropy_on_negative_squared_distance_over_t(temper
 
 
 # ---------------------------------------------------------------------------------------------
-# §1.6.6: T → 0 makes P one-hot on the nearest proxy; T → ∞ makes it uniform (loss → log C)
+# T → 0 makes P one-hot on the nearest proxy; T → ∞ makes it uniform (loss → log C)
 # ---------------------------------------------------------------------------------------------
 def test_assignment_becomes_one_hot_as_temperature_goes_to_zero():
     x, p, y = _batch(seed=1)
@@ -82,7 +82,7 @@ def test_assignment_becomes_one_hot_as_temperature_goes_to_zero():
 
 
 # ---------------------------------------------------------------------------------------------
-# §1.6.2: per sample L_prob = softplus(L_classic); Eq. 3 can be negative, Eq. 8 never is
+# per sample L_prob = softplus(L_classic); Eq. 3 can be negative, Eq. 8 never is
 # ---------------------------------------------------------------------------------------------
 def test_prob_is_softplus_of_classic_and_classic_can_be_negative():
     x, p, y = _batch(seed=2)
@@ -109,7 +109,7 @@ def test_prob_is_softplus_of_classic_and_classic_can_be_negative():
 
 
 # ---------------------------------------------------------------------------------------------
-# §1.6.4-5: ∂L/∂d = (Y − P)/(T·B); raw-parameter gradients ⟂ parameters and ∝ 1/norm
+# ∂L/∂d = (Y − P)/(T·B); raw-parameter gradients ⟂ parameters and ∝ 1/norm
 # ---------------------------------------------------------------------------------------------
 def test_gradient_with_respect_to_distances():
     x, p, y = _batch(seed=3)
@@ -180,7 +180,7 @@ def test_softmax_scale_is_inverse_temperature():
 
 
 # ---------------------------------------------------------------------------------------------
-# §6.12 bounds, numerics, errors, metadata
+# bounds, numerics, errors, metadata
 # ---------------------------------------------------------------------------------------------
 def test_bounds_of_both_forms():
     temperature, c = 1 / 9, 10
@@ -236,10 +236,10 @@ def test_metadata_and_proxy_initialisation():
     assert pp.learnable and pp.own_optimizer
     assert pp.model == ModelRecipe(pooling="max", layer_norm=True)  # +max, +norm
     assert pp.batch == BatchSpec(classes_per_batch=8, m=4)  # +cbs
-    assert pp.loss_weight_decay == 0.0  # official code: no decay on the proxies (spec §1.13)
+    assert pp.loss_weight_decay == 0.0  # official code: no decay on the proxies (docs/losses/proxynca.md §Identities)
     base = loss_info("proxynca")
     assert base.own_optimizer and base.model == ModelRecipe(pooling="avg", layer_norm=False)
-    assert base.loss_weight_decay == 1e-4  # MLRC's loss optimiser (protocol spec §3)
+    assert base.loss_weight_decay == 1e-4  # MLRC's loss optimiser (docs/protocol.md §Optimisers)
     torch.manual_seed(0)
     assert build_loss("proxynca_pp", num_classes=500, embedding_dim=64).proxies.std().item() == pytest.approx(1 / 8, rel=0.02)
     assert build_loss("proxynca", num_classes=500, embedding_dim=64).proxies.std().item() == pytest.approx(1.0, rel=0.02)

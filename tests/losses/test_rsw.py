@@ -1,4 +1,5 @@
-"""Realigned Softmax Warping (rsw) and Eq. 4 (euclidean_softmax): the spec's unit-test ideas (§7, UT1–UT6).
+"""Realigned Softmax Warping (rsw) and Eq. 4 (euclidean_softmax): properties of the paper's Eqs. 4, 7 and 8
+(numbered UT1–UT6 below).
 
 Oracles are written from the paper's equations here, independently of dml_core.losses.rsw:
 Eq. 4 via torch.cdist (exact, non-mm mode) and explicit log(1 + Σ exp(...)).
@@ -201,7 +202,7 @@ def test_warped_loss_is_at_least_eq4_for_delta_mult_at_least_one():
 
 
 # ---------------------------------------------------------------------------------------------
-# UT6: Euclidean invariances, no hidden normalisation, and the proxy gradients of §1.7
+# UT6: Euclidean invariances, no hidden normalisation, and the proxy gradients (Eq. 8 with Δ held fixed)
 # ---------------------------------------------------------------------------------------------
 def test_rigid_motion_invariance_and_no_normalisation():
     e, p, y = _random_batch(seed=4)
@@ -227,7 +228,7 @@ def test_rigid_motion_invariance_and_no_normalisation():
 
 @pytest.mark.parametrize("own_distance,kappa", [(1.0, 0.3), (20.0, 1.8)])
 def test_proxy_gradients_pull_own_proxy_by_kappa_and_push_the_others(own_distance, kappa):
-    """§1.7: ∇_{p_y} L = −s κ (1 − q_y) u_y and ∇_{p_j} L = s q_j u_j, u_j = (e − p_j)/t_j."""
+    """Eq. 8 differentiated with Δ fixed: ∇_{p_y} L = −s κ (1 − q_y) u_y, ∇_{p_j} L = s q_j u_j, u_j = (e − p_j)/t_j."""
     s, alpha = 0.5, 10.0
     loss = _rsw(num_classes=4, embedding_dim=3, k1=0.3, k2=1.8, alpha=alpha, scale=s, delta_mult=1.0)
     e = torch.tensor([[0.0, 0.0, 0.0]], dtype=F64)
@@ -343,8 +344,8 @@ def test_metadata_and_proxy_initialisation():
         assert info.learnable and info.own_optimizer
         assert info.model == ModelRecipe(pooling="avg+max", layer_norm=True)
         assert (info.batch.classes_per_batch, info.batch.m) == (8, 8)
-        assert info.loss_weight_decay == 1e-7  # official code, spec §2.2
+        assert info.loss_weight_decay == 1e-7  # official code (docs/losses/rsw.md §Official code settings)
     torch.manual_seed(0)
     loss = build_loss("rsw", num_classes=400, embedding_dim=256)
     assert [n for n, _ in loss.named_parameters()] == ["proxies"]
-    assert loss.proxies.std().item() == pytest.approx(math.sqrt(2 / 400), rel=0.02)  # N(0, 2/C), spec §1.9.12
+    assert loss.proxies.std().item() == pytest.approx(math.sqrt(2 / 400), rel=0.02)  # N(0, 2/C), the official code's init

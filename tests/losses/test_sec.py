@@ -1,7 +1,7 @@
 """Spherical Embedding Constraint (SEC) / L2-reg wrappers and the SEC paper's base losses.
 
-Property tests follow the spec's "Unit-test ideas" (loss_spherical_embedding_constraint.md §9) and
-claims C1–C13 (§7); equation numbers are the paper's (Zhang et al., NeurIPS 2020).
+Property tests of the paper's equations and statements; equation, proposition and appendix numbers are the paper's
+(Zhang et al., NeurIPS 2020; docs/losses/sec.md).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _cos(deg):
 
 
 # ---------------------------------------------------------------------------------------------
-# §9.1  SEC is the batch variance of the norms (C1, C2)
+# SEC is the batch variance of the norms (Eq. 17)
 # ---------------------------------------------------------------------------------------------
 def test_sec_zero_at_equal_norms_and_equals_norm_variance():
     f, _ = _batch(classes=10, per_class=12, dim=32)  # B = 120 as in the paper
@@ -57,7 +57,7 @@ def test_sec_zero_at_equal_norms_and_equals_norm_variance():
     assert spherical_embedding_constraint(f).item() > 0.1
     same_norm = 2.7 * F.normalize(f, dim=1)
     assert spherical_embedding_constraint(same_norm).item() == pytest.approx(0.0, abs=1e-12)
-    # SEC attached after normalisation does nothing (the failure mode of spec §1.9)
+    # SEC attached after normalisation does nothing (docs/losses/sec.md §Ambiguities resolved, "Where SEC attaches")
     assert spherical_embedding_constraint(F.normalize(f, dim=1)).item() == pytest.approx(0.0, abs=1e-12)
 
 
@@ -72,7 +72,7 @@ def test_sec_scales_quadratically_and_is_permutation_and_rotation_invariant():
 
 
 # ---------------------------------------------------------------------------------------------
-# §9.2  gradient = Eq. 18, radial, gradcheck
+# gradient = Eq. 18, radial, gradcheck
 # ---------------------------------------------------------------------------------------------
 def test_sec_gradient_matches_eq18_with_and_without_detached_mu():
     f, _ = _batch(dim=8)
@@ -86,7 +86,7 @@ def test_sec_gradient_matches_eq18_with_and_without_detached_mu():
         eq18 = (2.0 / len(f)) * (n - n.mean())[:, None] * f / n[:, None]
     torch.testing.assert_close(g_detached, eq18, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g_graph, eq18, rtol=1e-10, atol=1e-12)
-    # C4: the gradient is radial, (I − f̂ f̂ᵀ) g = 0 for every row
+    # Eq. 18: the gradient is radial, (I − f̂ f̂ᵀ) g = 0 for every row
     f_hat = F.normalize(f.detach(), dim=1)
     tangential = g_detached - (g_detached * f_hat).sum(1, keepdim=True) * f_hat
     assert tangential.abs().max().item() < 1e-12
@@ -102,7 +102,7 @@ def test_sec_wrapper_gradcheck():
 
 
 # ---------------------------------------------------------------------------------------------
-# §9.3  one SGD step on SEC alone contracts norms radially (C5); EMA variant (C12)
+# one SGD step on SEC alone contracts norms radially (Eq. 18); EMA variant (App. D, Eq. 31)
 # ---------------------------------------------------------------------------------------------
 def test_sgd_step_on_sec_pulls_norms_to_the_mean_without_turning():
     f, _ = _batch(dim=8)
@@ -167,7 +167,7 @@ def test_sec_ema_update_order_detached_gradient_buffer_and_eval_mode():
 
 
 # ---------------------------------------------------------------------------------------------
-# §9.5  L2-reg = SEC with μ = 0 (C6); the wrapper adds η·term on the raw embeddings
+# L2-reg = SEC with μ = 0 (Eq. 30); the wrapper adds η·term on the raw embeddings
 # ---------------------------------------------------------------------------------------------
 def test_l2_reg_is_sec_with_mu_zero_and_has_gradient_two_f_over_n():
     f, _ = _batch(dim=8)
@@ -226,7 +226,7 @@ def test_sec_in_half_precision_is_computed_in_fp32():
 
 
 # ---------------------------------------------------------------------------------------------
-# §9.4  the angular base losses: gradient ⟂ f_i (Prop. 1, Eq. 5) and ∝ 1/||f_i|| (Eq. 1/4)
+# the angular base losses: gradient ⟂ f_i (Prop. 1, Eq. 5) and ∝ 1/||f_i|| (Eq. 1/4)
 # ---------------------------------------------------------------------------------------------
 SEC_BASES = {
     "triplet (T)": lambda: Triplet(**KW, margin=1.0, squared=True, reduction="all"),
@@ -257,7 +257,7 @@ def test_angular_base_loss_gradient_is_orthogonal_and_scales_inversely_with_norm
 
 
 def test_distance_identities_kappa_and_eq1():
-    # C11 and C9/Eq. 1: ||f̂_i − f̂_j||² = 2 − 2 cos; ∂cos/∂f_i = (f̂_j − cos f̂_i)/||f_i||; κ = 2 for the distance
+    # Eqs. 1 and 4: ||f̂_i − f̂_j||² = 2 − 2 cos; ∂cos/∂f_i = (f̂_j − cos f̂_i)/||f_i||; κ = 2 for the distance
     f = torch.tensor([[3.0, 1.0, -2.0], [0.5, -1.0, 2.0]], dtype=torch.float64, requires_grad=True)
     fh = F.normalize(f, dim=1)
     cos = (fh[0] * fh[1]).sum()
@@ -272,7 +272,7 @@ def test_distance_identities_kappa_and_eq1():
 
 
 # ---------------------------------------------------------------------------------------------
-# §9.6  base losses against hand-computed values (C13 reductions)
+# base losses against hand-computed values (reductions of docs/losses/sec.md §Base losses)
 # ---------------------------------------------------------------------------------------------
 # Four 2-D embeddings at 0°, 60°, 100°, 210° (labels 0, 0, 1, 1) with unequal raw norms.
 ANGLES = [0.0, 60.0, 100.0, 210.0]
@@ -283,7 +283,7 @@ LABELS4 = torch.tensor([0, 0, 1, 1])
 def test_vanilla_triplet_sec_reading_hand_computed():
     # D = ||f̂_a − f̂_b||² = 2 − 2cos.  With m = 1 the active triplets (a, p, n) are
     # (1,0,2): 2cos40 − 2cos60 + 1,  (2,3,0): 2cos100 − 2cos110 + 1,  (2,3,1): 2cos40 − 2cos110 + 1;
-    # the other 5 of the B(K−1)(B−K) = 8 triplets are ≤ 0.  SEC code: mean over all 8 (Eq. 2, spec §2.2).
+    # the other 5 of the B(K−1)(B−K) = 8 triplets are ≤ 0.  SEC code: mean over all 8 (Eq. 2, docs/losses/sec.md §Base losses).
     active = [
         2 * _cos(40) - 2 * _cos(60) + 1,
         2 * _cos(100) - 2 * _cos(110) + 1,
@@ -298,7 +298,7 @@ def test_vanilla_triplet_sec_reading_hand_computed():
 
 
 def _semihard_reference(f, labels, margin):
-    """Brute-force TF triplet_semihard_loss on squared normalised distances (spec §2.3)."""
+    """Brute-force TF triplet_semihard_loss on squared normalised distances (docs/losses/sec.md §Base losses)."""
     fh = F.normalize(f, dim=1)
     D = 2 - 2 * fh @ fh.T
     total, count = 0.0, 0
@@ -373,7 +373,7 @@ def test_npair_uses_first_two_samples_per_class_and_skips_singletons():
 
 
 def _ms_official_reference(f, labels, alpha, beta, lam, eps):
-    """The multi-similarity loss + mining loop of the official MS code, as described in SEC spec §2.5
+    """The multi-similarity loss + mining loop of the official MS code (docs/losses/sec.md §Base losses)
     (self excluded by index; anchors with an empty mined set skipped; sum / B)."""
     S = F.normalize(f, dim=1) @ F.normalize(f, dim=1).T
     total = 0.0
