@@ -4,10 +4,10 @@
   int64 label.  `ShardedTable` (dml_core.shards) has the same surface over parquet shards without holding bytes.
 * `ImageDataset(table, transform)` — decodes (always to RGB: Omniglot is 1-bit PNG) and transforms in the
   DataLoader worker; `.labels` for the m-per-class batch sampler.
-* Readers: `read_image_folder` (torchvision ImageFolder order), `read_parquet_manifest` (prepared shards, local or
+* Readers (image folders and CSV listings: :mod:`dml_core.datasets`): `read_parquet_manifest` (prepared shards, local or
   S3), `read_omniglot` (the `images_background_small*.zip` files).
 * `synthetic(...)` — compositional toy classes with several modes each, for smoke tests and the demo.
-* `train_transform` / `eval_transform` — MLRC protocol spec §3 ("train transform", "eval transform"), PIL + torch
+* `train_transform` / `eval_transform` — the reality check's transforms (docs/protocol.md §Preprocessing), PIL + torch
   only: bit-identical to torchvision v2's, without importing it; `preprocessing=` normalises for a trunk's weights
   (BN-Inception: BGR, 0–255, mean-subtracted; `dml_core.trunks.Preprocessing`, docs/trunks.md).
 * `check_classes_fill_folds` — fail before training when the classes cannot fill 4 folds of m-per-class batches.
@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dml_core.protocol import IMAGENET_MEAN, IMAGENET_STD
+
 __all__ = [
     "ImageTable",
     "ImageDataset",
     "decode_image",
-    "read_image_folder",
     "read_parquet_manifest",
     "read_omniglot",
     "synthetic",
@@ -41,8 +42,6 @@ __all__ = [
     "IMAGE_EXTENSIONS",
 ]
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -242,7 +241,7 @@ def _describe_normalise(pre) -> str:
 
 
 class TrainTransform:
-    """MLRC training augmentation (protocol spec §3 "train transform"): RandomResizedCrop(size, scale=(0.16, 1),
+    """MLRC training augmentation (docs/protocol.md §Preprocessing): RandomResizedCrop(size, scale=(0.16, 1),
     ratio=(3/4, 4/3)) with bilinear resampling, RandomHorizontalFlip(0.5), ToTensor, ImageNet Normalize;
     grayscale becomes 3 channels.
 
@@ -306,7 +305,7 @@ class TrainTransform:
 
 
 class EvalTransform:
-    """MLRC evaluation (protocol spec §3 "eval transform"): Resize(round(size·256/227)) of the short side, bilinear
+    """MLRC evaluation (docs/protocol.md §Preprocessing): Resize(round(size·256/227)) of the short side, bilinear
     — i.e. Resize(256) at the paper's 227 — then CenterCrop(size), ToTensor, ImageNet Normalize; grayscale becomes
     3 channels.  PIL + torch only, the same pixels as torchvision's ``Resize`` + ``CenterCrop`` on PIL images.
     ``preprocessing`` replaces the ImageNet normalisation by a trunk's, as for :class:`TrainTransform`."""
@@ -347,33 +346,6 @@ def eval_transform(size: int = 227, preprocessing=None) -> EvalTransform:
 
 
 # --------------------------------------------------------------------------------------------- readers
-
-
-def read_image_folder(root: str | os.PathLike) -> ImageTable:
-    """torchvision `ImageFolder` semantics: class = immediate sub-directory of `root`, labels 0..C-1 in sorted
-    directory-name order; images (by extension, case-insensitive) found recursively, sorted; rows are paths."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"image folder root {root} is not a directory")
-    classes = sorted(d.name for d in os.scandir(root) if d.is_dir())
-    if not classes:
-        raise ValueError(f"{root}: no class sub-directories")
-    paths, labels, empty = [], [], []
-    for label, name in enumerate(classes):
-        files = sorted(
-            os.path.join(dirpath, f)
-            for dirpath, _, filenames in os.walk(root / name, followlinks=True)
-            for f in filenames
-            if f.lower().endswith(IMAGE_EXTENSIONS)
-        )
-        if not files:
-            empty.append(name)
-        paths += files
-        labels += [label] * len(files)
-    if empty:
-        raise ValueError(f"{root}: class directories without images: {empty[:20]}")
-    return ImageTable(images=paths, labels=np.array(labels, dtype=np.int64), class_names=classes,
-                      meta={"relpath": np.array([os.path.relpath(p, root) for p in paths])})
 
 
 def read_parquet_manifest(uri, *, endpoint_url: str | None = None, cache_dir=None, cache_row_groups: int = 16,
@@ -509,13 +481,13 @@ def check_classes_fill_folds(labels, n_folds: int = 4, m: int = 4, classes_per_b
                              layout: str = "mlrc") -> None:
     """Raise one ValueError, before any training, when the trainval `labels` cannot fill the protocol's folds.
 
-    Builds the `n_folds` class-disjoint folds of the sorted trainval classes (protocol spec §1.3, via
+    Builds the `n_folds` class-disjoint folds of the sorted trainval classes (docs/protocol.md §Folds, via
     `dml_core.splits.class_disjoint_folds`) and requires, for every fold:
       * >= `classes_per_batch` train classes, so an m-per-class batch of `classes_per_batch` distinct classes × `m`
         images exists (classes with fewer than `m` images are sampled with replacement, as MLRC's PML
         MPerClassSampler does, so they are allowed);
       * >= 2 val classes (one class makes every retrieval metric trivially 1), each with >= 2 images (a class of
-        one has R = 0, so MAP@R / R-Precision are undefined for it, spec §5.5).
+        one has R = 0, so MAP@R / R-Precision are undefined for it, docs/protocol.md §Metrics).
     """
     import warnings
 

@@ -21,7 +21,14 @@ __all__ = [
     "MLRC_BATCH",
     "MLRC_MODEL",
     "MLRC_LOSS_WEIGHT_DECAY",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
 ]
+
+#: The input normalisation of torchvision's ImageNet weights (RGB, values in [0, 1]): the data transforms' default,
+#: and what every trunk without a preprocessing of its own expects (dml_core.trunks.Preprocessing).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass(frozen=True)

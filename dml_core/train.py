@@ -1,6 +1,7 @@
 """Training of one cross-validation fold, in one process or under ``torch.distributed``.
 
-What MLRC does per fold (protocol spec §1.4, §1.5, §3) and how it maps onto :func:`train_fold`:
+What MLRC does per fold (docs/protocol.md §Training a fold, §Schedule, §Optimisers) and how it maps onto
+:func:`train_fold`:
 
 * three RMSprop optimisers — trunk and embedder (lr 1e-6, weight_decay 1e-4, momentum 0.9) and,
   if the loss owns parameters (proxies, class weights, β), a loss optimiser whose lr is the
@@ -94,20 +95,20 @@ class TrainConfig:
     """One fold's training settings.  These field defaults are *the* defaults: the sweep's config schema
     (``pipelines/config.py``) reads them from here, so a direct caller and a sweep train alike.
 
-    Where each default comes from (MLRC = the reality check's code, protocol spec):
+    Where each default comes from (MLRC = the reality check's released code; sections of docs/protocol.md):
 
-    * ``classes_per_batch=8``, ``m=4``: MLRC's batch, ``MPerClassSampler(m=4)``, batch 32 (§3).
-    * ``iters_per_epoch=100``: MLRC's "epoch" is 100 iterations, not a pass over the data (§1.5, §3).
+    * ``classes_per_batch=8``, ``m=4``: MLRC's batch, ``MPerClassSampler(m=4)``, batch 32 (§Batch).
+    * ``iters_per_epoch=100``: MLRC's "epoch" is 100 iterations, not a pass over the data (§Schedule).
     * ``eval_every=2``, ``patience=9``, ``max_epochs=1000``: MLRC's ``config_general/default.yaml``
-      (§1.5): validate every 2 epochs, stop after 5 evaluations without improvement, at most 100k
+      (§Schedule): validate every 2 epochs, stop after 5 evaluations without improvement, at most 100k
       iterations.  The paper used these for CUB and overrode them for the larger datasets
-      (Cars196: 5 / 14, SOP: 20 / 39, §1.5); they are the protocol's general default, so they are ours.
+      (Cars196: 5 / 14, SOP: 20 / 39, §Schedule); they are the protocol's general default, so they are ours.
     * ``trunk_lr=embedder_lr=1e-6``, ``weight_decay=1e-4``, ``momentum=0.9``, ``optimizer="rmsprop"``:
-      MLRC's trunk and embedder optimisers (§3).
+      MLRC's trunk and embedder optimisers (§Optimisers).
     * ``loss_weight_decay=None``: the loss's own (``loss_info(name).loss_weight_decay``, e.g. 0 for
       ProxyNCA++ and Margin's β), found on losses built by ``build_loss``; 1e-4 (MLRC's
-      ``metric_loss_optimizer``, §3) for any other module.
-    * ``loss_lr=1e-4``: the loss optimiser's lr is *searched* in MLRC (log-uniform [1e-6, 1], §3-4), so
+      ``metric_loss_optimizer``, §Optimisers) for any other module.
+    * ``loss_lr=1e-4``: the loss optimiser's lr is *searched* in MLRC (log-uniform [1e-6, 1], §Optimisers), so
       the protocol has no default; direct callers should pass the loss's ``paper_defaults["loss_lr"]``
       from ``tune_spaces/<loss>.yaml`` (every learnable loss has one).
     * ``eval_batch_size=128``, ``num_workers=0``, ``seed=0``, ``device="cpu"``, no AMP: ours.
@@ -214,7 +215,7 @@ def _check_dataset(dataset, name: str, what: str) -> None:
         raise ValueError(
             f"{name} is an image table ({type(dataset).__name__}: rows of encoded images), not a dataset of "
             "tensors: pass "
-            f"dml_core.data.ImageDataset(table, {what}(image_size)) (the protocol's {what}, spec §3)"
+            f"dml_core.data.ImageDataset(table, {what}(image_size)) (the protocol's {what}, docs/protocol.md §Preprocessing)"
         )
     if not hasattr(type(dataset), "__getitem__") or not hasattr(type(dataset), "__len__"):
         raise ValueError(
@@ -275,14 +276,15 @@ def loss_weight_decay_for(loss: nn.Module, config: TrainConfig) -> float:
         # Not a module-level import: importing the registry imports the whole loss zoo (pytorch-metric-learning;
         # seconds), which a caller training its own loss module never needs.  There is no import cycle
         # (the shared constants live in dml_core.protocol).
-        from dml_core.losses.registry import registered_info
+        from dml_core.losses import registered_info
 
         return float(registered_info(loss).loss_weight_decay)
     return MLRC_LOSS_WEIGHT_DECAY  # a plain module: no need to import the loss zoo (seconds) to learn that
 
 
 def _optimizer(model: nn.Module, loss: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """MLRC's three optimisers — trunk, embedder (= every other model parameter), loss (protocol spec §3) — as
+    """MLRC's three optimisers — trunk, embedder (= every other model parameter), loss
+    (docs/protocol.md §Optimisers) — as
     the parameter groups (``group["name"]``) of one optimiser: the same per-parameter update, one call per step."""
     trunk = getattr(model, "trunk", None)
     if not isinstance(trunk, nn.Module):
@@ -427,7 +429,8 @@ def embed_images(
     ``images`` is one of: an ``(N, C, H, W)`` tensor or a list of ``(C, H, W)`` tensors (already preprocessed;
     used as they are unless ``transform`` is given); a list of encoded images (bytes, paths, uint8 arrays, PIL
     images), decoded to RGB and passed through ``transform`` — by default the protocol's
-    ``eval_transform(image_size)`` (Resize + CenterCrop + ImageNet normalisation, spec §3), so ``image_size`` is
+    ``eval_transform(image_size)`` (Resize + CenterCrop + ImageNet normalisation,
+    docs/protocol.md §Preprocessing), so ``image_size`` is
     required then; an ``ImageTable``/``ShardedTable`` (its labels are ignored), treated as its list of images; a
     map-style dataset yielding image tensors or ``(image, anything)`` pairs.  Raw model outputs, as
     :func:`embed`; eval mode, restored afterwards; on the model's device, as :func:`embed`.
@@ -475,6 +478,10 @@ class _TableImages:
         return self.table.images[i]
 
 
+class NonFiniteEmbeddings(ValueError):
+    """The model's validation embeddings hold NaN or inf: the fold ends ``diverged`` (its metrics would be chance)."""
+
+
 def _evaluate(model: nn.Module, val_set, config: TrainConfig, device: torch.device) -> dict[str, float]:
     """Val metrics (val compared to itself), computed on rank 0 and broadcast to every rank."""
     broadcast_buffers_(model)  # BN running stats may differ per rank if BN is not frozen
@@ -483,13 +490,20 @@ def _evaluate(model: nn.Module, val_set, config: TrainConfig, device: torch.devi
     labels = _labels_of(val_set, "val_set")
     outcome: tuple[str, Any] = ("ok", None)
     if get_rank() == 0:
-        try:
-            from dml_core.metrics import retrieval_metrics
+        bad = int((~torch.isfinite(emb)).any(dim=1).sum())
+        if bad:
+            # NaN/inf features (an overflowing pooling, a broken trunk) rank at random: every metric at chance level
+            outcome = ("nonfinite", f"non-finite validation embeddings ({bad} of {len(emb)} rows)")
+        else:
+            try:
+                from dml_core.metrics import retrieval_metrics  # faiss loads with the first evaluation only
 
-            outcome = ("ok", {k: float(v) for k, v in retrieval_metrics(emb, labels).items()})
-        except Exception as e:  # re-raised on every rank below, so no rank waits forever
-            outcome = ("error", f"{type(e).__name__}: {e}")
+                outcome = ("ok", {k: float(v) for k, v in retrieval_metrics(emb, labels).items()})
+            except Exception as e:  # re-raised on every rank below, so no rank waits forever
+                outcome = ("error", f"{type(e).__name__}: {e}")
     status, payload = broadcast_object(outcome)
+    if status == "nonfinite":
+        raise NonFiniteEmbeddings(payload)
     if status == "error":
         raise RuntimeError(f"validation metrics failed: {payload}")
     if config.primary_metric not in payload:
@@ -716,7 +730,10 @@ def train_fold(
             # killed after the evaluation that stopped the fold, before it returned
             return result("ok", f"early stop at epoch {start_epoch}: best epoch {best['epoch']}", start_epoch, True)
     elif not fixed_budget:
-        evaluate(0)  # untrained model (MLRC check_untrained_accuracy)
+        try:
+            evaluate(0)  # untrained model (the reality check's check_untrained_accuracy)
+        except NonFiniteEmbeddings as e:
+            return result("diverged", f"{e} at epoch 0 (the untrained model)", 0)
     for epoch in range(start_epoch + 1, config.max_epochs + 1):
         sampler.set_epoch(epoch)
         # The per-iteration work is what a bare loop does plus the divergence check; everything that does not
@@ -730,18 +747,19 @@ def train_fold(
                     emb = net(images)
             else:
                 emb = net(images)
+            # Finite loss AND finite embeddings: a loss may turn NaN features into a finite value (a masked or
+            # clamped term), which would hide a broken model from this check.
             if distributed:
                 value = loss(all_gather_with_grad(emb.float()), all_gather_no_grad(labels))
                 # Every rank computes the same global loss; the AND over ranks only guards against a rank-local
                 # difference ending training on some ranks alone.
-                finite = all_ranks_true(torch.isfinite(value))
+                finite = all_ranks_true(torch.isfinite(value) & torch.isfinite(emb).all())
             else:
                 value = loss(emb.float(), labels)
-                finite = bool(torch.isfinite(value))  # the one per-iteration host sync (a no-op wait on CPU)
+                finite = bool(torch.isfinite(value) & torch.isfinite(emb).all())  # the one per-iteration host sync
             if not finite:
-                return result(
-                    "diverged", f"non-finite loss {value.item()} at iteration {iteration} (epoch {epoch})", epoch
-                )
+                what = f"loss {value.item()}" if not torch.isfinite(value) else "embeddings (NaN/inf features)"
+                return result("diverged", f"non-finite {what} at iteration {iteration} (epoch {epoch})", epoch)
             optimizer.zero_grad(set_to_none=True)
             if scaler is None:
                 value.backward()
@@ -762,7 +780,10 @@ def train_fold(
             if fixed_budget:
                 log_train_loss(epoch)
                 continue
-            evaluate(epoch)
+            try:
+                evaluate(epoch)
+            except NonFiniteEmbeddings as e:
+                return result("diverged", f"{e} at epoch {epoch}", epoch)
             if config.patience is not None and epoch - best["epoch"] > config.patience:
                 return result("ok", f"early stop at epoch {epoch}: best epoch {best['epoch']}", epoch, True)
     if fixed_budget:

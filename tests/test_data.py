@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from dml_core.datasets import read_image_folder
 from dml_core.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -20,7 +21,6 @@ from dml_core.data import (
     check_classes_fill_folds,
     decode_image,
     eval_transform,
-    read_image_folder,
     read_omniglot,
     synthetic,
     train_transform,

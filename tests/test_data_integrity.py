@@ -407,6 +407,19 @@ def test_a_zip_member_with_a_bad_crc_names_the_zip_and_member(tmp_path):
         prepare("omniglot", tmp_path, tmp_path / "out", progress=False)
 
 
+def test_an_encrypted_zip_member_is_one_data_error(tmp_path, capsys):
+    """zipfile raises RuntimeError ("password required") for an encrypted member: one line naming it, no traceback.
+    Python cannot write encrypted zips: the member's "encrypted" flag bit is set in both headers instead."""
+    z = _zip(tmp_path / "images_background_small1.zip", {"root/Greek/char01/x_01.png": png(1)})
+    raw = bytearray(z.read_bytes())
+    for signature, flag_at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # local header, central directory entry
+        i = raw.index(signature)
+        raw[i + flag_at] |= 0x01
+    z.write_bytes(bytes(raw))
+    line = _data_cli(capsys, "prepare", "omniglot", "--src", tmp_path, "--dest", tmp_path / "out")
+    assert f"{z}: root/Greek/char01/x_01.png: encrypted in the zip" in line, line
+
+
 @pytest.mark.skipif(not OMNIGLOT.is_dir(), reason=f"Omniglot zips not found at {OMNIGLOT} (shared data absent)")
 def test_a_truncated_copy_of_the_real_omniglot_zip_names_the_file(tmp_path):
     src = OMNIGLOT / "images_background_small1.zip"

@@ -1,4 +1,4 @@
-"""dml_core used directly, as a researcher would (issue 11.4): fixed-budget training without a validation set,
+"""dml_core used directly, as a researcher would: fixed-budget training without a validation set,
 the same training as the sweep (defaults, the loss's own weight decay), embedding unlabelled images, and a clear
 up-front error for a table passed where a dataset belongs."""
 
@@ -14,7 +14,7 @@ import torch
 import dml_core.train as train_mod
 from dml_core.data import ImageDataset, eval_transform, synthetic
 from dml_core.losses import build_loss, loss_info
-from dml_core.losses.registry import registered_info
+from dml_core.losses import registered_info
 from dml_core.models import EmbeddingModel
 from dml_core.train import TrainConfig, embed, embed_images, train_fold
 
@@ -108,7 +108,7 @@ def test_build_loss_records_its_registry_name():
 def test_a_plain_module_gets_mlrcs_loss_weight_decay():
     cfg = TrainConfig()
     assert cfg.loss_weight_decay is None
-    assert train_mod.loss_weight_decay_for(torch.nn.Linear(2, 2), cfg) == 1e-4  # protocol spec §3
+    assert train_mod.loss_weight_decay_for(torch.nn.Linear(2, 2), cfg) == 1e-4  # docs/protocol.md §Optimisers
 
 
 def test_sweep_protocol_defaults_are_the_library_defaults():

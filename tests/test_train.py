@@ -170,6 +170,49 @@ def test_untrained_model_can_stay_best_and_patience_triggers():
     assert all(r["metrics"] == res.history[0]["metrics"] for r in res.history)
 
 
+class NaNEmbeddings(nn.Module):
+    """Wraps a model: from forward call ``k`` (1-based) on, the embeddings of training batches are NaN (in eval mode
+    too with ``also_eval``)."""
+
+    def __init__(self, base: nn.Module, k: int, also_eval: bool = False):
+        super().__init__()
+        self.base, self.k, self.calls, self.also_eval = base, k, 0, also_eval
+        self.trunk, self.embedder = base.trunk, base.embedder
+
+    def forward(self, images):
+        out = self.base(images)
+        if self.training:
+            self.calls += 1
+        if (self.training and self.calls >= self.k) or (self.also_eval and not self.training):
+            out = out * float("nan")
+        return out
+
+
+class MaskedLoss(nn.Module):
+    """PairLoss over the finite rows only: NaN embeddings give a finite loss (the case the loop must still catch)."""
+
+    def forward(self, emb, labels):
+        keep = torch.isfinite(emb).all(dim=1)
+        if keep.sum() < 2:
+            return emb.new_zeros(()) + 0.0 * torch.nan_to_num(emb).sum()
+        return PairLoss()(emb[keep], labels[keep])
+
+
+def test_non_finite_embeddings_end_the_fold_diverged_even_when_the_loss_stays_finite():
+    train, val = make_data()
+    res = train_fold(NaNEmbeddings(make_model(), 3), MaskedLoss(), train, val, config(iters_per_epoch=2, max_epochs=5))
+    assert res.status == "diverged" and "non-finite embeddings" in res.reason and "iteration 3" in res.reason
+    assert res.iterations == 3
+
+
+def test_non_finite_validation_embeddings_end_the_fold_diverged_not_at_chance_level():
+    """An overflowing pooling makes every embedding NaN: reported as such, not as a run whose metrics are chance."""
+    train, val = make_data()
+    res = train_fold(NaNEmbeddings(make_model(), 10**9, also_eval=True), PairLoss(), train, val, config())
+    assert res.status == "diverged" and "non-finite validation embeddings" in res.reason, res.reason
+    assert res.history == [] and res.iterations == 0
+
+
 @pytest.mark.parametrize("k,evals,best_after", [(1, [0], 0), (3, [0, 1], None), (5, [0, 1, 2], None)])
 def test_non_finite_loss_returns_diverged_without_raising(k, evals, best_after):
     train, val = make_data()
@@ -218,7 +261,7 @@ def test_optimiser_groups_trunk_embedder_loss():
     assert isinstance(opt, torch.optim.RMSprop)
     assert [g["name"] for g in opt.param_groups] == ["trunk", "embedder", "loss"]
     trunk, emb, loss = opt.param_groups
-    assert (trunk["lr"], trunk["weight_decay"], trunk["momentum"]) == (1e-6, 1e-4, 0.9)  # protocol §3
+    assert (trunk["lr"], trunk["weight_decay"], trunk["momentum"]) == (1e-6, 1e-4, 0.9)  # docs/protocol.md §Optimisers
     assert (emb["lr"], emb["weight_decay"], emb["momentum"]) == (1e-6, 1e-4, 0.9)
     assert (loss["lr"], loss["weight_decay"], loss["momentum"]) == (0.25, 0.0, 0.9)
     assert {id(p) for p in trunk["params"]} == {id(p) for p in model.trunk.parameters()}

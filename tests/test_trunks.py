@@ -4,6 +4,7 @@ bad trunk name or plugin gives."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from dml_core.models import TRUNKS, EmbeddingModel, build_model
+from dml_core.plugins import PluginDistribution
 from dml_core.trunks import (BNINCEPTION_PREPROCESSING, ENTRY_POINT_GROUP, IMAGENET_PREPROCESSING, BNInception,
                              Preprocessing, check_trunk, list_trunks, resolve_trunk, trunk_preprocessing)
 
@@ -515,6 +517,22 @@ def test_entry_point_whose_module_fails_names_the_distribution(site, monkeypatch
     sys.modules.pop("dmlrc_ep_broken", None)
 
 
+def test_spec_names_the_distribution_a_registered_model_must_require(site, plugin, timm):
+    """Entry points: the distribution declaring them; import paths: the installed distribution whose file list holds
+    the module (none for a module merely on sys.path); timm: the installed timm; built-ins: none (this package)."""
+    _install_dist(site, "dmlrc-trunks-a", "1.2", {"tiny-plugin": "dmlrc_ep_plugin:Trunk"})
+    (site / "dmlrc_trunks_a-1.2.dist-info" / "RECORD").write_text("dmlrc_ep_plugin.py,,\n")  # its module file
+    spec = resolve_trunk("tiny-plugin")
+    assert spec.distribution == PluginDistribution("dmlrc-trunks-a", "1.2")
+    assert spec.distribution.requirement == "dmlrc-trunks-a==1.2"
+    assert resolve_trunk("dmlrc_ep_plugin:Trunk").distribution == PluginDistribution("dmlrc-trunks-a", "1.2")
+    assert resolve_trunk(f"{plugin}:Trunk").distribution is None  # on sys.path, in no installed distribution
+    timm_spec = resolve_trunk("timm:test_resnet")
+    assert timm_spec.distribution == PluginDistribution("timm", importlib.metadata.version("timm"))
+    assert timm_spec.distribution.version == timm.__version__
+    assert resolve_trunk("tiny").distribution is None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Preprocessing
 
@@ -595,3 +613,13 @@ def test_resolving_and_building_bninception_loads_neither_timm_nor_torchvision()
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_shared_plugin_machinery_imports_neither_losses_nor_trunks():
+    """dml_core.plugins serves both plugin kinds, so it imports nothing of dml_core (no import cycle)."""
+    import ast
+
+    tree = ast.parse((ROOT / "dml_core" / "plugins.py").read_text(encoding="utf-8"))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.split(".")[0] == "dml_core"}, imported

@@ -64,6 +64,9 @@ def iter_zips(zip_dir: str | os.PathLike):
                     data = zf.read(name)
                 except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError) as e:
                     raise LayoutError(f"{zpath}: {name}: cannot be read from the zip ({e})") from None
+                except RuntimeError as e:  # zipfile's "File ... is encrypted, password required for extraction"
+                    raise LayoutError(f"{zpath}: {name}: encrypted in the zip (the Omniglot zips are not): "
+                                      f"{' '.join(str(e).split())}") from None
                 digest = hashlib.sha256(data).hexdigest()
                 if rel in seen:
                     if seen[rel][1] != digest:

@@ -1,8 +1,10 @@
-"""The loss zoo.  Import side effect: every module below registers its losses.
+"""The loss zoo and how names become losses.
 
 Use :func:`build_loss` / :func:`list_losses` / :func:`loss_info`; see ``docs/losses.md``.  Losses from outside
 this package (an import path ``"module:attribute"`` or an entry point in the group ``dml_reality_check.losses``)
 resolve through the same functions; :func:`loss_metadata` declares their metadata (``docs/plugins.md``).
+:mod:`dml_core.losses.registry` holds the tables and decorators; :mod:`dml_core.losses.resolve` loads the built-in zoo
+and resolves names.
 """
 
 from dml_core.losses.registry import (  # noqa: F401
@@ -17,26 +19,18 @@ from dml_core.losses.registry import (  # noqa: F401
     LossPluginError,
     ModelRecipe,
     PluginDistribution,
+    loss_metadata,
+    register,
+    register_wrapper,
+)
+from dml_core.losses.resolve import (  # noqa: F401
     build_loss,
     check_plugin_losses,
     list_losses,
     list_plugin_losses,
     list_wrappers,
     loss_info,
-    loss_metadata,
     plugin_space,
-    register,
-    register_wrapper,
     registered_info,
     resolve_loss,
-)
-
-# Loss modules: importing each registers its losses.  Keep this list in sync with docs/losses.md.
-from dml_core.losses import (  # noqa: E402, F401
-    baselines,  # reality-check baselines wrapping pytorch-metric-learning
-    group_loss,
-    multi_proxy_anchor,
-    proxynca,
-    rsw,
-    sec,
 )

@@ -24,6 +24,8 @@ Hyperparameter names are PML's / MLRC's (which are the papers' symbols): ``margi
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
@@ -107,6 +109,11 @@ class Contrastive(PMLLoss):
         num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
         pos_margin = number(self.name, "pos_margin", pos_margin)
         neg_margin = number(self.name, "neg_margin", neg_margin)
+        if neg_margin <= 0:
+            # d_ij >= 0, so [neg_margin - d_ij]_+ is always 0: the loss never pushes negatives apart (legal, but
+            # almost certainly not meant: a search space reaching below 0 is the usual cause)
+            warnings.warn(f"contrastive: neg_margin={neg_margin:g} <= 0 on a distance: the negative term can never "
+                          "act, only positives are pulled together", UserWarning, stacklevel=3)
         loss = pml_losses.ContrastiveLoss(pos_margin=pos_margin, neg_margin=neg_margin)
         super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
 
@@ -131,7 +138,7 @@ class Triplet(PMLLoss):
     * ``squared=False`` (default, MLRC = PML ``TripletMarginLoss`` defaults): d = ||f̂_a − f̂_b||_2.
       ``squared=True`` (SEC paper Eq. 2 and its code): d = ||f̂_a − f̂_b||²_2 = 2 − 2 cos θ_ab.
     * ``reduction="nonzero"`` (default, MLRC/PML ``AvgNonZeroReducer``): mean over the triplets
-      with ℓ > 0.  ``reduction="all"`` (SEC code, spec §2.2 / C13): mean over all
+      with ℓ > 0.  ``reduction="all"`` (SEC code, docs/losses/sec.md §Base losses): mean over all
       B(K−1)(B−K) triplets, zero-loss triplets included (PML ``MeanReducer``).
     * Triplets: all valid ones (PML ``triplets_per_anchor="all"``, no miner) in both readings.
 
@@ -198,7 +205,8 @@ class NTXent(PMLLoss):
     model=MLRC_MODEL,
     description="Margin loss with a learnable boundary beta (one, or one per class: MLRC 'Margin / class') "
     "(PML MarginLoss, learn_beta=True).",
-    # MLRC trained beta without weight decay (its plot files are named *_no_weight_decay; protocol spec §3).
+    # MLRC trained beta without weight decay (its plot files are named *_no_weight_decay; docs/protocol.md
+    # §Optimisers).
     loss_weight_decay=0.0,
 )
 class Margin(PMLLoss):
@@ -254,7 +262,7 @@ class Margin(PMLLoss):
 class MultiSimilarity(PMLLoss):
     """Multi-similarity loss (PML ``MultiSimilarityLoss``), optionally with the MS miner.
 
-    With S_ij = cos θ_ij, for each anchor i (SEC spec §2.5; λ = ``base``):
+    With S_ij = cos θ_ij, for each anchor i (docs/losses/sec.md §Base losses; λ = ``base``):
     L_i = (1/α) log(1 + Σ_{p ∈ P_i} e^{−α(S_ip − λ)}) + (1/β) log(1 + Σ_{n ∈ N_i} e^{β(S_in − λ)}),
     L = Σ_i L_i / B (PML ``MeanReducer`` over all B anchors; anchors without pairs give 0).
 

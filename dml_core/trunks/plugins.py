@@ -10,66 +10,41 @@ Every way this can go wrong is a ``ValueError`` with one message naming the trun
 module: the module does not import (the plugin's exception type, message and the file:line it came from), no such
 attribute, not callable, required arguments, the call raises, a result that is not an ``nn.Module``, no usable
 feature dimension, a bad ``preprocessing``, an entry-point name exported by two distributions or clashing with a
-built-in trunk.
+built-in trunk.  Importing, entry points and distributions go through :mod:`dml_core.plugins` (shared with the
+plugin losses); the wording of the messages is this module's.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import re
-import traceback
 from pathlib import Path
 
 from torch import nn
 
+from dml_core.plugins import (IMPORT_PATH, PluginAttributeError, PluginImportError, distinct_entry_points,
+                              distribution_of_entry_point, entry_points, one_line, raised_at)
+from dml_core.plugins import load_object as _load
 from dml_core.trunks.preprocessing import Preprocessing
 
 __all__ = ["ENTRY_POINT_GROUP", "IMPORT_PATH", "load_object", "entry_points_named", "installed_entry_points",
            "call_factory", "feature_dim_of", "declared_preprocessing"]
 
 ENTRY_POINT_GROUP = "dml_reality_check.trunks"
-#: ``package.module:attr`` (the attribute may be dotted: ``module:Class.factory``), as in setuptools entry points.
-IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-_IMPORTLIB_DIR = os.path.dirname(importlib.__file__)
-
-
-def _origin(exc: BaseException) -> str:
-    """`` (raised at file:line)`` for the innermost frame of ``exc`` that is neither this module nor importlib's
-    machinery — the plugin's own code — or ``""``.  A SyntaxError names the offending line itself."""
-    if isinstance(exc, SyntaxError) and exc.filename:
-        return f" (at {exc.filename}:{exc.lineno})"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith("<frozen") and os.path.dirname(f.filename) != _IMPORTLIB_DIR
-              and f.filename != __file__]
-    return f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def load_object(module: str, attr: str, trunk: str, what: str):
     """``module`` imported and ``attr`` (dotted) looked up in it; ``what`` says where the reference came from in
     error messages (``'pkg.mod:build'`` or ``entry point 'x' of distribution 'd 1.0'``)."""
     try:
-        obj = importlib.import_module(module)
-    except Exception as e:  # the plugin's own error, whatever it is
-        raise ValueError(f"trunk {trunk!r}: cannot import module {module!r} ({what}): {_one_line(e)}{_origin(e)}"
-                         ) from None
-    parts = attr.split(".")
-    for i, part in enumerate(parts):
-        owner = module if i == 0 else f"{module}:{'.'.join(parts[:i])}"
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"trunk {trunk!r}: {owner!r} has no attribute {part!r} ({what})") from None
-        except Exception as e:  # a module-level __getattr__ of the plugin failing
-            raise ValueError(f"trunk {trunk!r}: looking up {part!r} in {owner!r} raised {_one_line(e)}{_origin(e)}"
-                             ) from None
+        obj = _load(module, attr, what=f"trunk {trunk!r}")
+    except PluginImportError as e:
+        raise ValueError(f"trunk {trunk!r}: cannot import module {module!r} ({what}): {one_line(e.cause)}"
+                         f"{raised_at(e.cause, labelled=True)}") from None
+    except PluginAttributeError as e:
+        if e.cause is None:
+            raise ValueError(f"trunk {trunk!r}: {e.owner!r} has no attribute {e.part!r} ({what})") from None
+        raise ValueError(f"trunk {trunk!r}: looking up {e.part!r} in {e.owner!r} raised {one_line(e.cause)}"
+                         f"{raised_at(e.cause, labelled=True)}") from None
     if not callable(obj):
         raise ValueError(f"trunk {trunk!r}: {module}:{attr} is a {type(obj).__name__}, not a callable returning the "
                          f"trunk module ({what})")
@@ -79,27 +54,19 @@ def load_object(module: str, attr: str, trunk: str, what: str):
 def installed_entry_points(name: str | None = None) -> list:
     """The entry points of group ``dml_reality_check.trunks`` (those called ``name`` if given); metadata only,
     nothing of the plugins is imported."""
-    from importlib.metadata import entry_points
-
-    return [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if name is None or ep.name == name]
+    return entry_points(ENTRY_POINT_GROUP, name)
 
 
 def distribution_of(ep) -> str:
-    dist = getattr(ep, "dist", None)
-    if dist is None:
-        return "an unknown distribution"
-    return f"{dist.metadata['Name'] or dist.name} {dist.version}"
+    """The distribution declaring ``ep`` as ``"name version"``, for messages."""
+    dist = distribution_of_entry_point(ep)
+    return "an unknown distribution" if dist is None else str(dist)
 
 
 def entry_points_named(name: str, builtin: bool) -> list:
     """The entry points called ``name``, at most one: two distributions exporting it, or one exporting the name of a
     built-in trunk (``builtin``), is a ``ValueError`` naming both sides."""
-    eps, seen = [], set()
-    for ep in installed_entry_points(name):
-        key = (distribution_of(ep), ep.value)
-        if key not in seen:  # the same distribution found twice on sys.path
-            seen.add(key)
-            eps.append(ep)
+    eps = distinct_entry_points(installed_entry_points(name))
     if builtin and eps:
         sides = " and ".join(f"{distribution_of(ep)!r} ({ep.value})" for ep in eps)
         raise ValueError(f"trunk {name!r}: the entry point {name!r} of {sides} (group {ENTRY_POINT_GROUP}) "
@@ -140,7 +107,7 @@ def call_factory(obj, ref: str, trunk: str, pretrained: Path | None) -> tuple[nn
     try:
         module = obj(pretrained=None if pretrained is None else str(pretrained)) if takes_pretrained else obj()
     except Exception as e:
-        raise ValueError(f"trunk {trunk!r}: {ref}() raised {_one_line(e)}{_origin(e)}") from None
+        raise ValueError(f"trunk {trunk!r}: {ref}() raised {one_line(e)}{raised_at(e, labelled=True)}") from None
     if not isinstance(module, nn.Module):
         raise ValueError(f"trunk {trunk!r}: {ref}() returned a {type(module).__name__}, not a torch.nn.Module")
     return module, takes_pretrained

@@ -4,8 +4,8 @@
 the protocol transforms (:class:`dml_core.data.TrainTransform` / :class:`~dml_core.data.EvalTransform`) apply its
 normalisation part (``channel_order``, ``value_scale``, ``mean``, ``std``) when given ``preprocessing=``.  The
 geometry fields (``input_size``, ``interpolation``, ``crop_pct``) describe how the weights were trained and are kept
-for the record; the protocol's own crop size and bilinear resizing stay in force (MLRC protocol spec §3: one set of
-transforms for every trunk), see ``docs/trunks.md``.
+for the record; the protocol's own crop size and bilinear resizing stay in force
+(docs/protocol.md §Preprocessing: one set of transforms for every trunk), see ``docs/trunks.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
-from dml_core.data import IMAGENET_MEAN, IMAGENET_STD
+from dml_core.protocol import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = ["Preprocessing", "IMAGENET_PREPROCESSING", "BNINCEPTION_PREPROCESSING", "CHANNEL_ORDERS", "VALUE_SCALES",
            "INTERPOLATIONS"]
@@ -135,7 +135,7 @@ IMAGENET_PREPROCESSING = Preprocessing()
 
 #: pretrainedmodels' ``bninception`` "imagenet" settings (Caffe-trained weights ported by Y. Xiong): BGR, values in
 #: [0, 255], mean (104, 117, 128) in BGR order, std 1, 224-px crops; its ``utils.TransformImage`` resizes to
-#: 224/0.875 = 256 with bilinear resampling.  MLRC itself crops 227 px (protocol spec §3).
+#: 224/0.875 = 256 with bilinear resampling.  MLRC itself crops 227 px (docs/protocol.md §Preprocessing).
 BNINCEPTION_PREPROCESSING = Preprocessing(mean=(104.0, 117.0, 128.0), std=(1.0, 1.0, 1.0), value_scale=255.0,
                                           channel_order="BGR", input_size=(224, 224), interpolation="bilinear",
                                           crop_pct=0.875)

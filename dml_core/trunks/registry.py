@@ -23,6 +23,8 @@ from functools import cached_property
 
 from torch import nn
 
+from dml_core.plugins import (PluginDistribution, distribution_of_entry_point, distribution_of_module,
+                              installed_distribution)
 from dml_core.trunks import plugins
 from dml_core.trunks.builtin import (BUILTIN_TRUNKS, FEATURE_DIMS, build_builtin, builtin_preprocessing,
                                      head_prefixes)
@@ -46,7 +48,10 @@ class TrunkSpec:
     (``built-in``, ``timm 1.0.x``, ``import path``, ``entry point of <distribution> <version>``).
     ``build(pretrained=None) -> (module, feature_dim)``: a fresh trunk mapping (B, 3, H, W) to (B, feature_dim, H',
     W'), with the weights of ``pretrained`` (a local path or ``s3://`` URI) loaded.  ``preprocessing``: the input
-    convention of its pretrained weights (:class:`Preprocessing`).
+    convention of its pretrained weights (:class:`Preprocessing`).  ``distribution``: the installed distribution
+    providing the trunk's code, for a registered model to require — the plugin's for an import path or entry point
+    (``None`` for an import path outside any installed distribution), timm's for ``timm:`` trunks, ``None`` for
+    built-ins (part of this package).
     """
 
     name: str
@@ -54,6 +59,7 @@ class TrunkSpec:
     source: str
     _factory: _Factory = field(repr=False)
     _declared: Preprocessing | None = field(default=None, repr=False)
+    distribution: PluginDistribution | None = None
 
     def build(self, pretrained: str | os.PathLike | None = None) -> tuple[nn.Module, int]:
         """The trunk module and its feature dimension; ``pretrained`` is read (downloaded from S3 if needed) here."""
@@ -101,10 +107,12 @@ def _timm_spec(name: str) -> TrunkSpec:
             load_trunk_weights(trunk.model, path, name, ignore_prefixes=timm_head_prefixes(model), shown=shown)
         return trunk, trunk.feature_dim
 
-    return TrunkSpec(name, "timm", f"timm {_timm().__version__}", factory, timm_preprocessing(model))
+    return TrunkSpec(name, "timm", f"timm {_timm().__version__}", factory, timm_preprocessing(model),
+                     installed_distribution("timm"))
 
 
-def _plugin_spec(name: str, kind: str, source: str, module: str, attr: str, what: str) -> TrunkSpec:
+def _plugin_spec(name: str, kind: str, source: str, module: str, attr: str, what: str,
+                 distribution: PluginDistribution | None) -> TrunkSpec:
     obj = plugins.load_object(module, attr, name, what)
     ref = f"{module}:{attr}"
     plugins.check_signature(obj, ref, name)
@@ -117,7 +125,7 @@ def _plugin_spec(name: str, kind: str, source: str, module: str, attr: str, what
             load_trunk_weights(trunk, path, name, shown=shown)
         return trunk, dim
 
-    return TrunkSpec(name, kind, source, factory, declared)
+    return TrunkSpec(name, kind, source, factory, declared, distribution)
 
 
 def _unknown(name: str) -> ValueError:
@@ -147,7 +155,8 @@ def resolve_trunk(name: str) -> TrunkSpec:
             raise ValueError(f"trunk {name!r} is neither 'timm:<model name>' nor an import path "
                              "'package.module:callable'")
         module, attr = name.split(":", 1)
-        return _plugin_spec(name, "import", "import path", module, attr, f"import path {name!r}")
+        return _plugin_spec(name, "import", "import path", module, attr, f"import path {name!r}",
+                            distribution_of_module(module))
     eps = plugins.entry_points_named(name, builtin=False)
     if not eps:
         raise _unknown(name)
@@ -156,7 +165,8 @@ def resolve_trunk(name: str) -> TrunkSpec:
     what = f"entry point {name!r} = {ep.value!r} of {dist!r}"
     if not ep.attr or not plugins.IMPORT_PATH.fullmatch(f"{ep.module}:{ep.attr}"):
         raise ValueError(f"trunk {name!r}: {what} must name 'package.module:callable'")
-    return _plugin_spec(name, "entry_point", f"entry point of {dist}", ep.module, ep.attr, what)
+    return _plugin_spec(name, "entry_point", f"entry point of {dist}", ep.module, ep.attr, what,
+                        distribution_of_entry_point(ep))
 
 
 def check_trunk(name: str) -> TrunkSpec:

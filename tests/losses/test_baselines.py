@@ -296,3 +296,16 @@ def test_cuda_matches_cpu(name):
     assert value.item() == pytest.approx(cpu(f, labels).item(), rel=1e-4, abs=1e-5)
     assert all(p.device.type == "cuda" for p in gpu.parameters())
     assert torch.isfinite(x.grad).all()
+
+
+def test_contrastive_warns_when_its_negative_term_can_never_act():
+    """A distance is >= 0, so [neg_margin - d]_+ with neg_margin <= 0 is always 0: legal, but worth a word."""
+    import warnings
+
+    from dml_core.losses import build_loss
+
+    with pytest.warns(UserWarning, match="neg_margin=-0.1 <= 0 on a distance: the negative term can never act"):
+        build_loss("contrastive", num_classes=4, embedding_dim=8, neg_margin=-0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_loss("contrastive", num_classes=4, embedding_dim=8, neg_margin=0.5)

@@ -1,0 +1,225 @@
+"""What every kind of plugin (losses, trunks) shares: finding entry points, the installed distribution behind a
+plugin, and importing ``module:attribute`` with one-line errors that point at the plugin's own code.
+
+* :func:`entry_points` / :func:`distinct_entry_points` — the entry points of a group (metadata only, nothing of
+  the plugins is imported), and those left once the same distribution seen twice on ``sys.path`` counts once.
+* :class:`PluginDistribution` — an installed distribution, with the pip requirement pinning it;
+  :func:`distribution_of_entry_point`, :func:`distribution_of_module` and :func:`installed_distribution` find it.
+* :data:`IMPORT_PATH` — the ``package.module:attr`` syntax; :func:`load_object` imports and looks one up, raising
+  :class:`PluginImportError` / :class:`PluginAttributeError` (both :class:`PluginError`, a ``ValueError``).
+* :func:`one_line` / :func:`raised_at` — a plugin's exception as ``Type: message`` and the ``file:line`` of the
+  plugin's code that raised it.
+
+The wording of the messages a user sees stays with each kind of plugin (``dml_core.losses.registry``,
+``dml_core.trunks.plugins``): the errors raised here carry what went wrong as attributes for them to word it.
+This module imports nothing of ``dml_core`` (both plugin kinds import it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import re
+import sys
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "IMPORT_PATH",
+    "PluginDistribution",
+    "PluginError",
+    "PluginImportError",
+    "PluginAttributeError",
+    "entry_points",
+    "distinct_entry_points",
+    "distribution_of_entry_point",
+    "distribution_of_module",
+    "installed_distribution",
+    "load_object",
+    "one_line",
+    "raised_at",
+]
+
+#: ``package.module:attr`` (the attribute may be dotted: ``module:Class.factory``), as in setuptools entry points;
+#: each part a Python identifier (letters, digits and ``_``, not starting with a digit; non-ASCII letters included).
+IMPORT_PATH = re.compile(r"(?!\d)\w+(?:\.(?!\d)\w+)*:(?!\d)\w+(?:\.(?!\d)\w+)*")
+
+
+@dataclass(frozen=True)
+class PluginDistribution:
+    """The installed distribution that provides a plugin (what a registered model must require)."""
+
+    name: str
+    version: str
+
+    @property
+    def requirement(self) -> str:
+        """A pip requirement pinning this distribution: ``"name==version"``."""
+        return f"{self.name}=={self.version}"
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.version}"
+
+
+class PluginError(ValueError):
+    """A plugin cannot be used; the message is one line naming the plugin and what is wrong with it."""
+
+
+class PluginImportError(PluginError):
+    """The plugin's module does not import.  ``cause`` is the plugin's own exception; ``missing`` tells that the
+    module itself (or a package above it) is not installed, rather than the module failing while it imports."""
+
+    def __init__(self, message: str, *, module: str, cause: BaseException, missing: bool):
+        super().__init__(message)
+        self.module = module
+        self.cause = cause
+        self.missing = missing
+
+
+class PluginAttributeError(PluginError):
+    """``owner`` (``"module"`` or ``"module:Outer"``) has no attribute ``part`` (``cause`` is ``None``), or reading it
+    raised ``cause`` (a module ``__getattr__`` or a property of the plugin)."""
+
+    def __init__(self, message: str, *, owner: str, part: str, cause: BaseException | None):
+        super().__init__(message)
+        self.owner = owner
+        self.part = part
+        self.cause = cause
+
+
+# --------------------------------------------------------------------------------------------------- entry points
+def entry_points(group: str, name: str | None = None) -> list[importlib.metadata.EntryPoint]:
+    """The installed entry points of ``group`` (those called ``name`` if given).  Reads distribution metadata only:
+    no plugin module is imported."""
+    # Looked up on the module at call time, so that a test can replace importlib.metadata.entry_points.
+    found = importlib.metadata.entry_points(group=group)
+    return [ep for ep in found if name is None or ep.name == name]
+
+
+def distinct_entry_points(eps: Iterable[importlib.metadata.EntryPoint]) -> list[importlib.metadata.EntryPoint]:
+    """``eps`` in order, each (distribution, value) once: the same distribution found twice on ``sys.path`` (two
+    site directories holding it) counts once.  More than one left for a name is a clash between distributions."""
+    out, seen = [], set()
+    for ep in eps:
+        key = (distribution_of_entry_point(ep), ep.value)
+        if key not in seen:
+            seen.add(key)
+            out.append(ep)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- distributions
+def distribution_of_entry_point(ep: importlib.metadata.EntryPoint) -> PluginDistribution | None:
+    """The distribution that declares ``ep`` (``None`` when importlib does not tell)."""
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None
+    return PluginDistribution(dist.name, dist.version)
+
+
+def installed_distribution(name: str) -> PluginDistribution | None:
+    """The installed distribution called ``name`` (``None`` when there is none)."""
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return PluginDistribution(dist.name or name, dist.version)
+
+
+_PKG_DISTS: tuple[tuple[str, ...], dict[str, list[str]]] | None = None
+
+
+def _packages_distributions() -> dict[str, list[str]]:
+    """``importlib.metadata.packages_distributions()`` (top-level module -> distributions), deduplicated and cached
+    for the current ``sys.path`` (it reads every installed distribution's file list: slow)."""
+    global _PKG_DISTS
+    key = tuple(sys.path)
+    if _PKG_DISTS is None or _PKG_DISTS[0] != key:
+        mapping = {top: list(dict.fromkeys(names))
+                   for top, names in importlib.metadata.packages_distributions().items()}
+        _PKG_DISTS = (key, mapping)
+    return _PKG_DISTS[1]
+
+
+def distribution_of_module(module_name: str) -> PluginDistribution | None:
+    """The installed distribution that provides ``module_name`` (``None`` for a module outside any), from the
+    installed file lists.  A namespace package shared by several distributions resolves to the one shipping the
+    module itself."""
+    names = _packages_distributions().get(module_name.split(".")[0]) or []
+    if len(names) > 1:
+        rel = module_name.replace(".", "/")
+        for candidate in names:
+            try:
+                files = importlib.metadata.distribution(candidate).files or []
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            if any(f.as_posix() in (rel + ".py", rel + "/__init__.py") for f in files):
+                names = [candidate]
+                break
+    for candidate in names:
+        dist = installed_distribution(candidate)
+        if dist is not None:
+            return dist
+    return None
+
+
+# --------------------------------------------------------------------------------------------------- one-line errors
+_IMPORTLIB_DIR = os.path.normcase(os.path.dirname(os.path.abspath(importlib.__file__)))
+#: Frames in this package are skipped too: an error dml_core raises on a plugin's behalf (a bad ``loss_metadata``
+#: declaration, a bad ``Preprocessing``) is reported at the plugin's line that made the call.
+_DML_CORE_DIR = os.path.normcase(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_line(exc: BaseException) -> str:
+    """``"Type: message"`` on one line (white space folded); ``"Type"`` for an exception without a message."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def raised_at(exc: BaseException, *, labelled: bool = False) -> str:
+    """``" (file:line)"`` of the innermost frame of ``exc`` in the plugin's own code — neither importlib's machinery
+    nor ``dml_core`` — or ``""`` when there is none (a module that is not installed).  A ``SyntaxError`` names the
+    offending line itself.  ``labelled``: ``" (raised at file:line)"``, and ``" (at file:line)"`` for a
+    ``SyntaxError`` (which names a line of source, not a frame that raised)."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        return f" ({'at ' if labelled else ''}{exc.filename}:{exc.lineno})"
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>: no file to open
+            continue
+        path = os.path.normcase(os.path.abspath(frame.filename))
+        if path.startswith((_IMPORTLIB_DIR + os.sep, _DML_CORE_DIR + os.sep)):
+            continue
+        return f" ({'raised at ' if labelled else ''}{frame.filename}:{frame.lineno})"
+    return ""
+
+
+def load_object(module: str, attr: str, *, what: str) -> object:
+    """``module`` imported and ``attr`` (dotted: ``Class.factory``) looked up in it.  ``what`` names the plugin at
+    the start of an error message (``"loss 'circle'"``).
+
+    Raises :class:`PluginImportError` when the module does not import (whatever the plugin raised, with the
+    ``file:line`` it came from) and :class:`PluginAttributeError` when an attribute is missing or reading it fails;
+    the plugin's exception is never chained, so the error prints as its one-line message.
+    """
+    try:
+        obj = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - whatever the plugin raises, reported in one line
+        missing = isinstance(e, ModuleNotFoundError) and e.name is not None and (
+            module == e.name or module.startswith(e.name + "."))
+        message = (f"{what}: cannot import module {module!r} ({one_line(e)}): not installed or not on sys.path"
+                   if missing else f"{what}: cannot import module {module!r}: {one_line(e)}{raised_at(e)}")
+        raise PluginImportError(message, module=module, cause=e, missing=missing) from None
+    parts = attr.split(".")
+    for i, part in enumerate(parts):
+        owner = module if i == 0 else f"{module}:{'.'.join(parts[:i])}"
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginAttributeError(f"{what}: {owner!r} has no attribute {part!r}", owner=owner, part=part,
+                                       cause=None) from None
+        except Exception as e:  # noqa: BLE001 - a module __getattr__ or property of the plugin's
+            raise PluginAttributeError(f"{what}: reading {part!r} of {owner!r} failed: {one_line(e)}{raised_at(e)}",
+                                       owner=owner, part=part, cause=e) from None
+    return obj
