@@ -19,8 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.config.schema import ConfigError
-from pipelines.tracking.outage import TrackingUnavailable
+# Only the standard library and the signal handling at import: the console script imports this module first, and a
+# Ctrl-C or SIGTERM while torch, Ray and MLflow load must end in one line (main() installs the handlers first).
+from pipelines.execution.interrupts import exit_status, install_startup_handlers
 
 __all__ = ["main", "build_parser"]
 
@@ -46,8 +47,19 @@ def _add_demo(sub) -> None:
     p.set_defaults(func=_run_demo)
 
 
+def _version() -> str:
+    """The installed distribution's version (``dml-reality-check``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dml-reality-check")
+    except PackageNotFoundError:
+        return "(not installed: running from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dmlrc", description="Metric Learning Reality Check sweeps on Ray + MLflow")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sweep(sub)
     _add_demo(sub)
@@ -66,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_report_args(args) -> None:
     """What ``dmlrc report`` is given, checked before MLflow is asked (which would retry an unreachable server
     for minutes, or create an empty sqlite DB at a mistyped path)."""
-    from pipelines.config.schema import check_tracking_uri
+    from pipelines.config import ConfigError, check_tracking_uri
     from pipelines.execution.locations import check_dir_writable
     from pipelines.tracking.server import check_mlflow_server
 
@@ -74,19 +86,28 @@ def _check_report_args(args) -> None:
         raise ConfigError("--experiment", "must not be empty")
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     where = "--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI"
-    if uri:
-        check_tracking_uri(uri, where)
-        if uri.startswith("sqlite:///"):
-            db = Path(uri[len("sqlite:///"):])
-            if not db.is_file():
-                raise ConfigError(where, f"no sqlite DB at {str(db)!r} (the report only reads)")
-        if uri.startswith(("http://", "https://")):
-            check_mlflow_server(uri, where)
-    check_dir_writable(Path(args.out).resolve(), "--out", "report folder")
+    if not uri:  # MLflow's default store would be created empty in this folder before saying nothing is there
+        raise ConfigError("--tracking-uri", "required (or set MLFLOW_TRACKING_URI): the MLflow store the sweep logged "
+                                            "to, e.g. sqlite:///runs/NAME/mlflow.db or http://host:5000")
+    check_tracking_uri(uri, where)
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        if not db.is_file():
+            raise ConfigError(where, f"no sqlite DB at {str(db)!r} (the report only reads)")
+        if not os.access(db, os.R_OK | os.W_OK):  # the report logs a run: MLflow would retry a read-only DB for minutes
+            raise ConfigError(where, f"sqlite DB {str(db)!r} is not writable (the report logs its run there)")
+    if uri.startswith(("http://", "https://")):
+        check_mlflow_server(uri, where)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out", f"{str(out)!r} is a file, not a folder")
+    check_dir_writable(out.resolve(), "--out", "report folder")
 
 
 def _checked_report(run):
     def run_report(args) -> int:
+        from pipelines.config import ConfigError
+
         _check_report_args(args)
         try:
             return run(args)
@@ -123,12 +144,24 @@ def _finish(outcome, reference: str = "") -> int:
 
 def _run_sweep(args) -> int:
     from pipelines.config.schema import load_config
-    from pipelines.execution.resources import check_local_gpus
+    from pipelines.execution.resources import check_local_gpus, check_local_workers
     from pipelines.execution.sweep import run_sweep
 
     cfg = load_config(args.config, name=args.name)
+    _check_address(args)
     check_local_gpus(cfg, args.address)
+    check_local_workers(cfg, args.address)
     return _finish(run_sweep(cfg, resume=args.resume, address=args.address))
+
+
+def _check_address(args) -> None:
+    """``--address`` or ``$RAY_ADDRESS`` (which ``ray.init`` would read), checked before anything starts."""
+    from pipelines.config.uris import check_ray_address
+
+    if args.address is not None:
+        check_ray_address(args.address, "--address")
+    elif os.environ.get("RAY_ADDRESS"):
+        check_ray_address(os.environ["RAY_ADDRESS"], "RAY_ADDRESS (environment)")
 
 
 def _run_demo(args) -> int:
@@ -136,6 +169,12 @@ def _run_demo(args) -> int:
     from pipelines.config.presets import demo_config
     from pipelines.execution.sweep import run_sweep
 
+    from pipelines.config import ConfigError
+
+    if args.resume and not args.name:
+        raise ConfigError("--resume", "needs --name NAME: the demo sweep to continue (its name was printed with the "
+                                      "resume command)")
+    _check_address(args)
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
     outcome = run_sweep(cfg, resume=args.resume, address=args.address)
     return _finish(outcome, _untrained_reference(cfg))
@@ -144,7 +183,7 @@ def _run_demo(args) -> int:
 def _untrained_reference(cfg) -> str:
     """The demo's floor: the same network with its initial weights on the same test classes."""
     from pipelines.execution.preflight import preflight
-    from pipelines.config.presets import untrained_test_metrics
+    from pipelines.results.untrained import untrained_test_metrics
 
     plan = preflight(cfg)[0]
     m = untrained_test_metrics(plan, cfg.protocol.seed)
@@ -153,6 +192,21 @@ def _untrained_reference(cfg) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``dmlrc``: exit 0 ok, 1 a study failed, 2 bad input (one ``config error:`` line), 3 MLflow unreachable
+    mid-sweep (state kept), 130 / 143 stopped by Ctrl-C / SIGTERM (state kept; the ``--resume`` command printed)."""
+    install_startup_handlers()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        print("interrupted", file=sys.stderr)
+        return exit_status(e)
+
+
+def _main(argv: list[str] | None) -> int:
+    # Loaded after the signal handlers: torch, pydantic and the config schema take a few seconds.
+    from pipelines.config.errors import ConfigError
+    from pipelines.tracking.outage import TrackingUnavailable
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -163,9 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     except TrackingUnavailable as e:  # MLflow down longer than tracking.outage_timeout_s: stopped, state kept
         print("tracking error: " + " ".join(str(e).split()), file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

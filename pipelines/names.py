@@ -9,7 +9,7 @@ from __future__ import annotations
 __all__ = ["HEADLINE_METRICS", "METRIC_LABELS", "MODES", "REPRODUCTION", "PARAMS", "OBJECTIVE", "OUTCOME_FILE",
            "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE", "ALIAS", "study_key", "study_dirname"]
 
-#: The reality check's three headline metrics (MLRC §2.3), in the order tables show them.
+#: The reality check's three headline metrics (docs/protocol.md §Test evaluation), in the order tables show them.
 HEADLINE_METRICS = ("precision_at_1", "r_precision", "map_at_r")
 #: Their short column labels.
 METRIC_LABELS = {"precision_at_1": "P@1", "r_precision": "RP", "map_at_r": "MAP@R"}

@@ -1,8 +1,10 @@
-"""A sweep on a real multi-node Ray cluster (issue #12, item 2): ``dmlrc sweep CONFIG --address <head>`` against a
-head + 2 worker nodes started with ``ray start`` (``tests/cluster.py``), ``storage: s3://`` on SeaweedFS and an
-``mlflow server`` on PostgreSQL.  The head has no CPUs, each worker 2: a trial's four folds (1 CPU each, all
-submitted at once) cannot fit on one node, so they must land on both workers — read back from the fold runs'
-``node_id`` tags.
+"""A sweep on a real multi-node Ray cluster: ``dmlrc sweep CONFIG --address <head>`` against a head + 2 worker nodes
+started with ``ray start`` (``tests/cluster.py``), ``storage: s3://`` on SeaweedFS and an ``mlflow server`` on
+PostgreSQL.  The head has no CPUs, each worker 2: a trial's four folds (1 CPU each, all submitted at once) cannot fit
+on one node, so they must land on both workers — read back from the fold runs' ``node_id`` tags.
+
+The sweep studies a user's own loss and trunk by import path (``examples/plugin``, never installed anywhere), shipped
+to the worker nodes by the config's ``runtime_env.py_modules``, next to ``contrastive``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import yaml
 
 def cluster_sweep_config(tmp_path: Path, tracking_uri: str, storage: str, *, name: str, losses=("contrastive",),
                          datasets: int = 1, trials: int = 1, reproductions: int = 2, iters_per_epoch: int = 2,
-                         max_epochs: int = 1, **resources) -> Path:
+                         max_epochs: int = 1, trunk: str = "tiny", runtime_env: dict | None = None,
+                         **resources) -> Path:
     """A tiny real sweep: synthetic data, 4 kfold folds, warm single-worker folds of 1 CPU."""
     doc = {
         "name": name,
@@ -26,7 +29,7 @@ def cluster_sweep_config(tmp_path: Path, tracking_uri: str, storage: str, *, nam
         "datasets": [{"name": f"synthetic{i}" if datasets > 1 else "synthetic", "kind": "synthetic", "num_classes": 16,
                       "per_class": 6, "image_size": 16, "seed": i + 1} for i in range(datasets)],
         "losses": list(losses),
-        "model": {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
+        "model": {"trunk": trunk, "embedding_dim": 8, "freeze_bn": False},
         "protocol": {"folds": 4, "fold_layout": "kfold", "trials": trials, "startup_trials": trials,
                      "reproductions": reproductions, "iters_per_epoch": iters_per_epoch, "eval_every": 1,
                      "patience": 1, "max_epochs": max_epochs,
@@ -36,6 +39,8 @@ def cluster_sweep_config(tmp_path: Path, tracking_uri: str, storage: str, *, nam
         "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
         "storage": storage,
     }
+    if runtime_env:
+        doc["runtime_env"] = runtime_env
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -55,7 +60,11 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
     except ClusterUnavailable as e:
         pytest.skip(f"no PostgreSQL for the MLflow server: {e}")
     try:
-        cfg = cluster_sweep_config(tmp_path, c.tracking_uri, c.storage("sweeps"), name="multinode")
+        plugin = Path(__file__).resolve().parents[1] / "examples" / "plugin" / "src" / "dmlrc_example"
+        cfg = cluster_sweep_config(tmp_path, c.tracking_uri, c.storage("sweeps"), name="multinode",
+                                   losses=("contrastive", "dmlrc_example.losses:CircleLoss"),
+                                   trunk="dmlrc_example.trunks:wide_tiny",
+                                   runtime_env={"py_modules": [str(plugin)]})
         out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300, env=c.driver_env())
         log = out.stdout[-5000:] + out.stderr[-5000:]
@@ -66,13 +75,16 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
         exp = client.get_experiment_by_name("multinode-experiment")
         runs = search_all(client, exp.experiment_id, "")
         stages = sorted(r.data.tags["stage"] for r in runs)
-        assert stages == ["fold"] * 12 + ["reproduction"] * 2 + ["study", "trial"], stages
+        assert stages == ["fold"] * 24 + ["reproduction"] * 4 + ["study"] * 2 + ["trial"] * 2, stages
         assert [r.info.run_id for r in runs if r.info.status != "FINISHED"] == []  # nothing left RUNNING
-        study = next(r for r in runs if r.data.tags["stage"] == "study")
-        assert study.data.tags.get("done") == "true"
-        m = study.data.metrics
-        mean, low, high = (m[f"test.concat.map_at_r.{k}"] for k in ("mean", "ci_low", "ci_high"))
-        assert all(math.isfinite(v) for v in (mean, low, high)) and low <= mean <= high, (mean, low, high)
+        studies = {r.data.tags["loss"]: r for r in runs if r.data.tags["stage"] == "study"}
+        assert sorted(studies) == ["contrastive", "dmlrc_example.losses:CircleLoss"], sorted(studies)
+        for study in studies.values():
+            assert study.data.tags.get("done") == "true"
+            m = study.data.metrics
+            mean, low, high = (m[f"test.concat.map_at_r.{k}"] for k in ("mean", "ci_low", "ci_high"))
+            assert all(math.isfinite(v) for v in (mean, low, high)) and low <= mean <= high, (mean, low, high)
+            assert study.data.tags.get("registered_model", "").startswith("dmlrc."), study.data.tags
 
         # Folds ran on the worker nodes of *this* cluster, on at least two of them.
         fold_nodes = [r.data.tags.get("node_id") for r in runs if r.data.tags["stage"] == "fold"]

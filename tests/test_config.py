@@ -44,7 +44,7 @@ def test_shipped_presets_parse(path):
     name = Path(path).stem
     assert cfg.name == name
     assert cfg.protocol.folds == 4 and cfg.protocol.fold_layout == "mlrc"
-    assert all(ls.space is not None for ls in cfg.losses)
+    assert all(ls.search_space is not None for ls in cfg.losses)
 
 
 def test_mlrc_preset_is_the_papers_protocol():
@@ -278,7 +278,7 @@ def test_existing_sweep_needs_resume_and_resume_must_not_change_the_study(tmp_pa
 
     cfg = parse_config(_cfg(storage=str(tmp_path)))
     cfg.local_dir().mkdir(parents=True)
-    (cfg.local_dir() / "sweep_config.json").write_text(json.dumps(cfg.to_dict()))
+    (cfg.local_dir() / "sweep_config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
     with pytest.raises(ConfigError) as info:
         _check_resume(cfg, resume=False)
     assert info.value.field == "name" and "--resume" in str(info.value)
@@ -404,7 +404,7 @@ def test_published_json_schema_is_the_models_current_schema():
 
     published = json.loads((ROOT / "docs" / "sweep-config.schema.json").read_text())
     assert published == json.loads(json.dumps(sweep_json_schema())), \
-        "regenerate docs/sweep-config.schema.json (see its test) after changing pipelines/config.py"
+        "regenerate docs/sweep-config.schema.json (see its test) after changing pipelines/config/schema.py"
 
 
 def test_shipped_configs_pass_the_published_json_schema_and_bad_ones_do_not():
@@ -525,8 +525,8 @@ def test_passwords_in_uris_are_never_echoed_nor_stored(monkeypatch):
     assert e.field == "tracking.uri" and "hunter2" not in str(e) and "user:***@host" in str(e)
     cfg = parse_config(_cfg(**{"tracking.uri": "postgresql+psycopg2://mlflow:hunter2@127.0.0.1:5432/mlflow"}))
     assert "hunter2" in cfg.tracking_uri()  # workers need it ...
-    assert "hunter2" not in json.dumps(cfg.to_dict())  # ... sweep_config.json and MLflow params do not
-    assert cfg.to_dict()["tracking"]["uri"] == "postgresql+psycopg2://mlflow:***@127.0.0.1:5432/mlflow"
+    assert "hunter2" not in json.dumps(cfg.model_dump(mode="json"))  # ... sweep_config.json and MLflow params do not
+    assert cfg.model_dump(mode="json")["tracking"]["uri"] == "postgresql+psycopg2://mlflow:***@127.0.0.1:5432/mlflow"
     assert redact_uri("see http://a:b@h:1/x and s3://bucket/k") == "see http://a:***@h:1/x and s3://bucket/k"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "htp://user:hunter2@host")
     assert "hunter2" not in str(_error(_cfg()))

@@ -86,6 +86,8 @@ def _write_fixture(path: Path, spec) -> None:
         path.write_text(spec)
     elif spec.get("dir"):
         path.mkdir(exist_ok=True)
+    elif "symlink" in spec:  # {symlink: target}: target relative to the link's folder (loops allowed)
+        path.symlink_to(spec["symlink"])
     elif "hex" in spec:
         path.write_bytes(bytes.fromhex(spec["hex"]))
     elif "torch" in spec:
@@ -180,7 +182,7 @@ def run_case(case: dict, tmp: Path, patch, setenv, delenv) -> Outcome:
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             try:
-                rc = main(["sweep", str(path)])
+                rc = main(["sweep", str(path), *case.get("args", ())])
             except SystemExit as e:  # argparse
                 rc = e.code
     except Launched:
@@ -222,17 +224,19 @@ def _schema_fields() -> set[str]:
         for name in model.model_fields:
             path = f"{prefix}{name}"
             sub = {"model": config.ModelSpec, "protocol": config.ProtocolSpec, "resources": config.ResourcesSpec,
-                   "tracking": config.TrackingSpec, "train": config.TrainSpec}.get(name)
+                   "tracking": config.TrackingSpec, "train": config.TrainSpec,
+                   "runtime_env": config.RuntimeEnvSpec}.get(name)
             if sub is not None and name in getattr(model, "model_fields", {}):
                 out.add(path)
                 walk(sub, path + ".")
             else:
                 out.add(path)
 
-    walk(config.SweepDocument, "")
-    for m in (config.SyntheticDataset, config.OmniglotDataset, config.FolderDataset, config.ParquetDataset):
+    walk(config.SweepConfig, "")
+    for m in (config.SyntheticDataset, config.OmniglotDataset, config.FolderDataset, config.ParquetDataset,
+              config.CsvDataset):
         walk(m, "datasets[].")
-    walk(config.LossEntry, "losses[].")
+    walk(config.LossSpec, "losses[].")
     return out
 
 

@@ -39,7 +39,7 @@ def _fake_study(tmp: Path, uri: str, experiment: str):
     import torch
 
     from dml_core.models import build_model
-    from pipelines.config.schema import DatasetSpec
+    from pipelines.config.schema import SyntheticDataset
     from pipelines.tracking.model_registry import on_study_end, on_study_start
     from pipelines.tracking.ui import set_experiment_kind
     from pipelines.tracking.runs import Tracker
@@ -57,7 +57,7 @@ def _fake_study(tmp: Path, uri: str, experiment: str):
     run_id, _ = t.get_or_create({"sweep": "ui", "study": "shapes/contrastive", "stage": "study"},
                                 run_name="shapes/contrastive")
     t.set_tags(run_id, {"loss": "contrastive", "dataset": "shapes", "git_commit": "abc", "folds_hash": "f" * 64})
-    spec = DatasetSpec("shapes", "synthetic", 16, num_classes=8, per_class=4, seed=0)
+    spec = SyntheticDataset(name="shapes", kind="synthetic", image_size=16, num_classes=8, per_class=4, seed=0)
     plan = SimpleNamespace(key="shapes/contrastive", loss=SimpleNamespace(name="contrastive"),
                            dataset=SimpleNamespace(spec=spec, table=None))
     on_study_start(t, run_id, plan)

@@ -32,19 +32,19 @@ def test_registered_model_name_is_readable_and_uri_safe():
 
 
 def test_dataset_digest_is_the_manifest_hash_or_the_generator_parameters(tmp_path):
-    from pipelines.config.schema import DatasetSpec
+    from pipelines.config.schema import ParquetDataset, SyntheticDataset
     from pipelines.tracking.datasets import dataset_info
 
-    a = dataset_info(DatasetSpec("s", "synthetic", 16, num_classes=8, per_class=4, seed=1), None)
-    b = dataset_info(DatasetSpec("s", "synthetic", 16, num_classes=8, per_class=4, seed=2), None)
+    a = dataset_info(SyntheticDataset(name="s", kind="synthetic", image_size=16, num_classes=8, per_class=4, seed=1), None)
+    b = dataset_info(SyntheticDataset(name="s", kind="synthetic", image_size=16, num_classes=8, per_class=4, seed=2), None)
     assert a["digest"] != b["digest"] and len(a["digest"]) == 32 and a["sha256"].startswith(a["digest"])
 
     class T:  # a ShardedTable's manifest is all the digest reads
         manifest = {"dataset": "x", "shards": [{"sha256": "00"}], "num_images": 1, "classes": [{"label": 0}]}
 
-    p = dataset_info(DatasetSpec("x", "parquet", 16, path="/d"), T())
+    p = dataset_info(ParquetDataset(name="x", kind="parquet", image_size=16, path="/d"), T())
     T.manifest = {**T.manifest, "shards": [{"sha256": "01"}]}
-    q = dataset_info(DatasetSpec("x", "parquet", 16, path="/d"), T())
+    q = dataset_info(ParquetDataset(name="x", kind="parquet", image_size=16, path="/d"), T())
     assert p["digest"] != q["digest"]
 
 

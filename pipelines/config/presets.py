@@ -6,8 +6,8 @@ data, a tiny CNN, three losses (the reality-check baseline ``contrastive`` and t
 ``proxynca_pp`` (ProxyNCA++) and ``mpa`` (Multi-Proxy-Anchor)), a few BO trials, 4 warm single-worker folds per
 trial and 3 reproductions, so that the intervals mean something.
 
-:func:`untrained_test_metrics` is the reference the demo prints next to its results: the same network, freshly
-initialised, on the same unseen test classes — trained models must be clearly above it.
+The demo prints :func:`pipelines.results.untrained.untrained_test_metrics` next to its results: the same network,
+freshly initialised, on the same unseen test classes — trained models must be clearly above it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DEMO", "DEMO_FILE", "demo_config", "untrained_test_metrics"]
+__all__ = ["DEMO", "DEMO_FILE", "demo_config"]
 
 DEMO_FILE = "demo.yaml"
 #: The preset as written in ``pipelines/config/demo.yaml`` (sweep name ``demo``).
@@ -33,21 +33,3 @@ def demo_config(name: str | None = None, storage: str | None = None) -> dict[str
     if storage:
         cfg["storage"] = storage
     return cfg
-
-
-def untrained_test_metrics(plan, seed: int) -> dict[str, float]:
-    """Test-class retrieval metrics of the study's network with its initial weights (seeded), compared to self —
-    the floor the trained models are measured against."""
-    import torch
-
-    from dml_core.data import ImageDataset, eval_transform
-    from dml_core.metrics import retrieval_metrics
-    from dml_core.models import build_model
-    from dml_core.train import embed
-
-    torch.manual_seed(seed)
-    model = build_model(**plan.model_kwargs)
-    data = plan.dataset
-    test = ImageDataset(data.table.subset(list(data.manifest.test_classes)), eval_transform(data.spec.image_size))
-    emb, labels = embed(model, test, batch_size=256)
-    return retrieval_metrics(emb, labels)

@@ -1,21 +1,23 @@
-"""Sweep configuration: the YAML schema of ``dmlrc sweep CONFIG.yaml`` and its validation.
+"""Sweep configuration: the YAML schema of ``dmlrc sweep CONFIG.yaml``, one set of pydantic models.
 
-A config names the datasets, the losses, the model, the protocol (MLRC §1–§2: 4 class-disjoint folds in the
+A config names the datasets, the losses, the model, the protocol (the reality check's 4 class-disjoint folds in the
 ``mlrc`` layout, 50 Bayesian-optimisation trials of which 5 random start-up trials, 10 reproductions, 100-iteration
-"epochs", evaluation interval and patience), the resources, MLflow tracking and storage.  The documented examples
-are ``configs/{demo,omniglot,mlrc-cub200}.yaml``; the ``demo`` preset is also built in (:mod:`pipelines.config.presets`).
+"epochs", evaluation interval and patience), the resources, MLflow tracking, storage and the Ray ``runtime_env`` that
+carries a user's own code to the workers.  ``configs/*.yaml`` are documented examples; the ``demo`` preset is built
+in (:mod:`pipelines.config.presets`).
 
-The schema is a set of pydantic models (``extra="forbid"``, strict types, bounds); :func:`sweep_json_schema`
-publishes it as JSON Schema (``docs/sweep-config.schema.json``, which editors use to complete and check YAML).
-Protocol training defaults are :class:`dml_core.train.TrainConfig`'s field defaults — that dataclass is the one
-place deciding them.  :func:`load_config` reads the file (UTF-8, bounded size, duplicate keys and alias bombs
-rejected); :func:`parse_config` checks *shape* (keys, types, ranges, URIs) and that every loss exists with a
-search space, and never touches the disk or the network; :func:`pipelines.execution.preflight.preflight` then checks
-paths, loads the datasets and builds every loss once.  All raise :class:`ConfigError` whose message names the
-field, e.g. ``losses[1].name: unknown loss 'mpaa' (known: ...)``.  Nothing (no Ray, no MLflow run, no folder)
-starts before they pass.
+:class:`SweepConfig` is the validated document itself (``extra="forbid"``, strict types, bounds, frozen); its
+``model_dump(mode="json")`` is what is written to disk and MLflow, with passwords in URIs redacted.
+:func:`sweep_json_schema` publishes it as JSON Schema (``docs/sweep-config.schema.json``, which editors use to complete
+and check YAML).  Protocol training defaults are :class:`dml_core.train.TrainConfig`'s field defaults — that dataclass
+is the one place deciding them.
 
-This module imports neither Ray nor MLflow.
+:func:`load_config` reads the file through the hardened loader; :func:`parse_config` checks shape (keys, types,
+ranges, URIs), that every loss resolves (built-in, entry point or import path) with a search space, and that pinned
+parameters lie inside it; :func:`pipelines.execution.preflight.preflight` then checks paths, loads the datasets and
+builds every loss.  Errors are :class:`ConfigError` whose field is pydantic's own error location, e.g.
+``losses[1].name: unknown loss 'mpaa' (known: ...)``.  Nothing (no Ray, no MLflow run, no folder) starts before they
+pass.  This module imports neither Ray nor MLflow.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -32,54 +34,45 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
+    PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from dml_core.train import _AMP_DTYPES, _OPTIMIZERS, TrainConfig
 from pipelines.config.errors import ConfigError, FieldError
-from pipelines.config.loader import load_yaml, read_yaml_file
-from pipelines.config.spaces import LOSS_LR, SearchSpace, SpaceError, load_space, spaces_dir
-from pipelines.config.uris import TRACKING_SCHEMES, absolute_tracking_uri, check_tracking_uri, check_uri, redact_uri, shown
+from pipelines.config.loader import read_yaml_file
+from pipelines.config.spaces import (
+    LOSS_LR,
+    SearchSpace,
+    SpaceError,
+    builtin_spaces,
+    load_space,
+    parse_space,
+    read_space_file,
+    spaces_dir,
+)
+from pipelines.config.uris import (absolute_tracking_uri, check_tracking_uri, check_uri, local_path, redact_uri,
+                                   shown)
 
-__all__ = [
-    "ConfigError",
-    "DatasetSpec",
-    "LossSpec",
-    "ModelSpec",
-    "ProtocolSpec",
-    "ResourcesSpec",
-    "TrackingSpec",
-    "TrainSpec",
-    "SweepConfig",
-    "SweepDocument",
-    "parse_config",
-    "load_config",
-    "load_yaml",
-    "sweep_json_schema",
-    "check_uri",
-    "check_tracking_uri",
-    "redact_uri",
-    "DATASET_KINDS",
-    "TRAIN_KEYS",
-    "SEED_MAX",
-]
+__all__ = ["SweepConfig", "DatasetSpec", "LossSpec", "ModelSpec", "ProtocolSpec", "ResourcesSpec", "TrackingSpec",
+           "TrainSpec", "RuntimeEnvSpec", "parse_config", "load_config", "sweep_json_schema", "DATASET_KINDS",
+           "TRAIN_KEYS", "SEED_MAX"]
 
-#: Dataset kinds: generated data, the Omniglot zips, a prepared parquet manifest (engineer C's format), an image folder.
-DATASET_KINDS = ("synthetic", "omniglot", "parquet", "folder")
+#: Dataset kinds: generated data, the Omniglot zips, prepared parquet shards, an image folder, a CSV listing.
+DATASET_KINDS = ("synthetic", "omniglot", "parquet", "folder", "csv")
 #: numpy/Optuna seeds are 32-bit; every seed a sweep derives (folds, reproductions) must stay below this.
 SEED_MAX = 2**32 - 1
 #: Synthetic data is generated in memory (``num_classes × per_class`` H×W×3 uint8 images).
 MAX_SYNTHETIC_BYTES = 4 << 30
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-#: TrainConfig's field defaults: the single source of protocol training defaults (MLRC §1.5, §3).
+#: TrainConfig's field defaults: the single source of protocol training defaults.
 _TC = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-
-
-# --------------------------------------------------------------------------------------------------- URIs
-
-# --------------------------------------------------------------------------------------------------- schema
+#: Environment variables that hold credentials: never in a runtime_env (Ray logs runtime_envs in plain text).
+_SECRET_ENV = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|PRIVATE_KEY|ACCESS_KEY)", re.I)
 
 
 class _Strict(BaseModel):
@@ -98,14 +91,43 @@ class _Strict(BaseModel):
 
 
 def _check_name(v: str) -> str:
-    if not _NAME_RE.match(v):
+    if not _NAME_RE.fullmatch(v):  # fullmatch: "$" would let a trailing newline through
         raise ValueError(f"{shown(v)}: use letters, digits, '_', '-', '.' (max 64, no '/')")
     return v
+
+
+def _local_or_s3(v: str) -> str:
+    try:
+        return check_uri(v, "")
+    except ConfigError as e:
+        raise ValueError(e.problem) from None
+
+
+def _absolute(v: str) -> str:
+    """A local path made absolute (``~`` expanded; a symbolic-link loop is an error); ``s3://`` kept."""
+    if v.startswith("s3://"):
+        return v
+    try:
+        return str(local_path(v, ""))
+    except ConfigError as e:
+        raise ValueError(e.problem) from None
+
+
+def _tracking(v: str) -> str:
+    try:
+        return check_tracking_uri(v, "")
+    except ConfigError as e:
+        raise ValueError(e.problem) from None
 
 
 Name = Annotated[str, AfterValidator(_check_name)]
 Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
 Path_ = Annotated[str, Field(min_length=1, max_length=4096)]
+#: A location that may carry credentials (``scheme://user:password@host``): written to disk and MLflow redacted.
+Uri = Annotated[str, Field(min_length=1, max_length=4096), PlainSerializer(redact_uri, when_used="json")]
+
+
+# --------------------------------------------------------------------------------------------------- datasets
 
 
 class _DatasetBase(_Strict):
@@ -130,22 +152,35 @@ class SyntheticDataset(_DatasetBase):
     def _fits_in_memory(self):
         nbytes = self.num_classes * self.per_class * self.image_size ** 2 * 3
         if nbytes > MAX_SYNTHETIC_BYTES:
-            raise FieldError("num_classes", f"{self.num_classes} classes × {self.per_class} images of {self.image_size}² "
-                                     f"pixels need {nbytes / 2**30:.0f} GiB in memory (limit "
-                                     f"{MAX_SYNTHETIC_BYTES >> 30} GiB)")
+            raise FieldError("num_classes", f"{self.num_classes} classes × {self.per_class} images of "
+                                            f"{self.image_size}² pixels need {nbytes / 2**30:.0f} GiB in memory "
+                                            f"(limit {MAX_SYNTHETIC_BYTES >> 30} GiB)")
         return self
 
 
 class _PathDataset(_DatasetBase):
-    path: Path_
+    path: Uri
     image_size: int = Field(227, ge=8, le=1024)
-    """Side of the protocol transforms' output (MLRC §3: 227 crops of 256 resizes; 16–32 for smoke runs)."""
+    """Side of the protocol transforms' output (the reality check: 227 crops of 256 resizes; 16–32 for smoke runs)."""
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        # Absolute, because Ray workers run in their own working directory (and may open shards lazily).
+        return _absolute(_local_or_s3(v))
 
 
 class OmniglotDataset(_PathDataset):
     """The Omniglot zips (``path``: the folder holding them)."""
 
     kind: Literal["omniglot"]
+
+    @field_validator("path")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        if v.startswith("s3://"):
+            raise ValueError("the Omniglot zips are read from a local folder (prepare shards for s3://)")
+        return v
 
 
 class FolderDataset(_PathDataset):
@@ -160,22 +195,157 @@ class ParquetDataset(_PathDataset):
     kind: Literal["parquet"]
 
 
-DatasetEntry = Annotated[Union[SyntheticDataset, OmniglotDataset, FolderDataset, ParquetDataset],
-                         Field(discriminator="kind")]
+class CsvDataset(_PathDataset):
+    """A CSV listing ``path,label`` (+ optional ``split``, ``query``, ``gallery``, ``class_name``), local or
+    ``s3://`` (docs/datasets.md)."""
+
+    kind: Literal["csv"]
+    root: Uri | None = None
+    """Folder the CSV's paths are relative to (default: the CSV's own folder)."""
+
+    @field_validator("root")
+    @classmethod
+    def _root(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        return _absolute(_local_or_s3(v))
 
 
-class LossEntry(_Strict):
-    """A loss to study; a bare string is its name."""
+DatasetSpec = Annotated[Union[SyntheticDataset, OmniglotDataset, FolderDataset, ParquetDataset, CsvDataset],
+                        Field(discriminator="kind")]
 
-    name: str = Field(min_length=1, max_length=128)
-    """Registry name (``dml_core.losses``), e.g. ``contrastive``, ``mpa``, ``xbm:contrastive``."""
+
+# --------------------------------------------------------------------------------------------------- losses
+
+
+class LossSpec(_Strict):
+    """A loss to study; a bare string is its name.  Its search space is, first found: ``space`` here, the user's
+    ``tune_spaces`` folder, the space its plugin ships, the built-in one."""
+
+    name: str = Field(min_length=1, max_length=256)
+    """A built-in name (``contrastive``, ``mpa``, ``sec:triplet``), an installed plugin's entry point
+    (group ``dml_reality_check.losses``) or an import path ``package.module:attribute``; wrappers apply to any of
+    them (``sec:mylab.losses:CircleLoss``)."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Pinned hyperparameters (removed from the searched space)."""
+    space: dict[str, Any] | Path_ | None = None
+    """This loss's search space: a mapping with the keys of ``tune_spaces/*.yaml`` (``space``, ``fixed``,
+    ``paper_defaults``) or the path of such a YAML file.  Overrides every other space of this loss."""
+
+    _space: SearchSpace | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
     def _bare_name(cls, data: Any) -> Any:
         return {"name": data} if isinstance(data, str) else data
+
+    @field_validator("space", mode="before")
+    @classmethod
+    def _space_shape(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, (dict, str)):
+            raise ValueError(f"expected a search space (a mapping with space / fixed / paper_defaults) or the path of "
+                             f"such a YAML file, got {shown(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _resolve(self, info: ValidationInfo):
+        ctx = info.context or {}
+        if not ctx.get("resolve", True):
+            return self
+        _resolve_loss(self.name)
+        if isinstance(self.space, dict):
+            try:
+                space = parse_space(self.space, f"the inline space of {self.name!r}", self.name)
+            except SpaceError as e:
+                raise FieldError("space", _detail(e, f"the inline space of {self.name!r}")) from None
+        elif isinstance(self.space, str):
+            try:
+                space = read_space_file(Path(self.space).expanduser(), self.name)
+            except SpaceError as e:
+                raise FieldError("space", " ".join(str(e).split())) from None
+        else:
+            try:
+                space = load_space(self.name, ctx.get("spaces_dir"))
+            except SpaceError as e:
+                text = " ".join(str(e).split())
+                # A broken file in the user's own folder is that folder's fault; a missing space is the loss's.
+                if ctx.get("spaces_dir") is not None and not text.startswith("no search space"):
+                    raise FieldError("@tune_spaces", text) from None
+                raise FieldError("name", text) from None
+        if space.loss != self.name:
+            raise FieldError("space", f"the space is for loss {space.loss!r}, not {self.name!r}")
+        for k, v in self.params.items():
+            p = space.params.get(k)
+            if k == LOSS_LR and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+                raise FieldError(f"params.{k}", f"{shown(v)} must be a positive number")
+            if p is not None and not p.contains(v):
+                raise FieldError(f"params.{k}", f"{shown(v)} is outside the search space of {self.name!r} "
+                                                f"({p.describe()})")
+        self._space = space
+        return self
+
+    @property
+    def search_space(self) -> SearchSpace:
+        """The resolved search space (set by validation)."""
+        if self._space is None:
+            raise RuntimeError(f"loss {self.name!r} was validated without resolving its search space")
+        return self._space
+
+    def searched(self) -> dict:
+        """The Param objects the optimiser searches (the search space minus pinned ones)."""
+        return {k: p for k, p in self.search_space.params.items() if k not in self.params}
+
+    def fixed(self) -> dict[str, Any]:
+        """Non-searched values: the space's ``fixed`` plus the pinned ``params``."""
+        return {**self.search_space.fixed, **self.params}
+
+
+def _detail(e: Exception, source: str) -> str:
+    text = " ".join(str(e).split())
+    return text[len(source) + 2:] if text.startswith(source + ": ") else text
+
+
+def _resolve_loss(name: str) -> None:
+    """The registry decides what exists.  Imported here, not at module level: the loss zoo (pytorch-metric-learning)
+    takes seconds to import, and a config error must print at once."""
+    from dml_core.losses import LossPluginError, list_losses, list_wrappers, loss_info
+
+    try:
+        loss_info(name)
+    except LossPluginError as e:
+        raise FieldError("name", " ".join(str(e).split())) from None
+    except ValueError:
+        known = list_losses() + [f"{w}:<base>" for w in list_wrappers()]
+        raise FieldError("name", f"unknown loss {shown(name)} (known: {', '.join(known)}; or an installed "
+                                 "plugin's name, or an import path 'package.module:attribute')") from None
+
+
+class AllLosses(_Strict):
+    """``losses: {all: true, exclude: [...]}``: every built-in loss that has a search space, minus ``exclude``."""
+
+    all: Literal[True]
+    exclude: list[str] = Field(default_factory=list, max_length=200)
+
+
+def _expand_all(value: Any, spaces: dict[str, SearchSpace]) -> Any:
+    """``losses: all`` / ``{all: true, exclude: [...]}`` → the list of built-in loss names with a search space."""
+    if value == "all":
+        value = {"all": True}
+    if not isinstance(value, dict) or "all" not in value:
+        return value
+    try:
+        spec = AllLosses.model_validate(value)
+    except ValidationError as e:
+        raise _to_config_error(e, prefix=("losses",)) from None
+    unknown = [x for x in spec.exclude if x not in spaces]
+    if unknown:
+        i = spec.exclude.index(unknown[0])
+        raise ConfigError(f"losses.exclude[{i}]", f"{shown(unknown[0])} is not one of the built-in losses "
+                                                   f"({', '.join(sorted(spaces))})")
+    return [n for n in sorted(spaces) if n not in spec.exclude]
+
+
+# --------------------------------------------------------------------------------------------------- model
 
 
 def _set_keys(train: TrainSpec) -> dict[str, Any]:
@@ -187,7 +357,7 @@ class TrainSpec(_Strict):
     """``protocol.train``: further :class:`dml_core.train.TrainConfig` fields (defaults are TrainConfig's)."""
 
     classes_per_batch: int | None = Field(None, ge=2, le=100_000)
-    """Classes per batch (null = the protocol's shared batch, MLRC 8, or the loss paper's with recipe: paper)."""
+    """Classes per batch (null = the protocol's shared batch, 8, or the loss paper's with recipe: paper)."""
     m: int | None = Field(None, ge=1, le=10_000)
     """Images per class in a batch (null = as classes_per_batch)."""
     trunk_lr: float = Field(_TC["trunk_lr"], gt=0, le=100)
@@ -203,7 +373,7 @@ class TrainSpec(_Strict):
     amp_dtype: Literal[tuple(_AMP_DTYPES)] = _TC["amp_dtype"]  # type: ignore[valid-type]
 
 
-#: ``protocol.train`` keys forwarded to :class:`dml_core.train.TrainConfig` (MLRC §3 defaults where they exist).
+#: ``protocol.train`` keys forwarded to :class:`dml_core.train.TrainConfig`.
 TRAIN_KEYS = tuple(TrainSpec.model_fields)
 
 
@@ -211,14 +381,25 @@ class ModelSpec(_Strict):
     """``dml_core.models.build_model`` arguments.  ``pooling``/``layer_norm`` null = the protocol's (or, with
     ``recipe: paper``, the loss paper's) recipe."""
 
-    trunk: Literal["tiny", "resnet18", "resnet50", "googlenet"] = "tiny"
+    trunk: str = Field("tiny", min_length=1, max_length=256)
+    """tiny | resnet18 | resnet50 | googlenet | bninception | timm:<name> | an installed plugin's trunk (entry-point
+    group dml_reality_check.trunks) | an import path package.module:attribute (docs/trunks.md)."""
     pooling: str | None = Field(None, max_length=64)
     """avg | max | avg+max | gem | gem:P | kmax:K (null = the recipe's)."""
     layer_norm: bool | None = None
     embedding_dim: int = Field(128, ge=2, le=4096)
-    pretrained: Path_ | None = None
-    """A local torchvision state_dict file for the trunk (loaded with weights_only=True)."""
+    pretrained: Uri | None = None
+    """The trunk's weights: a local file or s3:// URI, read where each model is built (weights_only=True).
+    Registered models never need it: their own weights are logged with them."""
     freeze_bn: bool = True
+
+    @field_validator("trunk")
+    @classmethod
+    def _trunk(cls, v: str) -> str:
+        from dml_core.trunks import check_trunk  # timm is imported only for a timm: name
+
+        check_trunk(v)  # its ValueError names the trunk and what is known
+        return v
 
     @field_validator("pooling")
     @classmethod
@@ -231,12 +412,11 @@ class ModelSpec(_Strict):
 
     @field_validator("pretrained")
     @classmethod
-    def _absolute(cls, v: str | None) -> str | None:
+    def _pretrained(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        if "\x00" in v:
-            raise ValueError("contains a NUL character")
-        return str(Path(v).expanduser().resolve())
+        # A local file is named absolutely so that every process on this machine (or a shared mount) finds it.
+        return _absolute(_local_or_s3(v))
 
     def kwargs(self, recipe: Any | None = None) -> dict[str, Any]:
         """Arguments for ``build_model``: explicit values win over the loss's :class:`ModelRecipe`."""
@@ -252,33 +432,36 @@ class ModelSpec(_Strict):
         }
 
 
-class ProtocolSpec(_Strict):
-    """MLRC protocol (spec protocol_reality_check.md §1.3–§2.3).
+# --------------------------------------------------------------------------------------------------- protocol
 
-    ``eval_every`` and ``patience`` are in epochs of ``iters_per_epoch`` iterations (MLRC §1.5: CUB 2 / 9).
+
+class ProtocolSpec(_Strict):
+    """The reality check's protocol (docs/protocol.md).
+
+    ``eval_every`` and ``patience`` are in epochs of ``iters_per_epoch`` iterations (the reality check on CUB: 2 / 9).
     ``train`` holds further :class:`dml_core.train.TrainConfig` fields (``TRAIN_KEYS``), as a dict of the keys
     the config sets.
     """
 
     name: str = Field("mlrc", min_length=1, max_length=64)
     folds: int = Field(4, ge=2, le=10)
-    """Class-disjoint cross-validation folds (MLRC §1.3; the mlrc layout has exactly 4)."""
+    """Class-disjoint cross-validation folds (the mlrc layout has exactly 4)."""
     fold_layout: Literal["mlrc", "kfold"] = "mlrc"
     trials: int = Field(50, ge=1, le=100_000)
-    """Bayesian-optimisation trials per study (MLRC: 50)."""
+    """Bayesian-optimisation trials per study (the reality check: 50)."""
     startup_trials: int = Field(5, ge=0, le=100_000)
-    """Random trials before the GP takes over (MLRC: 5 Sobol trials)."""
+    """Random trials before the GP takes over (the reality check: 5 Sobol trials)."""
     sampler: Literal["gp", "tpe"] = "gp"
     """Optuna GPSampler (gp) or TPESampler (tpe)."""
     reproductions: int = Field(10, ge=2, le=1000)
-    """Retrainings of the best config; the CI is across these (MLRC: 10)."""
+    """Retrainings of the best config; the CI is across these (the reality check: 10)."""
     iters_per_epoch: int = Field(_TC["iters_per_epoch"], ge=1, le=10**7)
     eval_every: int = Field(_TC["eval_every"], ge=1, le=10**6)
     patience: int = Field(_TC["patience"], ge=0, le=10**6)
     max_epochs: int = Field(_TC["max_epochs"], ge=1, le=10**6)
     seed: Seed | None = None
     """Seed of the BO sampler and of fold training (default: the sweep's ``seed``)."""
-    train: Annotated[TrainSpec, AfterValidator(_set_keys)] = Field(default_factory=dict)
+    train: Annotated[TrainSpec, AfterValidator(_set_keys), PlainSerializer(dict)] = Field(default_factory=dict)
     #: "protocol": every loss gets the reality check's batch (8 × 4) and model unless ``train``/``model`` say
     #: otherwise (a fair comparison); "paper": each loss's own BatchSpec/ModelRecipe (``loss_info``).
     recipe: Literal["protocol", "paper"] = "protocol"
@@ -290,6 +473,9 @@ class ProtocolSpec(_Strict):
         if self.max_epochs < self.eval_every:
             raise FieldError("max_epochs", f"{self.max_epochs} must be >= eval_every ({self.eval_every})")
         return self
+
+
+# --------------------------------------------------------------------------------------------------- resources
 
 
 class ResourcesSpec(_Strict):
@@ -327,19 +513,105 @@ class ResourcesSpec(_Strict):
     def _consistent(self):
         if self.fold_executor == "warm" and self.workers_per_fold != 1:
             raise FieldError("fold_executor", f"'warm' runs single-worker folds; workers_per_fold is "
-                                       f"{self.workers_per_fold} (use 'train' or 'auto')")
+                                              f"{self.workers_per_fold} (use 'train' or 'auto')")
         need = self.workers_per_fold * self.cpus_per_worker
         if self.num_cpus is not None and self.num_cpus < need:
-            raise FieldError("num_cpus", f"{self.num_cpus} CPUs cannot hold one fold's {self.workers_per_fold} workers × "
-                                  f"{self.cpus_per_worker} CPUs = {need:g} (its placement group would wait forever)")
+            raise FieldError("num_cpus", f"{self.num_cpus} CPUs cannot hold one fold's {self.workers_per_fold} "
+                                         f"workers × {self.cpus_per_worker} CPUs = {need:g} (its placement group "
+                                         "would wait forever)")
         return self
+
+
+class RuntimeEnvSpec(_Strict):
+    """Ray's ``runtime_env`` for every process of the sweep (trial drivers, warm fold workers, Ray Train workers), on
+    the embedded local Ray and on a cluster: how a user's own loss, trunk or dataset code reaches them.  The driver
+    imports the same code (``py_modules`` and ``working_dir`` are put on its ``sys.path``).  Credentials never travel
+    here (Ray logs runtime_envs in plain text): use the cluster's own credential chain."""
+
+    py_modules: list[Path_] = Field(default_factory=list, max_length=100)
+    """Local package folders (or .whl / .zip files) shipped to every worker and importable there."""
+    working_dir: Path_ | None = None
+    """A local folder uploaded to every worker and made its working directory (importable, too)."""
+    pip: list[str] = Field(default_factory=list, max_length=200)
+    """Installable distributions (pip requirement strings) installed in every worker's environment."""
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    """Further environment variables for every worker (no credentials)."""
+    excludes: list[str] = Field(default_factory=list, max_length=200)
+    """Files of working_dir / py_modules not to upload (gitignore-style patterns)."""
+
+    @field_validator("py_modules")
+    @classmethod
+    def _modules(cls, v: list[str]) -> list[str]:
+        out = []
+        for i, p in enumerate(v):
+            path = Path(p).expanduser()
+            if not path.exists():
+                raise FieldError(f"[{i}]", f"{shown(p)} does not exist (a local package folder or .whl/.zip file)")
+            out.append(str(path.resolve()))
+        return out
+
+    @field_validator("working_dir")
+    @classmethod
+    def _working_dir(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        path = Path(v).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"{shown(v)} is not a folder")
+        return str(path.resolve())
+
+    @field_validator("env_vars")
+    @classmethod
+    def _no_credentials(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                raise FieldError(f".{k}", "is not an environment variable name")
+            if _SECRET_ENV.search(k):
+                raise FieldError(f".{k}", "looks like a credential; credentials never travel in a runtime_env (Ray "
+                                          "logs it in plain text): give the workers their own credentials")
+        return v
+
+    def ray_runtime_env(self) -> dict[str, Any]:
+        """The ``runtime_env`` mapping for Ray (empty keys left out)."""
+        out: dict[str, Any] = {}
+        if self.py_modules:
+            out["py_modules"] = list(self.py_modules)
+        if self.working_dir:
+            out["working_dir"] = self.working_dir
+        if self.pip:
+            out["pip"] = list(self.pip)
+        if self.env_vars:
+            out["env_vars"] = dict(self.env_vars)
+        if self.excludes:
+            out["excludes"] = list(self.excludes)
+        return out
+
+    def driver_paths(self) -> list[str]:
+        """What the driver puts on ``sys.path`` so that it imports the code the workers get: each py_module's parent
+        folder (a package folder is imported by its name), each .whl/.zip itself, and working_dir."""
+        paths = []
+        for p in self.py_modules:
+            path = Path(p)
+            paths.append(str(path if path.is_file() else path.parent))
+        if self.working_dir:
+            paths.append(self.working_dir)
+        return paths
+
+    def activate_on_driver(self) -> None:
+        """Make the user's code importable in this process (idempotent)."""
+        for p in reversed(self.driver_paths()):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+
+
+# --------------------------------------------------------------------------------------------------- tracking
 
 
 class TrackingSpec(_Strict):
     """MLflow: ``uri`` null = ``$MLFLOW_TRACKING_URI`` if set, else a sqlite DB inside the sweep's local directory;
     ``experiment`` null = the sweep name."""
 
-    uri: str | None = Field(None, max_length=4096)
+    uri: Annotated[Uri, AfterValidator(_tracking)] | None = None
     """http(s)://host[:port], sqlite:///path.db or postgresql[+psycopg2]://user@host[:port]/database."""
     experiment: str | None = Field(None, max_length=256)
     outage_timeout_s: float = Field(300.0, ge=10.0, le=900.0)
@@ -347,26 +619,22 @@ class TrackingSpec(_Strict):
     one message and its state kept for `--resume` (a shorter outage is ridden out: MLflow's HTTP retries are set to
     outlast it).  At most 900 s: MLflow allows 10 retries of at most 120 s back-off each."""
 
-    @field_validator("uri")
-    @classmethod
-    def _uri(cls, v: str | None) -> str | None:
-        if v is not None:
-            try:
-                check_tracking_uri(v, "")
-            except ConfigError as e:
-                raise ValueError(e.problem) from None
-        return v
-
     @field_validator("experiment")
     @classmethod
     def _experiment(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
             raise ValueError("must not be empty")
+        if v is not None and re.search(r"[\x00-\x1f\x7f]", v):
+            raise ValueError(f"{shown(v)} contains a control character (a newline or tab breaks the printed "
+                             "commands and the MLflow UI)")
         return v
 
 
-class SweepDocument(_Strict):
-    """A sweep config file (``dmlrc sweep CONFIG.yaml``); see configs/demo.yaml for a commented example."""
+# --------------------------------------------------------------------------------------------------- the sweep
+
+
+class SweepConfig(_Strict):
+    """A sweep config file (``dmlrc sweep CONFIG.yaml``); see configs/*.yaml for commented examples."""
 
     model_config = ConfigDict(title="dmlrc sweep config")
 
@@ -375,23 +643,45 @@ class SweepDocument(_Strict):
     seed: Seed = 0
     """Base seed (BO sampler, fold training; reproduction i uses seed + 1000·(i+1))."""
     tune_spaces: Path_ | None = None
-    """Folder of <loss>.yaml search spaces (default: the repository's tune_spaces/)."""
-    datasets: list[DatasetEntry] = Field(min_length=1, max_length=100)
-    losses: list[LossEntry] = Field(min_length=1, max_length=200)
+    """A folder of your own <loss>.yaml search spaces: they add to and override the built-in ones, loss by loss
+    (default: $DMLRC_TUNE_SPACES, else none)."""
+    datasets: list[DatasetSpec] = Field(min_length=1, max_length=100)
+    losses: list[LossSpec] = Field(min_length=1, max_length=200)
+    """Losses to study, one study per dataset × loss: names or {name, params, space} entries; or `all` (every
+    built-in loss with a search space), or {all: true, exclude: [names]}."""
     model: ModelSpec = Field(default_factory=ModelSpec)
     protocol: ProtocolSpec = Field(default_factory=ProtocolSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
-    storage: Path_ = "runs"
+    runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
+    storage: Uri = "runs"
     """Local folder (<storage>/<name>/) or s3://bucket/prefix for Ray Tune/Train state."""
+
+    _source: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (data.get("losses") == "all" or isinstance(data.get("losses"), dict)):
+            data = {**data, "losses": _expand_all(data["losses"], builtin_spaces())}
+        return data
 
     @field_validator("storage")
     @classmethod
     def _storage(cls, v: str) -> str:
-        try:
-            return check_uri(v, "")
-        except ConfigError as e:
-            raise ValueError(e.problem) from None
+        v = _local_or_s3(v)
+        if not v.startswith("s3://"):
+            _absolute(v)  # a symbolic-link loop is an error now, not when the sweep creates its folder
+            if v.startswith("~"):
+                v = str(Path(v).expanduser())  # "~/runs" is the home folder's runs/, not a folder named "~"
+        return v
+
+    @field_validator("tune_spaces")
+    @classmethod
+    def _spaces(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).expanduser().is_dir():
+            raise ValueError(f"directory {shown(v)} does not exist")
+        return v if v is None else str(Path(v).expanduser().resolve())
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -407,71 +697,15 @@ class SweepDocument(_Strict):
         top = base + 1000 * p.reproductions + p.folds - 1  # pipelines.execution.trial.reproduction_seed + fold index
         if top > SEED_MAX:
             raise FieldError("protocol.seed" if p.seed is not None else "seed",
-                      f"{base} is too large: reproduction and fold seeds reach {top} > 2**32-1 = {SEED_MAX}")
+                             f"{base} is too large: reproduction and fold seeds reach {top} > 2**32-1 = {SEED_MAX}")
         return self
 
+    # ------------------------------------------------------------------ derived values
+    @property
+    def source(self) -> str | None:
+        """The YAML file this config came from (for messages)."""
+        return self._source
 
-def sweep_json_schema() -> dict[str, Any]:
-    """The JSON Schema of a sweep config (published as ``docs/sweep-config.schema.json``)."""
-    schema = SweepDocument.model_json_schema()
-    # A loss may be a bare name (LossEntry's before-validator), which pydantic's schema cannot see.
-    schema["properties"]["losses"]["items"] = {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/LossEntry"}]}
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    return schema
-
-
-# --------------------------------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """One dataset.  ``name`` is the MLflow ``dataset`` tag; ``kind`` picks the reader (engineer C's ``dml_core.data``).
-
-    ``image_size``: side of the protocol transforms' output (MLRC §3: 227 crops of 256 resizes; use 16–32 for smoke
-    runs).  ``classes``: keep only the first N sorted classes (quick runs on big datasets; ``null`` = all).
-    """
-
-    name: str
-    kind: str
-    image_size: int
-    path: str | None = None  # omniglot: folder with the zips; folder: root; parquet: local path or s3:// URI
-    num_classes: int | None = None  # synthetic
-    per_class: int | None = None  # synthetic
-    seed: int = 0  # synthetic
-    classes: int | None = None
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """A loss to study.  ``params`` pins hyperparameters (removed from the searched space); ``space`` is its tune space."""
-
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-    space: SearchSpace | None = None
-
-    def searched(self) -> dict:
-        """The Param objects the optimiser searches (the tune space minus pinned ones)."""
-        return {k: p for k, p in self.space.params.items() if k not in self.params}
-
-    def fixed(self) -> dict[str, Any]:
-        """Non-searched values: the space's ``fixed`` plus the pinned ``params``."""
-        return {**self.space.fixed, **self.params}
-
-
-@dataclass(frozen=True)
-class SweepConfig:
-    name: str
-    datasets: tuple[DatasetSpec, ...]
-    losses: tuple[LossSpec, ...]
-    model: ModelSpec
-    protocol: ProtocolSpec
-    resources: ResourcesSpec
-    tracking: TrackingSpec
-    storage: str = "runs"
-    tune_spaces: str | None = None
-    source: str | None = None  # the YAML file, for messages
-
-    # ------------------------------------------------------------------ derived locations
     @property
     def storage_is_s3(self) -> bool:
         return self.storage.startswith("s3://")
@@ -499,199 +733,132 @@ class SweepConfig:
     def experiment_name(self) -> str:
         return self.tracking.experiment or self.name
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-data form (what ``--resume`` compares against the stored copy, ``sweep_config.json``, MLflow):
-        passwords in URIs are redacted."""
 
-        def plain(obj):
-            if isinstance(obj, BaseModel):
-                return {k: plain(getattr(obj, k)) for k in type(obj).model_fields}
-            if dataclasses.is_dataclass(obj) and not isinstance(obj, SearchSpace):
-                return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name != "space"}
-            if isinstance(obj, (list, tuple)):
-                return [plain(x) for x in obj]
-            if isinstance(obj, dict):
-                return {k: plain(v) for k, v in obj.items()}
-            if isinstance(obj, str):
-                return redact_uri(obj)
-            return obj
 
-        d = plain(self)
-        d.pop("source", None)
-        return d
+def sweep_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a sweep config (published as ``docs/sweep-config.schema.json``)."""
+    schema = SweepConfig.model_json_schema()
+    items = {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/LossSpec"}]}
+    # A loss may be a bare name, and the list may be `all` / {all, exclude} (before-validators pydantic cannot see).
+    schema["properties"]["losses"] = {
+        "description": schema["properties"]["losses"].get("description", ""),
+        "anyOf": [{"type": "array", "items": items, "minItems": 1}, {"const": "all"}, {"$ref": "#/$defs/AllLosses"}]}
+    schema.setdefault("$defs", {})["AllLosses"] = AllLosses.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema
 
 
 # --------------------------------------------------------------------------------------------------- errors
 
-_KIND_NAMES = {"int": "an integer", "float": "a number", "string": "a string", "bool": "true/false",
-               "dict": "a mapping", "model": "a mapping", "list": "a list"}
+
+_UNION_LABELS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
-def _path(loc: tuple) -> str:
-    """Pydantic error location → ``losses[1].params.margin`` (discriminated-union tags dropped)."""
+def _where(loc: tuple) -> str:
+    """Pydantic's error location → ``losses[1].params.margin`` (discriminated-union tags dropped; keys inside
+    ``params``/``env_vars`` kept as they are)."""
     out = ""
     for i, part in enumerate(loc):
-        if isinstance(part, int) and not (i >= 1 and loc[i - 1] == "params"):
+        inside = i >= 1 and loc[i - 1] in ("params", "env_vars")  # a user's own key, kept as it is
+        if isinstance(part, int) and not inside:
             out += f"[{part}]"
+        elif isinstance(part, str) and not inside and (not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part)
+                                                       or part in _UNION_LABELS):
+            continue  # a union member's label (``str``, ``dict[str,any]``, ``function-after[...]``)
+        elif part in DATASET_KINDS and i >= 2 and loc[i - 2] == "datasets" and isinstance(loc[i - 1], int):
             continue
-        if part in DATASET_KINDS and i >= 2 and loc[i - 2] == "datasets" and isinstance(loc[i - 1], int):
-            continue
-        out += f".{part}" if out else str(part)
+        else:
+            out += f".{part}" if out else str(part)
     return out
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The model class validating the object at ``loc`` (for "allowed here" lists)."""
-    model: Any = SweepDocument
-    parts = list(loc)
-    while parts:
-        part = parts.pop(0)
-        if model is SweepDocument and part == "datasets":
-            if len(parts) >= 2 and isinstance(parts[0], int):
-                model = {"synthetic": SyntheticDataset, "omniglot": OmniglotDataset, "folder": FolderDataset,
-                         "parquet": ParquetDataset}.get(parts[1])
-                parts = parts[2:]
-                continue
-            return None
-        if model is SweepDocument and part == "losses":
-            model = LossEntry
-            parts = parts[1:]
-            continue
-        sub = {"model": ModelSpec, "protocol": ProtocolSpec, "resources": ResourcesSpec, "tracking": TrackingSpec,
-               "train": TrainSpec}.get(part) if isinstance(part, str) else None
-        if sub is None or part not in getattr(model, "model_fields", {}):
-            return None
-        model = sub
-    return model
-
-
-def _to_config_error(e: ValidationError) -> ConfigError:
-    """The first pydantic error as one ``<field>: <problem>`` (plus how many more there are)."""
+def _to_config_error(e: ValidationError, prefix: tuple = ()) -> ConfigError:
+    """The first pydantic error as one ``<field>: <problem>`` (plus how many more there are).  The field is
+    pydantic's location, extended by a :class:`FieldError`'s own sub-path; the problem is pydantic's message, with
+    the offending value for type and range errors."""
     errors = e.errors(include_url=False)
     err = errors[0]
-    loc, kind, ctx, value = tuple(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
-    where = _path(loc)
+    raised = (err.get("ctx") or {}).get("error")
+    if isinstance(raised, ConfigError) and raised.field:  # raised with its own field (losses: all)
+        return raised
+    loc, kind, ctx, value = prefix + tuple(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
+    where = _where(loc)
     if kind == "value_error" and isinstance(ctx.get("error"), FieldError):
         rel = ctx["error"].path
-        where = f"{where}.{rel}" if where and not rel.startswith("[") else f"{where}{rel}"
+        if rel.startswith("@"):  # relative to the document, not to the validated object
+            where = rel[1:]
+        else:
+            where = f"{where}.{rel}" if where and not rel.startswith(("[", ".")) else f"{where}{rel}"
         problem = str(ctx["error"])
     elif kind in ("value_error", "assertion_error"):
-        problem = redact_uri(str(ctx.get("error") or err["msg"]))
+        problem = str(ctx.get("error") or err["msg"])
     elif kind == "missing":
         problem = "is required"
     elif kind == "extra_forbidden":
-        model = _model_at(loc[:-1])
-        allowed = f" (allowed here: {', '.join(sorted(model.model_fields))})" if model else ""
-        problem = f"unknown key{allowed}"
-    elif kind.endswith("_type") and kind[: -len("_type")] in _KIND_NAMES:
-        problem = f"expected {_KIND_NAMES[kind[: -len('_type')]]}, got {shown(value)}"
-    elif kind == "finite_number":
-        problem = f"{shown(value)} must be a finite number"
-    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        op, bound = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
-                     "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}[kind]
-        problem = f"{shown(value)} must be {op} {ctx[bound]}"
-    elif kind == "literal_error":
-        problem = f"{shown(value)} is not one of {ctx.get('expected')}"
-    elif kind == "too_short" and loc in (("datasets",), ("losses",)):
-        problem = f"needs at least one {loc[0][:-1] if loc[0] == 'datasets' else 'loss'}"
-    elif kind == "too_long":
-        problem = f"has more than {ctx.get('max_length')} entries"
-    elif kind == "string_too_long":
-        problem = f"longer than {ctx.get('max_length')} characters"
-    elif kind == "string_too_short":
-        problem = "must not be empty"
+        problem = "unknown key"
     elif kind == "union_tag_not_found":
         where, problem = f"{where}.kind", f"is required (one of {', '.join(DATASET_KINDS)})"
     elif kind == "union_tag_invalid":
         where = f"{where}.kind"
         problem = f"unknown dataset kind {shown(ctx.get('tag'))} (known: {', '.join(DATASET_KINDS)})"
+    elif kind == "too_short" and loc in (("datasets",), ("losses",)):
+        problem = f"needs at least one {'dataset' if loc[0] == 'datasets' else 'loss'}"
     else:
-        problem = redact_uri(err["msg"])
+        problem = err["msg"] + (f", got {shown(value)}" if kind.endswith("_type") or kind in (
+            "finite_number", "literal_error", "greater_than", "greater_than_equal", "less_than",
+            "less_than_equal") else "")
     if len(errors) > 1:
         problem += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return ConfigError(where or "config", problem)
+    return ConfigError(where or "config", redact_uri(problem))
 
 
 # --------------------------------------------------------------------------------------------------- parsing
 
 
-def _loss_spec(entry: LossEntry, where: str, space_dir: Path | None, custom_spaces: bool) -> LossSpec:
-    """The registry decides what exists; imported here so that a config error never needs Ray or MLflow."""
-    from dml_core.losses import list_losses, list_wrappers, loss_info
-
-    name = entry.name
-    try:
-        loss_info(name)
-    except ValueError:
-        known = list_losses() + [f"{w}:<base>" for w in list_wrappers()]
-        raise ConfigError(f"{where}.name", f"unknown loss {shown(name)} (known: {', '.join(known)})") from None
-    try:
-        space = load_space(name, space_dir)
-    except SpaceError as e:
-        # A broken file in the user's own tune_spaces folder is that folder's fault; a missing space is the loss's.
-        blame = "tune_spaces" if custom_spaces and not str(e).startswith("no search space") else f"{where}.name"
-        raise ConfigError(blame, " ".join(str(e).split())) from None
-    for k, v in entry.params.items():
-        p = space.params.get(k)
-        if k == LOSS_LR and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
-            raise ConfigError(f"{where}.params.{k}", f"{shown(v)} must be a positive number")
-        if p is not None and not p.contains(v):
-            raise ConfigError(f"{where}.params.{k}",
-                              f"{shown(v)} is outside the search space of {name!r} ({p.describe()})")
-    return LossSpec(name, dict(entry.params), space)
-
-
-def _dataset_spec(d: Any, where: str, default_seed: int) -> DatasetSpec:
-    name = d.name or d.kind
-    if d.kind == "synthetic":
-        return DatasetSpec(name, d.kind, d.image_size, num_classes=d.num_classes, per_class=d.per_class,
-                           seed=d.seed if d.seed is not None else default_seed, classes=d.classes)
-    path = check_uri(d.path, f"{where}.path", allow_s3=(d.kind == "parquet"))
-    if not path.startswith("s3://"):
-        # Absolute, because Ray Train workers run in their own working directory (and may open shards lazily).
-        path = str(Path(path).expanduser().resolve())
-    return DatasetSpec(name, d.kind, d.image_size, path=path, classes=d.classes)
-
-
 def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
-    """Validate a config mapping (already YAML-parsed) and return the typed :class:`SweepConfig`.
+    """Validate a config mapping (already YAML-parsed) and return the :class:`SweepConfig`.
 
-    Checks keys, types, ranges and URI shapes (the pydantic :class:`SweepDocument`), that every loss exists in the
-    registry and has a search space, and that pinned parameters lie inside it.  Building every loss and loading
-    every dataset is :mod:`pipelines.execution.preflight`.
+    Checks keys, types, ranges and URI shapes, that every loss exists (built-in, plugin or import path, with the
+    config's ``runtime_env`` code importable here) and has a search space, and that pinned parameters lie inside it.
+    Building every loss and loading every dataset is :mod:`pipelines.execution.preflight`.
     """
     if not isinstance(doc, dict):
         raise ConfigError(source or "config", f"expected a mapping at the top level, got {type(doc).__name__}")
     try:
-        d = SweepDocument.model_validate(doc)
+        # The runtime_env's code first: the losses and trunk may come from it.
+        env = RuntimeEnvSpec.model_validate(doc.get("runtime_env") or {})
+    except ValidationError as e:
+        raise _to_config_error(e, prefix=("runtime_env",)) from None
+    env.activate_on_driver()
+    spaces = doc.get("tune_spaces")
+    space_dir = Path(spaces).expanduser() if isinstance(spaces, str) and spaces else spaces_dir()
+    context = {"spaces_dir": space_dir if space_dir is None or space_dir.is_dir() else None}
+    try:
+        cfg = SweepConfig.model_validate(doc, context=context)
     except ValidationError as e:
         raise _to_config_error(e) from None
+    except ConfigError:
+        raise
     except RecursionError:
         raise ConfigError(source or "config", "nested too deeply") from None
-
-    space_dir = Path(d.tune_spaces) if d.tune_spaces else spaces_dir()
-    if space_dir is not None and not space_dir.is_dir():
-        raise ConfigError("tune_spaces", f"directory {shown(d.tune_spaces)} does not exist")
-    datasets = tuple(_dataset_spec(x, f"datasets[{i}]", d.seed) for i, x in enumerate(d.datasets))
-    losses = tuple(_loss_spec(x, f"losses[{i}]", space_dir, d.tune_spaces is not None)
-                   for i, x in enumerate(d.losses))
-
-    protocol = d.protocol
-    if protocol.seed is None:
-        protocol = protocol.model_copy(update={"seed": d.seed})
-    if d.tracking.uri is None and os.environ.get("MLFLOW_TRACKING_URI"):
+    datasets = [d if d.name else d.model_copy(update={"name": d.kind}) for d in cfg.datasets]
+    datasets = [d.model_copy(update={"seed": cfg.seed}) if d.kind == "synthetic" and d.seed is None else d
+                for d in datasets]
+    update: dict[str, Any] = {"datasets": datasets}
+    if cfg.protocol.seed is None:
+        update["protocol"] = cfg.protocol.model_copy(update={"seed": cfg.seed})
+    cfg = cfg.model_copy(update=update)  # the losses (and their resolved spaces) are the same objects
+    cfg._source = source
+    if cfg.tracking.uri is None and os.environ.get("MLFLOW_TRACKING_URI"):
         check_tracking_uri(os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI (environment, used as tracking.uri)")
-    return SweepConfig(d.name, datasets, losses, d.model, protocol, d.resources, d.tracking, d.storage,
-                       str(space_dir) if space_dir is not None else None, source)
+    return cfg
 
 
 def load_config(path: str | os.PathLike, *, name: str | None = None) -> SweepConfig:
     """Read and validate ``CONFIG.yaml`` (:func:`read_yaml_file`: a missing, unreadable, non-UTF-8 or unparsable
     file is a :class:`ConfigError` naming it).  ``name`` overrides the sweep name (e.g. a dated name for scheduled
     re-runs of the same config)."""
-    src = str(path)
     doc = read_yaml_file(path)
     if name is not None and isinstance(doc, dict):
         doc = {**doc, "name": name}
-    return parse_config(doc, source=src)
+    return parse_config(doc, source=str(path))

@@ -30,7 +30,7 @@ from pipelines.config.errors import ConfigError
 from pipelines.config.loader import load_yaml
 
 __all__ = ["Param", "SearchSpace", "SpaceError", "spaces_dir", "builtin_spaces", "folder_spaces", "all_spaces",
-           "load_space", "parse_space", "LOSS_LR"]
+           "load_space", "parse_space", "read_space_file", "LOSS_LR"]
 
 #: The learning rate of the loss's own parameters: a TrainConfig field, never a build_loss argument.
 LOSS_LR = "loss_lr"
@@ -185,6 +185,16 @@ def _load_file(path: Path) -> SearchSpace:
     return _parse_doc(_read(path, path.name), path.name, path)
 
 
+def read_space_file(path: Path, loss: str | None = None) -> SearchSpace:
+    """One space file named by a config (``losses[].space: path.yaml``); ``loss`` fills in a missing ``loss:`` key."""
+    if not path.is_file():
+        raise SpaceError(f"{path}: no such file")
+    doc = _read(path, str(path))
+    if isinstance(doc, dict) and loss is not None and "loss" not in doc:
+        doc = {"loss": loss, **doc}
+    return _parse_doc(doc, str(path), path.resolve())
+
+
 def parse_space(doc: Any, source: str, loss: str | None = None) -> SearchSpace:
     """A space given as a mapping (a config's inline ``space:``, a plugin's shipped space); ``source`` names it in
     errors; ``loss`` fills in a missing ``loss:`` key."""
@@ -272,4 +282,8 @@ def _plugin_space(loss: str) -> SearchSpace | None:
         doc = plugin_space(loss)
     except ValueError as e:
         raise SpaceError(" ".join(str(e).split())) from None
-    return None if doc is None else parse_space(doc, f"the space shipped with {loss!r}", loss)
+    if doc is None:
+        return None
+    if isinstance(doc, dict):  # the space belongs to the object, whichever name (entry point, import path) it has here
+        doc = {**doc, "loss": loss}
+    return parse_space(doc, f"the space shipped with {loss!r}", loss)

@@ -9,15 +9,33 @@ from urllib.parse import urlsplit
 
 from pipelines.config.errors import ConfigError
 
-__all__ = ["redact_uri", "shown", "check_uri", "check_tracking_uri", "absolute_tracking_uri", "TRACKING_SCHEMES"]
+__all__ = ["redact_uri", "shown", "check_uri", "check_tracking_uri", "absolute_tracking_uri", "local_path",
+           "check_ray_address", "TRACKING_SCHEMES"]
 
 TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql")
 _USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
+#: Query parameters that carry a secret (``?token=...``, presigned ``X-Amz-Signature=...``): their values are redacted.
+_SECRET_QUERY_RE = re.compile(r"([?&;](?:[A-Za-z0-9_.-]*(?:token|key|secret|password|passwd|pwd|sig|signature|auth|"
+                              r"credential)[A-Za-z0-9_.-]*)=)[^&;#\s'\"]+", re.IGNORECASE)
+#: Something that looks like a URI scheme followed by too few slashes (``s3:/bucket``): a typo, not a local path.
+_BROKEN_SCHEME_RE = re.compile(r"^(s3|gs|gcs|az|abfs|hdfs|https?|file|sqlite|postgresql):/?(?!/)", re.IGNORECASE)
 
 
 def redact_uri(text: str) -> str:
-    """Replace the password of every ``scheme://user:password@host`` in ``text`` by ``***``."""
-    return _USERINFO_RE.sub(r"\1:***@", text) if isinstance(text, str) else text
+    """Replace the password of every ``scheme://user:password@host`` and the value of every secret-looking query
+    parameter (``?token=...``) in ``text`` by ``***``."""
+    if not isinstance(text, str):
+        return text
+    return _SECRET_QUERY_RE.sub(r"\1***", _USERINFO_RE.sub(r"\1:***@", text))
+
+
+def local_path(v: str, where: str) -> Path:
+    """A local path as the user means it: ``~`` expanded, made absolute; a symbolic-link loop is one error naming
+    ``where`` (``Path.resolve`` raises RuntimeError on one)."""
+    try:
+        return Path(v).expanduser().resolve()
+    except (RuntimeError, OSError) as e:
+        raise ConfigError(where, f"{shown(v)}: {'symbolic link loop' if isinstance(e, RuntimeError) else e}") from None
 
 
 def shown(v: Any, n: int = 60) -> str:
@@ -34,12 +52,17 @@ def check_uri(uri: str, where: str, *, allow_s3: bool = True) -> str:
         raise ConfigError(where, "contains a NUL character")
     m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", uri)
     if not m:
+        broken = _BROKEN_SCHEME_RE.match(uri)
+        if broken:  # "s3:/bucket/x", "s3:bucket": a mistyped URI would otherwise become a folder named "s3:"
+            raise ConfigError(where, f"{shown(uri)} looks like a {broken.group(1)}:// URI with a missing '/' "
+                                     f"(write {broken.group(1).lower()}://...; a local path cannot start with "
+                                     f"'{broken.group(1)}:')")
         return uri
     scheme, rest = m.group(1).lower(), m.group(2)
     if scheme == "s3" and allow_s3:
         if not rest or rest.startswith("/") or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest):
             raise ConfigError(where, f"{shown(uri)} is not a valid s3://bucket/prefix URI")
-        return uri
+        return "s3://" + rest  # S3://bucket is s3://bucket (every reader below matches the lower-case scheme)
     if scheme == "file":
         if not rest.startswith("/"):
             raise ConfigError(where, f"{shown(uri)}: a file:// URI must be absolute (file:///...)")
@@ -97,3 +120,32 @@ def absolute_tracking_uri(uri: str) -> str:
         if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
             return "postgresql+psycopg2://" + uri[len("postgresql://"):]
     return uri
+
+
+_RAY_ADDRESS_RE = re.compile(r"^(?:(ray)://)?(\[[0-9A-Fa-f:]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):(\d{1,5})$")
+
+
+def check_ray_address(address: str, where: str) -> str:
+    """A Ray cluster address: ``auto``, ``host:port`` (the GCS of a running cluster) or ``ray://host:port`` (Ray
+    Client, needs ``ray[client]``).  A malformed one, one with credentials, or a ``ray://`` one without the client is
+    one error naming ``where`` (``--address`` or ``RAY_ADDRESS``); whether anything answers there is checked when Ray
+    connects."""
+    if not isinstance(address, str) or not address.strip():
+        raise ConfigError(where, "must not be empty (omit it to start a local Ray)")
+    if address == "auto":
+        return address
+    if "@" in address:
+        host = address.rpartition("@")[2]  # never echo what stands before the '@'
+        raise ConfigError(where, f"'…@{host}': credentials do not belong in a Ray address (a Ray cluster "
+                                 "authenticates by its network; use a port-forward or VPN)")
+    m = _RAY_ADDRESS_RE.match(address)
+    if not m or not 0 < int(m.group(3)) < 65536:
+        raise ConfigError(where, f"{shown(address)} is not a Ray address (expected auto, host:port or "
+                                 "ray://host:port)")
+    if m.group(1):
+        import importlib.util  # only for ray:// addresses
+
+        if importlib.util.find_spec("grpc") is None:
+            raise ConfigError(where, f"{shown(address)}: ray:// addresses go through Ray Client, which needs "
+                                     "pip install 'ray[client]'")
+    return address

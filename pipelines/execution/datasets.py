@@ -61,8 +61,9 @@ def _bad_zip(root: str) -> str | None:
 
 
 def load_table(spec: DatasetSpec, where: str):
-    """The dataset's rows (engineer C's readers), its first ``spec.classes`` classes if set."""
-    from dml_core import data
+    """The dataset's rows (:mod:`dml_core.data` and :mod:`dml_core.datasets` readers), its first ``spec.classes`` classes if set."""
+    from dml_core import data  # the readers (torch, PIL, pyarrow): loaded once the config is known good
+    from dml_core.datasets import read_csv_dataset, read_image_folder
 
     try:
         if spec.kind == "synthetic":
@@ -73,7 +74,9 @@ def load_table(spec: DatasetSpec, where: str):
             if spec.kind == "omniglot":
                 table = data.read_omniglot(spec.path)
             elif spec.kind == "folder":
-                table = data.read_image_folder(spec.path)
+                table = read_image_folder(spec.path)
+            elif spec.kind == "csv":
+                table = read_csv_dataset(spec.path, root=spec.root)
             else:
                 table = data.read_parquet_manifest(spec.path)
     except ConfigError:

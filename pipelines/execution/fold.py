@@ -1,6 +1,6 @@
 """One cross-validation fold: :func:`run_fold`, shared by both ways a fold runs on Ray.
 
-MLRC §1.4: each fold trains an independent model on the fold's train classes, evaluates on its val classes
+docs/protocol.md §Training a fold: each fold trains an independent model on the fold's train classes, evaluates on its val classes
 (compared to self), and keeps the checkpoint with the best val MAP@R (early stopping §1.5).  That is
 :func:`dml_core.train.train_fold`; :func:`run_fold` wires it to the sweep:
 
@@ -19,7 +19,7 @@ where the result directory goes:
   ``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs); ``train_fold`` detects it, wraps
   the model in DDP and draws its rank's slice of every m-per-class batch from
   :class:`~dml_core.samplers.MPerClassBatchSampler`.  We never call ``ray.train.torch.prepare_data_loader``: it
-  would replace the m-per-class sampler by a ``DistributedSampler`` (spec ray_mlflow_notes §5.7).  The directory is
+  would replace the m-per-class sampler by a ``DistributedSampler`` (Ray Train's ``prepare_data_loader`` would).  The directory is
   rank 0's Ray Train checkpoint.
 
 Both keep the same resume story: a fold whose result directory exists (it finished before the sweep was killed) is
@@ -238,10 +238,11 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
 
     table = _table(cfg["table_ref"][0])
     fold = cfg["fold"]
-    train_set = ImageDataset(table.subset(fold["train_classes"]), train_transform(cfg["image_size"]))
-    val_set = ImageDataset(table.subset(fold["val_classes"]), eval_transform(cfg["image_size"]))
-
     model = build_model(**cfg["model"])
+    prep = model.preprocessing  # the input convention of the trunk's weights (BGR / 0-255 for BN-Inception, ...)
+    train_set = ImageDataset(table.subset(fold["train_classes"]), train_transform(cfg["image_size"], prep))
+    val_set = ImageDataset(table.subset(fold["val_classes"]), eval_transform(cfg["image_size"], prep))
+
     num_classes = len(fold["train_classes"])
     loss = build_loss(cfg["loss"], num_classes=num_classes, embedding_dim=cfg["model"]["embedding_dim"],
                       **cfg["loss_params"])
@@ -270,7 +271,8 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
                                                    run_name=f"fold {fold['index']}", reuse_unfinished=False)
             tracker.set_tags(fold_run_id, {**cfg.get("fold_run_extra_tags", {}), "restarted": "true"})
             logged = set()
-        tags: dict[str, Any] = {"pid": os.getpid(), "node_id": node_id, "device": device}
+        tags: dict[str, Any] = {"pid": os.getpid(), "node_id": node_id, "device": device,
+                                "preprocessing": prep.describe()}
         if device.startswith("cuda"):
             import torch
 
@@ -346,12 +348,12 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
     test_emb = test_labels = None
     if cfg["evaluate_test"] and result.status == "ok":
         model.load_state_dict(result.best_state["model"])
-        test_set = ImageDataset(table.subset(cfg["test_classes"]), eval_transform(cfg["image_size"]))
+        test_set = ImageDataset(table.subset(cfg["test_classes"]), eval_transform(cfg["image_size"], prep))
         emb, labels = embed(model, test_set, batch_size=config.eval_batch_size, device=device,
                             num_workers=config.num_workers)
         if rank == 0:
             test_emb, test_labels = emb.numpy().astype(np.float32), labels.numpy()
-            # "separated" (MLRC §2.3): this fold model alone on all test classes, compared to self.
+            # "separated" (docs/protocol.md §Test evaluation): this fold model alone on all test classes, compared to self.
             outcome["test_metrics"] = _finite(retrieval_metrics(test_emb, test_labels))
 
     if rank == 0:

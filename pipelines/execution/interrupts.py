@@ -1,6 +1,7 @@
 """How a sweep stops early: Ctrl-C, a failed study, a crash — say why, close the MLflow runs, keep ``--resume`` working.
 
-* **Ctrl-C** (:func:`stop_on_sigint`): the first SIGINT prints what happens and how to resume, then raises
+* **Ctrl-C or SIGTERM** (:func:`stop_on_sigint`; before the sweep runs :func:`install_startup_handlers`): the first
+  SIGINT or SIGTERM prints what happens and how to resume, then raises
   :class:`SweepInterrupted` (a ``KeyboardInterrupt``) in the driver, which leaves the running ``Tuner.fit()`` at
   once.  Ray Tune's own handler is switched off (``TUNE_DISABLE_SIGINT_HANDLER=1`` in
   :data:`pipelines.execution.ray_runtime.RAY_ENV`): it would only end the current Tuner, quietly, and the sweep would go on
@@ -26,14 +27,42 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["SweepInterrupted", "INTERRUPTED", "stop_on_sigint", "resume_command", "close_open_runs",
-           "reopen_interrupted", "failure_reason", "error_text"]
+__all__ = ["SweepInterrupted", "INTERRUPTED", "STOP_SIGNALS", "stop_on_sigint", "install_startup_handlers",
+           "exit_status", "resume_command", "close_open_runs", "reopen_interrupted", "failure_reason", "error_text"]
 
 INTERRUPTED = "interrupted"
 
 
 class SweepInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a sweep (a ``KeyboardInterrupt``, so the CLI exits with 130)."""
+    """Ctrl-C (SIGINT) or SIGTERM during a sweep (a ``KeyboardInterrupt``): the CLI exits with 128 + the signal's
+    number — 130 for Ctrl-C, 143 for SIGTERM (what Kubernetes sends a pod before it kills it)."""
+
+    def __init__(self, message: str = "", signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = int(signum)
+
+
+#: The signals that stop a sweep cleanly.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_status(e: BaseException) -> int:
+    """128 + the signal that interrupted (130 for a plain KeyboardInterrupt)."""
+    return 128 + int(getattr(e, "signum", signal.SIGINT))
+
+
+def install_startup_handlers() -> None:
+    """From the first line of ``dmlrc``: SIGTERM, like Ctrl-C, becomes a :class:`SweepInterrupted` in the main thread,
+    so a scheduler's stop during start-up (imports, preflight, Ray starting) ends in one line and exit 143, not a
+    traceback or a native stack dump.  :func:`stop_on_sigint` replaces both once the sweep runs."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise SweepInterrupted("interrupted", signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
 
 
 def resume_command(cfg) -> str:
@@ -46,25 +75,33 @@ def resume_command(cfg) -> str:
 
 @contextlib.contextmanager
 def stop_on_sigint(message: str, out=None) -> Iterator[None]:
-    """Within the block, the first SIGINT prints ``message`` and raises :class:`SweepInterrupted`; the handler
-    that was installed before comes back at once, so a second SIGINT interrupts whatever clean-up follows."""
+    """Within the block, the first SIGINT or SIGTERM prints ``message`` and raises :class:`SweepInterrupted`; the
+    handlers installed before come back at once, so a second signal interrupts whatever clean-up follows (closing
+    runs, stopping Ray).  Installed after Ray starts: Ray's driver sets a native SIGTERM handler of its own."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be installed from the main thread
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def restore() -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h if callable(h) else (signal.default_int_handler if sig == signal.SIGINT
+                                                      else signal.SIG_DFL))
 
     def handler(signum, frame):
-        signal.signal(signal.SIGINT, previous if callable(previous) else signal.default_int_handler)
+        restore()
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
         for stream in {id(s): s for s in (out, sys.stderr) if s is not None}.values():
-            print(message, file=stream, flush=True)
-        raise SweepInterrupted(message)
+            print(f"{message} ({name})" if signum == signal.SIGTERM else message, file=stream, flush=True)
+        raise SweepInterrupted(message, signum)
 
-    signal.signal(signal.SIGINT, handler)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
     try:
         yield
     finally:
         if signal.getsignal(signal.SIGINT) is handler:
-            signal.signal(signal.SIGINT, previous)
+            restore()
 
 
 def close_open_runs(tracker, sweep: str, *, reason: str, status: str = "FAILED", study: str | None = None) -> int:

@@ -1,7 +1,7 @@
 """Everything that can fail before Ray starts: load each dataset, cut its folds, build each loss once.
 
 :func:`preflight` turns a validated :class:`~pipelines.config.SweepConfig` into one :class:`StudyPlan` per
-(dataset, loss) — the unit the sweep optimises (MLRC §2.1: one Bayesian optimisation per loss per dataset).
+(dataset, loss) — the unit the sweep optimises (docs/protocol.md §Search: one Bayesian optimisation per loss per dataset).
 Failures are :class:`~pipelines.config.ConfigError` naming the field: storage or a sqlite tracking DB that cannot
 be written (``storage``, ``tracking.uri``), a missing or unreadable dataset (``datasets[i].path``, naming the
 file), an image row whose header does not parse (``datasets[i].path``), too few classes for the folds × batch
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -62,34 +63,85 @@ def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
 
 
 def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes: int) -> None:
-    """Build the loss at its defaults + pinned params: unknown names and bad values fail here, not in a worker."""
-    from dml_core.losses import build_loss
+    """Build the loss at its defaults and at each bound of its search space (pinned params applied): unknown names,
+    parameters the factory does not take and values it refuses fail here, not in a worker."""
+    from dml_core.losses import build_loss, loss_info
 
-    values = {**loss.space.defaults(), **loss.params}
-    kwargs = {k: v for k, v in values.items() if k != LOSS_LR}
-    try:
-        build_loss(loss.name, num_classes=num_classes, embedding_dim=cfg.model.embedding_dim, **kwargs)
-    except (ValueError, TypeError) as e:
-        unknown = [k for k in loss.params if k not in loss.space.params and k != LOSS_LR and k in str(e)]
-        field_name = f"{where}.params.{unknown[0]}" if unknown else f"{where}.params"
-        raise ConfigError(field_name, f"loss {loss.name!r} rejects its parameters: {e}") from None
+    space = loss.search_space
+    for label, values in space.corners():
+        kwargs = {k: v for k, v in {**values, **loss.params}.items() if k != LOSS_LR}
+        try:
+            with warnings.catch_warnings():  # a loss's warnings about a bound the user did not pick: not here
+                if label != "defaults":
+                    warnings.simplefilter("ignore")
+                build_loss(loss.name, num_classes=num_classes, embedding_dim=cfg.model.embedding_dim, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a plugin may raise anything: one line naming the field, never a traceback
+            if loss_info(loss.name).origin == "builtin" and not isinstance(e, (ValueError, TypeError)):
+                raise
+            text = " ".join(str(e).split()) or type(e).__name__
+            if not isinstance(e, (ValueError, TypeError)):
+                text = f"{type(e).__name__}: {text}"
+            raise ConfigError(_param_field(loss, where, text),
+                              f"loss {loss.name!r} rejects its parameters ({label}): {text}") from None
 
 
-def _check_model_fits(model_kwargs: dict, image_size: int, where: str) -> None:
-    """K-max pooling needs K ≤ H·W of the trunk's feature map, which depends on the trunk and the image size:
-    one forward pass of a blank batch here rather than an error in every fold's first evaluation."""
-    import torch
+def _param_field(loss: LossSpec, where: str, message: str) -> str:
+    """The config field a loss's parameter error is about: a pinned parameter, else the user's own space, else the
+    loss (whose space it is)."""
+    named = [k for k in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", message)]
+    for k in loss.params:
+        if k in named:
+            return f"{where}.params.{k}"
+    if loss.space is not None:
+        return f"{where}.space"
+    return f"{where}.name"
+
+
+def _check_model_fits(model_kwargs: dict, image_size: int, where: str, seen: set) -> None:
+    """One forward pass of a blank batch at the dataset's image size: a trunk too deep for the images (its feature map
+    shrinks to nothing), K-max pooling with K > H·W, a fixed-size timm model at another size, or a pooling that
+    overflows to inf/NaN fail here, not in every fold's first iteration (``seen``: models already checked)."""
+    import torch  # the model zoo loads only once the config is known good
 
     from dml_core.models import build_model
 
-    if not str(model_kwargs["pooling"]).startswith("kmax"):
+    key = (tuple(sorted((k, str(v)) for k, v in model_kwargs.items() if k != "pretrained")), image_size)
+    if key in seen:
         return
+    seen.add(key)
+    field = "model.pooling" if str(model_kwargs["pooling"]).startswith(("kmax", "gem")) else "model.trunk"
     model = build_model(**{**model_kwargs, "pretrained": None}).eval()
     with torch.no_grad():
         try:
-            model(torch.zeros(2, 3, image_size, image_size))
-        except ValueError as e:
-            raise ConfigError("model.pooling", f"{e} at {where}.image_size {image_size}") from None
+            out = model(torch.rand(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0)))
+        except (ValueError, RuntimeError) as e:  # torch: "Output size is too small", a kernel larger than the input
+            raise ConfigError(field, f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling cannot embed "
+                                     f"{image_size}-px images ({where}.image_size): "
+                                     f"{' '.join(str(e).split())[:300]}") from None
+    if not torch.isfinite(out).all():
+        raise ConfigError(field, f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling gives non-finite "
+                                 f"embeddings on {image_size}-px images ({where}.image_size): every metric would be at "
+                                 "chance level")
+
+
+def _check_classes(table, manifest, m: int, where: str) -> None:
+    """Folds whose validation classes are one class (MAP@R trivially 1.0: the search would optimise noise) are a
+    config error; train classes with fewer images than ``m`` (batches then repeat images) are a warning."""
+    import sys
+
+    for fold in manifest.folds:
+        if len(fold.val_classes) < 2:
+            raise ConfigError("protocol.folds", f"{where}: fold {fold.index} validates on {len(fold.val_classes)} "
+                                                "class: its MAP@R is 1.0 whatever the model (fewer folds, or more "
+                                                "classes)")
+    labels = np.asarray(table.labels)
+    classes, counts = np.unique(labels, return_counts=True)
+    train = set().union(*(set(f.train_classes) for f in manifest.folds))
+    small = [int(c) for c, n in zip(classes, counts) if int(c) in train and n < m]
+    if small:
+        print(f"warning: {where}: {len(small)} training classes have fewer than m = {m} images (e.g. class "
+              f"{small[0]}); their batches repeat images (docs/reliability.md, bad input)", file=sys.stderr,
+              flush=True)
 
 
 _PROTOCOL_TRAIN_FIELDS = ("iters_per_epoch", "max_epochs", "eval_every", "patience")
@@ -121,12 +173,16 @@ def check_pretrained(cfg: SweepConfig) -> None:
 def preflight(cfg: SweepConfig) -> list[StudyPlan]:
     """Check locations, load datasets, cut folds, check batches and build every loss; one :class:`StudyPlan` per
     (dataset, loss).  Reads only: nothing is created before the config is known good."""
-    from dml_core.losses import MLRC_MODEL, loss_info
+    from dml_core.losses import MLRC_MODEL, check_plugin_losses, loss_info
     from dml_core.splits import FoldManifest
 
     from dml_core.train import TrainConfig
 
     check_locations(cfg)
+    try:
+        check_plugin_losses()  # an installed entry point shadowed by a built-in or exported twice: ambiguous names
+    except ValueError as e:
+        raise ConfigError("losses", " ".join(str(e).split())) from None
     try:
         TrainConfig(**cfg.protocol.train, iters_per_epoch=cfg.protocol.iters_per_epoch,
                     max_epochs=cfg.protocol.max_epochs, eval_every=cfg.protocol.eval_every,
@@ -152,10 +208,12 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
             check_image_rows(spec.path, where)
         need = max(batches.values())
         try:
-            manifest = FoldManifest.from_labels(
-                table.labels, cfg.protocol.folds, cfg.protocol.fold_layout, min_val_samples=2,
-                min_train_classes=need[0],
-            )
+            with warnings.catch_warnings():  # single-class folds: _check_classes says it once, as a config error
+                warnings.filterwarnings("ignore", message=".*single val class.*")
+                manifest = FoldManifest.from_labels(
+                    table.labels, cfg.protocol.folds, cfg.protocol.fold_layout, min_val_samples=2,
+                    min_train_classes=need[0],
+                )
         except ValueError as e:
             n = len(np.unique(table.labels))
             worst = max(batches, key=lambda k: batches[k][0])
@@ -167,18 +225,20 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
         for fold in manifest.folds:
             if len(table.subset(fold.val_classes)) < w:
                 raise ConfigError(where, f"fold {fold.index} has fewer val images than the {w} workers embedding them")
+        _check_classes(table, manifest, max(m for _, m in batches.values()), where)
         if len(manifest.test_classes) < 2:
             raise ConfigError(where, f"only {len(manifest.test_classes)} test classes; need >= 2")
         datasets.append(DatasetData(spec, i, table, manifest))
 
     plans = []
+    checked_models: set = set()
     for d in datasets:
         n_train = min(len(f.train_classes) for f in d.manifest.folds)
         for j, ls in enumerate(cfg.losses):
             _check_loss_builds(cfg, ls, f"losses[{j}]", n_train)
             cpb, m = batches[ls.name]
             model_kwargs = cfg.model.kwargs(loss_info(ls.name).model if cfg.protocol.recipe == "paper" else MLRC_MODEL)
-            _check_model_fits(model_kwargs, d.spec.image_size, f"datasets[{d.index}]")
+            _check_model_fits(model_kwargs, d.spec.image_size, f"datasets[{d.index}]", checked_models)
             plans.append(StudyPlan(
                 dataset=d, loss=ls, loss_index=j, classes_per_batch=cpb, m=m, model_kwargs=model_kwargs,
                 searched=ls.searched(), fixed=ls.fixed(),

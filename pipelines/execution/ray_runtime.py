@@ -41,10 +41,11 @@ import tempfile
 import time
 from typing import Any
 
-from pipelines.config.schema import ConfigError, SweepConfig, redact_uri
+from pipelines.config import ConfigError, SweepConfig, redact_uri
+from pipelines.execution.resources import WORKER_GIB, memory_gib
 
 __all__ = ["RAY_ENV", "S3_ENV", "AWS_SECRET_ENV", "s3_compat_env", "check_storage_reachable",
-           "check_tracking_reachable", "default_num_cpus", "init_ray", "start_ray", "stop_ray", "check_cluster_resources",
+           "check_tracking_reachable", "default_num_cpus", "init_ray", "start_ray", "stop_ray",
            "warn_multi_node", "redact_uri", "scrub", "TRIAL_DRIVER_RESOURCE", "trial_bundle"]
 
 #: Set before Ray is imported/started: Train V2, quiet start-up, no usage stats, all worker lines shown.
@@ -161,14 +162,18 @@ def _check_postgres(uri: str) -> None:
 
 
 def default_num_cpus(cfg: SweepConfig) -> int:
+    """Logical CPUs of an embedded local Ray: enough for every fold of ``max_concurrent_trials`` trials at once (a
+    tiny model oversubscribes cores happily) — but no more fold workers than this machine's memory holds (about
+    ``WORKER_GIB`` each): beyond that, folds wait in Ray's queue instead of swapping the machine to a halt."""
     r = cfg.resources
     need = r.max_concurrent_trials * cfg.protocol.folds * r.workers_per_fold * r.cpus_per_worker
-    return int(max(os.cpu_count() or 1, math.ceil(need) + 1))
+    fits = max(r.workers_per_fold, math.floor(0.8 * memory_gib() / WORKER_GIB)) * r.cpus_per_worker
+    return int(max(os.cpu_count() or 1, math.ceil(min(need, fits)) + 1))
 
 
 #: The custom resource that marks the node(s) where trial drivers (Tune's trial actors, 0 CPU of real work each)
-#: belong: the node the sweep is driven from, which is not preemptible (spec ray_mlflow_notes §5.2, "put driver
-#: functions on safe nodes with a custom resource").  A Ray the sweep starts declares it; on a cluster the head
+#: belong: the node the sweep is driven from, which is not preemptible (Ray's fault-tolerance advice: keep driver
+#: functions on safe nodes, chosen with a custom resource).  A Ray the sweep starts declares it; on a cluster the head
 #: declares it (``ray start --head --resources '{"dmlrc_trial_driver": 10000}'``, infra/ray/).  Without it a trial
 #: reserves 0.01 CPU on any node — which takes a whole fold slot out of a node whose CPUs are all fold slots, and
 #: puts the trial on a node that may be lost with its folds.
@@ -253,13 +258,17 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
     from pipelines.tracking.outage import apply_retry_env
 
     retries = apply_retry_env(cfg.tracking.outage_timeout_s, _UNDO)
-    return init_ray(address, num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg), env=retries)
+    return init_ray(address, num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg), env=retries,
+                    user_env=cfg.runtime_env.ray_runtime_env())
 
 
-def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None = None) -> bool:
+def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None = None,
+             user_env: dict[str, Any] | None = None) -> bool:
     """Start (or connect to) Ray for any ``dmlrc`` command (sweep, reeval); returns whether we started it (and so
     must shut it down with :func:`stop_ray`, which is also what undoes the credential and loopback settings below —
-    call it either way).  ``num_cpus`` only applies to a Ray started here; ``env`` goes to every worker too."""
+    call it either way).  ``num_cpus`` only applies to a Ray started here; ``env`` goes to every worker too.
+    ``user_env``: the config's ``runtime_env`` (``py_modules``, ``working_dir``, ``pip``, ``env_vars``,
+    ``excludes``), merged into the job's runtime_env so that the user's code reaches every worker process."""
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     s3_compat_env()
@@ -279,11 +288,18 @@ def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None =
         # Workers, Train controllers and their placement-group cleaners log at INFO/WARNING a lot (the cleaners
         # poll the State API, which needs the dashboard we do not start); our progress lines are prints.
         logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
-        runtime_env={"env_vars": {**worker_env(), **{k: os.environ[k] for k in RAY_ENV},
+        runtime_env={**{k: v for k, v in (user_env or {}).items() if k != "env_vars"},
+                     "env_vars": {**(user_env or {}).get("env_vars", {}), **worker_env(),
+                                  **{k: os.environ[k] for k in RAY_ENV},
                                   **{k: os.environ[k] for k in S3_ENV if k in os.environ}, **(env or {})}},
     )
     if address:
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
+            where = "--address" if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
+            raise ConfigError(where, f"no Ray cluster answers at {redact_uri(address)} "
+                                     f"({' '.join(str(e).split())[:300]})") from None
     else:
         # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")

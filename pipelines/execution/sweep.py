@@ -4,16 +4,16 @@ This module is the study loop; the parts it calls each live in their own module:
 best-trial choice (:mod:`pipelines.execution.search`), one trial (:mod:`pipelines.execution.trial`), one fold (:mod:`pipelines.execution.fold`,
 :mod:`pipelines.execution.warm_folds`), the intervals and tables (:mod:`pipelines.results.study_results`).
 
-For each study (MLRC §2, spec protocol_reality_check.md):
+For each study (docs/protocol.md):
 
 1. **Search** — one Ray Tune ``Tuner`` (never nested: ray #36024) over :func:`pipelines.execution.trial.run_trial` with
    ``OptunaSearch`` (:func:`pipelines.execution.search.make_searcher`).  ``protocol.trials`` trials (MLRC: 50), at most
    ``max_concurrent_trials`` at a time.  Objective: mean over the folds of best-checkpoint val MAP@R (SEM
-   recorded), MLRC §1.6.
-2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.execution.search.best_result`, MLRC §2.2).
+   recorded), docs/protocol.md §Objective.
+2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.execution.search.best_result`, docs/protocol.md §Best trial).
 3. **Reproductions** — a second ``Tuner`` runs ``reproductions`` retrainings of the best config (grid over the
    reproduction index; each a full 4-fold trial with seed ``pipelines.execution.trial.reproduction_seed(seed, i)``), each tested
-   on the test classes, separated and concatenated (MLRC §2.3).
+   on the test classes, separated and concatenated (docs/protocol.md §Test evaluation).
 4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.stats.confidence_interval``), written to the
    study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints).
 
@@ -57,6 +57,7 @@ from typing import Any
 
 from pipelines.config.schema import ConfigError, SweepConfig
 from pipelines.execution.preflight import StudyPlan, preflight
+from pipelines.execution.worker_check import check_user_code_on_workers
 from pipelines.names import study_dirname
 from pipelines.tracking.model_registry import on_study_end, on_study_start
 from pipelines.tracking.ui import set_experiment_kind
@@ -120,10 +121,10 @@ def _check_resume(cfg: SweepConfig, resume: bool) -> None:
             "name", f"a sweep named {cfg.name!r} already exists in {cfg.local_dir()}; pass --resume to continue it, "
                     "or choose another name")
     old = json.loads(stored.read_text())
-    new = json.loads(json.dumps(cfg.to_dict()))
+    new = json.loads(json.dumps(cfg.model_dump(mode="json")))
     for key in sorted(set(old) | set(new)):
-        if key in ("resources", "tune_spaces"):
-            continue  # may change between restarts (a bigger cluster, a moved checkout)
+        if key in ("resources", "tune_spaces", "runtime_env"):
+            continue  # may change between restarts (a bigger cluster, a moved checkout, a fixed plugin)
         if old.get(key) != new.get(key):
             raise ConfigError(key, f"differs from the sweep being resumed (stored in {stored}); "
                                    "Tuner.restore cannot change what is searched")
@@ -356,7 +357,7 @@ class _Sweep:
                 **{f"model.{k}": v for k, v in plan.model_kwargs.items()},
             })
             t.log_text(run_id, plan.dataset.manifest.to_json(), "folds.json")
-            t.log_json(run_id, self.cfg.to_dict(), "sweep_config.json")
+            t.log_json(run_id, self.cfg.model_dump(mode="json"), "sweep_config.json")
         return run_id
 
     def _tuner(self, plan: StudyPlan, name: str, trainable, make):
@@ -532,7 +533,8 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     :class:`pipelines.execution.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed study's
     leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.execution.interrupts`).
     """
-    from pipelines.execution.interrupts import INTERRUPTED, close_open_runs, reopen_interrupted, resume_command, stop_on_sigint
+    from pipelines.execution.interrupts import (INTERRUPTED, close_open_runs, install_startup_handlers,
+                                                reopen_interrupted, resume_command, stop_on_sigint)
 
     out = out or sys.stdout
     t0 = time.time()
@@ -558,16 +560,18 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
     try:
         started = start_ray(cfg, address)
+        install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: ours again, until stop_on_sigint
     except BaseException:
         watch.stop()
         stop_ray(False)  # undo what it changed in this process (credentials, loopback switch, MLflow retries)
         raise
     try:
         check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
+        check_user_code_on_workers(cfg, min(len(f.train_classes) for p in plans for f in p.dataset.manifest.folds))
         if not (local / _CONFIG_FILE).exists():
             if resume:
                 print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
-            (local / _CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+            (local / _CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True))
         elif resume:
             reopen_interrupted(tracker, cfg.name)
         warn_multi_node(cfg, uri, out)

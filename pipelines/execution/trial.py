@@ -1,7 +1,7 @@
 """A Bayesian-optimisation trial (or a reproduction): 4 concurrent folds on Ray, one objective.
 
 :func:`run_trial` is the Ray Tune *function trainable* (the Train-V2 composition: a Tune trial is a light driver that
-builds ``TorchTrainer``\\ s; spec ray_mlflow_notes §5.1).  Per trial it
+builds ``TorchTrainer``\\ s).  Per trial it
 
 1. finds or creates its MLflow run (``stage=trial``, child of the study run; tags ``trial_id``, ``status``), or for a
    reproduction the ``stage=reproduction`` run (tags ``reproduction``, ``seed``), and one ``stage=fold`` child per fold;
@@ -10,10 +10,10 @@ builds ``TorchTrainer``\\ s; spec ray_mlflow_notes §5.1).  Per trial it
    (:mod:`pipelines.execution.warm_folds`); **train** — one Ray Train ``TorchTrainer`` per fold, started from 4 threads (DDP
    folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The trial itself
    reserves only the driver resource (see :mod:`pipelines.execution.sweep`);
-3. reduces the folds (MLRC §1.6): objective = mean over folds of each fold's best-checkpoint val MAP@R, with its SEM
+3. reduces the folds (docs/protocol.md §Objective): objective = mean over folds of each fold's best-checkpoint val MAP@R, with its SEM
    (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score 0 and the trial
    run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
-4. for a reproduction, evaluates the best fold models on the test classes (MLRC §2.3): *separated* = each fold model
+4. for a reproduction, evaluates the best fold models on the test classes (docs/protocol.md §Test evaluation): *separated* = each fold model
    alone, metrics averaged over folds; *concatenated* = each fold's embedding L2-normalised, concatenated (4 × d)
    and normalised again (``retrieval_metrics(normalize=True)``);
 5. reports once to Tune.
@@ -232,7 +232,7 @@ def checkpoint_uri(ckpt) -> str:
 
 
 def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trial's objective from its folds (MLRC §1.6): mean ± SEM of best val metrics; 0 if a fold diverged."""
+    """The trial's objective from its folds (docs/protocol.md §Objective): mean ± SEM of best val metrics; 0 if a fold diverged."""
     from dml_core.stats import fold_summary
 
     diverged = [o for o in outcomes if o["status"] != "ok"]

@@ -23,7 +23,7 @@ Per model version (:func:`evaluate_version`): the test classes come from the stu
 returns only the embeddings to the driver; the metrics are the sweep's own test step
 (``retrieval_metrics`` per fold model → ``pipelines.execution.trial.reproduction_test_metrics``, concatenated with
 ``pipelines.execution.trial.concatenated_embeddings``), the intervals ``pipelines.execution.sweep.confidence_intervals``
-(95 % Student-t across reproductions, MLRC §2.3).
+(95 % Student-t across reproductions, docs/protocol.md §Test evaluation).
 
 Regression rule (per compared metric, concatenated and separated).  The re-evaluated models are the registered
 models themselves, so reproduction ``i`` now and at registration share the seed: the comparison is **paired**.
@@ -242,13 +242,15 @@ class _Embedder:
         mlflow.set_tracking_uri(tracking_uri)
         self.models = [mlflow.pyfunc.load_model(u) for u in model_uris]
         self.image_size, self.batch_size, self.preprocess = image_size, batch_size, preprocess
+        # the trunk's input convention, as the sweep trained it (embedder.json; ImageNet RGB for older versions)
+        self.preprocessing = self.models[0].unwrap_python_model().spec.get("preprocessing")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         images = list(batch["image"])
         for img, digest, rel in zip(images, batch["sha256"], batch["relpath"]):
             if hashlib.sha256(img).hexdigest() != digest:
                 raise ValueError(f"{rel}: image bytes do not match their sha256 (corrupt shard)")
-        x = self.preprocess(images, self.image_size)
+        x = self.preprocess(images, self.image_size, self.preprocessing)
         out = {"label": np.asarray(batch["label"], dtype=np.int64)}
         for i, m in enumerate(self.models):
             out[f"rep{i}"] = np.asarray(m.predict(x, params={"output": "folds", "batch_size": self.batch_size}),
@@ -507,9 +509,11 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
 def _start_ray(cfg: ReevalConfig) -> bool:
     """The sweep's Ray start-up (:func:`pipelines.execution.ray_runtime.init_ray`: loopback only, credentials kept out of
     Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
+    from pipelines.execution.interrupts import install_startup_handlers
     from pipelines.execution.ray_runtime import init_ray
 
     started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1))
+    install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: a CronJob's SIGTERM stays ours
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False

@@ -1,4 +1,4 @@
-"""The reality check's evaluation of a reproduction's fold models (MLRC §2.3): "concatenated" — each fold model's
+"""The reality check's evaluation of a reproduction's fold models (docs/protocol.md §Test evaluation): "concatenated" — each fold model's
 embedding L2-normalised, then concatenated — and "separated" — the mean of the fold models' own metrics."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``dmlrc report``: one table of every study in an MLflow experiment.
 
 Rows are losses; columns are dataset × metric, each as ``mean ± half-width`` of the 95 % t-interval
-across reproductions, for the concatenated and the separated evaluation (MLRC §1.4/§8 step 5).
+across reproductions, for the concatenated and the separated evaluation (docs/protocol.md §Test evaluation).
 Written as markdown, CSV, HTML and a PNG bar chart with CI whiskers, and logged to MLflow as a
 ``stage=report`` run.  Where two losses were reproduced on the same folds and seeds, a paired t-test
 on the reproduction runs gives a p-value per pair (``dml_core.stats.paired_t_test``).
@@ -258,7 +258,7 @@ def _dataset_page(dataset: str, studies: list[Study]) -> list[str]:
                f"{g.get('seed')}) for every loss, one per row: the query (blue) then its top-{g.get('k')} references "
                "among the other test images, <span style='color:#1a9850'>✓ green = same class</span>, "
                "<span style='color:#d73027'>✗ red = another class</span>; captions are the class names. "
-               "Embedding: reproduction 0, fold embeddings concatenated (MLRC §2.3).</p>")
+               "Embedding: reproduction 0, fold embeddings concatenated (docs/protocol.md §Test evaluation).</p>")
     if not same:
         out.append("<p class='warn'>Warning: these studies' galleries use different queries (different test sets "
                    "or settings); rows do not correspond.</p>")

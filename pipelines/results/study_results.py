@@ -1,4 +1,4 @@
-"""What a finished study reports: its summary, the 95 % confidence intervals across reproductions (MLRC §2.3) and
+"""What a finished study reports: its summary, the 95 % confidence intervals across reproductions (docs/protocol.md §Test evaluation) and
 the tables printed at the end of a sweep.
 
 Cost: ``cost`` holds the study run's ``cost.*`` metrics (without the prefix): resource-seconds summed over every fold
@@ -45,7 +45,7 @@ class StudySummary:
 
 
 def confidence_intervals(reps: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """mode → metric → (mean, ci_low, ci_high) across reproductions (MLRC §2.3: t-interval across runs)."""
+    """mode → metric → (mean, ci_low, ci_high) across reproductions (docs/protocol.md §Intervals: t-interval across runs)."""
     from dml_core.stats import confidence_interval
 
     out: dict[str, dict[str, tuple[float, float, float]]] = {}

@@ -2,7 +2,7 @@
 
 At the end of a study (after its CIs are logged) :func:`log_study_visuals` takes reproduction 0's test-set
 embeddings — the four fold models' embeddings, L2-normalised and concatenated, i.e. exactly the embedding behind the
-"concatenated" column of the CI table (MLRC §2.3) — and logs to the study run, under ``visuals/``:
+"concatenated" column of the CI table (docs/protocol.md §Test evaluation) — and logs to the study run, under ``visuals/``:
 
 * ``gallery.png`` / ``gallery.json`` — a fixed sample of test queries (one per sampled class, drawn from the test
   labels and a seed only, so every loss of a dataset shows the *same* queries), each followed by its top-k
@@ -11,7 +11,7 @@ embeddings — the four fold models' embeddings, L2-normalised and concatenated,
   flags, so ``dmlrc report`` can put the losses side by side from MLflow alone.
 * ``per_class.csv`` / ``per_class.json`` — MAP@R, R-Precision and P@1 per test class, computed by
   ``dml_core.metrics.retrieval_details`` (the same code path as the global metrics; the query-weighted class means
-  are the global values, MLRC §3.2 averages queries), plus the classes each class's queries retrieve instead
+  are the global values, docs/protocol.md §Metrics averages queries), plus the classes each class's queries retrieve instead
   (wrong neighbours within the first R, R = the query's class size − 1).
 * ``embedding_map.png`` — PCA (2-D, numpy SVD: no extra dependency) of a seeded sample of test classes, coloured
   by class; the same classes for every loss of a dataset.
@@ -328,7 +328,7 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
         queries.append({"test_index": q, "table_row": int(rows[q]), "label": int(labels[q]),
                         "class_name": names[int(labels[q])], "neighbours": nbs, **pq})
     gallery = {"seed": s.seed, "k": k, "n_test": int(len(labels)), "queries": queries,
-               "embedding": "reproduction 0, concatenated fold embeddings (MLRC §2.3)"}
+               "embedding": "reproduction 0, concatenated fold embeddings (docs/protocol.md §Test evaluation)"}
     needed = {q["table_row"] for q in queries} | {nb["table_row"] for q in queries for nb in q["neighbours"]}
     images = {i: _thumb(table.images[i], s.thumb) for i in sorted(needed)}
     gallery_png = draw_gallery(gallery, images, title)
@@ -357,7 +357,7 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
 
 
 def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated test embeddings (MLRC §2.3, :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a
+    """Concatenated test embeddings (docs/protocol.md §Test evaluation, :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a
     reproduction, from its folds' Ray Train checkpoints (local paths or ``s3://`` URIs)."""
     from pathlib import Path
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -32,9 +33,11 @@ from pipelines.tracking.datasets import dataset_info, log_dataset_input
 from pipelines.tracking.ui import NOTE_TAG, experiment_note, study_note
 
 __all__ = ["registered_model_name", "register_study", "log_reproduction_model", "on_study_start", "on_study_end",
-           "VERSION_TAGS"]
+           "model_requirements", "this_distribution", "VERSION_TAGS", "DISTRIBUTION"]
 
 #: Tags every registered version carries (besides the metric tags ``test.<mode>.<metric>.{mean,ci_low,ci_high}``).
+#: This project's distribution name (pyproject.toml): what a registered model requires.
+DISTRIBUTION = "dml-reality-check"
 VERSION_TAGS = ("sweep", "experiment", "study", "dataset", "loss", "study_run_id", "git_commit", "folds_hash",
                 "dataset_digest", "dataset_uri", "seed", "seeds", "n_reproductions", "image_size", "reproductions")
 
@@ -77,6 +80,7 @@ def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: lis
     import mlflow
     import torch
 
+    from dml_core.trunks import trunk_preprocessing
     from pipelines.tracking import pyfunc_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,10 +90,12 @@ def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: lis
             ckpt = _read_fold_checkpoint(uri)
             torch.save(ckpt["model"], tmp / f"fold_{k}.pt")
             artifacts[pyfunc_model.fold_artifact(k)] = str(tmp / f"fold_{k}.pt")
-            spec = spec or {"model_kwargs": ckpt["model_kwargs"], "loss": ckpt.get("loss_name")}
+            # The fold state dicts hold every weight: a registered model never reads the trunk's pretrained file.
+            spec = spec or {"model_kwargs": {**ckpt["model_kwargs"], "pretrained": None}, "loss": ckpt.get("loss_name")}
         spec.update({"folds": len(fold_checkpoints), "image_size": int(image_size),
                      "embedding_dim": int(spec["model_kwargs"].get("embedding_dim", 128)), "seed": seed,
-                     "reproduction": reproduction})
+                     "reproduction": reproduction,
+                     "preprocessing": trunk_preprocessing(spec["model_kwargs"]["trunk"]).as_dict()})
         (tmp / pyfunc_model.EMBEDDER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True))
         artifacts["embedder"] = str(tmp / pyfunc_model.EMBEDDER_FILE)
         with _fluent_tracking(tracker_uri), mlflow.start_run(run_id=run_id), warnings.catch_warnings():
@@ -99,9 +105,37 @@ def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: lis
             info = mlflow.pyfunc.log_model(
                 name=f"reproduction_{reproduction}", python_model=pyfunc_model.__file__, artifacts=artifacts,
                 signature=_signature(image_size, spec["folds"] * spec["embedding_dim"]),
-                pip_requirements=["torch", "torchvision", "numpy", "mlflow"],
+                pip_requirements=model_requirements(spec.get("loss"), spec["model_kwargs"]["trunk"]),
                 tags={"reproduction": str(reproduction), "seed": str(seed)})
     return info.model_uri, info.model_id
+
+
+def model_requirements(loss: str | None, trunk: str) -> list[str]:
+    """The pip requirements of a registered model: this distribution (the pyfunc code, ``dml_core`` and through it
+    torch, timm and the rest), pinned to the running version, plus the plugin distributions its trunk and loss came
+    from.  Nothing names a path of the machine that trained it."""
+    from dml_core.losses import loss_info
+    from dml_core.trunks import resolve_trunk
+
+    reqs = [this_distribution()]
+    plugins = [getattr(resolve_trunk(trunk), "distribution", None)]
+    if loss:
+        try:
+            plugins.append(loss_info(loss).distribution)
+        except ValueError:  # a loss that no longer resolves here: the model itself does not need it
+            pass
+    for dist in plugins:
+        if dist is not None and dist.requirement not in reqs:
+            reqs.append(dist.requirement)
+    return reqs
+
+
+def this_distribution() -> str:
+    """``dml-reality-check==<version>`` (unpinned when running from a source tree that is not installed)."""
+    try:
+        return f"{DISTRIBUTION}=={importlib.metadata.version(DISTRIBUTION)}"
+    except importlib.metadata.PackageNotFoundError:
+        return DISTRIBUTION
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The MLflow pyfunc model of one reproduction: its 4 fold models and how they combine (MLRC §2.3).
+"""The MLflow pyfunc model of one reproduction: its 4 fold models and how they combine (docs/protocol.md §Test evaluation).
 
 This file is an MLflow *model from code*: :mod:`pipelines.tracking.model_registry` logs it with
 ``mlflow.pyfunc.log_model(python_model=<this file>, artifacts=...)``, MLflow copies the file into the model and
@@ -6,8 +6,9 @@ executes it on load (``mlflow.models.set_model`` below).  Nothing is unpickled: 
 state dicts read with ``torch.load(weights_only=True)`` and the architecture is ``embedder.json``
 (``dml_core.models.build_model`` keyword arguments).  Loading needs this project's ``dml_core`` importable.
 
-Input (signature): float32 tensor ``(B, 3, S, S)`` of images after ``dml_core.data.eval_transform(S)``
-(``S`` = ``image_size`` in ``embedder.json``); use :func:`preprocess` for encoded image bytes.
+Input (signature): float32 tensor ``(B, 3, S, S)`` of images after ``dml_core.data.eval_transform(S, P)``
+(``S`` = ``image_size``, ``P`` = the trunk's ``preprocessing`` in ``embedder.json``); use :func:`preprocess` for
+encoded image bytes.
 Output, by the ``output`` parameter:
 
 * ``concatenated`` (default) — the MLRC "concatenated" embedding ``(B, 4·d)``: each fold model's embedding
@@ -42,13 +43,14 @@ def fold_artifact(k: int) -> str:
     return f"fold_{k}"
 
 
-def preprocess(images, image_size: int) -> np.ndarray:
-    """Encoded images (bytes / paths / uint8 arrays) → the model's input, with the sweep's eval transform."""
+def preprocess(images, image_size: int, preprocessing: dict | None = None) -> np.ndarray:
+    """Encoded images (bytes / paths / uint8 arrays) → the model's input, with the sweep's eval transform and the
+    trunk's input convention (``embedder.json``'s ``preprocessing``; ``None`` = ImageNet mean/std, RGB)."""
     import torch
 
     from dml_core.data import decode_image, eval_transform
 
-    tf = eval_transform(image_size)
+    tf = eval_transform(image_size, preprocessing)
     return torch.stack([tf(decode_image(im)) for im in images]).numpy().astype(np.float32)
 
 
@@ -66,7 +68,8 @@ class FoldEnsembleEmbedder(_Base):
         self.models = []
         for k in range(int(spec["folds"])):
             state = torch.load(context.artifacts[fold_artifact(k)], map_location="cpu", weights_only=True)
-            model = build_model(**spec["model_kwargs"])
+            # The logged state dict holds every weight: the trunk's pretrained file is never needed (nor read).
+            model = build_model(**{**spec["model_kwargs"], "pretrained": None})
             model.load_state_dict(state)
             self.models.append(model.to(self.device).eval())
 

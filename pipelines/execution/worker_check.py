@@ -1,0 +1,66 @@
+"""The user's code checked where the folds will run: right after Ray starts, one Ray task imports every loss and the
+trunk of the sweep and builds each loss at its defaults, in a worker process with the sweep's ``runtime_env``.  A
+plugin that imports on the driver but not on the workers (not installed there, a ``py_modules`` entry missing) is
+then one :class:`ConfigError` naming the loss or trunk before any trial starts, not a failed fold minutes in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipelines.config import ConfigError, SweepConfig
+from pipelines.config.spaces import LOSS_LR
+
+__all__ = ["check_user_code_on_workers", "build_in_worker"]
+
+#: How long the check may wait for a worker (Ray installs a runtime_env's pip packages on first use).
+TIMEOUT_S = 600.0
+
+
+def build_in_worker(losses: list[tuple[str, dict[str, Any]]], trunk: str, num_classes: int, embedding_dim: int
+                    ) -> tuple[str, str] | None:
+    """The body of the worker task: ``(field, problem)`` of the first loss or trunk that fails, else ``None``."""
+    from dml_core.losses import build_loss
+    from dml_core.trunks import check_trunk
+
+    try:
+        check_trunk(trunk)
+    except Exception as e:  # noqa: BLE001 - whatever the plugin raises is reported, not re-raised
+        return "model.trunk", " ".join(f"{type(e).__name__}: {e}".split())
+    for i, (name, params) in enumerate(losses):
+        try:
+            build_loss(name, num_classes=num_classes, embedding_dim=embedding_dim, **params)
+        except Exception as e:  # noqa: BLE001
+            return f"losses[{i}].name", " ".join(f"{type(e).__name__}: {e}".split())
+    return None
+
+
+def check_user_code_on_workers(cfg: SweepConfig, num_classes: int) -> None:
+    """Run :func:`build_in_worker` as one Ray task (call after ``ray.init``).  Only plugin losses and trunks need it:
+    built-in ones ship with this package."""
+    import ray  # the caller has started Ray; this module is imported before that
+
+    from dml_core.losses import loss_info
+    from dml_core.trunks import resolve_trunk
+
+    losses = [(ls.name, {k: v for k, v in {**ls.search_space.defaults(), **ls.params}.items() if k != LOSS_LR})
+              for ls in cfg.losses]
+    plugin = [loss_info(name).origin != "builtin" for name, _ in losses]
+    trunk_plugin = resolve_trunk(cfg.model.trunk).kind in ("import", "entry_point")
+    if not any(plugin) and not trunk_plugin:
+        return
+    # Built-in losses are passed too (cheap), so that a failing index names the config's own entry.
+    task = ray.remote(num_cpus=0, max_retries=0)(build_in_worker)
+    ref = task.remote(losses, cfg.model.trunk, num_classes, cfg.model.embedding_dim)
+    try:
+        found = ray.get(ref, timeout=TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise ConfigError("runtime_env", f"no Ray worker could import the sweep's code within {TIMEOUT_S:.0f} s "
+                                         "(runtime_env set-up still running or failing)") from None
+    except ray.exceptions.RuntimeEnvSetupError as e:
+        raise ConfigError("runtime_env", "Ray could not set it up on a worker: "
+                                         + " ".join(str(e).split())[-500:]) from None
+    if found is not None:
+        field, problem = found
+        raise ConfigError(field, f"imports on the driver but not on the Ray workers: {problem} (ship it with "
+                                 "runtime_env: py_modules / working_dir / pip, or install it on every node)")
