@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dml_core.storage import open_storage
+
 __all__ = ["STATE_FORMAT", "rng_state", "set_rng_state", "save_state", "load_state", "state_to_bytes",
            "state_from_bytes", "CheckpointDir", "LATEST"]
 
@@ -105,8 +107,6 @@ class CheckpointDir:
     """
 
     def __init__(self, uri: str, endpoint_url: str | None = None):
-        from dml_core.storage import open_storage
-
         self.uri = str(uri)
         self.store = open_storage(self.uri, endpoint_url=endpoint_url)
         #: iteration -> file name of the states known to be complete (written here, or named by the pointer read)

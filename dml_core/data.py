@@ -16,14 +16,19 @@
 from __future__ import annotations
 
 import io
+import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from dml_core.protocol import IMAGENET_MEAN, IMAGENET_STD
+from dml_core.splits import class_disjoint_folds
+from dml_core.trunks.preprocessing import IMAGENET_PREPROCESSING, Preprocessing
 
 __all__ = [
     "ImageTable",
@@ -128,8 +133,6 @@ class ImageTable:
 
 def decode_image(image):
     """bytes / path / uint8 array -> PIL RGB image.  Grayscale and 1-bit images become 3 identical channels."""
-    from PIL import Image
-
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (1, 3, 4)):
             raise ValueError(f"array images must be HxW or HxWx{{1,3,4}} uint8, got {image.dtype} {image.shape}")
@@ -165,6 +168,8 @@ class ImageDataset(torch.utils.data.Dataset):
         return len(self.table)
 
     def __getitem__(self, i):
+        # pyarrow (dml_core.shards) loads only where a table is read: decode_image and the transforms (a registered
+        # model's preprocessing) do without it
         from dml_core.shards import CorruptImageError
 
         i = int(i)
@@ -190,8 +195,6 @@ def _rgb(img):
 
 
 def _check_pil(img, who: str):
-    from PIL import Image
-
     if not isinstance(img, Image.Image):
         raise TypeError(f"{who} takes a PIL image (dml_core.data.decode_image's output), got {type(img).__name__}")
 
@@ -199,8 +202,6 @@ def _check_pil(img, who: str):
 def _resize_bilinear(img, height: int, width: int):
     """PIL bilinear resize (PIL always antialiases when it shrinks), skipped when the size is already right —
     torchvision's PIL resize kernel, hence the same pixels."""
-    from PIL import Image
-
     if (img.height, img.width) == (height, width):
         return img
     return img.resize((width, height), resample=Image.BILINEAR)
@@ -215,8 +216,6 @@ def _to_tensor(img) -> torch.Tensor:
 
 def _preprocessing(value, who: str):
     """``preprocessing=`` of a transform as a :class:`dml_core.trunks.Preprocessing` (``None``: ImageNet)."""
-    from dml_core.trunks.preprocessing import Preprocessing  # imports neither timm nor torchvision
-
     return Preprocessing.coerce(value, where=f"{who}(preprocessing=...)")
 
 
@@ -235,8 +234,6 @@ def _normalise(x: torch.Tensor, pre=None) -> torch.Tensor:
 
 
 def _describe_normalise(pre) -> str:
-    from dml_core.trunks.preprocessing import IMAGENET_PREPROCESSING
-
     return "Normalize(ImageNet)" if pre == IMAGENET_PREPROCESSING else f"Normalize({pre.describe()})"
 
 
@@ -267,8 +264,6 @@ class TrainTransform:
 
     def crop_params(self, height: int, width: int) -> tuple[int, int, int, int]:
         """(top, left, crop height, crop width) for an image of ``height × width``."""
-        import math
-
         area = height * width
         for _ in range(10):
             target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1]).item()
@@ -289,8 +284,6 @@ class TrainTransform:
         return (height - h) // 2, (width - w) // 2, h, w
 
     def __call__(self, img) -> torch.Tensor:
-        from PIL import Image
-
         _check_pil(img, "train_transform")
         img = _rgb(img)
         top, left, h, w = self.crop_params(img.height, img.width)
@@ -354,7 +347,7 @@ def read_parquet_manifest(uri, *, endpoint_url: str | None = None, cache_dir=Non
 
     Labels and original splits are read up front; image bytes are read per row group on demand and checked
     against their sha256.  See dml_core.shards for the format and the cache."""
-    from dml_core.shards import ShardedTable
+    from dml_core.shards import ShardedTable  # pyarrow: see ImageDataset.__getitem__
 
     return ShardedTable(uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=cache_row_groups,
                         verify_rows=verify_rows)
@@ -365,7 +358,7 @@ def iter_omniglot(zip_dir: str | os.PathLike):
 
     The reading (entry names kept inside the zip, corrupt zips and members named, the two small background zips'
     shared Greek and Latin files checked identical) is :func:`dml_core.datasets.omniglot.iter_zips`'."""
-    from dml_core.datasets.omniglot import iter_zips
+    from dml_core.datasets.omniglot import iter_zips  # pyarrow (its records are dml_core.shards'): as above
 
     for rel, data, source in iter_zips(zip_dir):
         yield rel, data, Path(source.split(": ")[0]).name
@@ -489,10 +482,6 @@ def check_classes_fill_folds(labels, n_folds: int = 4, m: int = 4, classes_per_b
       * >= 2 val classes (one class makes every retrieval metric trivially 1), each with >= 2 images (a class of
         one has R = 0, so MAP@R / R-Precision are undefined for it, docs/protocol.md §Metrics).
     """
-    import warnings
-
-    from dml_core.splits import class_disjoint_folds
-
     for name, v in (("n_folds", n_folds), ("m", m), ("classes_per_batch", classes_per_batch)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"check_classes_fill_folds: {name} must be a positive integer, got {v!r}")

@@ -56,6 +56,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 import unicodedata
 import uuid
@@ -67,8 +68,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from dml_core.storage import LocalStorage, is_s3_uri, open_storage
+
+try:
+    import fcntl  # POSIX only: elsewhere the shard download lock is a no-op
+except ImportError:  # pragma: no cover - non-POSIX
+    fcntl = None
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -181,8 +188,6 @@ def default_cache_dir() -> Path:
 
 def _image_header(data: bytes, where: str):
     """(format, width, height) from the header only (magic bytes + dimensions); CorruptImageError if unreadable."""
-    from PIL import Image, UnidentifiedImageError
-
     if not data:
         raise CorruptImageError(f"{where}: empty image")
     try:
@@ -205,8 +210,6 @@ def check_image(data: bytes, where: str) -> tuple[str, int, int]:
 
     JPEG has no checksum: a flipped bit inside the entropy-coded data usually decodes to slightly different
     pixels and cannot be detected by any decoder; flipped markers, headers and truncation are caught."""
-    from PIL import Image, ImageFile
-
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is set: truncated images would pass as valid")
     fmt, w, h = _image_header(data, where)
@@ -247,6 +250,7 @@ def write_shards(
     bytes reach `max_shard_bytes`.  The manifest goes last, so a crashed run leaves no manifest (and readers
     refuse the destination).
     """
+    # tqdm.auto probes for Jupyter (it imports asyncio): only prepare's progress bar needs it, not a reader
     from tqdm.auto import tqdm
 
     if row_group_rows < 1:
@@ -352,8 +356,6 @@ def write_shards(
                 os.replace(staging / entry["path"], storage.root / entry["path"])
         done = True
     finally:
-        import shutil
-
         if state["writer"] is not None:  # failed mid-shard: drop the partial file
             state["writer"].close()
             with contextlib.suppress(FileNotFoundError):
@@ -741,9 +743,7 @@ class _ShardSource:
 def _file_lock(path: Path):
     """Exclusive lock so that DataLoader workers on one host download a shard once (no-op without fcntl)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
+    if fcntl is None:  # pragma: no cover - non-POSIX
         yield
         return
     with open(path, "a+") as f:
@@ -995,6 +995,7 @@ def verify_shards(uri, *, endpoint_url=None, cache_dir=None, decode: bool = True
     Raises `ShardChecksumError` / `CorruptImageError` / `ManifestError` naming the file and row; returns a
     summary dict.
     """
+    # tqdm.auto probes for Jupyter (it imports asyncio): only verify's progress bar needs it, not a reader
     from tqdm.auto import tqdm
 
     table = ShardedTable(uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=2, rehash=True)

@@ -120,6 +120,7 @@ class S3Storage:
     @property
     def client(self):
         if self._client is None:
+            # boto3 / botocore: only s3:// storage needs them; local folders never load them
             import boto3
             from botocore.config import Config
 
@@ -144,6 +145,7 @@ class S3Storage:
         return None  # remote: readers download into their cache
 
     def exists(self, key: str) -> bool:
+        # botocore: only S3 storage reaches here (see client)
         from botocore.exceptions import ClientError
 
         try:
@@ -161,6 +163,7 @@ class S3Storage:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def get_bytes(self, key: str) -> bytes:
+        # botocore: only S3 storage reaches here (see client)
         from botocore.exceptions import ClientError
 
         try:

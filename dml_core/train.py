@@ -64,6 +64,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
+from dml_core.data import decode_image, eval_transform
 from dml_core.distributed import (
     all_gather_no_grad,
     all_gather_uneven,
@@ -93,7 +94,7 @@ _AMP_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": to
 @dataclass
 class TrainConfig:
     """One fold's training settings.  These field defaults are *the* defaults: the sweep's config schema
-    (``pipelines/config.py``) reads them from here, so a direct caller and a sweep train alike.
+    (``pipelines/config/schema.py``) reads them from here, so a direct caller and a sweep train alike.
 
     Where each default comes from (MLRC = the reality check's released code; sections of docs/protocol.md):
 
@@ -408,7 +409,6 @@ class _Rows(torch.utils.data.Dataset):
             raise ValueError(
                 f"embed_images: row {i} is a {type(row).__name__}, not a tensor; pass image_size or transform"
             )
-        from dml_core.data import decode_image
 
         is_pil = hasattr(row, "convert") and hasattr(row, "mode")
         return self.transform(row.convert("RGB") if is_pil else decode_image(row))
@@ -435,8 +435,6 @@ def embed_images(
     map-style dataset yielding image tensors or ``(image, anything)`` pairs.  Raw model outputs, as
     :func:`embed`; eval mode, restored afterwards; on the model's device, as :func:`embed`.
     """
-    from dml_core.data import eval_transform
-
     _check_batch_size("embed_images", batch_size)
     dev = _embed_device("embed_images", model, device)
     if isinstance(images, torch.Tensor):

@@ -49,6 +49,7 @@ def _add_demo(sub) -> None:
 
 def _version() -> str:
     """The installed distribution's version (``dml-reality-check``)."""
+    # importlib.metadata takes tens of ms: not before main() has installed the signal handlers
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sweep(sub)
     _add_demo(sub)
+    # the subcommands' modules (torch, MLflow): only after main() has installed the signal handlers
     from pipelines.data_cli import add_data_parser
     from pipelines.reeval.run import add_reeval_parser
     from pipelines.results.report import add_report_parser
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_report_args(args) -> None:
     """What ``dmlrc report`` is given, checked before MLflow is asked (which would retry an unreachable server
     for minutes, or create an empty sqlite DB at a mistyped path)."""
+    # pipelines.config loads the schema (torch, pydantic): never at module level, see this module's imports
     from pipelines.config import ConfigError, check_tracking_uri
     from pipelines.execution.locations import check_dir_writable
     from pipelines.tracking.server import check_mlflow_server
@@ -106,6 +109,7 @@ def _check_report_args(args) -> None:
 
 def _checked_report(run):
     def run_report(args) -> int:
+        # pipelines.config: see _check_report_args
         from pipelines.config import ConfigError
 
         _check_report_args(args)
@@ -122,6 +126,7 @@ def _checked_report(run):
 
 
 def _finish(outcome, reference: str = "") -> int:
+    # pipelines.config and the results: see _check_report_args
     from pipelines.config.schema import redact_uri
     from pipelines.results.study_results import ci_table, params_table
 
@@ -143,6 +148,7 @@ def _finish(outcome, reference: str = "") -> int:
 
 
 def _run_sweep(args) -> int:
+    # the config schema and the sweep (torch, MLflow): see _check_report_args
     from pipelines.config.schema import load_config
     from pipelines.execution.resources import check_local_gpus, check_local_workers
     from pipelines.execution.sweep import run_sweep
@@ -156,19 +162,21 @@ def _run_sweep(args) -> int:
 
 def _check_address(args) -> None:
     """``--address`` or ``$RAY_ADDRESS`` (which ``ray.init`` would read), checked before anything starts."""
+    # pipelines.config: see _check_report_args
     from pipelines.config.uris import check_ray_address
 
     if args.address is not None:
         check_ray_address(args.address, "--address")
     elif os.environ.get("RAY_ADDRESS"):
-        check_ray_address(os.environ["RAY_ADDRESS"], "RAY_ADDRESS (environment)")
+        # ray.init would join that cluster anyway: treat it as --address from here on (no local-Ray settings)
+        args.address = check_ray_address(os.environ["RAY_ADDRESS"], "RAY_ADDRESS (environment)")
 
 
 def _run_demo(args) -> int:
+    # the config schema and the sweep: see _check_report_args
     from pipelines.config.schema import parse_config
     from pipelines.config.presets import demo_config
     from pipelines.execution.sweep import run_sweep
-
     from pipelines.config import ConfigError
 
     if args.resume and not args.name:
@@ -182,6 +190,7 @@ def _run_demo(args) -> int:
 
 def _untrained_reference(cfg) -> str:
     """The demo's floor: the same network with its initial weights on the same test classes."""
+    # torch and the model zoo: see _check_report_args
     from pipelines.execution.preflight import preflight
     from pipelines.results.untrained import untrained_test_metrics
 
@@ -198,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt as e:
-        print("interrupted", file=sys.stderr)
+        if not getattr(e, "announced", False):  # a running sweep has already said how it stopped and how to resume
+            print("interrupted", file=sys.stderr)
         return exit_status(e)
 
 

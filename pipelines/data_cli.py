@@ -18,7 +18,7 @@ import argparse
 import sys
 import zipfile
 
-from dml_core.datasets import DATASETS, KINDS
+from dml_core.datasets import DATASETS, KINDS, prepare, reader
 
 __all__ = ["add_data_parser", "run_data"]
 
@@ -70,6 +70,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
 
 def _data_errors() -> tuple[type[BaseException], ...]:
     try:
+        # botocore only once a command failed: pipelines.cli imports this module to build its parser
         from botocore.exceptions import BotoCoreError, ClientError
     except ImportError:  # pragma: no cover
         return ()
@@ -79,6 +80,7 @@ def _data_errors() -> tuple[type[BaseException], ...]:
 def run_data(args: argparse.Namespace) -> int:
     """`dmlrc data ...`; a bad source, destination or shard is one line ``data error: <file>[: row N]: <problem>``
     on stderr and exit status 2 (the readers name the file; where an error does not, the argument is named)."""
+    # pipelines.config loads the config schema (torch, pydantic): pipelines.cli imports this module to build its parser
     from pipelines.config import redact_uri
 
     errors = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError, zipfile.BadZipFile,
@@ -101,8 +103,6 @@ def run_data(args: argparse.Namespace) -> int:
 
 def _run_data(args: argparse.Namespace) -> int:
     if args.data_command == "prepare":
-        from dml_core.datasets import prepare, reader
-
         generic = args.dataset in KINDS
         if not generic and (args.root is not None or args.name is not None):
             raise ValueError(f"{args.src}: --root and --name are for `prepare folder` / `prepare csv` only")
@@ -121,6 +121,7 @@ def _run_data(args: argparse.Namespace) -> int:
                   f"images; this source differs", file=sys.stderr)
         return 0
     if args.data_command == "verify":
+        # pyarrow: pipelines.cli imports this module to build its parser
         from dml_core.shards import verify_shards
 
         summary = verify_shards(args.uri, endpoint_url=args.endpoint_url, cache_dir=args.cache_dir,

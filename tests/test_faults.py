@@ -40,7 +40,7 @@ Faults 1-3 and 8 need a trial's four folds spread over both worker nodes; 4-7 do
 and use two folds per trial (half the work of this, the slowest test module).
 
 Each test writes one row of measurements (faults, trials finished/lost/duplicated, folds resumed, iterations redone,
-wall time) to ``reliability.jsonl`` in its tmp dir and prints it: ``docs/reliability.md`` quotes them.
+wall time) to ``reliability.jsonl`` in its tmp dir and prints it: ``bench/README_faults.md`` quotes them.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ import importlib
 import os
 import re
 
+from dml_core import __version__
 from dml_core.datasets.protocol import SOP_SPLITS, DatasetProtocol, dataset_protocol, protocol_for_table
+from dml_core.storage import is_s3_uri
 
 __all__ = ["DATASETS", "KINDS", "prepare", "reader", "read_csv_dataset", "read_image_folder", "DatasetProtocol",
            "dataset_protocol", "protocol_for_table", "SOP_SPLITS"]
@@ -31,6 +33,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def read_csv_dataset(csv_uri, *, root=None, endpoint_url=None):
     """`dml_core.datasets.csv.read_csv_dataset` (a dataset CSV as an `ImageTable`)."""
+    # the readers import pyarrow: this package's root stays light (`dmlrc` builds its parser from DATASETS and KINDS)
     from dml_core.datasets.csv import read_csv_dataset as read
 
     return read(csv_uri, root=root, endpoint_url=endpoint_url)
@@ -38,6 +41,7 @@ def read_csv_dataset(csv_uri, *, root=None, endpoint_url=None):
 
 def read_image_folder(root, *, endpoint_url=None):
     """`dml_core.datasets.folder.read_image_folder` (an image folder as an `ImageTable`, fail-fast scan)."""
+    # the readers import pyarrow: this package's root stays light (`dmlrc` builds its parser from DATASETS and KINDS)
     from dml_core.datasets.folder import read_image_folder as read
 
     return read(root, endpoint_url=endpoint_url)
@@ -61,6 +65,7 @@ def default_name(kind: str, src: str | os.PathLike) -> str:
 
 
 def check_name(name: str, src) -> str:
+    # pyarrow: this package's root stays light (see read_csv_dataset)
     from dml_core.shards import DataError
 
     if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -89,9 +94,8 @@ def prepare(
     `<root>/<class>/<image>`, local or s3://) or `csv` (`src` = a dataset CSV, local or s3://, its images under
     `root`, by default the CSV's folder); `dataset_name` names those in the manifest (default: the folder's / the
     CSV's name).  `endpoint_url` serves whichever of `src` and `dest` is on S3."""
-    from dml_core import __version__
+    # pyarrow: this package's root stays light (see read_csv_dataset)
     from dml_core.shards import DataError, DataFileNotFoundError, write_shards
-    from dml_core.storage import is_s3_uri
 
     if name in KINDS:
         mod = importlib.import_module(f"dml_core.datasets.{name}")

@@ -34,6 +34,7 @@ def _scalar(x):
 
 
 def records(src: str | Path) -> list[Record]:
+    # scipy (seconds to import): only Cars196's annotations are a .mat file
     from scipy.io import loadmat
 
     src = Path(src)

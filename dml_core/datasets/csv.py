@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath, PureWindowsPath
 
+import numpy as np
+
 from dml_core.datasets._sources import NO_SPLIT, LocalRoot, S3Root, open_root
 from dml_core.shards import (
     DataError,
@@ -266,8 +268,7 @@ def read_csv_dataset(csv_uri: str | os.PathLike, *, root: str | os.PathLike | No
     """A dataset CSV as an `ImageTable`: labels int64 as given, `class_names` aligned with the sorted labels,
     meta `split` and `relpath`; rows are file paths (local root) or image bytes (S3 root: read now, so prepare
     shards for anything large), sorted by (label, relpath)."""
-    import numpy as np
-
+    # torch: only reading into an ImageTable needs it; prepare's records() (`dmlrc data`) does not
     from dml_core.data import ImageTable
 
     ds = read_csv_rows(csv_uri, root=root, endpoint_url=endpoint_url)

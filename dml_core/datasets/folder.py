@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from dml_core.datasets._sources import NO_SPLIT, LocalRoot, S3Root, _inside, is_image_name, open_root
 from dml_core.shards import (
     DataError,
@@ -192,8 +194,7 @@ def records(src: str | os.PathLike, *, endpoint_url: str | None = None) -> list[
 def read_image_folder(root: str | os.PathLike, *, endpoint_url: str | None = None):
     """An image folder as an `ImageTable`: rows are file paths (local) or image bytes (S3, read now: prepare
     shards for anything large), labels int64 in `ImageFolder` order, meta `relpath` and `split` (`all`)."""
-    import numpy as np
-
+    # torch: only reading into an ImageTable needs it; prepare's records() (`dmlrc data`) does not
     from dml_core.data import ImageTable
 
     s = scan(root, endpoint_url=endpoint_url)

@@ -12,6 +12,7 @@ Zip entries are untrusted input: an entry name with `..`, an absolute name, a dr
 
 from __future__ import annotations
 
+import hashlib
 import os
 import zipfile
 import zlib
@@ -36,8 +37,6 @@ def iter_zips(zip_dir: str | os.PathLike):
 
     The two `images_background_small*.zip` files both contain Greek and Latin with identical files; a relpath
     seen twice must have identical bytes (else LayoutError naming both zips)."""
-    import hashlib
-
     zip_dir = Path(zip_dir)
     zips = sorted(zip_dir.glob("images_*.zip"))
     if not zips:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dml_core.splits import trainval_test_split
+
 __all__ = ["DatasetProtocol", "dataset_protocol", "protocol_for_table", "SOP_SPLITS"]
 
 SOP_SPLITS = ("mlrc", "official")
@@ -48,6 +50,7 @@ class DatasetProtocol:
 
     def evaluate(self, embeddings, labels, splits=None, **metric_kwargs) -> dict[str, float]:
         """Retrieval metrics of test-set `embeddings` (rows aligned with `labels` and, for In-Shop, `splits`)."""
+        # torch and faiss: `dmlrc data` imports this package and never evaluates
         from dml_core.metrics import retrieval_metrics
 
         if self.eval_mode == "self":
@@ -66,8 +69,6 @@ def _classes_where(labels: np.ndarray, splits: np.ndarray, wanted: tuple[str, ..
 
 def dataset_protocol(dataset: str, labels, splits=None, *, sop_split: str = "mlrc") -> DatasetProtocol:
     """The protocol's class split for `dataset` given every row's label (and original split where needed)."""
-    from dml_core.splits import trainval_test_split
-
     labels = np.asarray(labels, dtype=np.int64)
     if sop_split not in SOP_SPLITS:
         raise ValueError(f"sop_split must be one of {SOP_SPLITS}, got {sop_split!r}")

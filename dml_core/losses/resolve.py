@@ -9,10 +9,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.metadata
+import importlib.resources
 import inspect
 from typing import Any, Callable
 
 import torch
+import yaml
 
 # The built-in zoo: importing each module registers its losses.  Keep this list in sync with docs/losses.md.
 import dml_core.losses.baselines  # noqa: F401  reality-check baselines wrapping pytorch-metric-learning
@@ -251,9 +253,6 @@ def plugin_space(name: str) -> dict[str, Any] | None:
         return None
     if isinstance(meta.space, dict):
         return copy.deepcopy(meta.space)
-    import importlib.resources
-
-    import yaml
 
     package, _, rel = meta.space.partition(":")
     where = f"loss {name!r}: search space {meta.space!r}"

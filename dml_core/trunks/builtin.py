@@ -54,6 +54,7 @@ class _GoogLeNetInputTransform(nn.Module):
 def _torchvision_trunk(name: str, pretrained_transform: bool) -> nn.Sequential:
     """The torchvision classifier ``name`` (``weights=None``) up to its last feature map, as a Sequential
     whose child names (and so state_dict keys) are torchvision's."""
+    # torchvision loads torch._dynamo (~150 MB per process): only its own trunks import it
     import torchvision.models as tvm
 
     if name == "googlenet":

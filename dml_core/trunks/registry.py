@@ -29,7 +29,8 @@ from dml_core.trunks import plugins
 from dml_core.trunks.builtin import (BUILTIN_TRUNKS, FEATURE_DIMS, build_builtin, builtin_preprocessing,
                                      head_prefixes)
 from dml_core.trunks.preprocessing import IMAGENET_PREPROCESSING, Preprocessing
-from dml_core.trunks.timm_trunk import TIMM_PREFIX
+from dml_core.trunks.timm_trunk import (TIMM_PREFIX, _timm, build_timm_trunk, check_timm_name, timm_head_prefixes,
+                                        timm_preprocessing)
 from dml_core.trunks.weights import load_trunk_weights, local_weights
 
 __all__ = ["TrunkSpec", "resolve_trunk", "check_trunk", "trunk_preprocessing", "list_trunks", "TRUNK_KINDS"]
@@ -95,9 +96,6 @@ def _builtin_spec(name: str) -> TrunkSpec:
 
 
 def _timm_spec(name: str) -> TrunkSpec:
-    from dml_core.trunks.timm_trunk import (_timm, build_timm_trunk, check_timm_name, timm_head_prefixes,
-                                            timm_preprocessing)
-
     model = name[len(TIMM_PREFIX):]
     check_timm_name(model, name)
 

@@ -37,6 +37,7 @@ TIMM_PREFIX = "timm:"
 
 def _timm():
     try:
+        # timm (seconds, and it pulls in torchvision) only for a timm: trunk; its absence is an error only then
         import timm
     except ImportError as e:
         raise ValueError(f"timm trunks need the 'timm' package, which cannot be imported: {e}") from None

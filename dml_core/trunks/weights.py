@@ -17,6 +17,8 @@ from pathlib import Path, PurePosixPath
 import torch
 from torch import nn
 
+from dml_core.storage import is_s3_uri, open_storage, split_s3_uri
+
 __all__ = ["local_weights", "read_state_dict", "load_trunk_weights"]
 
 # Checkpoints that wrap the state dict (training scripts, timm's train.py) keep it under one of these keys.
@@ -34,7 +36,6 @@ def local_weights(pretrained: str | os.PathLike | None, trunk_name: str) -> Iter
     if pretrained is None:
         yield None
         return
-    from dml_core.storage import is_s3_uri, open_storage, split_s3_uri
 
     if is_s3_uri(pretrained):
         uri = str(pretrained)
@@ -63,6 +64,7 @@ def read_state_dict(path: str | os.PathLike, shown: str | os.PathLike | None = N
     shown = _describe(shown if shown is not None else path)
     try:
         if str(path).endswith(".safetensors"):
+            # safetensors: only .safetensors weight files need it
             from safetensors.torch import load_file
 
             state = load_file(str(path), device="cpu")

@@ -42,7 +42,9 @@ from pydantic import (
     model_validator,
 )
 
+from dml_core.models import parse_pooling
 from dml_core.train import _AMP_DTYPES, _OPTIMIZERS, TrainConfig
+from dml_core.trunks import check_trunk
 from pipelines.config.errors import ConfigError, FieldError
 from pipelines.config.loader import read_yaml_file
 from pipelines.config.spaces import (
@@ -308,6 +310,7 @@ def _detail(e: Exception, source: str) -> str:
 def _resolve_loss(name: str) -> None:
     """The registry decides what exists.  Imported here, not at module level: the loss zoo (pytorch-metric-learning)
     takes seconds to import, and a config error must print at once."""
+    # not at module level: the loss zoo takes seconds to import (see the docstring)
     from dml_core.losses import LossPluginError, list_losses, list_wrappers, loss_info
 
     try:
@@ -396,8 +399,6 @@ class ModelSpec(_Strict):
     @field_validator("trunk")
     @classmethod
     def _trunk(cls, v: str) -> str:
-        from dml_core.trunks import check_trunk  # timm is imported only for a timm: name
-
         check_trunk(v)  # its ValueError names the trunk and what is known
         return v
 
@@ -405,8 +406,6 @@ class ModelSpec(_Strict):
     @classmethod
     def _pooling(cls, v: str | None) -> str | None:
         if v is not None:
-            from dml_core.models import parse_pooling
-
             parse_pooling(v)  # its ValueError says what is accepted
         return v
 

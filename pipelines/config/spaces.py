@@ -272,6 +272,7 @@ def load_space(loss: str, directory: str | Path | None = None) -> SearchSpace:
 
 def _plugin_space(loss: str) -> SearchSpace | None:
     """The space a plugin loss ships (``dml_core.losses.loss_metadata(space=...)``), if any."""
+    # the loss zoo takes seconds to import: not at module level, so a config error prints before it loads
     from dml_core.losses import plugin_space, resolve_loss
 
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -115,8 +116,6 @@ def absolute_tracking_uri(uri: str) -> str:
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
     if uri.startswith("postgresql://"):
-        import importlib.util
-
         if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
             return "postgresql+psycopg2://" + uri[len("postgresql://"):]
     return uri
@@ -143,8 +142,6 @@ def check_ray_address(address: str, where: str) -> str:
         raise ConfigError(where, f"{shown(address)} is not a Ray address (expected auto, host:port or "
                                  "ray://host:port)")
     if m.group(1):
-        import importlib.util  # only for ray:// addresses
-
         if importlib.util.find_spec("grpc") is None:
             raise ConfigError(where, f"{shown(address)}: ray:// addresses go through Ray Client, which needs "
                                      "pip install 'ray[client]'")

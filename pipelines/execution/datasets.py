@@ -11,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from dml_core import data
+from dml_core.datasets import read_csv_dataset, read_image_folder
+from dml_core.shards import DataError, check_rows
 from pipelines.config import ConfigError, DatasetSpec, redact_uri
 
 __all__ = ["DatasetData", "load_table", "check_image_rows", "one_line"]
@@ -62,9 +65,6 @@ def _bad_zip(root: str) -> str | None:
 
 def load_table(spec: DatasetSpec, where: str):
     """The dataset's rows (:mod:`dml_core.data` and :mod:`dml_core.datasets` readers), its first ``spec.classes`` classes if set."""
-    from dml_core import data  # the readers (torch, PIL, pyarrow): loaded once the config is known good
-    from dml_core.datasets import read_csv_dataset, read_image_folder
-
     try:
         if spec.kind == "synthetic":
             table = data.synthetic(spec.num_classes, spec.per_class, spec.image_size, spec.seed)
@@ -105,8 +105,6 @@ def check_image_rows(uri: str, where: str) -> None:
     """Every row of a prepared parquet dataset, before any worker reads it: ``dml_core.shards.check_rows`` (the
     manifest, shard hashes, row-group layout, each row's index and image header).  A bad row would otherwise fail
     only inside a training worker, minutes in."""
-    from dml_core.shards import DataError, check_rows
-
     try:
         check_rows(uri)
     except DataError as e:

@@ -41,8 +41,10 @@ tagged ``restarted=true`` (the partial run soft-deleted).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -50,7 +52,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from dml_core.checkpoint import CheckpointDir
+from dml_core.data import ImageDataset, eval_transform, train_transform
+from dml_core.distributed import broadcast_object
+from dml_core.models import build_model
+from dml_core.train import TrainConfig, embed, train_fold
 from pipelines.names import HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
 
 __all__ = ["run_fold", "fold_worker", "worker_env", "CHECKPOINT_DIR", "checkpoint_uri_of", "clear_checkpoints", "evaluation_metrics",
@@ -88,7 +97,6 @@ def clear_checkpoints(uri: str | None) -> None:
     """Delete a finished fold's checkpoints (its result is stored); trouble is only reported."""
     if not uri:
         return
-    from dml_core.checkpoint import CheckpointDir
 
     try:
         CheckpointDir(uri).clear()
@@ -105,6 +113,8 @@ def _finite(d: dict[str, Any]) -> dict[str, float]:
 
 
 def _table(ref) -> Any:
+    # not at module level: the CLI imports this module (through the sweep) before the config is checked, and a
+    # config error must not load Ray
     import ray
 
     key = ref.hex()
@@ -116,16 +126,12 @@ def _table(ref) -> Any:
 
 def _rss_peak_mb() -> float:
     """This process's peak resident memory so far (Linux reports ``ru_maxrss`` in KiB)."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def quiet_worker_logs() -> None:
     """Ray sets the root logger to INFO in workers (and Train logs every report under root); faiss's loader logs
     each CPU-feature probe.  Progress lines are our prints."""
-    import logging
-
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("faiss").setLevel(logging.WARNING)
 
@@ -153,8 +159,6 @@ class _Checkpoints:
         self.store = None
         self.pointer: dict[str, Any] | None = None  # the latest checkpoint's pointer, read by resume_state()
         if uri:
-            from dml_core.checkpoint import CheckpointDir
-
             self.store = CheckpointDir(uri)
 
     def _warn(self, what: str, e: BaseException) -> None:
@@ -163,7 +167,6 @@ class _Checkpoints:
     def resume_state(self) -> dict[str, Any] | None:
         if not self.enabled:
             return None
-        from dml_core.distributed import broadcast_object
 
         pointer = None
         if self.rank == 0:
@@ -224,13 +227,9 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
     Every rank calls it; rank 0 writes the result directory ``out_dir``.  Returns the small summary every rank
     reports (status, fold, best val metrics, time span).
     """
-    import torch
-
-    from dml_core.data import ImageDataset, eval_transform, train_transform
+    # the loss zoo (seconds) and faiss: trial drivers and `dmlrc reeval` import this module without training
     from dml_core.losses import build_loss
     from dml_core.metrics import retrieval_metrics
-    from dml_core.models import build_model
-    from dml_core.train import TrainConfig, embed, train_fold
 
     torch.set_num_threads(max(1, int(cfg["threads"])))
     torch.manual_seed(cfg["train"]["seed"])
@@ -256,6 +255,7 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
     resume_state = ckpt.resume_state()  # every rank: the state rank 0's pointer names, or None
     logged: set[int] = set()  # iterations the fold run already holds an evaluation for
     if rank == 0:
+        # MLflow only on rank 0, the rank that logs
         from pipelines.tracking.runs import Tracker
 
         tracker = Tracker.from_uri(cfg["tracking_uri"], cfg["experiment_id"])
@@ -274,10 +274,7 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         tags: dict[str, Any] = {"pid": os.getpid(), "node_id": node_id, "device": device,
                                 "preprocessing": prep.describe()}
         if device.startswith("cuda"):
-            import torch
-
             tags["gpu_name"] = torch.cuda.get_device_name(torch.device(device))
-        import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():  # a Ray Train fold: gloo on CPU, NCCL on GPUs
             tags["dist_backend"] = str(dist.get_backend())
@@ -383,8 +380,10 @@ def fold_worker(cfg: dict[str, Any]) -> None:
     Resume: if Ray Train restored a checkpoint for this run name (the fold finished before the sweep was killed),
     the worker returns at once; ``TorchTrainer.fit()`` then returns the stored result without retraining.
     """
+    # Ray (Train): not at module level, as in _table
     import ray
     import ray.train
+    import ray.train.torch
 
     quiet_worker_logs()
     ctx = ray.train.get_context()
@@ -392,8 +391,6 @@ def fold_worker(cfg: dict[str, Any]) -> None:
         return
     device = "cpu"
     if cfg["use_gpu"]:
-        import ray.train.torch
-
         device = str(ray.train.torch.get_device())
     rank = ctx.get_world_rank()
     if not cfg.get("checkpoint_uri"):

@@ -6,7 +6,7 @@
   once.  Ray Tune's own handler is switched off (``TUNE_DISABLE_SIGINT_HANDLER=1`` in
   :data:`pipelines.execution.ray_runtime.RAY_ENV`): it would only end the current Tuner, quietly, and the sweep would go on
   with the next one.  Nothing is lost: Tune snapshots its experiment state every ``TUNE_GLOBAL_CHECKPOINT_S``
-  seconds and finished fold runs keep their Ray Train checkpoints, so ``--resume`` continues as after a killed
+  seconds and finished folds keep their results (a warm fold's ``result/`` directory or a Ray Train checkpoint), so ``--resume`` continues as after a killed
   driver (unfinished trials rerun under their trial ids).  A second Ctrl-C interrupts the clean-up too.
 * **Runs left RUNNING** (:func:`close_open_runs`): after Ray is down, every run of the sweep (or of one study) still
   RUNNING is closed — ``KILLED`` with tags ``status=interrupted`` / ``reason`` for an interruption, ``FAILED`` with the
@@ -40,6 +40,7 @@ class SweepInterrupted(KeyboardInterrupt):
     def __init__(self, message: str = "", signum: int = signal.SIGINT):
         super().__init__(message)
         self.signum = int(signum)
+        self.announced = False  # True once the sweep printed what happens and how to resume
 
 
 #: The signals that stop a sweep cleanly.
@@ -93,7 +94,9 @@ def stop_on_sigint(message: str, out=None) -> Iterator[None]:
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
         for stream in {id(s): s for s in (out, sys.stderr) if s is not None}.values():
             print(f"{message} ({name})" if signum == signal.SIGTERM else message, file=stream, flush=True)
-        raise SweepInterrupted(message, signum)
+        stop = SweepInterrupted(message, signum)
+        stop.announced = True
+        raise stop
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
@@ -108,6 +111,7 @@ def close_open_runs(tracker, sweep: str, *, reason: str, status: str = "FAILED",
     """Close every run of ``sweep`` (of ``study`` only, if given) that is still RUNNING: MLflow status ``status``
     (``KILLED`` for an interruption), tags ``status`` (``interrupted`` | ``failed``) and ``reason``.  Call it once
     no Ray worker can write to them any more.  Returns how many runs it closed."""
+    # MLflow: pipelines.cli imports this module first, and it must load nothing but the standard library
     from pipelines.tracking.runs import search_all
 
     flt = f"tags.sweep = '{_q(sweep)}' and attributes.status = 'RUNNING'"
@@ -123,6 +127,7 @@ def close_open_runs(tracker, sweep: str, *, reason: str, status: str = "FAILED",
 
 def reopen_interrupted(tracker, sweep: str) -> int:
     """On ``--resume``: study runs an interruption closed (``KILLED``, not ``done``) are RUNNING again."""
+    # MLflow: see close_open_runs
     from pipelines.tracking.runs import search_all
 
     flt = (f"tags.sweep = '{_q(sweep)}' and tags.stage = 'study' and attributes.status = 'KILLED' "

@@ -10,13 +10,14 @@ split across the DDP workers (``resources.workers_per_fold``), a ``model.pretrai
 dict of the trunk, GPUs asked for where there are none (``resources.use_gpu``).  Nothing is written here: the
 checks only read, so a failing config leaves no folder and no MLflow experiment behind.
 
-No Ray, no MLflow here (:func:`check_cluster_resources` takes Ray's resource dict from its caller).
+No Ray, no MLflow here (the resources are checked against Ray's by :mod:`pipelines.execution.resources`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -25,7 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from dml_core.models import build_model
+from dml_core.splits import FoldManifest
+from dml_core.train import TrainConfig
 from pipelines.config.schema import TRAIN_KEYS, ConfigError, DatasetSpec, LossSpec, SweepConfig, redact_uri
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.datasets import DatasetData, check_image_rows, load_table, one_line
@@ -55,6 +60,7 @@ class StudyPlan:
 def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
     """``(classes_per_batch, m)``: ``protocol.train`` if set; else the protocol's shared batch (MLRC: 8 × 4 for
     every loss — the point of a fair comparison), or the loss paper's own batch with ``protocol.recipe: paper``."""
+    # the loss zoo takes seconds to import: the sweep imports this module before the config is checked
     from dml_core.losses import MLRC_BATCH, loss_info
 
     spec = loss_info(loss.name).batch if cfg.protocol.recipe == "paper" else MLRC_BATCH
@@ -65,6 +71,7 @@ def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
 def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes: int) -> None:
     """Build the loss at its defaults and at each bound of its search space (pinned params applied): unknown names,
     parameters the factory does not take and values it refuses fail here, not in a worker."""
+    # the loss zoo: see batch_of
     from dml_core.losses import build_loss, loss_info
 
     space = loss.search_space
@@ -98,13 +105,9 @@ def _param_field(loss: LossSpec, where: str, message: str) -> str:
 
 
 def _check_model_fits(model_kwargs: dict, image_size: int, where: str, seen: set) -> None:
-    """One forward pass of a blank batch at the dataset's image size: a trunk too deep for the images (its feature map
+    """One forward pass of a random batch at the dataset's image size: a trunk too deep for the images (its feature map
     shrinks to nothing), K-max pooling with K > H·W, a fixed-size timm model at another size, or a pooling that
     overflows to inf/NaN fail here, not in every fold's first iteration (``seen``: models already checked)."""
-    import torch  # the model zoo loads only once the config is known good
-
-    from dml_core.models import build_model
-
     key = (tuple(sorted((k, str(v)) for k, v in model_kwargs.items() if k != "pretrained")), image_size)
     if key in seen:
         return
@@ -116,19 +119,17 @@ def _check_model_fits(model_kwargs: dict, image_size: int, where: str, seen: set
             out = model(torch.rand(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0)))
         except (ValueError, RuntimeError) as e:  # torch: "Output size is too small", a kernel larger than the input
             raise ConfigError(field, f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling cannot embed "
-                                     f"{image_size}-px images ({where}.image_size): "
+                                     f"the images at {where}.image_size {image_size}: "
                                      f"{' '.join(str(e).split())[:300]}") from None
     if not torch.isfinite(out).all():
         raise ConfigError(field, f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling gives non-finite "
-                                 f"embeddings on {image_size}-px images ({where}.image_size): every metric would be at "
-                                 "chance level")
+                                 f"embeddings at {where}.image_size {image_size}: every metric would be at chance "
+                                 "level")
 
 
 def _check_classes(table, manifest, m: int, where: str) -> None:
     """Folds whose validation classes are one class (MAP@R trivially 1.0: the search would optimise noise) are a
     config error; train classes with fewer images than ``m`` (batches then repeat images) are a warning."""
-    import sys
-
     for fold in manifest.folds:
         if len(fold.val_classes) < 2:
             raise ConfigError("protocol.folds", f"{where}: fold {fold.index} validates on {len(fold.val_classes)} "
@@ -162,7 +163,6 @@ def check_pretrained(cfg: SweepConfig) -> None:
     cannot read, or one that is not a state dict of this trunk fails here instead of in every fold's worker."""
     if cfg.model.pretrained is None:
         return
-    from dml_core.models import build_model
 
     try:
         build_model(**cfg.model.kwargs())
@@ -173,10 +173,8 @@ def check_pretrained(cfg: SweepConfig) -> None:
 def preflight(cfg: SweepConfig) -> list[StudyPlan]:
     """Check locations, load datasets, cut folds, check batches and build every loss; one :class:`StudyPlan` per
     (dataset, loss).  Reads only: nothing is created before the config is known good."""
+    # the loss zoo: see batch_of
     from dml_core.losses import MLRC_MODEL, check_plugin_losses, loss_info
-    from dml_core.splits import FoldManifest
-
-    from dml_core.train import TrainConfig
 
     check_locations(cfg)
     try:

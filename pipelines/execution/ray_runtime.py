@@ -40,9 +40,14 @@ import sys
 import tempfile
 import time
 from typing import Any
+from urllib.parse import unquote
 
+from dml_core.storage import split_s3_uri
 from pipelines.config import ConfigError, SweepConfig, redact_uri
+from pipelines.execution.fold import worker_env
 from pipelines.execution.resources import WORKER_GIB, memory_gib
+from pipelines.tracking.outage import apply_retry_env
+from pipelines.tracking.server import check_mlflow_server
 
 __all__ = ["RAY_ENV", "S3_ENV", "AWS_SECRET_ENV", "s3_compat_env", "check_storage_reachable",
            "check_tracking_reachable", "default_num_cpus", "init_ray", "start_ray", "stop_ray",
@@ -88,7 +93,6 @@ def scrub(text: str, uri: str | None) -> str:
     m = _USERINFO.match(uri or "")
     if not m or not m.group(2):
         return text
-    from urllib.parse import unquote
 
     for secret in {m.group(2), unquote(m.group(2))}:
         text = text.replace(secret, "***")
@@ -111,10 +115,9 @@ def check_storage_reachable(cfg: SweepConfig) -> None:
     """Fail before Ray starts when ``storage: s3://bucket/...`` cannot be reached (names ``storage``)."""
     if not cfg.storage_is_s3:
         return
+    # boto3 / botocore only for s3:// storage: a local sweep never loads them
     import boto3
     import botocore.exceptions
-
-    from dml_core.storage import split_s3_uri
 
     bucket, _ = split_s3_uri(cfg.storage)
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
@@ -132,14 +135,13 @@ def check_tracking_reachable(uri: str) -> None:
         _check_postgres(uri)
         return
     if uri.startswith(("http://", "https://")):
-        from pipelines.tracking.server import check_mlflow_server
-
         check_mlflow_server(uri, "tracking.uri")
 
 
 def _check_postgres(uri: str) -> None:
     """Connect once, through SQLAlchemy as MLflow will (``postgresql://`` = psycopg 3 since SQLAlchemy 2.1,
     ``postgresql+psycopg2://`` = psycopg2), with a short connect timeout instead of MLflow's minutes of retries."""
+    # SQLAlchemy (and a PostgreSQL driver) only for a postgresql:// tracking store
     import sqlalchemy
 
     shown = redact_uri(uri)
@@ -243,6 +245,7 @@ def stop_ray(started: bool) -> None:
     """Shut down the Ray :func:`start_ray` started (if it did) and undo its changes to this process."""
     try:
         if started:
+            # Ray is imported by init_ray, after RAY_ENV is set (Ray reads it at import): never at module level
             import ray
 
             ray.shutdown()
@@ -255,8 +258,6 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
     """:func:`init_ray` for a sweep: a local Ray gets ``resources.num_cpus`` logical CPUs (default
     :func:`default_num_cpus`); this process and every worker get MLflow HTTP retries that outlast
     ``tracking.outage_timeout_s`` (:mod:`pipelines.tracking.outage`)."""
-    from pipelines.tracking.outage import apply_retry_env
-
     retries = apply_retry_env(cfg.tracking.outage_timeout_s, _UNDO)
     return init_ray(address, num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg), env=retries,
                     user_env=cfg.runtime_env.ray_runtime_env())
@@ -273,12 +274,12 @@ def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None =
         os.environ.setdefault(k, v)
     s3_compat_env()
     _hide_credentials()
+    # only now: Ray reads the RAY_ENV settings just made when it is imported
     import ray
-
-    from pipelines.execution.fold import worker_env
 
     if ray.is_initialized():
         return False
+    address = address or os.environ.get("RAY_ADDRESS") or None  # ray.init would join it: no local-Ray settings
     if not address:
         _loopback_only()
     kwargs: dict[str, Any] = dict(
@@ -326,6 +327,7 @@ def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None =
 
 def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
     """On a multi-node cluster, local storage and a sqlite/file tracking store only work through a shared mount."""
+    # Ray is imported by init_ray, after RAY_ENV is set (see stop_ray)
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+import torch
+
 from pipelines.config import ConfigError, SweepConfig
 
 __all__ = ["check_local_gpus", "check_local_workers", "check_cluster_resources", "memory_gib", "WORKER_GIB"]
@@ -30,7 +32,6 @@ def check_local_gpus(cfg: SweepConfig, address: str | None = None) -> None:
     which torch.cuda knows before Ray starts.  (On a cluster, :func:`check_cluster_resources` after ``ray.init``.)"""
     if not cfg.resources.use_gpu or address or os.environ.get("RAY_ADDRESS"):
         return
-    import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     _gpu_error(cfg, gpus, os.cpu_count(), "this machine (the local Ray's resources)")

@@ -21,6 +21,7 @@ __all__ = ["optuna_space", "make_searcher", "best_result", "grid_rows"]
 
 def optuna_space(searched: dict) -> dict:
     """``pipelines.config.spaces.Param`` → Optuna distributions (log-uniform / uniform / int / categorical)."""
+    # optuna loads with the search, not when the CLI imports this module (via the sweep) to check a config
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     out = {}
@@ -36,6 +37,7 @@ def optuna_space(searched: dict) -> dict:
 
 def make_searcher(plan, cfg):
     """OptunaSearch with GPSampler (default) or TPESampler; ``startup_trials`` random trials first; seeded."""
+    # optuna and Ray Tune: see optuna_space (Ray must not load before the config is checked)
     import optuna
     from ray.tune.search.optuna import OptunaSearch
 

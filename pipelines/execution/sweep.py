@@ -60,15 +60,20 @@ from pipelines.execution.preflight import StudyPlan, preflight
 from pipelines.execution.worker_check import check_user_code_on_workers
 from pipelines.names import study_dirname
 from pipelines.tracking.model_registry import on_study_end, on_study_start
-from pipelines.tracking.ui import set_experiment_kind
+from pipelines.tracking.ui import experiment_url, set_experiment_kind
 from pipelines.results.visuals import log_study_visuals
-from pipelines.execution.ray_runtime import check_storage_reachable, check_tracking_reachable, redact_uri, scrub, start_ray, stop_ray, warn_multi_node
+from pipelines.execution.ray_runtime import (check_storage_reachable, check_tracking_reachable, redact_uri, scrub,
+                                             start_ray, stop_ray, trial_bundle, warn_multi_node)
 from pipelines.execution.resources import check_cluster_resources
 from pipelines.execution.search import best_result, grid_rows, make_searcher
-from pipelines.execution.interrupts import failure_reason
+from pipelines.execution.interrupts import (INTERRUPTED, SweepInterrupted, close_open_runs, failure_reason,
+                                            install_startup_handlers, reopen_interrupted, resume_command,
+                                            stop_on_sigint)
 from pipelines.results.study_results import COST_KEYS, StudySummary, ci_report, confidence_intervals, fmt_ci
 from pipelines.execution.trial import StudyContext, run_trial
 from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION
+from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
+from pipelines.tracking.runs import PARENT, Tracker, git_commit
 
 __all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies", "study_cost"]
 
@@ -90,8 +95,6 @@ class SweepOutcome:
 
     def mlflow_ui_command(self) -> str:
         """How to look at the runs; the link opens the experiment on MLflow 3's training-runs view."""
-        from pipelines.tracking.ui import experiment_url
-
         if self.tracking_uri.startswith(("http://", "https://")):
             return f"open {experiment_url(self.tracking_uri, self.experiment_id)}"
         return (f"mlflow ui --backend-store-uri {self.tracking_uri}  then open "
@@ -168,8 +171,6 @@ def retire_lost_trials(tracker, study_run_id: str, known: set[str]) -> int:
     trial under a new id in its place (a seeded searcher: the same values).  Such a run (and its fold runs) would
     stay RUNNING and double the trial in the MLflow tree: it is ended KILLED, tagged with the reason, and hidden.
     Returns how many trials it retired."""
-    from pipelines.tracking.runs import PARENT
-
     def is_known(tid: str | None) -> bool:  # a row's id is the trial id, or its directory name that holds it
         return bool(tid) and any(tid == k or f"_{tid}_" in k for k in known)
 
@@ -201,6 +202,8 @@ def _register_study_trainable(plan: StudyPlan, ctx: StudyContext) -> str:
     """Register ``run_trial`` bound to this study under a name of its own and return the name, which the study's
     Tuners are given instead of the function (so ``Tuner.fit()`` registers nothing itself).  Tune keys trainables by
     name in one job-wide registry: concurrent studies under one name would run each other's context."""
+    # Ray: not at module level; the CLI imports this module before the config is checked, which must not load Ray
+    import ray
     from ray import tune
 
     def trial(config, ctx):
@@ -208,10 +211,6 @@ def _register_study_trainable(plan: StudyPlan, ctx: StudyContext) -> str:
 
     name = "run_trial_" + study_dirname(plan.key)
     trial.__name__ = trial.__qualname__ = name
-    import ray
-
-    from pipelines.execution.ray_runtime import trial_bundle
-
     bundle = trial_bundle(ray.cluster_resources())  # on the driver's node when it declares the driver resource
     with _REGISTRY_LOCK:
         trainable = tune.with_resources(tune.with_parameters(trial, ctx=ctx), tune.PlacementGroupFactory([bundle]))
@@ -260,8 +259,6 @@ class _Sweep:
         return [f.result() for f in futures]
 
     def _study_thread(self, plan: StudyPlan) -> StudySummary:
-        from pipelines.execution.interrupts import SweepInterrupted
-
         if self.stopping.is_set():
             raise SweepInterrupted("stopped before it started")
         with self._threads_lock:
@@ -276,8 +273,6 @@ class _Sweep:
         """Queued studies never start; running ones get ``SweepInterrupted`` raised in their thread (it leaves
         ``Tuner.fit()`` as Ctrl-C left it in a sequential sweep; Tune's state is its last periodic snapshot);
         wait a bounded time for them, then the caller shuts Ray down."""
-        from pipelines.execution.interrupts import SweepInterrupted
-
         self.stopping.set()
         for f in futures:
             f.cancel()
@@ -292,9 +287,6 @@ class _Sweep:
 
     def _check_tracking(self) -> None:
         """Stop the sweep (as Ctrl-C does: state kept) once MLflow has been unreachable for the configured time."""
-        from pipelines.execution.interrupts import resume_command
-        from pipelines.tracking.outage import TrackingUnavailable
-
         if self.watch is not None and self.watch.expired():
             raise TrackingUnavailable(
                 f"MLflow at {redact_uri(self.tracker.uri)} unreachable for {self.watch.down_for():.0f} s "
@@ -302,8 +294,6 @@ class _Sweep:
                 f"{self.cfg.ray_storage()}; once MLflow answers again, resume with: {resume_command(self.cfg)}")
 
     def _check_stopping(self) -> None:
-        from pipelines.execution.interrupts import SweepInterrupted
-
         if self.stopping.is_set():
             raise SweepInterrupted("the sweep is stopping")
 
@@ -338,8 +328,6 @@ class _Sweep:
         )
 
     def _open_study_run(self, plan: StudyPlan) -> str:
-        from pipelines.tracking.runs import git_commit
-
         t = self.tracker
         run_id, created = t.get_or_create({"sweep": self.cfg.name, "study": plan.key, "stage": "study"},
                                           run_name=plan.key)
@@ -361,6 +349,7 @@ class _Sweep:
         return run_id
 
     def _tuner(self, plan: StudyPlan, name: str, trainable, make):
+        # Ray: see _register_study_trainable
         from ray import tune
 
         path = self.study_storage(plan) + "/" + name
@@ -371,9 +360,11 @@ class _Sweep:
         return make(path)
 
     def run_study(self, plan: StudyPlan) -> StudySummary:
+        # Ray: see _register_study_trainable
         import ray
         from ray import tune
 
+        # it imports Ray Tune: see _register_study_trainable
         from pipelines.execution.progress import TrialProgress, format_duration
 
         cfg, t = self.cfg, self.tracker
@@ -485,7 +476,8 @@ class _Sweep:
         summary.cost = {k[len("cost."):]: v for k, v in cost.items()}
 
     def _log_models(self, run_id: str, rep: dict[str, Any]) -> None:
-        """Reproduction ``rep``'s fold models (written by rank 0 into its Ray Train checkpoint) → ``models/``."""
+        """Reproduction ``rep``'s fold models (written by rank 0 into its result directory or Ray Train checkpoint) → ``models/``."""
+        # Ray: see _register_study_trainable
         import ray.train
 
         for k, path in enumerate(rep.get("fold_checkpoints", [])):
@@ -533,9 +525,6 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     :class:`pipelines.execution.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed study's
     leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.execution.interrupts`).
     """
-    from pipelines.execution.interrupts import (INTERRUPTED, close_open_runs, install_startup_handlers,
-                                                reopen_interrupted, resume_command, stop_on_sigint)
-
     out = out or sys.stdout
     t0 = time.time()
     _check_resume(cfg, resume)
@@ -548,14 +537,11 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     local = cfg.local_dir()
     local.mkdir(parents=True, exist_ok=True)
 
-    from pipelines.tracking.runs import Tracker
-
     tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
     if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
         raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
                                   f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
     set_experiment_kind(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
-    from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
 
     watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
     try:
@@ -575,6 +561,7 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         elif resume:
             reopen_interrupted(tracker, cfg.name)
         warn_multi_node(cfg, uri, out)
+        # Ray: started by start_ray above; see _register_study_trainable
         import ray
 
         limit = max_concurrent_studies(cfg, address, ray.cluster_resources(), len(plans))

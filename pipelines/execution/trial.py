@@ -39,11 +39,17 @@ from typing import Any
 
 import numpy as np
 
+from dml_core.splits import FoldManifest
+from dml_core.stats import fold_summary
+from dml_core.storage import open_storage
 from pipelines.execution.fold import (evaluation_metrics, fold_worker, logged_evaluations)
 from pipelines.config.spaces import LOSS_LR
 from pipelines.names import HEADLINE_METRICS, OBJECTIVE, OUTCOME_FILE, PARAMS, REPRODUCTION, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.results.embeddings import reproduction_test_metrics
 from pipelines.execution.interrupts import error_text
+from pipelines.results.visuals import details_to_bytes
+from pipelines.tracking.datasets import log_fold_dataset_input
+from pipelines.tracking.runs import PARENT, Tracker
 
 __all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "reproduction_seed"]
 
@@ -143,6 +149,7 @@ def _fold_tags(ctx: StudyContext, index: int) -> dict[str, Any]:
 def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
     """One fold = one ``TorchTrainer.fit()`` (called from a thread of the trial driver); returns the URI of rank 0's
     result directory (the run's checkpoint)."""
+    # Ray: not at module level; the sweep imports this module before the config is checked, which must not load Ray
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -170,6 +177,7 @@ def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
 def _run_folds(ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
                ) -> tuple[dict[int, str], dict[int, tuple[float, float]], dict[int, BaseException]]:
     """Run every fold concurrently; ``(result URIs, (submit, done) wall times, errors)`` by fold index."""
+    # Ray: see _fit_train
     import ray
 
     uris: dict[int, str] = {}
@@ -177,6 +185,7 @@ def _run_folds(ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
     errors: dict[int, BaseException] = {}
     t_submit = time.time()
     if fold_executor(ctx) == "warm":
+        # it imports Ray: see _fit_train
         from pipelines.execution.warm_folds import result_uri, warm_fold_ref
 
         gpus = ctx.gpus_per_worker if ctx.use_gpu else 0.0
@@ -212,6 +221,7 @@ def _run_folds(ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
 
 def _read_outcome(uri: str) -> tuple[dict[str, Any], np.ndarray | None, np.ndarray | None]:
     """A fold's result directory (local path or ``s3://``), whichever executor wrote it."""
+    # Ray: see _fit_train
     import ray.train
 
     with ray.train.Checkpoint(uri).as_directory() as d:
@@ -233,8 +243,6 @@ def checkpoint_uri(ckpt) -> str:
 
 def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     """The trial's objective from its folds (docs/protocol.md §Objective): mean ± SEM of best val metrics; 0 if a fold diverged."""
-    from dml_core.stats import fold_summary
-
     diverged = [o for o in outcomes if o["status"] != "ok"]
     out: dict[str, Any] = {}
     if diverged:
@@ -252,12 +260,9 @@ def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     """Ray Tune function trainable (wrapped with ``tune.with_parameters(run_trial, ctx=...)``)."""
+    # Ray: see _fit_train
     import ray
     from ray import tune
-
-    from dml_core.splits import FoldManifest
-    from pipelines.tracking.datasets import log_fold_dataset_input
-    from pipelines.tracking.runs import PARENT, Tracker
 
     trial_id = tune.get_context().get_trial_id()
     rep = config.get(REPRODUCTION)
@@ -361,9 +366,6 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
 
 def _store_details(ctx: StudyContext, prefix: str, details) -> str:
     """The concatenated test search's neighbours, next to the folds' results, for the study's visuals."""
-    from dml_core.storage import open_storage
-    from pipelines.results.visuals import details_to_bytes
-
     folder = ctx.fold_storage.rstrip("/") + f"/{prefix}-concat"
     open_storage(folder).put_bytes(details_to_bytes(details), "details.npz")
     return folder + "/details.npz"

@@ -29,6 +29,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import ray
+import torch
+
+from dml_core.storage import open_storage
 from pipelines.execution.fold import checkpoint_uri_of, clear_checkpoints, quiet_worker_logs, run_fold
 from pipelines.names import OUTCOME_FILE
 
@@ -48,14 +52,10 @@ def _fold_dir(uri: str) -> str:
 
 
 def _stored(uri: str) -> bool:
-    from dml_core.storage import open_storage
-
     return open_storage(uri).exists(OUTCOME_FILE)
 
 
 def _upload(local: Path, uri: str) -> None:
-    from dml_core.storage import open_storage
-
     store = open_storage(uri)
     files = sorted(p for p in local.iterdir() if p.is_file())
     for p in sorted(files, key=lambda p: p.name == OUTCOME_FILE):  # outcome.json last: it marks a complete result
@@ -64,8 +64,6 @@ def _upload(local: Path, uri: str) -> None:
 
 def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
     """Body of the fold task: skip if already stored, else train and store; returns the result directory URI."""
-    import ray
-
     if _stored(uri):
         return uri
     if not cfg.get("checkpoint_uri"):
@@ -73,8 +71,6 @@ def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
     quiet_worker_logs()
     device = "cpu"
     if cfg["use_gpu"]:
-        import torch
-
         gpu = int(ray.get_gpu_ids()[0])
         torch.cuda.set_device(gpu)
         device = f"cuda:{gpu}"
@@ -84,8 +80,6 @@ def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
         _upload(Path(tmp), uri)  # raises on failure: a fold's result must be stored
     clear_checkpoints(cfg["checkpoint_uri"])  # the result is stored: the mid-fold states are not needed any more
     if cfg["use_gpu"]:
-        import torch
-
         torch.cuda.empty_cache()  # the next fold in this process may be given another GPU
     return uri
 
@@ -96,7 +90,6 @@ _REMOTE = None
 def warm_fold_ref(cfg: dict[str, Any], uri: str, *, cpus: float, gpus: float, retries: int):
     """Submit one warm fold; returns the ObjectRef of its result directory URI."""
     global _REMOTE
-    import ray
 
     if _REMOTE is None:
         # max_calls=0: the worker process is kept for the next fold (Ray's default for GPU tasks is a fresh one).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dml_core.trunks import check_trunk, resolve_trunk
 from pipelines.config import ConfigError, SweepConfig
 from pipelines.config.spaces import LOSS_LR
 
@@ -19,8 +20,8 @@ TIMEOUT_S = 600.0
 def build_in_worker(losses: list[tuple[str, dict[str, Any]]], trunk: str, num_classes: int, embedding_dim: int
                     ) -> tuple[str, str] | None:
     """The body of the worker task: ``(field, problem)`` of the first loss or trunk that fails, else ``None``."""
+    # the loss zoo takes seconds to import: the sweep imports this module before the config is checked
     from dml_core.losses import build_loss
-    from dml_core.trunks import check_trunk
 
     try:
         check_trunk(trunk)
@@ -38,9 +39,8 @@ def check_user_code_on_workers(cfg: SweepConfig, num_classes: int) -> None:
     """Run :func:`build_in_worker` as one Ray task (call after ``ray.init``).  Only plugin losses and trunks need it:
     built-in ones ship with this package."""
     import ray  # the caller has started Ray; this module is imported before that
-
+    # the loss zoo: see build_in_worker
     from dml_core.losses import loss_info
-    from dml_core.trunks import resolve_trunk
 
     losses = [(ls.name, {k: v for k, v in {**ls.search_space.defaults(), **ls.params}.items() if k != LOSS_LR})
               for ls in cfg.losses]

@@ -22,7 +22,7 @@ Per model version (:func:`evaluate_version`): the test classes come from the stu
 ``map_batches`` with actors that hold every reproduction's pyfunc model, one actor per GPU with ``use_gpu``) and
 returns only the embeddings to the driver; the metrics are the sweep's own test step
 (``retrieval_metrics`` per fold model → ``pipelines.execution.trial.reproduction_test_metrics``, concatenated with
-``pipelines.execution.trial.concatenated_embeddings``), the intervals ``pipelines.execution.sweep.confidence_intervals``
+``pipelines.execution.trial.concatenated_embeddings``), the intervals ``pipelines.results.study_results.confidence_intervals``
 (95 % Student-t across reproductions, docs/protocol.md §Test evaluation).
 
 Regression rule (per compared metric, concatenated and separated).  The re-evaluated models are the registered
@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import html
 import json
+import logging
 import math
 import os
 import sys
@@ -52,9 +54,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
+from dml_core.splits import FoldManifest
 from pipelines.config.schema import ConfigError
-from pipelines.names import HEADLINE_METRICS, MODES
+from pipelines.execution.fold import _finite
+from pipelines.execution.interrupts import install_startup_handlers
+from pipelines.execution.ray_runtime import check_tracking_reachable, init_ray, stop_ray
+from pipelines.names import ALIAS, HEADLINE_METRICS, MODES, REPRODUCTION
+from pipelines.results.embeddings import reproduction_test_metrics, split_folds
+from pipelines.results.study_results import confidence_intervals
 
 __all__ = ["ReevalConfig", "load_reeval_config", "run_reeval", "add_reeval_parser", "regression_verdict",
            "manifest_digest"]
@@ -81,8 +90,6 @@ class ReevalConfig:
 
 def load_reeval_config(path: str | os.PathLike) -> ReevalConfig:
     """Parse and check the YAML (shape only; :func:`resolve_versions` checks it against MLflow)."""
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError("config", f"{str(path)!r} does not exist")
@@ -161,19 +168,15 @@ def manifest_digest(manifest: dict) -> str:
 
 def resolve_versions(cfg: ReevalConfig) -> list[Target]:
     """Every version the config names, checked against MLflow and the datasets; ConfigError before Ray starts."""
+    # MLflow: pipelines.cli imports this module to build its parser, before any command runs
     from mlflow.tracking import MlflowClient
 
+    # pyarrow: see the MLflow import above
     from dml_core.shards import read_manifest
-    from dml_core.splits import FoldManifest
-    from pipelines.names import ALIAS
-
-    import logging
 
     for noisy in ("mlflow.store", "alembic"):  # a fresh sqlite store announces its migrations at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if cfg.tracking_uri.startswith(("http://", "https://")):
-        from pipelines.execution.ray_runtime import check_tracking_reachable
-
         check_tracking_reachable(cfg.tracking_uri)
     client = MlflowClient(cfg.tracking_uri)
     found: list[tuple[str, Any]] = []
@@ -235,8 +238,10 @@ class _Embedder:
     """Ray Data actor: every reproduction's pyfunc model of one version, loaded once per actor."""
 
     def __init__(self, tracking_uri: str, model_uris: list[str], image_size: int, batch_size: int):
+        # MLflow: see resolve_versions
         import mlflow
 
+        # it imports MLflow's pyfunc: see resolve_versions
         from pipelines.tracking.pyfunc_model import preprocess
 
         mlflow.set_tracking_uri(tracking_uri)
@@ -262,6 +267,7 @@ def _filesystem(uri: str):
     """pyarrow filesystem + paths root for Ray Data (S3 endpoint from $AWS_ENDPOINT_URL[_S3] as the sweep uses it)."""
     if not uri.startswith("s3://"):
         return None, uri.rstrip("/")
+    # pyarrow's S3 filesystem only for s3:// datasets (and see resolve_versions)
     import pyarrow.fs as pafs
 
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -277,6 +283,7 @@ def _filesystem(uri: str):
 
 def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.ndarray, float]:
     """``([reproduction i's "folds" output (N, 4·d)], labels (N,), seconds)`` over the test classes, streamed."""
+    # Ray: pipelines.cli imports this module to build its parser; Ray loads once _start_ray started it
     import ray
     import ray.data
 
@@ -314,10 +321,8 @@ def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.nd
 
 def reproduction_metrics(folds_output: np.ndarray, labels: np.ndarray, n_folds: int) -> dict[str, float]:
     """The sweep's test step on one reproduction's embeddings: separated + concatenated (``pipelines.execution.trial``)."""
+    # faiss: see resolve_versions
     from dml_core.metrics import retrieval_metrics
-    from pipelines.execution.fold import _finite
-    from pipelines.results.embeddings import split_folds
-    from pipelines.results.embeddings import reproduction_test_metrics
 
     parts = split_folds(folds_output, n_folds)
     # fold_worker's "separated" call, per fold model: retrieval_metrics(test_emb, test_labels)
@@ -330,6 +335,7 @@ def regression_verdict(registered: list[float], now: list[float], *, tolerance: 
                        registered_ci: tuple[float, float] | None = None,
                        now_ci: tuple[float, float] | None = None, paired: bool = True) -> tuple[bool, str]:
     """``(regressed, why)`` for one metric — the rule in this module's docstring."""
+    # scipy: see resolve_versions
     from dml_core.stats import confidence_interval
 
     drop = float(np.mean(registered) - np.mean(now))
@@ -363,10 +369,8 @@ class VersionResult:
 
 
 def evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
+    # MLflow (the sweep's modules import it too): see resolve_versions
     import mlflow
-
-    from pipelines.execution.sweep import confidence_intervals
-    from pipelines.names import REPRODUCTION
 
     t0 = time.time()
     mlflow.set_tracking_uri(cfg.tracking_uri)
@@ -425,8 +429,6 @@ def results_table(results: list[VersionResult], metrics) -> tuple[list[str], lis
 
 def write_outputs(results: list[VersionResult], cfg: ReevalConfig) -> dict[str, Path]:
     """``reeval.md``, ``reeval.html``, ``reeval.png`` (values ×100: registered → now)."""
-    import html
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     head, rows = results_table(results, cfg.metrics)
@@ -441,10 +443,11 @@ def write_outputs(results: list[VersionResult], cfg: ReevalConfig) -> dict[str, 
                              f"<tr>{''.join(f'<th>{html.escape(h)}</th>' for h in head)}</tr>{cells}</table>"
                              + "".join(f"<p>{html.escape(r.target.label)}: {r.status} {html.escape(r.message)}</p>"
                                        for r in results if r.message) + "</body></html>\n")
+    # matplotlib (slow to import) only for the chart; the Agg backend must be chosen before pyplot is imported
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"), as said above
 
     fig, ax = plt.subplots(figsize=(min(30, 2 + 1.6 * len(head)), 1 + 0.4 * (len(rows) + 1)))
     ax.axis("off")
@@ -461,9 +464,9 @@ def write_outputs(results: list[VersionResult], cfg: ReevalConfig) -> dict[str, 
 
 def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], commit: str) -> None:
     """The ``stage=reeval`` run (in the study's experiment) and the version's ``reeval.*`` tags."""
+    # MLflow: see resolve_versions
     from mlflow.entities import LoggedModelInput
     from mlflow.tracking import MlflowClient
-
     from pipelines.tracking.datasets import log_dataset_input
 
     c = MlflowClient(cfg.tracking_uri)
@@ -484,6 +487,7 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
                                "uri": t.dataset_uri, "kind": "parquet",
                                "profile": {"num_images": t.manifest["num_images"]}}, "test")
     c.log_param(rid, "tolerance", cfg.tolerance)
+    # MLflow: see resolve_versions
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
@@ -509,11 +513,9 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
 def _start_ray(cfg: ReevalConfig) -> bool:
     """The sweep's Ray start-up (:func:`pipelines.execution.ray_runtime.init_ray`: loopback only, credentials kept out of
     Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
-    from pipelines.execution.interrupts import install_startup_handlers
-    from pipelines.execution.ray_runtime import init_ray
-
     started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1))
     install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: a CronJob's SIGTERM stays ours
+    # Ray: see embed_version
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -523,6 +525,7 @@ def _start_ray(cfg: ReevalConfig) -> bool:
 def run_reeval(cfg: ReevalConfig, out=None) -> int:
     """Resolve (ConfigError before Ray), evaluate every version, write and log the table; the exit status."""
     out = out or sys.stdout
+    # MLflow: see resolve_versions
     from pipelines.tracking.runs import git_commit
 
     # Resolving reads each version's folds.json from MLflow: no download progress bars in a scheduled job's log.
@@ -543,8 +546,6 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
                   + (f" ({r.images} images embedded in {r.embed_seconds:.1f} s, {r.seconds:.1f} s total)"
                      if r.images else "") + (f" — {r.message}" if r.message else ""), file=out, flush=True)
     finally:
-        from pipelines.execution.ray_runtime import stop_ray
-
         stop_ray(started)  # also puts back what init_ray moved out of the environment
     paths = write_outputs(results, cfg)
     commit = git_commit()
@@ -566,5 +567,5 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
 def add_reeval_parser(subparsers) -> None:
     p = subparsers.add_parser("reeval", help="re-evaluate registered models on the current test data "
                                              "(exit 0 ok, 3 regression, 1 failure, 2 bad config)")
-    p.add_argument("config", help="reeval config YAML (see pipelines/reeval.py, infra/reeval/)")
+    p.add_argument("config", help="reeval config YAML (see infra/reeval/ and docs/architecture.md)")
     p.set_defaults(func=lambda args: run_reeval(load_reeval_config(args.config)))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import numpy as np
 from mlflow.tracking import MlflowClient
 
 from dml_core.stats import paired_t_test
@@ -348,11 +349,11 @@ def _write_csv(studies: list[Study], path: Path) -> None:
 
 
 def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> None:
+    # matplotlib (slow to import) only for the chart; the Agg backend must be chosen before pyplot is imported
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # after use("Agg"), as said above
 
     datasets, losses = _grid(studies)
     index = {(s.dataset, s.loss): s for s in studies}

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dml_core.stats import confidence_interval
 from pipelines.names import MODES, REPRODUCTION
 
 __all__ = ["StudySummary", "COST_KEYS", "cost_hours", "confidence_intervals", "ci_report", "ci_table", "params_table", "fmt_ci"]
@@ -46,8 +47,6 @@ class StudySummary:
 
 def confidence_intervals(reps: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float, float, float]]]:
     """mode → metric → (mean, ci_low, ci_high) across reproductions (docs/protocol.md §Intervals: t-interval across runs)."""
-    from dml_core.stats import confidence_interval
-
     out: dict[str, dict[str, tuple[float, float, float]]] = {}
     for mode in MODES:
         prefix = f"test_{mode}_"

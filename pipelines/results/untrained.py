@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import torch
+
+from dml_core.data import ImageDataset, eval_transform
+from dml_core.metrics import retrieval_metrics
+from dml_core.models import build_model
+from dml_core.train import embed
+
 __all__ = ["untrained_test_metrics"]
 
 
 def untrained_test_metrics(plan, seed: int) -> dict[str, float]:
     """Test-class retrieval metrics of the study's network with its initial weights (seeded), compared to self."""
-    import torch  # torch, faiss and the model zoo load only when the demo asks for this floor
-
-    from dml_core.data import ImageDataset, eval_transform
-    from dml_core.metrics import retrieval_metrics
-    from dml_core.models import build_model
-    from dml_core.train import embed
-
     torch.manual_seed(seed)
     model = build_model(**plan.model_kwargs)
     data = plan.dataset

@@ -27,15 +27,21 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from PIL import Image
 
-from pipelines.names import HEADLINE_METRICS
+from dml_core.data import decode_image
+from dml_core.storage import open_storage
+from pipelines.names import HEADLINE_METRICS, TEST_EMBEDDINGS, TEST_LABELS
+from pipelines.results.embeddings import concatenated_embeddings
 
 __all__ = ["ARTIFACT_DIR", "VisualSettings", "StudyVisuals", "table_rows", "gallery_queries", "map_sample",
            "confusions", "build_visuals", "log_study_visuals", "reproduction_embeddings"]
@@ -140,6 +146,7 @@ def confusions(labels: np.ndarray, knn: np.ndarray, r: np.ndarray, top: int, blo
 def _details(embeddings: np.ndarray, labels: np.ndarray):
     """``dml_core.metrics.retrieval_details``: global metrics, neighbour indices (depth = max(largest R, 8)) and
     per-query/per-class values, from one search."""
+    # faiss loads where a search runs: trial drivers import this module for details_to_bytes only
     from dml_core.metrics import retrieval_details
 
     # NMI (k-means) is not shown here and is the slow part on large sets; the kNN metrics are unaffected.
@@ -149,9 +156,6 @@ def _details(embeddings: np.ndarray, labels: np.ndarray):
 def details_to_bytes(details) -> bytes:
     """A ``RetrievalDetails`` as one ``.npz`` (arrays + JSON; no pickle), so the reproduction that ran the
     concatenated test search hands its neighbours to the study's visuals instead of a second search."""
-    import io
-    import json
-
     buf = io.BytesIO()
     meta = {"metrics": details.metrics, "per_class": {str(k): v for k, v in details.per_class.items()},
             "per_query": sorted(details.per_query)}
@@ -162,9 +166,7 @@ def details_to_bytes(details) -> bytes:
 
 def details_from_bytes(data: bytes):
     """Inverse of :func:`details_to_bytes`."""
-    import io
-    import json
-
+    # faiss: see _details
     from dml_core.metrics import RetrievalDetails
 
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
@@ -186,14 +188,11 @@ def _per_class_rows(details) -> list[dict[str, Any]]:
 
 
 def _thumb(image, size: int) -> np.ndarray:
-    from dml_core.data import decode_image
-
     im = decode_image(image)
     # Fit the longer side to ``size``: small images (Omniglot's 105 px, test data) are enlarged with nearest
     # neighbours so strokes stay crisp; large photos are reduced with a smoothing filter.
     scale = size / max(im.size)
     new = (max(1, round(im.size[0] * scale)), max(1, round(im.size[1] * scale)))
-    from PIL import Image
 
     im = im.resize(new, Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.LANCZOS)
     out = np.full((size, size, 3), 255, np.uint8)
@@ -210,8 +209,8 @@ def _short(name: str, n: int = 16) -> str:
 
 def _png(fig, quantize: bool = False) -> bytes:
     """The figure as PNG; ``quantize`` stores it with a 256-colour palette (photo thumbnails: ~3× smaller)."""
+    # matplotlib only for drawing; draw_gallery / draw_map chose the Agg backend before
     import matplotlib.pyplot as plt
-    from PIL import Image
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
@@ -226,10 +225,11 @@ def _png(fig, quantize: bool = False) -> bytes:
 
 def draw_gallery(gallery: dict[str, Any], images: dict[int, np.ndarray], title: str) -> bytes:
     """Rows = queries; column 0 the query (blue), then its k references (green ✓ hit / red ✗ miss)."""
+    # matplotlib (slow to import) only for drawing; the Agg backend must be chosen before pyplot is imported
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"), as said above
 
     qs, k = gallery["queries"], gallery["k"]
     fig, axes = plt.subplots(max(1, len(qs)), k + 1, figsize=(1.15 * (k + 1), 1.45 * max(1, len(qs)) + 0.5),
@@ -269,10 +269,11 @@ def pca_2d(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def draw_map(xy: np.ndarray, labels: np.ndarray, names: dict[int, str], ratio: np.ndarray, title: str) -> bytes:
+    # matplotlib: see draw_gallery
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"), as said above
 
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     cmap = plt.get_cmap("tab20")
@@ -359,12 +360,8 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
 def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated test embeddings (docs/protocol.md §Test evaluation, :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a
     reproduction, from its folds' Ray Train checkpoints (local paths or ``s3://`` URIs)."""
-    from pathlib import Path
-
+    # Ray: not at module level; the CLI imports this module (via the sweep) before the config is checked
     import ray.train
-
-    from pipelines.names import TEST_EMBEDDINGS, TEST_LABELS
-    from pipelines.results.embeddings import concatenated_embeddings
 
     parts, labels = [], None
     for uri in fold_checkpoints:
@@ -392,8 +389,6 @@ def log_study_visuals(tracker, run_id: str, plan, reps: list[dict[str, Any]], *,
         rows = table_rows(table.labels, plan.dataset.manifest.test_classes)
         details = None
         if reps[0].get("concat_details"):  # the reproduction's own concatenated search: no second search
-            from dml_core.storage import open_storage
-
             folder, _, name = reps[0]["concat_details"].rpartition("/")
             details = details_from_bytes(open_storage(folder).get_bytes(name))
         v = build_visuals(emb, labels, table, rows, settings=settings, details=details,

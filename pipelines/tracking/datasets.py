@@ -14,6 +14,10 @@ import warnings
 from typing import Any
 
 import numpy as np
+from mlflow.data.code_dataset_source import CodeDatasetSource
+from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import Dataset, DatasetInput, InputTag
 
 __all__ = ["dataset_info", "log_dataset_input", "log_fold_dataset_input"]
 
@@ -49,19 +53,12 @@ def dataset_info(spec, table) -> dict[str, Any]:
 
 
 def _dataset_entity(info: dict[str, Any]):
-    from mlflow.data.meta_dataset import MetaDataset
-
     if info["kind"] == "synthetic":
-        from mlflow.data.code_dataset_source import CodeDatasetSource
-
         source = CodeDatasetSource({"generator": info["uri"]})
     else:
-        from mlflow.data.dataset_source_registry import resolve_dataset_source
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "can be interpreted in multiple ways": both are the local source
             source = resolve_dataset_source(info["uri"])
-    from mlflow.entities import Dataset
 
     ent = MetaDataset(source, name=info["name"], digest=info["digest"])._to_mlflow_entity()
     return Dataset(name=ent.name, digest=ent.digest, source_type=ent.source_type, source=ent.source,
@@ -75,8 +72,6 @@ _DATASET_LOCK = threading.Lock()
 
 def log_dataset_input(client, run_id: str, info: dict[str, Any], context: str) -> None:
     """Log ``info`` as a dataset input of ``run_id`` (idempotent: MLflow dedups by (name, digest, context))."""
-    from mlflow.entities import DatasetInput, InputTag
-
     with _DATASET_LOCK:
         client.log_inputs(run_id, datasets=[DatasetInput(_dataset_entity(info),
                                                          tags=[InputTag("mlflow.data.context", context)])])
@@ -88,8 +83,6 @@ _STUDY_DATASETS: dict[str, list] = {}
 
 def log_fold_dataset_input(tracker, fold_run_id: str, study_run_id: str) -> None:
     """The study run's dataset input(s), logged on a fold run with context ``train`` (cached per study)."""
-    from mlflow.entities import DatasetInput, InputTag
-
     if study_run_id not in _STUDY_DATASETS:
         run = tracker.client.get_run(study_run_id)
         _STUDY_DATASETS[study_run_id] = [d.dataset for d in (run.inputs.dataset_inputs if run.inputs else [])]

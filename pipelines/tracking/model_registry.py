@@ -26,9 +26,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import mlflow
 import numpy as np
+import torch
+from mlflow.models import ModelSignature
+from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
 
+from dml_core.trunks import resolve_trunk, trunk_preprocessing
 from pipelines.names import ALIAS, HEADLINE_METRICS, MODES, REPRODUCTION
+from pipelines.tracking import pyfunc_model
 from pipelines.tracking.datasets import dataset_info, log_dataset_input
 from pipelines.tracking.ui import NOTE_TAG, experiment_note, study_note
 
@@ -52,9 +58,9 @@ def registered_model_name(experiment: str, dataset: str, loss: str) -> str:
 
 
 def _read_fold_checkpoint(uri: str) -> dict[str, Any]:
-    """``model.pt`` of a reproduction fold's Ray Train checkpoint (local path or s3://), weights-only."""
+    """``model.pt`` of a reproduction fold's result (a warm fold's ``result/`` directory or a Ray Train checkpoint; local path or s3://), weights-only."""
+    # Ray: not at module level; the CLI imports this module (via the sweep) before the config is checked
     import ray.train
-    import torch
 
     with ray.train.Checkpoint(uri).as_directory() as d:
         path = Path(d) / "model.pt"
@@ -64,9 +70,6 @@ def _read_fold_checkpoint(uri: str) -> dict[str, Any]:
 
 
 def _signature(image_size: int, out_dim: int):
-    from mlflow.models import ModelSignature
-    from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
-
     return ModelSignature(
         inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, image_size, image_size), "images")]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, out_dim), "embeddings")]),
@@ -77,12 +80,6 @@ def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: lis
                            seed: int | None, *, tracker_uri: str) -> tuple[str, str]:
     """Log reproduction ``reproduction``'s fold models as a pyfunc model on ``run_id`` (tracking store
     ``tracker_uri``); return its ``models:/`` URI and model id."""
-    import mlflow
-    import torch
-
-    from dml_core.trunks import trunk_preprocessing
-    from pipelines.tracking import pyfunc_model
-
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         artifacts, spec = {}, None
@@ -114,8 +111,8 @@ def model_requirements(loss: str | None, trunk: str) -> list[str]:
     """The pip requirements of a registered model: this distribution (the pyfunc code, ``dml_core`` and through it
     torch, timm and the rest), pinned to the running version, plus the plugin distributions its trunk and loss came
     from.  Nothing names a path of the machine that trained it."""
+    # the loss zoo takes seconds to import: not when the CLI imports this module before the config is checked
     from dml_core.losses import loss_info
-    from dml_core.trunks import resolve_trunk
 
     reqs = [this_distribution()]
     plugins = [getattr(resolve_trunk(trunk), "distribution", None)]
@@ -142,8 +139,6 @@ def this_distribution() -> str:
 def _fluent_tracking(uri: str):
     """``pyfunc.log_model`` only speaks MLflow's fluent API: point it at ``uri`` for the call alone, then restore the
     process's tracking URI and ``MLFLOW_TRACKING_URI`` (the driver may run further sweeps with other stores)."""
-    import mlflow
-
     old_env, old = os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:

@@ -65,6 +65,7 @@ class TrackingUnavailable(Exception):
 def _probe_target(uri: str) -> tuple[str, str | tuple[str, int]] | None:
     """``("http", health URL)``, ``("tcp", (host, port))`` for a PostgreSQL store, or None (sqlite: nothing to watch)."""
     if uri.startswith(("http://", "https://")):
+        # it imports pipelines.config (torch, pydantic): pipelines.cli imports this module before parsing its arguments
         from pipelines.tracking.server import health_url
 
         return "http", health_url(uri)

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from dml_core.models import build_model
 from pipelines.results.embeddings import concatenated_embeddings
 
 EMBEDDER_FILE = "embedder.json"
@@ -46,8 +48,7 @@ def fold_artifact(k: int) -> str:
 def preprocess(images, image_size: int, preprocessing: dict | None = None) -> np.ndarray:
     """Encoded images (bytes / paths / uint8 arrays) → the model's input, with the sweep's eval transform and the
     trunk's input convention (``embedder.json``'s ``preprocessing``; ``None`` = ImageNet mean/std, RGB)."""
-    import torch
-
+    # PIL and the transforms only for callers with encoded images: loading or serving the model does not need them
     from dml_core.data import decode_image, eval_transform
 
     tf = eval_transform(image_size, preprocessing)
@@ -58,10 +59,6 @@ class FoldEnsembleEmbedder(_Base):
     """``predict(images) -> embeddings`` for the 4 fold models of one reproduction."""
 
     def load_context(self, context) -> None:
-        import torch
-
-        from dml_core.models import build_model
-
         spec = json.loads(Path(context.artifacts[EMBEDDER_FILE.split(".")[0]]).read_text())
         self.spec = spec
         self.device = os.environ.get("DMLRC_PYFUNC_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,8 +73,6 @@ class FoldEnsembleEmbedder(_Base):
     # The ``np.ndarray`` hint is one MLflow reads as "no schema from hints" (the logged signature applies); without
     # a hint MLflow prints an "add type hints" warning at every load of this model (sweep check, reeval actors).
     def predict(self, context, model_input: np.ndarray, params: dict[str, Any] | None = None) -> np.ndarray:
-        import torch
-
         params = params or {}
         output = params.get("output", "concatenated")
         if output not in OUTPUTS:

@@ -1,7 +1,7 @@
 """MLflow layer: the run tree of ``docs/architecture.md`` ("MLflow tree") through :class:`MlflowClient` only.
 
 Why the client and never the fluent API: the fluent API keeps the active run per process/thread, and a sweep writes
-from many processes at once (the sweep driver, Tune trial drivers, rank 0 of every fold's Ray Train job).  Every
+from many processes at once (the sweep driver, Tune trial drivers, every fold's worker — rank 0 of a DDP fold).  Every
 call here names its run id; every process builds its client from the same *absolute* tracking URI (mlflow #7206,
 ray #18387).
 
