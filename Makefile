@@ -18,9 +18,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dmlrc demo
 
-# Every test, slow integration tests (Ray, MLflow server, S3) included.
+# Every test, slow integration tests (Ray, MLflow server, S3) included.  Two pytest workers (pytest-xdist), one test
+# file each at a time: the integration tests spend much of their time starting processes and servers and waiting on
+# them, which a second worker overlaps.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Unit tests only (no Ray / servers).
 test-fast: $(STAMP)

@@ -59,7 +59,7 @@ import yaml
 
 pytestmark = pytest.mark.slow
 
-ITERS, EPOCHS = 40, 6  # long enough epochs (no early stop) that a fold is still training after a few evaluations
+ITERS, EPOCHS = 40, 5  # long enough epochs (no early stop) that a fold is still training after its 3rd evaluation
 SHORT = 2  # epochs of the sweeps whose fault does not need a fold caught mid-training
 IDENTIFYING = ("sweep", "stage", "study", "dataset", "loss", "fold", "trial_id")
 

@@ -76,7 +76,7 @@ def test_a_killed_fold_resumes_from_its_checkpoint_and_its_fold_is_logged_once(t
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
         # Long enough epochs (and no early stop) that a fold is still training a while after its first evaluation.
         "protocol": {"folds": FOLDS, "fold_layout": "kfold", "trials": 1, "startup_trials": 1, "reproductions": 2,
-                     "iters_per_epoch": 40, "eval_every": 1, "patience": 50, "max_epochs": 6,
+                     "iters_per_epoch": 40, "eval_every": 1, "patience": 50, "max_epochs": 4,
                      "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1,
                       "fold_executor": executor},

@@ -165,14 +165,16 @@ def test_trials_a_restored_search_no_longer_knows_are_ended_and_hidden(tmp_path)
 # ------------------------------------------------------------------------------------------------ the real sweep
 
 
-def _sweep_config(tmp_path: Path, tracking_uri: str, *, losses, trials, workers, concurrent, name="e2e") -> Path:
+def _sweep_config(tmp_path: Path, tracking_uri: str, *, losses, trials, workers, concurrent, name="e2e",
+                  folds: int = 4) -> Path:
     doc = {
         "name": name,
         "seed": 3,
         "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
         "losses": losses,
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
-        "protocol": {"trials": trials, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 4,
+        "protocol": {"folds": folds, "fold_layout": "mlrc" if folds == 4 else "kfold",
+                     "trials": trials, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 4,
                      "eval_every": 1, "patience": 1, "max_epochs": 2,
                      "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
                                "eval_batch_size": 64}},
@@ -194,7 +196,7 @@ def _run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | 
 
 
 def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int, workers: int,
-                    storage: Path, name: str, tune_result=None) -> None:
+                    storage: Path, name: str, tune_result=None, n_folds: int = 4) -> None:
     """``tune_result(study, trial_id)`` reads what Tune stored for a trial (default: from local ``storage``)."""
     tune_result = tune_result or (lambda study, trial_id: _tune_result(storage, name, study, trial_id))
     import torch
@@ -217,7 +219,7 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
     n_rep = 2
     assert len(by_stage["trial"]) == trials * len(losses)
     assert len(by_stage["reproduction"]) == n_rep * len(losses)
-    assert len(by_stage["fold"]) == 4 * (trials + n_rep) * len(losses)
+    assert len(by_stage["fold"]) == n_folds * (trials + n_rep) * len(losses)
     children = {}
     for r in runs:
         children.setdefault(r.data.tags.get(PARENT), []).append(r)
@@ -238,9 +240,9 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
         names = {a.path for a in c.list_artifacts(sid)}
         assert {"folds.json", "ci_report.md", "ci_report.json", "models"} <= names, names
         manifest = FoldManifest.from_json(Path(c.download_artifacts(sid, "folds.json")).read_text())
-        assert manifest.content_hash == tags["folds_hash"] and manifest.layout == "mlrc"
+        assert manifest.content_hash == tags["folds_hash"] and manifest.layout == ("mlrc" if n_folds == 4 else "kfold")
         model_files = sorted(a.path for a in c.list_artifacts(sid, "models"))
-        assert model_files == [f"models/fold_{k}.pt" for k in range(4)]
+        assert model_files == [f"models/fold_{k}.pt" for k in range(n_folds)]
         state = torch.load(c.download_artifacts(sid, "models/fold_0.pt"), weights_only=False)
         from dml_core.models import build_model
 
@@ -253,7 +255,7 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
             assert set(tr.data.params) == space_keys
             assert tr.data.tags["status"] == "ok" and tr.data.tags["trial_id"]
             folds = sorted(children[tr.info.run_id], key=lambda r: int(r.data.tags["fold"]))
-            assert [f.data.tags["fold"] for f in folds] == ["0", "1", "2", "3"]
+            assert [f.data.tags["fold"] for f in folds] == [str(k) for k in range(n_folds)]
             for metric in METRICS:
                 vals = [f.data.metrics[f"best.val.{metric}"] for f in folds]
                 assert tr.data.metrics[f"val.{metric}.mean"] == pytest.approx(np.mean(vals), abs=1e-9)
@@ -316,20 +318,21 @@ def _tune_result(storage: Path, name: str, study: str, trial_id: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_sweep_end_to_end_against_mlflow_server_sqlite(tmp_path):
-    """2 BO trials + 2 reproductions of one loss, 4 folds × 2 gloo workers, against a real ``mlflow server``.  One
-    trial at a time: two trials of four 2-worker Ray Train folds each are 40 processes starting at once on the 2-core
-    CI machine (10.5 min there, against 7 min for this sweep capped at 5 CPUs); concurrent trials run in the
-    PostgreSQL test below, with warm folds."""
+    """2 BO trials + 2 reproductions of one loss as DDP folds (Ray Train, 2 gloo workers each), against a real
+    ``mlflow server``.  Two k-fold folds per trial: the Ray Train path's properties do not depend on the number of
+    folds, and every Ray Train job costs a worker group's start-up; the reality check's 4 folds in the ``mlrc`` layout
+    run end to end in the PostgreSQL test below (warm folds, two trials at once).  One trial at a time: concurrent
+    2-worker Train folds are many processes starting at once on a 2-core machine."""
     from tests.mlflow_server import mlflow_server
 
     with mlflow_server(tmp_path / "server") as uri:
-        cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=2, workers=2, concurrent=1)
+        cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=2, workers=2, concurrent=1, folds=2)
         out = _run_cli(["sweep", str(cfg)], cwd=tmp_path)
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
         assert "mlflow ui" not in out.stdout and uri in out.stdout  # the server to browse
         assert "[synthetic/contrastive] done in" in out.stdout
         _check_run_tree(uri, "e2e-experiment", losses=["contrastive"], trials=2, workers=2,
-                        storage=tmp_path / "runs", name="e2e")
+                        storage=tmp_path / "runs", name="e2e", n_folds=2)
 
 
 @pytest.mark.slow
