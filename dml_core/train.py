@@ -141,6 +141,12 @@ class TrainConfig:
     #: autocast the model forward on CUDA (the loss runs in fp32); ignored on CPU.
     amp: bool = False
     amp_dtype: str = "bfloat16"
+    #: autocast the model's training forward to bfloat16 on CPU (the loss and evaluation stay fp32).  Off by default:
+    #: not exact, and only faster on CPUs with native bf16 arithmetic (AVX512-BF16, AMX): bench/cpu_speed_bench.py.
+    cpu_amp: bool = False
+    #: the model and its training batches in channels-last (NHWC) memory format, which oneDNN's convolutions prefer
+    #: on CPU; the arithmetic is the same, the summation order may differ in the last bits.  Off by default.
+    channels_last: bool = False
     #: validation metric for best-epoch selection and early stopping.
     primary_metric: str = "map_at_r"
 
@@ -165,6 +171,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
         if self.amp_dtype not in _AMP_DTYPES:
             raise ValueError(f"TrainConfig.amp_dtype must be one of {sorted(_AMP_DTYPES)}, got {self.amp_dtype!r}")
+        for name in ("amp", "cpu_amp", "channels_last"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TrainConfig.{name} must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -589,6 +598,8 @@ def train_fold(
     if resume_state is not None:
         optimizer.load_state_dict(resume_state["optimizer"])
     loss_params = [p for p in loss.parameters() if p.requires_grad]
+    if config.channels_last:  # before DDP wraps it; the parameters stay the same objects (the optimizer's)
+        model.to(memory_format=torch.channels_last)
     distributed = is_distributed()
     net: nn.Module = model
     if distributed:
@@ -613,8 +624,9 @@ def train_fold(
         persistent_workers=False,
         generator=loader_rng,
     )
-    use_amp = config.amp and device.type == "cuda"
-    amp_dtype = _AMP_DTYPES[config.amp_dtype]
+    use_amp = (config.amp and device.type == "cuda") or (config.cpu_amp and device.type == "cpu")
+    amp_dtype = _AMP_DTYPES[config.amp_dtype] if device.type == "cuda" else torch.bfloat16
+    memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
     # Loss scaling only for fp16; one scaler step over all parameter groups (an overflow skips the whole step).
     scaler = torch.amp.GradScaler("cuda") if use_amp and amp_dtype == torch.float16 else None
 
@@ -738,7 +750,7 @@ def train_fold(
         # change per iteration (DDP, AMP, loss scaling) is decided above, so the single-process path pays nothing.
         for images, labels in loader:
             iteration += 1
-            images = images.to(device, non_blocking=True)
+            images = images.to(device, non_blocking=True, memory_format=memory_format)
             labels = torch.searchsorted(class_table, labels.to(device, non_blocking=True))
             if use_amp:
                 with torch.autocast(device.type, dtype=amp_dtype):

@@ -38,7 +38,8 @@ def _error(doc) -> ConfigError:
     return info.value
 
 
-@pytest.mark.parametrize("path", ["pipelines/config/demo.yaml", "configs/omniglot.yaml", "configs/mlrc-cub200.yaml"])
+@pytest.mark.parametrize("path", ["pipelines/config/demo.yaml", "configs/omniglot.yaml", "configs/mlrc-cub200.yaml",
+                                  "configs/omniglot-zoo.yaml", "examples/circle-vs-contrastive.yaml"])
 def test_shipped_presets_parse(path):
     cfg = load_config(ROOT / path)
     name = Path(path).stem
@@ -728,3 +729,13 @@ def test_report_bad_input_is_one_config_error(tmp_path, capsys, monkeypatch):
     rc, err = _cli(["report", "--experiment", "nope", "--tracking-uri", uri, "--out", str(tmp_path / "r")], capsys)
     assert rc == 2 and err.startswith("config error: --experiment: no MLflow experiment named 'nope'"), err
     assert len(err.splitlines()) == 1
+
+
+def test_the_zoo_preset_studies_every_builtin_loss_under_one_budget():
+    from pipelines.config.spaces import builtin_spaces
+
+    cfg = load_config(ROOT / "configs" / "omniglot-zoo.yaml")
+    assert sorted(ls.name for ls in cfg.losses) == sorted(builtin_spaces())
+    p = cfg.protocol
+    assert p.trials >= 10 and p.startup_trials == 4 and p.reproductions >= 3
+    assert p.train["classes_per_batch"] == 8 and p.train["m"] == 4  # one batch for every loss

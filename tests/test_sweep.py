@@ -284,7 +284,7 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
         # reproductions: separated = mean of the fold models' test metrics; CIs recomputed from the runs
         for rep in rep_runs:
             folds = children[rep.info.run_id]
-            assert len(folds) == 4 and rep.data.tags["seed"]
+            assert len(folds) == n_folds and rep.data.tags["seed"]
             for metric in METRICS:
                 sep = np.mean([f.data.metrics[f"test.{metric}"] for f in folds])
                 assert rep.data.metrics[f"test.separated.{metric}"] == pytest.approx(sep, abs=1e-9)

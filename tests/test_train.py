@@ -252,6 +252,24 @@ def test_amp_is_ignored_on_cpu():
     assert runs[0].best_metrics == runs[1].best_metrics
 
 
+@pytest.mark.parametrize("option", ["cpu_amp", "channels_last"])
+def test_cpu_speed_options_train_and_stay_close_to_fp32(option):
+    """bf16 autocast on CPU and channels-last memory: the fold trains, the parameters stay fp32 (bf16 is the forward
+    only), channels-last reaches the conv weights, and the first loss stays close to the fp32 run's (same batch)."""
+    train, val = make_data()
+    ref_loss = PairLoss()
+    train_fold(make_model(seed=3), ref_loss, train, val, config(iters_per_epoch=2, max_epochs=1))
+    model, loss = make_model(seed=3), PairLoss()
+    res = train_fold(model, loss, train, val, config(iters_per_epoch=2, max_epochs=1, **{option: True}))
+    assert res.status == "ok", res.reason
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    if option == "channels_last":
+        conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    tol = 5e-2 if option == "cpu_amp" else 1e-4  # bf16 keeps 8 bits of mantissa
+    assert loss.values[0] == pytest.approx(ref_loss.values[0], rel=tol)
+
+
 def test_optimiser_groups_trunk_embedder_loss():
     model = make_model()
     cfg = config()

@@ -374,6 +374,10 @@ class TrainSpec(_Strict):
     optimizer: Literal[_OPTIMIZERS] = _TC["optimizer"]  # type: ignore[valid-type]
     amp: bool = _TC["amp"]
     amp_dtype: Literal[tuple(_AMP_DTYPES)] = _TC["amp_dtype"]  # type: ignore[valid-type]
+    cpu_amp: bool = _TC["cpu_amp"]
+    """bfloat16 autocast of the training forward on CPU (not exact; faster only with native bf16: AVX512-BF16/AMX)."""
+    channels_last: bool = _TC["channels_last"]
+    """Channels-last (NHWC) model and batches (oneDNN's preferred layout on CPU)."""
 
 
 #: ``protocol.train`` keys forwarded to :class:`dml_core.train.TrainConfig`.
