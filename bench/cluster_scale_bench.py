@@ -1,4 +1,4 @@
-"""Scale by simulation (issue #12, item 3): a sweep of many tiny studies on a multi-node Ray cluster of one machine.
+"""Scale by simulation: a sweep of many tiny studies on a multi-node Ray cluster of one machine.
 
     PYTHONPATH=$PWD python bench/cluster_scale_bench.py [--nodes 4 --slots 8 --studies 10] [--json out.json]
 

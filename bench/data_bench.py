@@ -14,7 +14,7 @@ for two access patterns: `sequential` (row order) and `m-per-class` (the trainin
 4 random images, `dml_core.samplers.MPerClassBatchSampler`).  With `--workers N` it also times a DataLoader with N
 workers.  Files are in the page cache after generation (warm numbers: this measures format overhead, not disks).
 
-It also prices the integrity checks (issue #16), per image and per 10k rows, CPU time of one process:
+It also prices the integrity checks, per image and per 10k rows, CPU time of one process:
 the header-only check `prepare` used to do vs the full check it does now (`dml_core.shards.check_image`: header,
 PNG chunk CRCs, complete decode), for these JPEGs and (with `--omniglot DIR`) Omniglot's PNGs; `check_rows` (the
 preflight: manifest + stamped shard hashes + every row's header) and `verify_shards` (re-hash + decode everything).

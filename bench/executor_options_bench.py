@@ -1,4 +1,4 @@
-"""Benchmark: the ways of running warm single-worker folds on Ray, measured on the same folds (issue #11: "measure the
+"""Benchmark: the ways of running warm single-worker folds on Ray, measured on the same folds ("measure the
 options before you choose").
 
 The same ``--trials`` × 4 demo folds (``pipelines/config/demo.yaml``'s data, model and training budget, contrastive loss,

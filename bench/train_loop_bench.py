@@ -22,23 +22,7 @@ third variant in the same run.
     python bench/train_loop_bench.py                 # 9 repeats of 300 iterations
     python bench/train_loop_bench.py --repeats 15 --before /tmp/train_before.py
 
-Measured (2026-11-24, the shared 2-core VM, run under the heavy-jobs lock but with other jobs around it,
-so noisy; ``--repeats 9 --before <train.py of 73e1246>``, defaults otherwise), medians of 9 interleaved rounds:
-
-    variant                      CPU ms/it   bare / variant (median of paired ratios, quartiles)
-    bare loop                    15.93
-    train_fold, this version     15.78       1.001 (0.964-1.014)   wall: 1.002
-    train_fold before (73e1246)  16.32       0.982 (0.966-0.992)   wall: 0.976
-
-    ``--size 8`` (less convolution per iteration, so the loop's own cost shows more):
-    bare loop                     7.44
-    train_fold, this version      7.64       0.992 (0.973-1.040)   wall: 1.018
-    train_fold before (73e1246)   8.35       0.899 (0.852-1.002)   wall: 0.913
-
-At 16 px the tiny CNN's convolutions dominate an iteration, so the library's per-iteration cost is a few percent at
-most; what it was and what went: two extra optimiser ``step``/``zero_grad`` calls (MLRC's three optimisers are now
-the parameter groups of one: the same update, bit-identical, tests/test_library_train_loop.py), an autocast context
-and a disabled GradScaler entered every iteration, and DDP checks every iteration in a single process.
+Measured figures, with the command and machine of each: bench/README_train_loop.md.
 """
 
 from __future__ import annotations

@@ -844,7 +844,7 @@ class ShardedTable:
     Same surface as `dml_core.data.ImageTable`: `labels` (int64, read up front from the label column),
     `class_names` (aligned with `np.unique(labels)`), `images` (lazy: `images[i]` -> encoded bytes),
     `meta["split"]` (original split per row), `subset(classes)`, `take(indices)`, `row_name(i)`, `len()`;
-    plus `relpath(i)`, `shard_of(i)`, `manifest` and `dataset`.
+    plus `relpath(i)`, `manifest` and `dataset`.
     `ImageDataset(table, transform)` decodes and transforms in DataLoader workers.
     """
 
@@ -925,11 +925,6 @@ class ShardedTable:
     def relpath(self, i: int) -> str:
         """Path of row i's image in the official layout (read with its row group)."""
         return self._source.relpath(self._global(i))
-
-    def shard_of(self, i: int) -> tuple[str, int]:
-        """(shard path, row inside that shard) of row i."""
-        k, r, _, _ = self._source.locate(self._global(i))
-        return self._source.shard_name(k), r
 
 
 def _check_shard_names(src: _ShardSource, k: int, t: pa.Table) -> None:

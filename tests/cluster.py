@@ -1,4 +1,4 @@
-"""A real multi-node Ray cluster on one machine, for tests and benchmarks (issue #12, item 2).
+"""A real multi-node Ray cluster on one machine, for tests and benchmarks.
 
     from tests.cluster import local_cluster
     with local_cluster(tmp_path, workers=2, worker_cpus=2) as c:

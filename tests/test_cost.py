@@ -1,4 +1,4 @@
-"""Cost accounting (issue #12 item 2), fast: a fold's resource-seconds, their sums, the tables that show them, and the
+"""Cost accounting, fast: a fold's resource-seconds, their sums, the tables that show them, and the
 default number of studies in flight.  The same on real runs: tests/test_parallel_studies.py."""
 
 from __future__ import annotations

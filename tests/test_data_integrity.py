@@ -1,4 +1,4 @@
-"""Corrupted datasets, shards and manifests (issue #16, data integrity): each case must fail with a `DataError`
+"""Corrupted datasets, shards and manifests: each case must fail with a `DataError`
 (a ValueError) whose message starts with the file (and row) at fault, never be accepted silently.
 
 Cases: a flipped shard byte with its mtime restored (stale verify), a reordered `row_groups` list (images served

@@ -1,4 +1,4 @@
-"""Faults on a real multi-node Ray cluster on one machine (issue #13, item 2): ``tests/cluster.py`` starts a head
+"""Faults on a real multi-node Ray cluster on one machine: ``tests/cluster.py`` starts a head
 (no CPUs; it declares ``dmlrc_trial_driver``, so trial drivers run there) and two worker nodes of 2 CPUs, SeaweedFS
 for ``storage: s3://`` and an ``mlflow server`` on PostgreSQL.  One cluster serves the module, in order:
 

@@ -382,8 +382,8 @@ def test_fused_addcmul_is_detected_not_assumed(monkeypatch):
 
 
 def test_gemm_k_block_is_the_order_of_this_blas():
-    """Wide rows (D = 512): BLAS kernels may split K into blocks (MKL on the Zen 3 VM: 192; oneDNN on the Zen 5
-    VM: one chain over all 512), where one chain over all D no longer rounds like the GEMM.  The block that
+    """Wide rows (D = 512): BLAS kernels may split K into blocks (MKL on one AMD Zen 3 CPU: 192; oneDNN on a Zen 5:
+    one chain over all 512), where one chain over all D no longer rounds like the GEMM.  The block that
     ``_gemm_k_block`` finds reproduces the search's fp32 product (``_panel_mm``) on fresh entries of that shape;
     where it finds none, the single chain indeed disagrees."""
     g = torch.Generator().manual_seed(5)
@@ -422,7 +422,7 @@ def test_bf16_pays_only_where_its_keys_round_like_the_gemm(monkeypatch):
 
 
 def test_bf16_pays_where_the_panel_time_it_saves_exceeds_its_own_work(monkeypatch):
-    """The cost model behind ``prune=None``, on times ``_bf16_times`` measured on the AMX Xeon VM (two threads: fp32
+    """The cost model behind ``prune=None``, on times ``_bf16_times`` measured on an Intel Xeon with AMX (two threads: fp32
     panel product 1.53 ms, bf16 + conversion 0.64 ms, a working key 84 ns): at 100k × 128, k = 19, fp32 (the
     modes measured 7.8 vs 8.2 s), at 300k bf16 (56.5 vs 47.1 s), at 1M bf16; a deep search (k = 2000) makes the
     per-row work too large again; bf16 products hardly faster than fp32 never pay."""

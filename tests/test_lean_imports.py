@@ -1,4 +1,4 @@
-"""A warm fold process for the tiny model stays lean (issue #11 item 2).
+"""A warm fold process for the tiny model stays lean.
 
 `torchvision.transforms` imports `torchvision.ops`, which pulls in `torch._dynamo` (~150 MB of resident memory,
 `bench/README_overhead.md`).  The tiny trunk and the protocol transforms need neither, so a fresh interpreter doing

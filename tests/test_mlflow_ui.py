@@ -1,4 +1,4 @@
-"""What a user sees in MLflow 3's UI (issue #10): headless Chromium against a real ``mlflow server``.
+"""What a user sees in MLflow 3's UI: headless Chromium against a real ``mlflow server``.
 
 The state is written by the real code (``pipelines.tracking.model_registry``: experiment kind, dataset input, study note, pyfunc
 models, registered version) from fold checkpoints of untrained models, so no sweep is needed; the version's

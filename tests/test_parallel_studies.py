@@ -1,4 +1,4 @@
-"""Studies in parallel (issue #12 item 1) and their cost (item 2), on real tiny sweeps.
+"""Studies in parallel and their cost (item 2), on real tiny sweeps.
 
 A sweep of three tiny studies (synthetic data, 1 trial, 2 reproductions, 2 kfold folds of 1 worker) with
 ``max_concurrent_studies`` left to its default on a local Ray of 6 CPUs (a study needs 2 → three at once): the study

@@ -1,4 +1,4 @@
-"""``dmlrc reeval`` (issue #10 B): the regression rule and config errors (fast); one registered sweep re-evaluated
+"""``dmlrc reeval``: the regression rule and config errors (fast); one registered sweep re-evaluated
 on its unchanged data (ok, metrics equal to 1e-6), a degraded copy (regressed, exit 3), a deleted model artifact
 (exit 1, the version named, the other still evaluated) and the data on S3 (slow)."""
 
@@ -67,6 +67,148 @@ def test_unknown_model_is_a_config_error_before_ray(tmp_path, capsys):
     assert main(["reeval", str(p)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: models[0].name: no registered model version nope")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+_GOOD = {"tracking_uri": "sqlite:///x.db", "models": [{"name": "m"}], "datasets": {"d": "/x"}}
+
+
+def _load(tmp_path: Path, **changes):
+    """load_reeval_config of a valid config with ``changes`` applied (a None value removes the key)."""
+    from pipelines.reeval.config import load_reeval_config
+
+    doc = {k: v for k, v in {**_GOOD, **changes}.items() if v is not None}
+    p = tmp_path / "nightly.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return load_reeval_config(p)
+
+
+@pytest.mark.parametrize("changes, field, says", [
+    ({"bogus": 1, "tolerance": 5}, "bogus", "unknown key (known: schedule, tracking_uri, models"),
+    ({"models": "m"}, "models", "non-empty list"),
+    ({"models": [{"name": "m"}, {"alias": "a"}]}, "models[1]", "exactly one of `name` or `experiment`"),
+    ({"models": [{"name": "m", "stage": "prod"}]}, "models[0].stage", "unknown key (known: name, alias, version"),
+    ({"models": [{"name": "m", "alias": "a", "version": 2}]}, "models[0]", "`alias` or `version`, not both"),
+    ({"models": [{"name": "m", "alias": 5}]}, "models[0].alias", "valid string, got 5"),
+    ({"models": [{"name": "m", "version": True}]}, "models[0].version", "version number"),
+    ({"models": [{"experiment": "e", "version": 1}]}, "models[0].version", "only with `name`"),
+    ({"datasets": {}}, "datasets", "parquet URIs"),
+    ({"datasets": {"d": "gs://bucket/d"}}, "datasets.d", "unsupported URI scheme 'gs'"),
+    ({"metrics": ["map_at_r", "acc"]}, "metrics[1]", "unknown metric 'acc'"),
+    ({"metrics": ["nmi", "nmi"]}, "metrics[1]", "already listed as metrics[0]"),
+    ({"tolerance": 1}, "tolerance", "[0, 1), got 1"),
+    ({"tolerance": float("nan")}, "tolerance", "[0, 1), got nan"),
+    ({"batch_size": True}, "batch_size", "positive integer, got True"),
+    ({"batch_size": 2.0}, "batch_size", "positive integer, got 2.0"),
+    ({"use_gpu": "yes"}, "use_gpu", "true or false"),
+    ({"ray_address": "head"}, "ray_address", "not a Ray address"),
+    ({"out": "s3://bucket/reeval"}, "out", "expected a local path"),
+    ({"tracking_uri": "file:///tmp/mlruns"}, "tracking_uri", "not supported by MLflow 3"),
+])
+def test_each_bad_key_is_one_config_error_at_its_field(tmp_path, changes, field, says):
+    from pipelines.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, **changes)
+    assert e.value.field == field and says in e.value.problem, str(e.value)
+
+
+def test_tracking_uri_falls_back_to_the_environment_and_is_required(tmp_path, monkeypatch):
+    from pipelines.config.errors import ConfigError
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, tracking_uri=None)
+    assert e.value.field == "tracking_uri" and "$MLFLOW_TRACKING_URI" in e.value.problem
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    assert _load(tmp_path, tracking_uri=None).tracking_uri == "http://mlflow:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "ftp://mlflow")
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, tracking_uri=None)
+    assert e.value.field.startswith("MLFLOW_TRACKING_URI (environment")
+
+
+def test_a_password_in_the_tracking_uri_is_never_shown(tmp_path, monkeypatch):
+    from pipelines.config.errors import ConfigError
+
+    for uri in ("http://alice:hunter2@mlflow:99999", "ftp://alice:hunter2@mlflow", ["http://alice:hunter2@mlflow"]):
+        with pytest.raises(ConfigError) as e:
+            _load(tmp_path, tracking_uri=uri)
+        assert e.value.field == "tracking_uri" and "hunter2" not in str(e.value), str(e.value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "ftp://alice:hunter2@mlflow")
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, tracking_uri=None)
+    assert "hunter2" not in str(e.value) and "***" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, ray_address="ray://alice:hunter2@head:10001")
+    assert e.value.field == "ray_address" and "hunter2" not in str(e.value)
+
+
+def test_defaults_null_values_and_what_the_job_gets(tmp_path, monkeypatch):
+    from pipelines.reeval.run import load_reeval_config  # the CLI's import path still works
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _load(tmp_path, models=[{"name": "m", "version": 3}, {"experiment": "e", "alias": None}],
+                datasets={"d": "shards"}, tolerance=0, ray_address="ray://head:10001")
+    assert cfg.schedule == "nightly" and cfg.metrics == ("precision_at_1", "r_precision", "map_at_r")
+    assert cfg.models == [{"name": "m", "version": 3}, {"experiment": "e"}]
+    assert cfg.tracking_uri == f"sqlite:///{tmp_path / 'x.db'}"  # absolute: the embedding actors open it too
+    assert cfg.datasets == {"d": str(tmp_path / "shards")} and cfg.tolerance == 0.0 and isinstance(cfg.tolerance, float)
+    assert (cfg.ray_address, cfg.use_gpu, cfg.batch_size, cfg.out) == ("ray://head:10001", False, 256, "reeval")
+    p = tmp_path / "nulls.yaml"
+    p.write_text("tracking_uri: sqlite:///x.db\nmodels: [{name: m}]\ndatasets: {d: s3://bucket/d}\nschedule: null\n"
+                 "metrics: null\ntolerance: null\nbatch_size: null\nuse_gpu: null\nout: null\n")
+    cfg = load_reeval_config(p)
+    assert (cfg.schedule, cfg.tolerance, cfg.batch_size, cfg.use_gpu, cfg.out) == ("nulls", 0.01, 256, False, "reeval")
+
+
+def test_the_file_goes_through_the_hardened_yaml_loader(tmp_path):
+    from pipelines.config.errors import ConfigError
+    from pipelines.config.loader import MAX_CONFIG_BYTES
+    from pipelines.reeval.config import load_reeval_config
+
+    p = tmp_path / "r.yaml"
+    p.write_text("tracking_uri: sqlite:///x.db\nmodels: [{name: m}]\ndatasets: {d: /x}\ntolerance: 0.1\n"
+                 "tolerance: 0.5\n")
+    with pytest.raises(ConfigError) as e:
+        load_reeval_config(p)
+    assert e.value.field == "tolerance" and "duplicate key (lines 4 and 5)" in e.value.problem
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{n}: &{n} [*{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}]\n" for m, n in zip("abcde", "bcdef"))
+    p.write_text(bomb + "models: *f\n")
+    with pytest.raises(ConfigError, match="more than 20000 nodes"):
+        load_reeval_config(p)
+    p.write_text("#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ConfigError, match="too large"):
+        load_reeval_config(p)
+    for text, says in (("- a\n- b\n", "expected a mapping"), ("models: [\n", "not valid YAML"),
+                       ("1: x\n", "keys must be strings")):
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=says):
+            load_reeval_config(p)
+    with pytest.raises(ConfigError, match="config file not found") as e:
+        load_reeval_config(tmp_path / "nowhere.yaml")
+    assert e.value.field == str(tmp_path / "nowhere.yaml")
+
+
+def test_published_json_schema_is_the_models_current_schema():
+    from pipelines.reeval.config import reeval_json_schema
+
+    published = json.loads((ROOT / "docs" / "reeval-config.schema.json").read_text())
+    assert published == json.loads(json.dumps(reeval_json_schema())), \
+        "regenerate docs/reeval-config.schema.json (docs/architecture.md, reeval/config.py) after changing the schema"
+
+
+def test_shipped_reeval_config_passes_the_published_json_schema_and_bad_ones_do_not():
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads((ROOT / "docs" / "reeval-config.schema.json").read_text()))
+    good = yaml.safe_load((ROOT / "infra" / "reeval" / "reeval.yaml").read_text())
+    assert not list(validator.iter_errors(good))
+    assert not list(validator.iter_errors({"models": [{"name": "m", "version": "2"}], "datasets": {"d": "/x"}}))
+    for bad in ({"models": [{"name": "m", "experiment": "e"}]}, {"models": [{"name": "m", "alias": "a", "version": 1}]},
+                {"models": [{"experiment": "e", "alias": "a"}]}, {"models": [{"alias": "a"}]}, {"datasets": {}},
+                {"metrics": ["acc"]}, {"tolerance": 1}, {"batch_size": True}, {"bogus": 1}):
+        assert list(validator.iter_errors({**good, **bad})), bad
 
 
 # ------------------------------------------------------------------------------------------------ slow

@@ -1,4 +1,4 @@
-"""infra/reeval (issue #10 C): the CronJob is a well-formed batch/v1 CronJob that runs exactly the command line
+"""infra/reeval: the CronJob is a well-formed batch/v1 CronJob that runs exactly the command line
 ``tests/test_reeval.py`` runs (``dmlrc reeval CONFIG``), on a config that passes ``dmlrc reeval``'s own checks."""
 
 from __future__ import annotations
@@ -70,6 +70,21 @@ def test_cronjob_runs_the_command_line_the_tests_run_on_a_valid_config():
     # the re-sweep it replaces is kept, renamed, with a different name and schedule
     resweep = yaml.safe_load((REEVAL / "resweep-cronjob.yaml").read_text())
     assert resweep["metadata"]["name"] != _cronjob()["metadata"]["name"]
+
+
+def test_every_reeval_config_in_infra_reeval_parses():
+    """Every ``dmlrc reeval`` config shipped in infra/reeval (a YAML mapping with ``models``; not the Kubernetes
+    manifests or the re-sweep's sweep config) passes the loader and names a tracking server and a Ray cluster."""
+    from pipelines.reeval.config import load_reeval_config
+
+    found = []
+    for path in sorted(REEVAL.glob("*.yaml")):
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        if len(docs) == 1 and isinstance(docs[0], dict) and "models" in docs[0] and "apiVersion" not in docs[0]:
+            cfg = load_reeval_config(path)
+            assert cfg.models and cfg.datasets and cfg.tracking_uri.startswith("http") and cfg.ray_address, path
+            found.append(path.name)
+    assert "reeval.yaml" in found
 
 
 def test_the_systemd_unit_runs_the_same_subcommand():

@@ -1,8 +1,10 @@
-"""Models in MLflow's format, registered (issue #10 A): naming and dataset digests (fast); a tiny sweep against a
+"""Models in MLflow's format, registered: naming and dataset digests (fast); a tiny sweep against a
 real ``mlflow server`` that registers one version per study with its tags, and a pyfunc model that returns the fold
 models' embeddings (slow).
 
-:func:`parquet_dataset` and :func:`run_registered_sweep` are shared with ``tests/test_reeval.py``.
+:func:`parquet_dataset`, :func:`run_registered_sweep` and :func:`check_registered` are shared with
+``tests/test_reeval.py``, whose sweep against an ``mlflow server`` on sqlite runs every registration check before it
+re-evaluates the models (one sweep for both); here the same checks run against a server on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -191,16 +193,6 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     np.testing.assert_allclose(folds_out, np.concatenate(parts, axis=1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out, concatenated_embeddings(parts), rtol=1e-5, atol=1e-6)
     assert out.shape == (len(test), 4 * 8)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_sweep_registers_one_version_per_study_with_its_tags_sqlite(tmp_path):
-    from tests.mlflow_server import mlflow_server
-
-    with mlflow_server(tmp_path / "server") as uri:
-        data, experiment = run_registered_sweep(tmp_path, uri)
-        check_registered(uri, experiment, data)
 
 
 def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unpickling(tmp_path):

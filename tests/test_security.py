@@ -1,4 +1,4 @@
-"""Security of a sweep's own Ray (issue #16): no credentials anywhere Ray or MLflow write, loopback-only sockets,
+"""Security of a sweep's own Ray: no credentials anywhere Ray or MLflow write, loopback-only sockets,
 no password in what is printed, and the cluster's resources checked before any trial starts.
 
 The slow tests run ``dmlrc sweep`` on a tiny config (2 class-disjoint folds, 1 trial, 2 reproductions) in a

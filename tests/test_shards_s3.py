@@ -137,7 +137,7 @@ def test_cli_prepare_to_s3_with_endpoint_url(creds, tmp_path, capsys):
 
 def test_a_damaged_cached_copy_is_hashed_again_and_replaced(creds, tmp_path):
     """A cached shard edited with its mtime restored: reads notice (the stamp holds the ctime) and `verify` hashes
-    regardless; either way the damaged copy is dropped and downloaded again (issue #16: stale verify)."""
+    regardless; either way the damaged copy is dropped and downloaded again (a stale verification)."""
     import os
 
     from test_datasets_prepare import make_fake_cub

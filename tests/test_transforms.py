@@ -1,6 +1,6 @@
 """The protocol transforms (PIL + torch, dml_core.data) equal torchvision's v2 pipeline bit for bit.
 
-The reference below is the definition `dml_core.data` used before it dropped torchvision (issue #11): for the same
+The reference below is the definition `dml_core.data` used before it dropped torchvision: for the same
 torch seed, every output tensor must be `torch.equal` and torch's RNG must end in the same state (the same draws in
 the same order), across image sizes, aspect ratios (including ones where RandomResizedCrop falls back to its centre
 crop), PIL modes and crop sizes.  Only this test imports torchvision.

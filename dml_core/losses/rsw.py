@@ -185,9 +185,6 @@ class EuclideanSoftmax(_EuclideanProxyLoss):
         return f"num_classes={self.num_classes}, scale={self.scale}"
 
 
-_PHASE_KEYS = ("k1", "k2", "alpha", "scale")
-
-
 @register(
     "rsw",
     paper=PAPER,

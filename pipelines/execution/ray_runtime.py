@@ -5,7 +5,7 @@ the reachability checks for the sweep's storage and tracking store (each fails w
 ``config error: <field>: …`` before anything expensive starts), :func:`start_ray` / :func:`stop_ray`, and the
 check of the cluster's resources against the config (:func:`check_cluster_resources`).
 
-Security (issue #16):
+Security:
 
 * **Loopback only.**  A Ray the sweep starts itself binds GCS, raylet, object manager, runtime-env agent, driver
   and workers to 127.0.0.1: Ray's own switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (meant for laptops) makes

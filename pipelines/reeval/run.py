@@ -1,21 +1,8 @@
 """``dmlrc reeval CONFIG``: re-evaluate registered reality-check models on the current test data, with the current code.
 
-Config (YAML; unknown keys are errors)::
-
-    schedule: nightly                      # a name for this job (tag ``schedule`` on every reeval run)
-    tracking_uri: http://mlflow:5000       # default $MLFLOW_TRACKING_URI
-    models:                                # each: a registered model (alias ``reality-check`` unless alias/version)
-      - name: dmlrc.mlrc.cub200.contrastive
-        alias: reality-check
-      - experiment: mlrc                   # or: the ``reality-check`` version of every model of that experiment
-    datasets:                              # version tag ``dataset`` -> parquet shards (`dmlrc data prepare`)
-      cub200: s3://bucket/cub200/          # local path or s3:// (endpoint/credentials from the AWS_* environment)
-    metrics: [map_at_r, r_precision, precision_at_1]   # compared (every retrieval metric is computed and logged)
-    tolerance: 0.01                        # allowed absolute drop (metrics are in 0..1)
-    ray_address: null                      # null: start a local Ray, like `dmlrc sweep`
-    use_gpu: false                         # one embedding actor per GPU
-    batch_size: 256
-    out: reeval                            # folder for reeval.md / .html / .png
+Config (YAML): :mod:`pipelines.reeval.config` — its keys (``models``, ``datasets``, ``metrics``, ``tolerance``, ...),
+the pydantic schema, the hardened loader and the published JSON Schema ``docs/reeval-config.schema.json``;
+:func:`load_reeval_config` and :class:`ReevalConfig` are re-exported here.
 
 Per model version (:func:`evaluate_version`): the test classes come from the study's fold manifest
 (``folds.json``); Ray Data streams the dataset's parquet shards (``read_parquet`` → filter to the test classes →
@@ -54,92 +41,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from dml_core.splits import FoldManifest
 from pipelines.config.schema import ConfigError
 from pipelines.execution.fold import _finite
 from pipelines.execution.interrupts import install_startup_handlers
 from pipelines.execution.ray_runtime import check_tracking_reachable, init_ray, stop_ray
-from pipelines.names import ALIAS, HEADLINE_METRICS, MODES, REPRODUCTION
+from pipelines.names import ALIAS, MODES, REPRODUCTION
+from pipelines.reeval.config import ReevalConfig, load_reeval_config
 from pipelines.results.embeddings import reproduction_test_metrics, split_folds
 from pipelines.results.study_results import confidence_intervals
 
 __all__ = ["ReevalConfig", "load_reeval_config", "run_reeval", "add_reeval_parser", "regression_verdict",
            "manifest_digest"]
-
-KEYS = {"schedule", "tracking_uri", "models", "datasets", "metrics", "tolerance", "ray_address", "use_gpu",
-        "batch_size", "out"}
-KNOWN_METRICS = ("map_at_r", "r_precision", "precision_at_1", "recall_at_1", "recall_at_2", "recall_at_4",
-                 "recall_at_8", "ndcg_at_2", "ndcg_at_4", "ndcg_at_8", "nmi")
-
-
-@dataclass
-class ReevalConfig:
-    schedule: str
-    tracking_uri: str
-    models: list[dict[str, Any]]
-    datasets: dict[str, str]
-    metrics: tuple[str, ...] = HEADLINE_METRICS
-    tolerance: float = 0.01
-    ray_address: str | None = None
-    use_gpu: bool = False
-    batch_size: int = 256
-    out: str = "reeval"
-
-
-def load_reeval_config(path: str | os.PathLike) -> ReevalConfig:
-    """Parse and check the YAML (shape only; :func:`resolve_versions` checks it against MLflow)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("config", f"{str(path)!r} does not exist")
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError("config", f"not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(doc, dict):
-        raise ConfigError("config", "must be a mapping")
-    unknown = sorted(set(doc) - KEYS)
-    if unknown:
-        raise ConfigError(unknown[0], f"unknown key (known: {', '.join(sorted(KEYS))})")
-    uri = doc.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri or not isinstance(uri, str):
-        raise ConfigError("tracking_uri", "missing (set it or $MLFLOW_TRACKING_URI)")
-    models = doc.get("models")
-    if not isinstance(models, list) or not models:
-        raise ConfigError("models", "must be a non-empty list of {name[, alias|version]} or {experiment}")
-    for i, m in enumerate(models):
-        if not isinstance(m, dict) or not (("name" in m) ^ ("experiment" in m)):
-            raise ConfigError(f"models[{i}]", "needs exactly one of `name` or `experiment`")
-        extra = sorted(set(m) - {"name", "alias", "version", "experiment"})
-        if extra:
-            raise ConfigError(f"models[{i}].{extra[0]}", "unknown key (known: name, alias, version, experiment)")
-        if "alias" in m and "version" in m:
-            raise ConfigError(f"models[{i}]", "give `alias` or `version`, not both")
-    datasets = doc.get("datasets")
-    if not isinstance(datasets, dict) or not datasets or not all(
-            isinstance(k, str) and isinstance(v, str) and v for k, v in datasets.items()):
-        raise ConfigError("datasets", "must map dataset names (the version tag `dataset`) to parquet URIs")
-    metrics = doc.get("metrics", list(HEADLINE_METRICS))
-    if not isinstance(metrics, list) or not metrics:
-        raise ConfigError("metrics", "must be a non-empty list")
-    for j, m in enumerate(metrics):
-        if m not in KNOWN_METRICS:
-            raise ConfigError(f"metrics[{j}]", f"unknown metric {m!r} (known: {', '.join(KNOWN_METRICS)})")
-    tol = doc.get("tolerance", 0.01)
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
-        raise ConfigError("tolerance", f"must be a number in [0, 1), got {tol!r}")
-    bs = doc.get("batch_size", 256)
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-        raise ConfigError("batch_size", f"must be a positive integer, got {bs!r}")
-    use_gpu = doc.get("use_gpu", False)
-    if not isinstance(use_gpu, bool):
-        raise ConfigError("use_gpu", "must be true or false")
-    return ReevalConfig(schedule=str(doc.get("schedule", p.stem)), tracking_uri=uri, models=models,
-                        datasets=dict(datasets), metrics=tuple(metrics), tolerance=float(tol),
-                        ray_address=doc.get("ray_address"), use_gpu=use_gpu, batch_size=bs,
-                        out=str(doc.get("out", "reeval")))
-
 
 # ------------------------------------------------------------------------------------------------ resolution
 
