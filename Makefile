@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench install clean
+.PHONY: demo test test-fast lint bench install clean
 
 # (Re)install only when pyproject.toml changed: a second `make test` starts at once.
 $(STAMP): pyproject.toml
@@ -21,12 +21,17 @@ demo: $(STAMP)
 # Every test, slow integration tests (Ray, MLflow server, S3) included.  Two pytest workers (pytest-xdist), one test
 # file each at a time: the integration tests spend much of their time starting processes and servers and waiting on
 # them, which a second worker overlaps.
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Unit tests only (no Ray / servers).
-test-fast: $(STAMP)
+test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
+
+# ruff: lint and format, settings in pyproject.toml (`ruff format .` and `ruff check --fix .` repair most findings).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
 	$(PY) bench/metrics_bench.py

@@ -61,10 +61,17 @@ def measure(client, experiment: str) -> dict:
     spans = [(r.data.metrics["time.start"], r.data.metrics["time.end"]) for r in folds]
     peak, mean, span = in_flight(spans)
     study_seconds = [(r.info.end_time - r.info.start_time) / 1000 for r in studies if r.info.end_time]
-    return {"folds": len(folds), "fold_nodes": len({r.data.tags.get("node_id") for r in folds}),
-            "studies": len(studies), "studies_done": sum(r.data.tags.get("done") == "true" for r in studies),
-            "peak_in_flight": peak, "mean_in_flight": mean, "fold_span_s": span,
-            "sum_study_s": sum(study_seconds), "fold_seconds_mean": sum(e - s for s, e in spans) / len(spans)}
+    return {
+        "folds": len(folds),
+        "fold_nodes": len({r.data.tags.get("node_id") for r in folds}),
+        "studies": len(studies),
+        "studies_done": sum(r.data.tags.get("done") == "true" for r in studies),
+        "peak_in_flight": peak,
+        "mean_in_flight": mean,
+        "fold_span_s": span,
+        "sum_study_s": sum(study_seconds),
+        "fold_seconds_mean": sum(e - s for s, e in spans) / len(spans),
+    }
 
 
 def main() -> None:
@@ -75,8 +82,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--reproductions", type=int, default=2, help="the schema's minimum")
     ap.add_argument("--iters", type=int, default=2, help="iterations per epoch (1 epoch)")
-    ap.add_argument("--max-concurrent-studies", type=int, default=None,
-                    help="resources.max_concurrent_studies (default: the schema's)")
+    ap.add_argument(
+        "--max-concurrent-studies",
+        type=int,
+        default=None,
+        help="resources.max_concurrent_studies (default: the schema's)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = ap.parse_args()
 
@@ -92,26 +103,50 @@ def main() -> None:
         resources["max_concurrent_studies"] = args.max_concurrent_studies
     with local_cluster(workdir, workers=args.nodes, worker_cpus=args.slots, object_store_mb=80) as c:
         name = "scale"
-        cfg = cluster_sweep_config(workdir, c.tracking_uri, c.storage("scale"), name=name, datasets=args.studies,
-                                   trials=args.trials, reproductions=args.reproductions, iters_per_epoch=args.iters,
-                                   **resources)
+        cfg = cluster_sweep_config(
+            workdir,
+            c.tracking_uri,
+            c.storage("scale"),
+            name=name,
+            datasets=args.studies,
+            trials=args.trials,
+            reproductions=args.reproductions,
+            iters_per_epoch=args.iters,
+            **resources,
+        )
         t0 = time.time()
-        out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
-                             cwd=workdir, capture_output=True, text=True, env=c.driver_env())
+        out = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+            env=c.driver_env(),
+        )
         wall = time.time() - t0
         if out.returncode != 0:
             sys.exit(f"sweep failed ({out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
         m = measure(MlflowClient(c.tracking_uri), f"{name}-experiment")
     shutil.rmtree(workdir, ignore_errors=True)
-    m.update(capacity=capacity, nodes=args.nodes, slots=args.slots, sweep_wall_s=wall,
-             utilisation=m["mean_in_flight"] / capacity)
-    print(f"cluster: {args.nodes} worker nodes × {args.slots} slots = capacity {capacity}; "
-          f"{m['studies_done']}/{m['studies']} studies done, {m['folds']} folds on {m['fold_nodes']} nodes "
-          f"(mean fold {m['fold_seconds_mean']:.1f} s)")
-    print(f"folds in flight while work remains ({m['fold_span_s']:.0f} s): peak {m['peak_in_flight']}, "
-          f"mean {m['mean_in_flight']:.2f} → utilisation {100 * m['utilisation']:.1f} % of {capacity} slots")
-    print(f"sweep wall {wall:.0f} s vs sum of study wall times {m['sum_study_s']:.0f} s "
-          f"(ratio {m['sum_study_s'] / wall:.2f})")
+    m.update(
+        capacity=capacity,
+        nodes=args.nodes,
+        slots=args.slots,
+        sweep_wall_s=wall,
+        utilisation=m["mean_in_flight"] / capacity,
+    )
+    print(
+        f"cluster: {args.nodes} worker nodes × {args.slots} slots = capacity {capacity}; "
+        f"{m['studies_done']}/{m['studies']} studies done, {m['folds']} folds on {m['fold_nodes']} nodes "
+        f"(mean fold {m['fold_seconds_mean']:.1f} s)"
+    )
+    print(
+        f"folds in flight while work remains ({m['fold_span_s']:.0f} s): peak {m['peak_in_flight']}, "
+        f"mean {m['mean_in_flight']:.2f} → utilisation {100 * m['utilisation']:.1f} % of {capacity} slots"
+    )
+    print(
+        f"sweep wall {wall:.0f} s vs sum of study wall times {m['sum_study_s']:.0f} s "
+        f"(ratio {m['sum_study_s'] / wall:.2f})"
+    )
     if args.json:
         args.json.write_text(json.dumps(m, indent=2))
 

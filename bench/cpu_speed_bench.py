@@ -34,8 +34,12 @@ from dml_core.splits import FoldManifest  # noqa: E402
 from dml_core.train import TrainConfig, train_fold  # noqa: E402
 
 OMNIGLOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "omniglot"
-VARIANTS = {"fp32": {}, "channels_last": {"channels_last": True}, "bf16": {"cpu_amp": True},
-            "bf16+channels_last": {"cpu_amp": True, "channels_last": True}}
+VARIANTS = {
+    "fp32": {},
+    "channels_last": {"channels_last": True},
+    "bf16": {"cpu_amp": True},
+    "bf16+channels_last": {"cpu_amp": True, "channels_last": True},
+}
 IMAGE, EMB = 32, 64
 
 
@@ -45,8 +49,9 @@ def cpu_features() -> str:
     except (OSError, StopIteration):
         return "unknown"
     have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 "?")
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
+    )
     return f"{model}; {' '.join(have) or 'no AVX2'}"
 
 
@@ -93,9 +98,21 @@ def accuracy(train, val, n_train: int, variant: dict, seed: int, epochs: int) ->
     torch.manual_seed(seed)
     model = build_model(trunk="tiny", embedding_dim=EMB, freeze_bn=False)
     loss = build_loss("contrastive", num_classes=n_train, embedding_dim=EMB)
-    cfg = TrainConfig(classes_per_batch=8, m=4, iters_per_epoch=100, max_epochs=epochs, eval_every=epochs,
-                      patience=None, optimizer="rmsprop", trunk_lr=1e-4, embedder_lr=1e-4, momentum=0.0,
-                      eval_batch_size=256, seed=seed, **variant)
+    cfg = TrainConfig(
+        classes_per_batch=8,
+        m=4,
+        iters_per_epoch=100,
+        max_epochs=epochs,
+        eval_every=epochs,
+        patience=None,
+        optimizer="rmsprop",
+        trunk_lr=1e-4,
+        embedder_lr=1e-4,
+        momentum=0.0,
+        eval_batch_size=256,
+        seed=seed,
+        **variant,
+    )
     t0 = time.perf_counter()
     res = train_fold(model, loss, train, val, cfg)
     if res.status != "ok":
@@ -121,8 +138,10 @@ def main() -> None:
         for name, variant in VARIANTS.items():
             per[name] += step_times(variant, args.iters)
     base = statistics.median(per["fp32"])
-    print(f"\nspeed: forward+backward+step of a 32-image batch, {args.iters} iterations × {args.repeats} interleaved "
-          "repeats")
+    print(
+        f"\nspeed: forward+backward+step of a 32-image batch, {args.iters} iterations × {args.repeats} interleaved "
+        "repeats"
+    )
     print("variant | ms / iteration (median) | ms per 100 iterations | × fp32")
     for name, ts in per.items():
         m = statistics.median(ts)
@@ -131,8 +150,11 @@ def main() -> None:
     if args.skip_accuracy:
         return
     name, train, val, n_train = data(OMNIGLOT.is_dir() and not args.synthetic)
-    print(f"\naccuracy: fold 0 of {name}, {n_train} train classes, {args.epochs} epochs × 100 iterations, "
-          f"seeds 0..{args.seeds - 1}, final val MAP@R", flush=True)
+    print(
+        f"\naccuracy: fold 0 of {name}, {n_train} train classes, {args.epochs} epochs × 100 iterations, "
+        f"seeds 0..{args.seeds - 1}, final val MAP@R",
+        flush=True,
+    )
     results: dict[str, list[float]] = {v: [] for v in VARIANTS}
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for seed in range(args.seeds):

@@ -61,8 +61,13 @@ def prepare_shards(folder_table, dest: Path, row_group_rows: int) -> dict:
     from dml_core.shards import Record, write_shards
 
     recs = [
-        Record(relpath=str(rel), label=int(label), class_name=folder_table.class_names[int(label)], split="train",
-               read=(lambda p=p: Path(p).read_bytes()))
+        Record(
+            relpath=str(rel),
+            label=int(label),
+            class_name=folder_table.class_names[int(label)],
+            split="train",
+            read=(lambda p=p: Path(p).read_bytes()),
+        )
         for p, rel, label in zip(folder_table.images, folder_table.meta["relpath"], folder_table.labels)
     ]
     return write_shards(recs, dest, dataset="bench", progress=False, row_group_rows=row_group_rows, overwrite=True)
@@ -95,8 +100,7 @@ def loader_rate(dataset, labels, workers: int, n: int) -> float:
     from dml_core.samplers import MPerClassBatchSampler
 
     sampler = MPerClassBatchSampler(labels, m=4, classes_per_batch=8, iters_per_epoch=-(-n // 32), seed=1)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                         persistent_workers=False)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, persistent_workers=False)
     t0 = time.perf_counter()
     count = sum(len(y) for _, y in loader)
     return count / (time.perf_counter() - t0)
@@ -123,8 +127,10 @@ def integrity_costs(folder, shard_dir: Path, cache: Path, omniglot: str | None) 
 
         sets.append(("PNG (Omniglot, 105x105 1-bit)", [data for _, data, _ in iter_zips(omniglot)]))
     print()
-    print("| prepare-time image check | images | header only (ms/img) | full: CRCs + decode (ms/img) "
-          "| added per 10k images (s) |")
+    print(
+        "| prepare-time image check | images | header only (ms/img) | full: CRCs + decode (ms/img) "
+        "| added per 10k images (s) |"
+    )
     print("|---|---:|---:|---:|---:|")
     for name, blobs in sets:
         head = per_item_cpu(lambda b: _image_header(b, "bench"), blobs)
@@ -145,9 +151,11 @@ def integrity_costs(folder, shard_dir: Path, cache: Path, omniglot: str | None) 
     print()
     print(f"| whole-dataset check ({n:,} rows) | CPU s | per 10k rows (s) |")
     print("|---|---:|---:|")
-    for name, sec in (("check_rows (headers; shard hashes stamped)", rows_s),
-                      ("check_rows(hash_rows=True) (+ every row's sha256)", rows_hash_s),
-                      ("verify_shards (re-hash shards + rows, decode every image)", verify_s)):
+    for name, sec in (
+        ("check_rows (headers; shard hashes stamped)", rows_s),
+        ("check_rows(hash_rows=True) (+ every row's sha256)", rows_hash_s),
+        ("verify_shards (re-hash shards + rows, decode every image)", verify_s),
+    ):
         print(f"| {name} | {sec:.2f} | {sec / n * 1e4:.2f} |")
 
 
@@ -158,8 +166,13 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=256, help="short side of the generated JPEGs")
     ap.add_argument("--crop", type=int, default=227, help="train_transform output size")
     ap.add_argument("--samples", type=int, default=640, help="samples timed per cell")
-    ap.add_argument("--row-group-rows", type=int, nargs="+", default=[64],
-                    help="shard row-group sizes to compare (default: the prepare default, 64)")
+    ap.add_argument(
+        "--row-group-rows",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="shard row-group sizes to compare (default: the prepare default, 64)",
+    )
     ap.add_argument("--workers", type=int, default=0, help="also time a DataLoader with this many workers")
     ap.add_argument("--workdir", default=None, help="where to generate (default: a temp dir, removed afterwards)")
     ap.add_argument("--omniglot", default=None, help="Omniglot zip dir: also price the checks on its PNGs")
@@ -184,13 +197,22 @@ def main(argv=None) -> int:
             table = read_parquet_manifest(work / f"shards-rg{rg}", cache_dir=work / "cache")
             assert table.labels.tolist() == sorted(folder.labels.tolist())
             n_groups = sum(len(s["row_groups"]) for s in manifest["shards"])
-            sources.append((f"parquet shards, {rg}-row groups", table,
-                            f"{len(manifest['shards'])} shard(s), {n_groups} row groups, prepared in {prep_s:.2f} s"))
+            sources.append(
+                (
+                    f"parquet shards, {rg}-row groups",
+                    table,
+                    f"{len(manifest['shards'])} shard(s), {n_groups} row groups, prepared in {prep_s:.2f} s",
+                )
+            )
 
-        print(f"# dml-reality-check data bench: {platform.machine()}, {os.cpu_count()} CPUs, "
-              f"python {sys.version.split()[0]}, torch {torch.__version__}")
-        print(f"# {len(folder)} JPEGs, {len(folder.class_names)} classes, short side {args.size} px, "
-              f"mean {nbytes / len(folder) / 1024:.1f} KiB (generated in {gen_s:.1f} s); train_transform({args.crop})")
+        print(
+            f"# dml-reality-check data bench: {platform.machine()}, {os.cpu_count()} CPUs, "
+            f"python {sys.version.split()[0]}, torch {torch.__version__}"
+        )
+        print(
+            f"# {len(folder)} JPEGs, {len(folder.class_names)} classes, short side {args.size} px, "
+            f"mean {nbytes / len(folder) / 1024:.1f} KiB (generated in {gen_s:.1f} s); train_transform({args.crop})"
+        )
         for name, _, note in sources[1:]:
             print(f"# {name}: {note}")
         tf = train_transform(args.crop)
@@ -198,12 +220,15 @@ def main(argv=None) -> int:
         for name, table, _ in sources:
             ds = ImageDataset(table, tf)
             if table is folder:
+
                 def fetch(i, t=table):
                     with open(t.images[i], "rb") as f:
                         return f.read()
             else:
+
                 def fetch(i, t=table):
                     return t.images[i]
+
             for pattern, idx in access_orders(table.labels, args.samples).items():
                 torch.manual_seed(0)
                 rows.append((name, pattern, time_it(fetch, idx), time_it(ds.__getitem__, idx)))

@@ -1,12 +1,12 @@
 """Benchmark: the ways of running warm single-worker folds on Ray, measured on the same folds ("measure the
 options before you choose").
 
-The same ``--trials`` × 4 demo folds (``pipelines/config/demo.yaml``'s data, model and training budget, contrastive loss,
-one seed per trial) are trained four ways, one after the other in one run:
+The same ``--trials`` × 4 demo folds (``pipelines/config/demo.yaml``'s data, model and training budget, contrastive
+loss, one seed per trial) are trained four ways, one after the other in one run:
 
 1. **bare loop** — ``dml_core.train.train_fold`` in this process, fold after fold: the anchor;
-2. **tasks** — what :mod:`pipelines.execution.warm_folds` does: one Ray task per fold with ``max_calls=0`` (Ray keeps the
-   worker process for the next task), a trial's four folds submitted together, trials one after another;
+2. **tasks** — what :mod:`pipelines.execution.warm_folds` does: one Ray task per fold with ``max_calls=0`` (Ray keeps
+   the worker process for the next task), a trial's four folds submitted together, trials one after another;
 3. **actors** — a pool of four long-lived actors (``ray.util.ActorPool``), each holding its process for the whole
    run, a trial's four folds mapped onto the pool;
 4. **repeater** — Ray Tune's ``Repeater(searcher, repeat=4, set_index=True)``: one Tune trial per fold
@@ -44,16 +44,19 @@ def _demo():
 
 def fold_jobs(trials: int) -> list[dict]:
     """The folds to train: ``trials`` seeds × 4 class-disjoint folds of the demo's trainval classes."""
-    from dml_core.splits import class_disjoint_folds, trainval_test_split
     from dml_core.data import synthetic
+    from dml_core.splits import class_disjoint_folds, trainval_test_split
 
     d = _demo()
     ds = d["datasets"][0]
     table = synthetic(ds["num_classes"], ds["per_class"], ds["image_size"], seed=d["seed"])
     trainval, _ = trainval_test_split(table.labels)
     folds = class_disjoint_folds(trainval, n_folds=FOLDS, layout=d["protocol"]["fold_layout"])
-    return [{"trial": t, "fold": f.index, "train": list(f.train_classes), "val": list(f.val_classes),
-             "seed": d["seed"] + t} for t in range(trials) for f in folds]
+    return [
+        {"trial": t, "fold": f.index, "train": list(f.train_classes), "val": list(f.val_classes), "seed": d["seed"] + t}
+        for t in range(trials)
+        for f in folds
+    ]
 
 
 def train_one(job: dict, table) -> dict:
@@ -72,10 +75,21 @@ def train_one(job: dict, table) -> dict:
     torch.manual_seed(job["seed"])
     model = build_model(**d["model"])
     loss = build_loss("contrastive", num_classes=len(job["train"]), embedding_dim=d["model"]["embedding_dim"])
-    cfg = TrainConfig(iters_per_epoch=p["iters_per_epoch"], max_epochs=p["max_epochs"], eval_every=p["eval_every"],
-                      patience=p["patience"], seed=job["seed"], **p["train"])
-    r = train_fold(model, loss, ImageDataset(table.subset(job["train"]), train_transform(size)),
-                   ImageDataset(table.subset(job["val"]), eval_transform(size)), cfg)
+    cfg = TrainConfig(
+        iters_per_epoch=p["iters_per_epoch"],
+        max_epochs=p["max_epochs"],
+        eval_every=p["eval_every"],
+        patience=p["patience"],
+        seed=job["seed"],
+        **p["train"],
+    )
+    r = train_fold(
+        model,
+        loss,
+        ImageDataset(table.subset(job["train"]), train_transform(size)),
+        ImageDataset(table.subset(job["val"]), eval_transform(size)),
+        cfg,
+    )
     return {"train_seconds": r.train_seconds, "pid": os.getpid(), "map_at_r": r.best_metrics.get("map_at_r")}
 
 
@@ -159,14 +173,23 @@ def run_repeater(jobs: list[dict], storage: str) -> list[dict]:
 
     # One group per trial: "group" is a searched categorical whose values the searcher walks through in order
     # (points_to_evaluate), so group g trains trial g's seed and folds.
-    searcher = OptunaSearch(space={"group": tune.choice(list(range(trials)))}, metric="score", mode="max",
-                            points_to_evaluate=[{"group": g} for g in range(trials)])
+    searcher = OptunaSearch(
+        space={"group": tune.choice(list(range(trials)))},
+        metric="score",
+        mode="max",
+        points_to_evaluate=[{"group": g} for g in range(trials)],
+    )
     t0 = time.time()
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(trainable, table_ref=[ray.put(_table())]), {"cpu": 1}),
-        tune_config=tune.TuneConfig(search_alg=Repeater(searcher, repeat=FOLDS, set_index=True),
-                                    num_samples=trials * FOLDS, max_concurrent_trials=FOLDS, reuse_actors=True),
-        run_config=tune.RunConfig(name="repeater", storage_path=storage, verbose=0))
+        tune_config=tune.TuneConfig(
+            search_alg=Repeater(searcher, repeat=FOLDS, set_index=True),
+            num_samples=trials * FOLDS,
+            max_concurrent_trials=FOLDS,
+            reuse_actors=True,
+        ),
+        run_config=tune.RunConfig(name="repeater", storage_path=storage, verbose=0),
+    )
     grid = tuner.fit()
     rows = sorted((r.metrics for r in grid if r.metrics), key=lambda m: m["t_end"])
     # Tune gives a trial no submission time we can read; a fold's "wall" is the time since the previous fold ended
@@ -175,8 +198,14 @@ def run_repeater(jobs: list[dict], storage: str) -> list[dict]:
     out = []
     for r in rows:
         end = r["t_end"] - t0
-        out.append({"train_seconds": r["train_seconds"], "pid": r["pid"], "map_at_r": r["map_at_r"],
-                    "wall": end - last_end.get(r["pid"], 0.0)})
+        out.append(
+            {
+                "train_seconds": r["train_seconds"],
+                "pid": r["pid"],
+                "map_at_r": r["map_at_r"],
+                "wall": end - last_end.get(r["pid"], 0.0),
+            }
+        )
         last_end[r["pid"]] = end
     return out
 
@@ -191,7 +220,7 @@ def summarise(name: str, rows: list[dict], wall: float, bare_wall: float | None)
             after_first.append(r["wall"] - r["train_seconds"])
     over = statistics.median(after_first) if after_first else float("nan")
     ratio = f"{wall / bare_wall:.2f}" if bare_wall else "1"
-    return (f"| {name} | {len(rows)} | {wall:.1f} | {ratio} | {train:.1f} | {over:.2f} | {len(pids)} |")
+    return f"| {name} | {len(rows)} | {wall:.1f} | {ratio} | {train:.1f} | {over:.2f} | {len(pids)} |"
 
 
 def main() -> int:
@@ -211,8 +240,11 @@ def main() -> int:
     torch.set_num_threads(1)
     jobs = fold_jobs(args.trials)
     options = args.options.split(",")
-    lines = ["| option | folds | wall s | wall / bare | Σ train_fold s | overhead / fold after a process's first, "
-             "median s | processes |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| option | folds | wall s | wall / bare | Σ train_fold s | overhead / fold after a process's first, "
+        "median s | processes |",
+        "|---|---|---|---|---|---|---|",
+    ]
     bare_wall = None
     with tempfile.TemporaryDirectory() as tmp:
         if "bare" in options:
@@ -220,24 +252,42 @@ def main() -> int:
             rows = run_bare(jobs)
             bare_wall = time.time() - t0
             lines.append(summarise("bare loop (this process)", rows, bare_wall, None))
-        ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+        ray.init(
+            num_cpus=args.cpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+        )
         try:
-            for name, fn in (("tasks", run_tasks), ("actors", run_actors),
-                             ("repeater", lambda j: run_repeater(j, tmp))):
+            for name, fn in (
+                ("tasks", run_tasks),
+                ("actors", run_actors),
+                ("repeater", lambda j: run_repeater(j, tmp)),
+            ):
                 if name not in options:
                     continue
                 t0 = time.time()
                 rows = fn(jobs)
-                lines.append(summarise({"tasks": "Ray tasks, max_calls=0 (chosen)", "actors": "ActorPool of 4 actors",
-                                        "repeater": "Tune Repeater, reuse_actors"}[name], rows, time.time() - t0,
-                                       bare_wall))
+                lines.append(
+                    summarise(
+                        {
+                            "tasks": "Ray tasks, max_calls=0 (chosen)",
+                            "actors": "ActorPool of 4 actors",
+                            "repeater": "Tune Repeater, reuse_actors",
+                        }[name],
+                        rows,
+                        time.time() - t0,
+                        bare_wall,
+                    )
+                )
                 print(lines[-1], flush=True)
         finally:
             ray.shutdown()
-    print(f"\n{len(jobs)} demo folds ({args.trials} trials × {FOLDS}), {os.cpu_count()} cores, "
-          f"Ray with {args.cpus} logical CPUs; wall times include each option's own start-up (process starts, "
-          "imports) but not Ray's.\n")
+    print(
+        f"\n{len(jobs)} demo folds ({args.trials} trials × {FOLDS}), {os.cpu_count()} cores, "
+        f"Ray with {args.cpus} logical CPUs; wall times include each option's own start-up (process starts, "
+        "imports) but not Ray's.\n"
+    )
     print("\n".join(lines))
     return 0
 

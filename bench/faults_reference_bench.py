@@ -26,8 +26,13 @@ def main() -> None:
         work = Path(tmp)
         cfg = _config(work, c.tracking_uri, c.storage("reference"), name="reference", trials=1, reproductions=2)
         t0 = time.time()
-        out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
-                             cwd=work, capture_output=True, text=True, env=c.driver_env())
+        out = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            env=c.driver_env(),
+        )
         wall = time.time() - t0
         if out.returncode != 0:
             raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])

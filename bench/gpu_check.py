@@ -59,8 +59,9 @@ def _run(name: str, cmd: list[str], out: Path, timeout: float, cwd: Path | None 
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=cwd or ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=cwd or ROOT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:  # Ctrl-C first (a sweep then stops its Ray), then the whole group
@@ -96,14 +97,25 @@ def _parquet(dest: Path, num_classes: int, per_class: int, image_size: int) -> s
         return buf.getvalue()
 
     labels = [int(v) for v in table.labels]
-    records = [Record(f"img_{i:05d}.png", labels[i], f"class_{labels[i]:03d}", "all",
-                      (lambda img=table.images[i]: png(img))) for i in range(len(labels))]
+    records = [
+        Record(f"img_{i:05d}.png", labels[i], f"class_{labels[i]:03d}", "all", (lambda img=table.images[i]: png(img)))
+        for i in range(len(labels))
+    ]
     write_shards(records, str(dest), dataset="synthetic-shards", progress=False)
     return str(dest)
 
 
-def _sweep_config(work: Path, name: str, data: str, *, executor: str, gpus_per_worker: float, use_gpu: bool,
-                  losses: list | None = None, trials: int | None = None) -> Path:
+def _sweep_config(
+    work: Path,
+    name: str,
+    data: str,
+    *,
+    executor: str,
+    gpus_per_worker: float,
+    use_gpu: bool,
+    losses: list | None = None,
+    trials: int | None = None,
+) -> Path:
     for old in (work / f"{name}.db", work / "runs" / name):  # a fresh sweep each time
         if old.is_dir():
             shutil.rmtree(old)
@@ -116,8 +128,13 @@ def _sweep_config(work: Path, name: str, data: str, *, executor: str, gpus_per_w
     if losses is not None:
         doc["losses"] = losses
     if trials is not None:  # the short form: 1 trial, 2 k-fold folds, 2 reproductions
-        doc["protocol"].update(trials=trials, startup_trials=min(trials, doc["protocol"]["startup_trials"]),
-                               folds=2, fold_layout="kfold", reproductions=2)
+        doc["protocol"].update(
+            trials=trials,
+            startup_trials=min(trials, doc["protocol"]["startup_trials"]),
+            folds=2,
+            fold_layout="kfold",
+            reproductions=2,
+        )
         doc["resources"]["max_concurrent_trials"] = 2
     doc["resources"].update(use_gpu=use_gpu, gpus_per_worker=gpus_per_worker, fold_executor=executor)
     doc["tracking"] = {"uri": f"sqlite:///{work / (name + '.db')}", "experiment": name}
@@ -132,8 +149,11 @@ def _fold_runs(uri: str, experiment: str) -> list:
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
-    return [r for r in client.search_runs([exp.experiment_id], max_results=5000)
-            if r.data.tags.get("stage") == "fold" or r.info.run_name.startswith("fold ")]
+    return [
+        r
+        for r in client.search_runs([exp.experiment_id], max_results=5000)
+        if r.data.tags.get("stage") == "fold" or r.info.run_name.startswith("fold ")
+    ]
 
 
 def _check_folds(uri: str, experiment: str) -> dict:
@@ -158,8 +178,11 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000], help="knn step's N")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per step (default: TIMEOUTS)")
     ap.add_argument("--repeats", type=int, default=1, help="knn step: runs per size")
-    ap.add_argument("--cpu", action="store_true",
-                    help="rehearse the steps on a machine without a GPU (use_gpu off; the CUDA checks then fail)")
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="rehearse the steps on a machine without a GPU (use_gpu off; the CUDA checks then fail)",
+    )
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -168,8 +191,12 @@ def main() -> int:
 
     import torch
 
-    summary: dict = {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "steps": {}}
+    summary: dict = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "steps": {},
+    }
     print(f"torch {summary['torch']} (CUDA {summary['cuda']}), GPU: {summary['gpu']}", flush=True)
     py = sys.executable
     doc = yaml.safe_load((ROOT / "pipelines" / "config" / "demo.yaml").read_text())
@@ -181,32 +208,79 @@ def main() -> int:
     for step in args.steps:
         limit = args.timeout or TIMEOUTS[step]
         if step == "tests":
-            r = _run("tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                               "tests/test_knn.py", "tests/test_metrics.py", "-k", "cuda or Cuda or CUDA",
-                               "-rs"], out, limit)
+            r = _run(
+                "tests",
+                [
+                    py,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "tests/test_cuda.py",
+                    "tests/test_knn.py",
+                    "tests/test_metrics.py",
+                    "-k",
+                    "cuda or Cuda or CUDA",
+                    "-rs",
+                ],
+                out,
+                limit,
+            )
         elif step == "warm":
-            cfg = _sweep_config(work, "gpu-warm", data, executor="warm", gpus_per_worker=0.25,
-                                use_gpu=not args.cpu)
+            cfg = _sweep_config(work, "gpu-warm", data, executor="warm", gpus_per_worker=0.25, use_gpu=not args.cpu)
             r = _run("warm", [py, "-m", "pipelines.cli", "sweep", str(cfg)], out, limit, cwd=work)
             text = (out / "warm.log").read_text(errors="replace")
             r["ci_table_printed"] = "±" in text
             r.update(_check_folds(f"sqlite:///{work / 'gpu-warm.db'}", "gpu-warm"))
             r["ok"] = r["rc"] == 0 and r["all_on_cuda"] and r["max_folds_per_process"] > 1 and r["ci_table_printed"]
         elif step == "train":
-            cfg = _sweep_config(work, "gpu-train", data, executor="train", gpus_per_worker=0.25, use_gpu=not args.cpu,
-                                losses=[{"name": "contrastive"}], trials=1)
+            cfg = _sweep_config(
+                work,
+                "gpu-train",
+                data,
+                executor="train",
+                gpus_per_worker=0.25,
+                use_gpu=not args.cpu,
+                losses=[{"name": "contrastive"}],
+                trials=1,
+            )
             r = _run("train", [py, "-m", "pipelines.cli", "sweep", str(cfg)], out, limit, cwd=work)
             r.update(_check_folds(f"sqlite:///{work / 'gpu-train.db'}", "gpu-train"))
             r["ok"] = r["rc"] == 0 and r["all_on_cuda"] and r["dist_backends"] == ["nccl"]
         elif step == "knn":
-            r = _run("knn", [py, "bench/metrics_bench.py", "--sides", "ours-cuda", "--threads", "1", "--repeats",
-                             str(args.repeats), "--sizes", *map(str, args.sizes)], out, limit)
+            r = _run(
+                "knn",
+                [
+                    py,
+                    "bench/metrics_bench.py",
+                    "--sides",
+                    "ours-cuda",
+                    "--threads",
+                    "1",
+                    "--repeats",
+                    str(args.repeats),
+                    "--sizes",
+                    *map(str, args.sizes),
+                ],
+                out,
+                limit,
+            )
         else:  # reeval
             conf = work / "reeval.yaml"
-            conf.write_text(yaml.safe_dump({
-                "schedule": "gpu-check", "tracking_uri": f"sqlite:///{work / 'gpu-warm.db'}",
-                "models": [{"experiment": "gpu-warm"}], "datasets": {DATASET: data},
-                "tolerance": 0.01, "use_gpu": not args.cpu, "out": str(work / "reeval-out")}))
+            conf.write_text(
+                yaml.safe_dump(
+                    {
+                        "schedule": "gpu-check",
+                        "tracking_uri": f"sqlite:///{work / 'gpu-warm.db'}",
+                        "models": [{"experiment": "gpu-warm"}],
+                        "datasets": {DATASET: data},
+                        "tolerance": 0.01,
+                        "use_gpu": not args.cpu,
+                        "out": str(work / "reeval-out"),
+                    }
+                )
+            )
             r = _run("reeval", [py, "-m", "pipelines.cli", "reeval", str(conf)], out, limit, cwd=work)
         r.setdefault("ok", r["rc"] == 0)
         summary["steps"][step] = r

@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dml_core import knn  # noqa: E402
 from metrics_bench import make_data  # noqa: E402
+
+from dml_core import knn  # noqa: E402
 
 
 def gemm_floor(x: torch.Tensor) -> tuple[float, float]:
@@ -89,8 +90,10 @@ def compare_modes(x: torch.Tensor, k: int) -> None:
     chosen = knn.chosen_prune(n, d, k)
     tile, panel = knn._tile_and_panel(n, None, False)
     t32, t16, t_pair = knn._bf16_times(d, panel, tile)
-    print(f"N={n} D={d} k={k} threads={torch.get_num_threads()}: prune=None picks {chosen}; fp32 panel product "
-          f"{t32 * 1e3:.3f} ms, bf16 + conversion {t16 * 1e3:.3f} ms, working key {t_pair * 1e9:.1f} ns")
+    print(
+        f"N={n} D={d} k={k} threads={torch.get_num_threads()}: prune=None picks {chosen}; fp32 panel product "
+        f"{t32 * 1e3:.3f} ms, bf16 + conversion {t16 * 1e3:.3f} ms, working key {t_pair * 1e9:.1f} ns"
+    )
     got = {}
     for prune in ("fp32", "bf16"):
         t0 = time.perf_counter()
@@ -115,8 +118,11 @@ def cuda_tiles(x: torch.Tensor, k: int, tiles: list[int]) -> None:
         dt = time.perf_counter() - t0
         ref = (d, i) if ref is None else ref
         same = torch.equal(d, ref[0]) and torch.equal(i, ref[1])
-        print(f"tile {tile}: self_knn {dt:.2f} s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MB, "
-              f"same distances and neighbours as tile {tiles[0]}: {same}", flush=True)
+        print(
+            f"tile {tile}: self_knn {dt:.2f} s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MB, "
+            f"same distances and neighbours as tile {tiles[0]}: {same}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -125,13 +131,24 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="also the torch profiler's table of one search")
-    ap.add_argument("--sweep", nargs="+", default=[], metavar="TILE:PANEL[:CHUNK]",
-                    help="also time self_knn with these CPU sizes (knn.TILE_CPU, PANEL_CPU, CHUNK), in this process")
+    ap.add_argument(
+        "--sweep",
+        nargs="+",
+        default=[],
+        metavar="TILE:PANEL[:CHUNK]",
+        help="also time self_knn with these CPU sizes (knn.TILE_CPU, PANEL_CPU, CHUNK), in this process",
+    )
     ap.add_argument("--prune", choices=("fp32", "bf16"), help="self_knn's panel products (default: its own choice)")
     ap.add_argument("--modes", action="store_true", help="only time self_knn in fp32 and bf16; say which it picks")
-    ap.add_argument("--cuda-tiles", nargs="+", type=int, default=[], metavar="TILE",
-                    help="only this: self_knn on CUDA tensors with these tile edges (knn.TILE_CUDA), timed and "
-                         "compared with the first")
+    ap.add_argument(
+        "--cuda-tiles",
+        nargs="+",
+        type=int,
+        default=[],
+        metavar="TILE",
+        help="only this: self_knn on CUDA tensors with these tile edges (knn.TILE_CUDA), timed and "
+        "compared with the first",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     x, labels = make_data(args.n, args.dim, seed=0)
@@ -150,8 +167,10 @@ def main() -> None:
     knn.self_knn(x, k, prune=prune)
     print(f"self_knn: {time.perf_counter() - t0:.2f} s")
     dt, gf = gemm_floor(x)
-    print(f"panel GEMMs alone: {dt:.2f} s ({gf:.0f} GFLOP/s; fp32 products by "
-          f"{knn._fp32_product(args.dim, knn.PANEL_CPU, knn.TILE_CPU)})")
+    print(
+        f"panel GEMMs alone: {dt:.2f} s ({gf:.0f} GFLOP/s; fp32 products by "
+        f"{knn._fp32_product(args.dim, knn.PANEL_CPU, knn.TILE_CPU)})"
+    )
     blocks = -(-args.n // knn.TILE_CPU)
     tiles = blocks * (blocks - 1) // 2
     total = tiles * 2 * knn.TILE_CPU * (knn.TILE_CPU // knn.CHUNK)
@@ -159,8 +178,10 @@ def main() -> None:
     print(f"live chunks: {live} of {total} ({100 * live / total:.1f} %) over {tiles} off-diagonal tiles, both sides")
     for dtype, how in ((torch.float32, "mm"), (torch.float32, "onednn"), (torch.bfloat16, "mm")):
         try:
-            print(f"one {knn.PANEL_CPU}x{knn.TILE_CPU}x{args.dim} panel product in {dtype} by {how}: "
-                  f"{panel_gflops(dtype, args.dim, how):.0f} GFLOP/s")
+            print(
+                f"one {knn.PANEL_CPU}x{knn.TILE_CPU}x{args.dim} panel product in {dtype} by {how}: "
+                f"{panel_gflops(dtype, args.dim, how):.0f} GFLOP/s"
+            )
         except (RuntimeError, AttributeError) as e:  # a torch without oneDNN's op (or its fp32 kernel)
             print(f"{dtype} by {how}: {str(e).splitlines()[0]}")
     ref = None

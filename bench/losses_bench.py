@@ -57,7 +57,16 @@ def _labels(num_classes: int, batch: int, m: int, gen: torch.Generator) -> torch
 
 
 def time_loss(
-    name: str, params: dict, *, num_classes: int, batch: int, dim: int, reps: int, warmup: int, device: str, budget: float
+    name: str,
+    params: dict,
+    *,
+    num_classes: int,
+    batch: int,
+    dim: int,
+    reps: int,
+    warmup: int,
+    device: str,
+    budget: float,
 ):
     """Forward + backward times (seconds) of one loss; fresh embeddings (and zeroed grads) every rep.
 
@@ -112,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else ("n/a",) * 3
     print(
         f"# losses bench: B={args.batch}, D={args.dim}, device={args.device}, torch {torch.__version__}, "
-        f"threads={args.threads}, reps={args.reps} (+{args.warmup} warm-up), {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, load avg at start {', '.join(f'{x:.2f}' if isinstance(x, float) else x for x in load)}\n"
+        f"threads={args.threads}, reps={args.reps} (+{args.warmup} warm-up), "
+        f"{platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, load avg at start "
+        f"{', '.join(f'{x:.2f}' if isinstance(x, float) else x for x in load)}\n"
     )
     print("| loss | C | batch (classes x m) | hyperparameters | fwd+bwd median ms | IQR ms | reps |")
     print("|---|---:|---|---|---:|---:|---:|")
@@ -143,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ms = sorted(x * 1e3 for x in t)
             q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0], ms[0], ms[0]]
-            print(f"| {name} | {c} | {shape} | {source} | {statistics.median(ms):.2f} | {q[0]:.2f}-{q[2]:.2f} | {len(ms)} |", flush=True)
+            print(
+                f"| {name} | {c} | {shape} | {source} | {statistics.median(ms):.2f} | "
+                f"{q[0]:.2f}-{q[2]:.2f} | {len(ms)} |",
+                flush=True,
+            )
     if hasattr(os, "getloadavg"):
         print(f"\nload avg at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 1 if failed else 0

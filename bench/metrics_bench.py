@@ -185,16 +185,32 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
         values = {}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     cpu_s = _cpu_s() - cpu0
-    print(json.dumps({"seconds": seconds, "rss_before_mb": rss0, "peak_rss_mb": peak, "values": values,
-                      "knn_s": spent["knn"], "kmeans_s": spent["kmeans"], "cpu_s": cpu_s,
-                      "gpu_peak_mb": spent.get("gpu_peak_mb"), "gpu": spent.get("gpu"), "prune": spent.get("prune")}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "rss_before_mb": rss0,
+                "peak_rss_mb": peak,
+                "values": values,
+                "knn_s": spent["knn"],
+                "kmeans_s": spent["kmeans"],
+                "cpu_s": cpu_s,
+                "gpu_peak_mb": spent.get("gpu_peak_mb"),
+                "gpu": spent.get("gpu"),
+                "prune": spent.get("prune"),
+            }
+        )
+    )
 
 
 def run_side(side: str, path: str, threads: int, nmi: bool) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(
         [sys.executable, __file__, "--child", side, path, str(threads), str(int(nmi))],
-        capture_output=True, text=True, check=False, env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
     )
     if out.returncode != 0:
         raise RuntimeError(f"{side} child failed:\n{out.stderr[-4000:]}")
@@ -216,11 +232,21 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="runs per side, alternating the side order")
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
-                    help="faiss/torch thread counts to measure (each child uses one)")
-    ap.add_argument("--sides", nargs="+", choices=SIDES + GPU_SIDES, default=list(SIDES),
-                    help="which implementations to run (PML cannot run at 1M: its class × N matrix); "
-                         "ours-cuda: the symmetric search on CUDA tensors (needs a GPU)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="faiss/torch thread counts to measure (each child uses one)",
+    )
+    ap.add_argument(
+        "--sides",
+        nargs="+",
+        choices=SIDES + GPU_SIDES,
+        default=list(SIDES),
+        help="which implementations to run (PML cannot run at 1M: its class × N matrix); "
+        "ours-cuda: the symmetric search on CUDA tensors (needs a GPU)",
+    )
     ap.add_argument("--nmi", action="store_true", help="also NMI (faiss k-means) on ours, ours-faiss and PML")
     ap.add_argument("--child", nargs=4, metavar=("SIDE", "NPZ", "THREADS", "NMI"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -231,11 +257,22 @@ def main() -> None:
     from dml_core import openblas_core
 
     core = os.environ.get(openblas_core.VARIABLE) or openblas_core.core_for_flags(openblas_core.cpu_flags())
-    print(f"cpus={os.cpu_count()} threads={args.threads} repeats={args.repeats} nmi={args.nmi} "
-          f"faiss_openblas_core={core or 'detected by OpenBLAS'} "
-          f"loadavg_before={' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    header = ("N", "threads", "side", "wall s (min)", "CPU s (min)", "kNN s", "peak RSS MB",
-              "× PML (paired median)", "× faiss-raw (paired median)")
+    print(
+        f"cpus={os.cpu_count()} threads={args.threads} repeats={args.repeats} nmi={args.nmi} "
+        f"faiss_openblas_core={core or 'detected by OpenBLAS'} "
+        f"loadavg_before={' '.join(f'{v:.2f}' for v in os.getloadavg())}"
+    )
+    header = (
+        "N",
+        "threads",
+        "side",
+        "wall s (min)",
+        "CPU s (min)",
+        "kNN s",
+        "peak RSS MB",
+        "× PML (paired median)",
+        "× faiss-raw (paired median)",
+    )
     print(" | ".join(header))
     shared = {k: pk for k, pk in SHARED.items() if args.nmi or k != "nmi"}
     details = []
@@ -252,29 +289,49 @@ def main() -> None:
                         load = os.getloadavg()[0]
                         runs[side].append(run_side(side, path, threads, args.nmi) | {"load": load})
                 for side, rs in runs.items():
+
                     def paired(other):
                         if other not in runs or other == side:
                             return "—"
                         return f"{_median([a['seconds'] / b['seconds'] for a, b in zip(rs, runs[other])]):.3f}"
 
                     best = min(rs, key=lambda r: r["seconds"])
-                    row = (n, threads, side, f"{best['seconds']:.2f}", f"{min(r['cpu_s'] for r in rs):.1f}",
-                           f"{best['knn_s']:.2f}", f"{max(r['peak_rss_mb'] for r in rs):.0f}",
-                           paired("pml"), paired("faiss-raw"))
+                    row = (
+                        n,
+                        threads,
+                        side,
+                        f"{best['seconds']:.2f}",
+                        f"{min(r['cpu_s'] for r in rs):.1f}",
+                        f"{best['knn_s']:.2f}",
+                        f"{max(r['peak_rss_mb'] for r in rs):.0f}",
+                        paired("pml"),
+                        paired("faiss-raw"),
+                    )
                     print(" | ".join(str(v) for v in row), flush=True)
                 checks = []
                 if "ours" in runs and "pml" in runs:
-                    checks.append(f"max|ours − PML| {max(_max_diff(a['values'], b['values'], shared) for a, b in zip(runs['ours'], runs['pml'])):.1e}")
+                    worst = max(_max_diff(a["values"], b["values"], shared) for a, b in zip(runs["ours"], runs["pml"]))
+                    checks.append(f"max|ours − PML| {worst:.1e}")
                 if "ours-cuda" in runs:
                     for other in ("ours", "ours-faiss"):
                         if other in runs:
                             same = {k: k for k in runs[other][0]["values"]}
-                            checks.append(f"max|ours-cuda − {other}| {max(_max_diff(a['values'], b['values'], same) for a, b in zip(runs['ours-cuda'], runs[other])):.1e}")
+                            worst = max(
+                                _max_diff(a["values"], b["values"], same)
+                                for a, b in zip(runs["ours-cuda"], runs[other])
+                            )
+                            checks.append(f"max|ours-cuda − {other}| {worst:.1e}")
                     if "pml" in runs:
-                        checks.append(f"max|ours-cuda − PML| {max(_max_diff(a['values'], b['values'], shared) for a, b in zip(runs['ours-cuda'], runs['pml'])):.1e}")
+                        worst = max(
+                            _max_diff(a["values"], b["values"], shared) for a, b in zip(runs["ours-cuda"], runs["pml"])
+                        )
+                        checks.append(f"max|ours-cuda − PML| {worst:.1e}")
                 if "ours" in runs and "ours-faiss" in runs:
                     same = {k: k for k in runs["ours"][0]["values"]}
-                    checks.append(f"max|ours − ours-faiss| {max(_max_diff(a['values'], b['values'], same) for a, b in zip(runs['ours'], runs['ours-faiss'])):.1e}")
+                    worst = max(
+                        _max_diff(a["values"], b["values"], same) for a, b in zip(runs["ours"], runs["ours-faiss"])
+                    )
+                    checks.append(f"max|ours − ours-faiss| {worst:.1e}")
                 print(f"  N={n} threads={threads}: " + "; ".join(checks), flush=True)
                 details.append((n, threads, runs, checks))
     print(f"loadavg_after={' '.join(f'{v:.2f}' for v in os.getloadavg())}")

@@ -91,14 +91,17 @@ class RssSampler:
                     cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                     if not cmd.startswith("ray::"):
                         continue
-                    status = {line.split(":")[0]: line.split()[1] for line in
-                              (proc / "status").read_text().splitlines() if line.startswith(("VmRSS:", "RssAnon:"))}
+                    status = {
+                        line.split(":")[0]: line.split()[1]
+                        for line in (proc / "status").read_text().splitlines()
+                        if line.startswith(("VmRSS:", "RssAnon:"))
+                    }
                     rss, anon = int(status["VmRSS"]) / 1024, int(status["RssAnon"]) / 1024
                 except (OSError, KeyError, IndexError, ValueError):
                     continue
                 pid = int(proc.name)
                 # the title changes with the task it runs; a reused worker keeps the kind of its fold task
-                kind = cmd.split()[0][len("ray::"):].split(".")[0].split("(")[0].split(":")[0] or "?"
+                kind = cmd.split()[0][len("ray::") :].split(".")[0].split("(")[0].split(":")[0] or "?"
                 if kind != "IDLE" or pid not in self.kind:
                     self.kind[pid] = kind
                 self.peak[pid] = max(self.peak.get(pid, 0.0), rss)
@@ -180,10 +183,14 @@ def _import_breakdown() -> dict:
     import os
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _IMPORT_STEPS], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_STEPS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"import breakdown failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -191,13 +198,18 @@ def _import_breakdown() -> dict:
     prev = 0.0
     for r in out["rows"]:
         loaded = ", ".join(k for k in ("torchvision", "torch._dynamo", "mlflow") if r[k]) or "–"
-        print(f"  {r['step']:50s} {r['VmRSS']:7.0f} {r['VmRSS'] - prev:+7.0f}  peak {r['VmHWM']:7.0f}"
-              f"  {r['seconds']:5.1f} s  loaded: {loaded}")
+        print(
+            f"  {r['step']:50s} {r['VmRSS']:7.0f} {r['VmRSS'] - prev:+7.0f}  peak {r['VmHWM']:7.0f}"
+            f"  {r['seconds']:5.1f} s  loaded: {loaded}"
+        )
         prev = r["VmRSS"]
     sm = out["smaps"]
-    print(f"  at the end: Rss {sm.get('Rss', 0):.0f} = shared/clean file pages {sm.get('Shared_Clean', 0) + sm.get('Private_Clean', 0):.0f}"
-          f" + private dirty {sm.get('Private_Dirty', 0):.0f} (+ shared dirty {sm.get('Shared_Dirty', 0):.0f});"
-          f" anonymous {sm.get('Anonymous', 0):.0f}")
+    print(
+        f"  at the end: Rss {sm.get('Rss', 0):.0f} = shared/clean file pages "
+        f"{sm.get('Shared_Clean', 0) + sm.get('Private_Clean', 0):.0f}"
+        f" + private dirty {sm.get('Private_Dirty', 0):.0f} (+ shared dirty {sm.get('Shared_Dirty', 0):.0f});"
+        f" anonymous {sm.get('Anonymous', 0):.0f}"
+    )
     return out
 
 
@@ -227,8 +239,10 @@ def _fold_runs(outcome) -> list:
 def _overheads(runs) -> tuple[list[float], list[float], list[float]]:
     """(overhead of every fold, overhead after the first fold of each study, in-worker train seconds)."""
     # a fold killed before it finished (e.g. by Ray's memory monitor on a crowded machine) has no time marks
-    folds = sorted((r for r in runs if r.data.tags.get("stage") == "fold" and "time.fit_start" in r.data.metrics),
-                   key=lambda r: r.data.metrics["time.fit_start"])
+    folds = sorted(
+        (r for r in runs if r.data.tags.get("stage") == "fold" and "time.fit_start" in r.data.metrics),
+        key=lambda r: r.data.metrics["time.fit_start"],
+    )
     first_seen: set[str] = set()
     every, warm, train = [], [], []
     for r in folds:
@@ -278,20 +292,39 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
         ctx = _Sweep(cfg, [plan], tracker=SimpleNamespace(uri="", experiment_id=""))._context(plan, "", None)
         hparams = {k: _num(v) for k, v in parent.data.params.items()}
         fold = plan.dataset.manifest.folds[int(r.data.tags["fold"])]
-        fc = _fold_config(ctx, fold, hparams, int(parent.data.tags["seed"]), "", "reproduction" in parent.data.tags,
-                          plan.dataset.manifest, "")
+        fc = _fold_config(
+            ctx,
+            fold,
+            hparams,
+            int(parent.data.tags["seed"]),
+            "",
+            "reproduction" in parent.data.tags,
+            plan.dataset.manifest,
+            "",
+        )
         table = plan.dataset.table
         torch.manual_seed(fc["train"]["seed"])
         model = build_model(**fc["model"])
-        loss = build_loss(fc["loss"], num_classes=len(fold.train_classes), embedding_dim=fc["model"]["embedding_dim"],
-                          **fc["loss_params"])
-        res = train_fold(model, loss, ImageDataset(table.subset(list(fold.train_classes)), train_transform(ctx.image_size)),
-                         ImageDataset(table.subset(list(fold.val_classes)), eval_transform(ctx.image_size)),
-                         TrainConfig(**fc["train"]))
+        loss = build_loss(
+            fc["loss"],
+            num_classes=len(fold.train_classes),
+            embedding_dim=fc["model"]["embedding_dim"],
+            **fc["loss_params"],
+        )
+        res = train_fold(
+            model,
+            loss,
+            ImageDataset(table.subset(list(fold.train_classes)), train_transform(ctx.image_size)),
+            ImageDataset(table.subset(list(fold.val_classes)), eval_transform(ctx.image_size)),
+            TrainConfig(**fc["train"]),
+        )
         if fc["evaluate_test"] and res.status == "ok":
             model.load_state_dict(res.best_state["model"])
-            embed(model, ImageDataset(table.subset(list(plan.dataset.manifest.test_classes)),
-                                      eval_transform(ctx.image_size)), batch_size=fc["train"].get("eval_batch_size", 128))
+            embed(
+                model,
+                ImageDataset(table.subset(list(plan.dataset.manifest.test_classes)), eval_transform(ctx.image_size)),
+                batch_size=fc["train"].get("eval_batch_size", 128),
+            )
     return time.time() - t0, len(folds)
 
 
@@ -315,24 +348,40 @@ def _report(label: str, wall: float, runs, rss: dict[str, list[float]]) -> dict:
     print(f"\n{label}: sweep wall {wall:.1f} s, {len(every)} folds, Σ train_fold {sum(train):.1f} s")
     print(f"  per-fold overhead (fold wall − train_fold), every fold      {_stats(every)} s")
     print(f"  per-fold overhead after the first fold of each study/fold  {_stats(warm)} s")
-    print("  peak RSS per process (MB), by Ray process kind (sampled every 0.5 s from /proc; anon = without the"
-          " mapped library files, which processes share):")
+    print(
+        "  peak RSS per process (MB), by Ray process kind (sampled every 0.5 s from /proc; anon = without the"
+        " mapped library files, which processes share):"
+    )
     for kind, xs in sorted(rss.items()):
         r, a = [x[0] for x in xs], [x[1] for x in xs]
-        print(f"    {kind:28s} n={len(xs):3d}  max {max(r):7.0f}  median {statistics.median(r):7.0f}"
-              f"   anon max {max(a):7.0f}  median {statistics.median(a):7.0f}")
+        print(
+            f"    {kind:28s} n={len(xs):3d}  max {max(r):7.0f}  median {statistics.median(r):7.0f}"
+            f"   anon max {max(a):7.0f}  median {statistics.median(a):7.0f}"
+        )
     own = _fold_process_peaks(runs)
     if own:
-        print(f"  peak RSS per fold process (MB), its own ru_maxrss at the end of its last fold (rank 0):"
-              f"  n={len(own)}  max {max(own):7.0f}  median {statistics.median(own):7.0f}")
-    return {"wall_s": wall, "folds": len(every), "train_sum_s": sum(train),
-            "fold_process_rss_peak_mb": {"n": len(own), "max": max(own), "median": statistics.median(own)}
-            if own else None,
-            "overhead_median_s": statistics.median(every) if every else None,
-            "overhead_after_first_median_s": statistics.median(warm) if warm else None,
-            "rss_mb": {k: {"n": len(v), "max": max(x[0] for x in v), "median": statistics.median(x[0] for x in v),
-                           "anon_max": max(x[1] for x in v), "anon_median": statistics.median(x[1] for x in v)}
-                       for k, v in rss.items()}}
+        print(
+            f"  peak RSS per fold process (MB), its own ru_maxrss at the end of its last fold (rank 0):"
+            f"  n={len(own)}  max {max(own):7.0f}  median {statistics.median(own):7.0f}"
+        )
+    return {
+        "wall_s": wall,
+        "folds": len(every),
+        "train_sum_s": sum(train),
+        "fold_process_rss_peak_mb": {"n": len(own), "max": max(own), "median": statistics.median(own)} if own else None,
+        "overhead_median_s": statistics.median(every) if every else None,
+        "overhead_after_first_median_s": statistics.median(warm) if warm else None,
+        "rss_mb": {
+            k: {
+                "n": len(v),
+                "max": max(x[0] for x in v),
+                "median": statistics.median(x[0] for x in v),
+                "anon_max": max(x[1] for x in v),
+                "anon_median": statistics.median(x[1] for x in v),
+            }
+            for k, v in rss.items()
+        },
+    }
 
 
 def main() -> int:
@@ -358,7 +407,7 @@ def main() -> int:
 
     doc = copy.deepcopy(DEMO)
     if args.losses:
-        doc["losses"] = doc["losses"][:args.losses]
+        doc["losses"] = doc["losses"][: args.losses]
     for key in ("trials", "reproductions"):
         if getattr(args, key) is not None:
             doc["protocol"] = dict(doc["protocol"], **{key: getattr(args, key)})
@@ -367,8 +416,9 @@ def main() -> int:
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_warm:
-            cfg, outcome, wall, rss = _sweep(dict(doc, resources=dict(doc["resources"], fold_executor="warm")),
-                                             Path(tmp), "warm")
+            cfg, outcome, wall, rss = _sweep(
+                dict(doc, resources=dict(doc["resources"], fold_executor="warm")), Path(tmp), "warm"
+            )
             runs = _fold_runs(outcome)
             out["warm"] = _report("warm single-worker folds (Ray tasks on reused processes)", wall, runs, rss)
             bare, n = _bare_loop(cfg, runs)
@@ -376,11 +426,18 @@ def main() -> int:
             print(f"  warm sweep wall / bare loop = {wall / bare:.2f}")
             out["bare_loop_s"], out["warm_over_bare"] = bare, wall / bare
         if not args.skip_train:
-            tdoc = dict(doc, losses=doc["losses"][:args.train_losses],
-                        resources=dict(doc["resources"], fold_executor="train", workers_per_fold=args.train_workers))
+            tdoc = dict(
+                doc,
+                losses=doc["losses"][: args.train_losses],
+                resources=dict(doc["resources"], fold_executor="train", workers_per_fold=args.train_workers),
+            )
             _, toutcome, twall, trss = _sweep(tdoc, Path(tmp), "train")
-            out["train"] = _report(f"Ray Train DDP folds ({args.train_workers} workers per fold, "
-                                   f"{args.train_losses} loss)", twall, _fold_runs(toutcome), trss)
+            out["train"] = _report(
+                f"Ray Train DDP folds ({args.train_workers} workers per fold, {args.train_losses} loss)",
+                twall,
+                _fold_runs(toutcome),
+                trss,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -72,8 +72,18 @@ def build(args, num_classes: int):
 
 
 def config(args, iters_per_epoch: int, epochs: int, cls=TrainConfig) -> TrainConfig:
-    return cls(classes_per_batch=8, m=4, iters_per_epoch=iters_per_epoch, max_epochs=epochs, eval_every=1,
-                       patience=None, loss_lr=1e-3, loss_weight_decay=0.0, seed=0, device="cpu")
+    return cls(
+        classes_per_batch=8,
+        m=4,
+        iters_per_epoch=iters_per_epoch,
+        max_epochs=epochs,
+        eval_every=1,
+        patience=None,
+        loss_lr=1e-3,
+        loss_weight_decay=0.0,
+        seed=0,
+        device="cpu",
+    )
 
 
 class Clock:
@@ -96,8 +106,11 @@ def run_bare(args, data: TensorImages) -> tuple[float, float]:
     trunk_ids = {id(p) for p in trunk}
     groups = [
         {"params": trunk, "lr": cfg.trunk_lr, "weight_decay": cfg.weight_decay},
-        {"params": [p for p in model.parameters() if id(p) not in trunk_ids], "lr": cfg.embedder_lr,
-         "weight_decay": cfg.weight_decay},
+        {
+            "params": [p for p in model.parameters() if id(p) not in trunk_ids],
+            "lr": cfg.embedder_lr,
+            "weight_decay": cfg.weight_decay,
+        },
     ]
     loss_params = [p for p in loss.parameters() if p.requires_grad]
     if loss_params:
@@ -172,21 +185,27 @@ def main() -> None:
         before = load_before(args.before)
         variants["before"] = lambda: run_library(args, data, val, before)
     names = list(variants)
-    print(f"# train loop bench: {args.loss}, tiny CNN, {args.size}px, batch 8x4, {args.iters} iterations, "
-          f"{args.threads} thread(s), torch {torch.__version__}, {platform.machine()}, "
-          f"{args.warmup} warm-up round(s), {args.repeats} timed rounds (interleaved: {', '.join(names)})", flush=True)
+    print(
+        f"# train loop bench: {args.loss}, tiny CNN, {args.size}px, batch 8x4, {args.iters} iterations, "
+        f"{args.threads} thread(s), torch {torch.__version__}, {platform.machine()}, "
+        f"{args.warmup} warm-up round(s), {args.repeats} timed rounds (interleaved: {', '.join(names)})",
+        flush=True,
+    )
     for _ in range(args.warmup):
         for fn in variants.values():
             fn()
     times = {n: {"cpu": [], "wall": []} for n in names}
     for r in range(args.repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             cpu, wall = variants[n]()
             times[n]["cpu"].append(cpu)
             times[n]["wall"].append(wall)
-        print(f"round {r} (first: {order[0]}): " + "  ".join(
-            f"{n} cpu {times[n]['cpu'][-1]:.3f} s wall {times[n]['wall'][-1]:.3f} s" for n in names), flush=True)
+        print(
+            f"round {r} (first: {order[0]}): "
+            + "  ".join(f"{n} cpu {times[n]['cpu'][-1]:.3f} s wall {times[n]['wall'][-1]:.3f} s" for n in names),
+            flush=True,
+        )
     for clock in ("cpu", "wall"):
         print(f"\n{clock} time, median over {args.repeats} rounds:")
         for n in names:
@@ -194,9 +213,11 @@ def main() -> None:
             print(f"  {n:<11} {med:.3f} s  ({1e3 * med / args.iters:.2f} ms/it)")
         for n in names[1:]:
             ratios = [b / t for b, t in zip(times["bare"][clock], times[n][clock])]
-            print(f"  bare/{n}: median of paired ratios {statistics.median(ratios):.3f} "
-                  f"(quartiles {np.percentile(ratios, 25):.3f}-{np.percentile(ratios, 75):.3f}), ratio of medians "
-                  f"{statistics.median(times['bare'][clock]) / statistics.median(times[n][clock]):.3f}")
+            print(
+                f"  bare/{n}: median of paired ratios {statistics.median(ratios):.3f} "
+                f"(quartiles {np.percentile(ratios, 25):.3f}-{np.percentile(ratios, 75):.3f}), ratio of medians "
+                f"{statistics.median(times['bare'][clock]) / statistics.median(times[n][clock]):.3f}"
+            )
 
 
 if __name__ == "__main__":

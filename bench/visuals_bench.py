@@ -49,8 +49,11 @@ def _table(args, tmp: Path):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=("demo", "omniglot", "synthetic"), default="demo")
-    ap.add_argument("--omniglot-src", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "omniglot"),
-                    help="folder with Omniglot's images_background_small*.zip (--preset omniglot)")
+    ap.add_argument(
+        "--omniglot-src",
+        default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "omniglot"),
+        help="folder with Omniglot's images_background_small*.zip (--preset omniglot)",
+    )
     ap.add_argument("--classes", type=int, default=5000, help="test classes (--preset synthetic)")
     ap.add_argument("--per-class", type=int, default=12, help="images per class (--preset synthetic)")
     ap.add_argument("--dim", type=int, default=128, help="embedding_dim per fold model (--preset synthetic)")
@@ -58,8 +61,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from dml_core.splits import trainval_test_split
-    from pipelines.tracking.runs import Tracker
     from pipelines.results.visuals import log_study_visuals
+    from pipelines.tracking.runs import Tracker
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
@@ -77,11 +80,17 @@ def main() -> int:
             np.save(d / "test_labels.npy", labels)
             ckpts.append(str(d))
         del emb
-        plan = types.SimpleNamespace(key=f"{args.preset}/bench", dataset=types.SimpleNamespace(
-            table=table, manifest=types.SimpleNamespace(test_classes=tuple(int(c) for c in test_classes))))
+        plan = types.SimpleNamespace(
+            key=f"{args.preset}/bench",
+            dataset=types.SimpleNamespace(
+                table=table, manifest=types.SimpleNamespace(test_classes=tuple(int(c) for c in test_classes))
+            ),
+        )
         tracker = Tracker.open(f"sqlite:///{tmp / 'mlflow.db'}", "bench", (tmp / "art").as_uri())
-        print(f"preset {args.preset}: {len(labels)} test images, {len(test_classes)} test classes, "
-              f"concatenated embedding 4 × {dim}")
+        print(
+            f"preset {args.preset}: {len(labels)} test images, {len(test_classes)} test classes, "
+            f"concatenated embedding 4 × {dim}"
+        )
         times = []
         for i in range(args.repeat):
             run_id, _ = tracker.get_or_create({"stage": "study", "i": i})
@@ -95,10 +104,14 @@ def main() -> int:
             times.append(wall)
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             sizes = {a.path.split("/")[-1]: a.file_size for a in tracker.client.list_artifacts(run_id, "visuals")}
-            print(f"run {i}: {wall:.2f} s  (peak RSS so far {rss / 1024:.0f} MB, +{(rss - rss0) / 1024:.0f} MB this run)"
-                  f"  artifacts: " + ", ".join(f"{k} {v / 1024:.0f} kB" for k, v in sorted(sizes.items())))
-        print(f"added time per study: first {times[0]:.2f} s (with imports), then median "
-              f"{float(np.median(times[1:] or times)):.2f} s")
+            print(
+                f"run {i}: {wall:.2f} s  (peak RSS so far {rss / 1024:.0f} MB, +{(rss - rss0) / 1024:.0f} MB this run)"
+                f"  artifacts: " + ", ".join(f"{k} {v / 1024:.0f} kB" for k, v in sorted(sizes.items()))
+            )
+        print(
+            f"added time per study: first {times[0]:.2f} s (with imports), then median "
+            f"{float(np.median(times[1:] or times)):.2f} s"
+        )
     return 0
 
 

@@ -27,8 +27,17 @@ import torch
 
 from dml_core.storage import open_storage
 
-__all__ = ["STATE_FORMAT", "rng_state", "set_rng_state", "save_state", "load_state", "state_to_bytes",
-           "state_from_bytes", "CheckpointDir", "LATEST"]
+__all__ = [
+    "STATE_FORMAT",
+    "rng_state",
+    "set_rng_state",
+    "save_state",
+    "load_state",
+    "state_to_bytes",
+    "state_from_bytes",
+    "CheckpointDir",
+    "LATEST",
+]
 
 #: Version of the state layout written by ``train_fold`` (refused on load if different).
 STATE_FORMAT = 1
@@ -44,10 +53,17 @@ def rng_state(device: torch.device | None = None, generator: torch.Generator | N
     version, internal, gauss_next = random.getstate()
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
     }
     if device is not None and device.type == "cuda":
         out["cuda"] = torch.cuda.get_rng_state(device)
@@ -56,8 +72,9 @@ def rng_state(device: torch.device | None = None, generator: torch.Generator | N
     return out
 
 
-def set_rng_state(state: dict[str, Any], device: torch.device | None = None,
-                  generator: torch.Generator | None = None) -> None:
+def set_rng_state(
+    state: dict[str, Any], device: torch.device | None = None, generator: torch.Generator | None = None
+) -> None:
     """Inverse of :func:`rng_state`."""
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
@@ -156,8 +173,13 @@ class CheckpointDir:
         best["state_file"] = best_file
         self.store.put_bytes(state_to_bytes({**state, "best": best}), name)
         self._files[iteration] = name
-        pointer = {"file": name, "iteration": iteration, "epoch": int(state["epoch"]), "best_file": best_file,
-                   "time": time.time()}
+        pointer = {
+            "file": name,
+            "iteration": iteration,
+            "epoch": int(state["epoch"]),
+            "best_file": best_file,
+            "time": time.time(),
+        }
         self.store.put_bytes(json.dumps(pointer).encode(), LATEST)  # the mark: only now is the new state read
         keep = {name, best_file}
         for it, f in list(self._files.items()):

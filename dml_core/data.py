@@ -255,8 +255,9 @@ class TrainTransform:
     (the default) is the ImageNet normalisation.
     """
 
-    def __init__(self, size: int = 227, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), flip_p: float = 0.5,
-                 preprocessing=None):
+    def __init__(
+        self, size: int = 227, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), flip_p: float = 0.5, preprocessing=None
+    ):
         self.size, self.scale, self.ratio, self.flip_p = int(size), tuple(scale), tuple(ratio), float(flip_p)
         self.preprocessing = _preprocessing(preprocessing, "train_transform")
         # float32 logs, as torchvision keeps them: the uniform bounds must be the same doubles.
@@ -293,8 +294,10 @@ class TrainTransform:
         return _normalise(_to_tensor(img), self.preprocessing)
 
     def __repr__(self) -> str:
-        return (f"TrainTransform(RandomResizedCrop({self.size}, scale={self.scale}, ratio={self.ratio}, bilinear), "
-                f"HorizontalFlip(p={self.flip_p}), ToTensor, {_describe_normalise(self.preprocessing)})")
+        return (
+            f"TrainTransform(RandomResizedCrop({self.size}, scale={self.scale}, ratio={self.ratio}, bilinear), "
+            f"HorizontalFlip(p={self.flip_p}), ToTensor, {_describe_normalise(self.preprocessing)})"
+        )
 
 
 class EvalTransform:
@@ -322,8 +325,10 @@ class EvalTransform:
         return _normalise(_to_tensor(img), self.preprocessing)
 
     def __repr__(self) -> str:
-        return (f"EvalTransform(Resize({self.resize}, bilinear), CenterCrop({self.size}), ToTensor, "
-                f"{_describe_normalise(self.preprocessing)})")
+        return (
+            f"EvalTransform(Resize({self.resize}, bilinear), CenterCrop({self.size}), ToTensor, "
+            f"{_describe_normalise(self.preprocessing)})"
+        )
 
 
 def train_transform(size: int = 227, preprocessing=None) -> TrainTransform:
@@ -341,16 +346,18 @@ def eval_transform(size: int = 227, preprocessing=None) -> EvalTransform:
 # --------------------------------------------------------------------------------------------- readers
 
 
-def read_parquet_manifest(uri, *, endpoint_url: str | None = None, cache_dir=None, cache_row_groups: int = 16,
-                          verify_rows: bool = True):
+def read_parquet_manifest(
+    uri, *, endpoint_url: str | None = None, cache_dir=None, cache_row_groups: int = 16, verify_rows: bool = True
+):
     """Prepared shards (`dmlrc data prepare`) as a streaming `ShardedTable` (local dir / manifest.json / s3://).
 
     Labels and original splits are read up front; image bytes are read per row group on demand and checked
     against their sha256.  See dml_core.shards for the format and the cache."""
     from dml_core.shards import ShardedTable  # pyarrow: see ImageDataset.__getitem__
 
-    return ShardedTable(uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=cache_row_groups,
-                        verify_rows=verify_rows)
+    return ShardedTable(
+        uri, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=cache_row_groups, verify_rows=verify_rows
+    )
 
 
 def iter_omniglot(zip_dir: str | os.PathLike):
@@ -388,12 +395,12 @@ def _stroke_templates(rng: np.random.Generator, n: int, size: int, strokes: int 
     """n soft-edged glyphs of `strokes` random line segments each, values in [0, 1], shape (n, size, size)."""
     g = (np.arange(size, dtype=np.float32) + 0.5) / size
     yy, xx = np.meshgrid(g, g, indexing="ij")
-    pts = np.stack([yy, xx], -1)[None, None]                           # 1,1,S,S,2
+    pts = np.stack([yy, xx], -1)[None, None]  # 1,1,S,S,2
     a = rng.uniform(0.1, 0.9, (n, strokes, 1, 1, 2)).astype(np.float32)
     b = rng.uniform(0.1, 0.9, (n, strokes, 1, 1, 2)).astype(np.float32)
     ab = b - a
     t = np.clip(((pts - a) * ab).sum(-1) / np.maximum((ab * ab).sum(-1), 1e-6), 0, 1)
-    dist = np.linalg.norm(pts - (a + t[..., None] * ab), axis=-1)     # n,strokes,S,S
+    dist = np.linalg.norm(pts - (a + t[..., None] * ab), axis=-1)  # n,strokes,S,S
     width = 0.09
     return np.clip(1.5 - dist.min(1) / width, 0, 1).astype(np.float32)
 
@@ -418,8 +425,14 @@ def synthetic(
     on some classes transfer to unseen ones).  Per image: the mode (balanced), ±S/10 position jitter per part,
     colour gain, background level and pixel noise.  Labels 0..num_classes-1, class-contiguous rows.
     """
-    for name, v in (("num_classes", num_classes), ("per_class", per_class), ("modes_per_class", modes_per_class),
-                    ("parts_per_mode", parts_per_mode), ("num_glyphs", num_glyphs), ("num_colours", num_colours)):
+    for name, v in (
+        ("num_classes", num_classes),
+        ("per_class", per_class),
+        ("modes_per_class", modes_per_class),
+        ("parts_per_mode", parts_per_mode),
+        ("num_glyphs", num_glyphs),
+        ("num_colours", num_colours),
+    ):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"synthetic: {name} must be a positive integer, got {v!r}")
     if parts_per_mode > 4:
@@ -428,21 +441,21 @@ def synthetic(
         raise ValueError(f"synthetic: image_size must be an integer >= 8, got {image_size!r}")
     rng = np.random.default_rng(seed)
     S = int(image_size)
-    s = max(4, round(0.42 * S))                        # glyph stamp size: a 2x2 grid cell minus some margin
+    s = max(4, round(0.42 * S))  # glyph stamp size: a 2x2 grid cell minus some margin
     glyphs = _stroke_templates(rng, num_glyphs, s)
     # Colours spread around the hue circle at high saturation, so colour ids are distinguishable.
     hue = (np.arange(num_colours) / num_colours + rng.uniform(0, 1 / num_colours)) % 1.0
-    rgb = np.clip(np.abs(((hue[:, None] * 6 + np.array([0, 4, 2])) % 6) - 3) - 1, 0, 1)   # HSV -> RGB, S=V=1
+    rgb = np.clip(np.abs(((hue[:, None] * 6 + np.array([0, 4, 2])) % 6) - 3) - 1, 0, 1)  # HSV -> RGB, S=V=1
     palette = (255 * (0.25 + 0.75 * rgb)).astype(np.float32)  # every channel partly lit: glyphs beat the background
 
     M, P = modes_per_class, parts_per_mode
     mode_glyph = rng.integers(0, num_glyphs, (num_classes, M, P))
     mode_colour = rng.integers(0, num_colours, (num_classes, M, P))
-    mode_cell = np.argsort(rng.random((num_classes, M, 4)), axis=-1)[..., :P]   # distinct cells per mode
+    mode_cell = np.argsort(rng.random((num_classes, M, 4)), axis=-1)[..., :P]  # distinct cells per mode
 
     N = num_classes * per_class
     labels = np.repeat(np.arange(num_classes, dtype=np.int64), per_class)
-    mode = np.tile(np.arange(per_class) % M, num_classes)                          # balanced modes
+    mode = np.tile(np.arange(per_class) % M, num_classes)  # balanced modes
     canvas = rng.uniform(0, 40, (N, 1, 1, 1)).astype(np.float32) + np.zeros((N, S, S, 3), np.float32)
     jit = max(1, S // 10)
     margin = (S // 2 - s) // 2
@@ -454,7 +467,7 @@ def synthetic(
         x0 = (cell % 2) * (S // 2) + margin + rng.integers(-jit, jit + 1, N)
         y0, x0 = np.clip(y0, 0, S - s), np.clip(x0, 0, S - s)
         colour = palette[mode_colour[labels, mode, p]] * rng.uniform(0.8, 1.2, (N, 1)).astype(np.float32)
-        stamp = glyphs[mode_glyph[labels, mode, p]][..., None] * colour[:, None, None, :]   # N,s,s,3
+        stamp = glyphs[mode_glyph[labels, mode, p]][..., None] * colour[:, None, None, :]  # N,s,s,3
         rows, cols = (y0[:, None] + ar)[:, :, None], (x0[:, None] + ar)[:, None, :]
         canvas[n_idx, rows, cols] = np.maximum(canvas[n_idx, rows, cols], stamp)
     canvas += rng.normal(0, 8, canvas.shape).astype(np.float32)
@@ -470,8 +483,9 @@ def synthetic(
 # --------------------------------------------------------------------------------------------- checks
 
 
-def check_classes_fill_folds(labels, n_folds: int = 4, m: int = 4, classes_per_batch: int = 8, *,
-                             layout: str = "mlrc") -> None:
+def check_classes_fill_folds(
+    labels, n_folds: int = 4, m: int = 4, classes_per_batch: int = 8, *, layout: str = "mlrc"
+) -> None:
     """Raise one ValueError, before any training, when the trainval `labels` cannot fill the protocol's folds.
 
     Builds the `n_folds` class-disjoint folds of the sorted trainval classes (docs/protocol.md §Folds, via
@@ -489,16 +503,20 @@ def check_classes_fill_folds(labels, n_folds: int = 4, m: int = 4, classes_per_b
     if labels.ndim != 1 or labels.size == 0:
         raise ValueError(f"check_classes_fill_folds: labels must be a non-empty 1-D array, got shape {labels.shape}")
     classes = np.unique(labels)
-    what = (f"{classes.size} trainval classes cannot fill {n_folds} class-disjoint folds with batches of "
-            f"{classes_per_batch} classes × m = {m}")
+    what = (
+        f"{classes.size} trainval classes cannot fill {n_folds} class-disjoint folds with batches of "
+        f"{classes_per_batch} classes × m = {m}"
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a single-val-class fold is an error here, reported below
-            folds = class_disjoint_folds(classes, n_folds, layout, labels=labels, min_val_samples=2,
-                                         min_train_classes=classes_per_batch)
+            folds = class_disjoint_folds(
+                classes, n_folds, layout, labels=labels, min_val_samples=2, min_train_classes=classes_per_batch
+            )
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
-    thin = [f"fold {f.index}: {len(f.val_classes)} val class ({f.val_classes[0]})" for f in folds
-            if len(f.val_classes) < 2]
+    thin = [
+        f"fold {f.index}: {len(f.val_classes)} val class ({f.val_classes[0]})" for f in folds if len(f.val_classes) < 2
+    ]
     if thin:
         raise ValueError(f"{what}: every fold needs >= 2 val classes; " + "; ".join(thin))

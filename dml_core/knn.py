@@ -44,10 +44,10 @@ same way, and oneDNN is used only where a pair's product does not depend on wher
 
 bf16 pruning (CPU, ``prune="bf16"``; ``None`` chooses it where it pays, ``chosen_prune``): on CPUs whose bf16
 GEMMs run well ahead of the fp32 ones at hand (e.g. with AMX tiles; figures in bench/README_metrics.md), on sets
-large enough for that to pay (``_bf16_pays``), the off-diagonal panels are multiplied in bf16 and used only to *prune*: every comparison with a threshold is
-lowered by a rigorous bound on the bf16 error, and the pairs that pass are keyed in fp32 pair by pair
-(``_PairDots``: exact, but summed in another order than a GEMM); the diagonal tiles stay fp32 GEMMs, used for
-bounds and candidates (widened by the fp32-vs-fp32 rounding bound, ``_widen``). That search runs ``BF16_EXTRA``
+large enough for that to pay (``_bf16_pays``), the off-diagonal panels are multiplied in bf16 and used only to *prune*:
+every comparison with a threshold is lowered by a rigorous bound on the bf16 error, and the pairs that pass are keyed in
+fp32 pair by pair (``_PairDots``: exact, but summed in another order than a GEMM); the diagonal tiles stay fp32 GEMMs,
+used for bounds and candidates (widened by the fp32-vs-fp32 rounding bound, ``_widen``). That search runs ``BF16_EXTRA``
 deeper than k; ``_refine`` then re-keys the kept pairs as the BLAS's GEMM rounds them (``_fma_dots`` with the K
 block ``_gemm_k_block`` found) and re-sorts, and rows where a dropped pair could still cross the k-th place are
 searched again in full. So the results equal the fp32 mode's, near-ties included; ``prune=None`` uses bf16 only
@@ -254,7 +254,8 @@ def _gemm_k_block(d: int, panel: int, tile: int) -> int | None:
         for block in (d, *range((d - 1) // 16 * 16, 0, -16)):
             # a cheap screen on 256 entries, then all of them
             if torch.equal(_fma_dots(x, i[:256], panel + j[:256], block), want[:256]) and torch.equal(
-                    _fma_dots(x, i, panel + j, block), want):
+                _fma_dots(x, i, panel + j, block), want
+            ):
                 _GEMM_K_BLOCK[key] = block
                 break
     return _GEMM_K_BLOCK[key]
@@ -540,8 +541,7 @@ def _cuda_tile(n: int, device: torch.device | None) -> int:
     return TILES_CUDA[-1]
 
 
-def _tile_and_panel(n: int, tile: int | None, cuda: bool,
-                    device: torch.device | None = None) -> tuple[int, int]:
+def _tile_and_panel(n: int, tile: int | None, cuda: bool, device: torch.device | None = None) -> tuple[int, int]:
     """Tile edge (a multiple of CHUNK, at most N rounded up) and GEMM panel rows (a divisor of the tile; the
     whole tile on CUDA) for an N-row set."""
     if tile is None:
@@ -563,8 +563,9 @@ def chosen_prune(n: int, d: int, k: int, *, cuda: bool = False, tile: int | None
     return "bf16" if _bf16_pays(n, d, k, panel, tile) else "fp32"
 
 
-def self_knn(x: torch.Tensor, k: int, *, tile: int | None = None,
-             prune: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def self_knn(
+    x: torch.Tensor, k: int, *, tile: int | None = None, prune: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k nearest rows of every row of ``x`` (itself included), exact, like ``faiss.knn(x, x, k)``.
 
     ``x``: (N, D) float32 tensor on CPU or CUDA; ``1 <= k <= N``.  Returns (distances, indices): (N, k)

@@ -5,9 +5,9 @@
 * ``precision_at_1``, ``r_precision``, ``map_at_r`` -- Musgrave et al., "A Metric Learning Reality
   Check" (ECCV 2020), paper §3.2; docs/protocol.md §Metrics.  MAP@R(q) = (1/R) Σ_{i=1..R} P(i)·rel(i),
   R = number of references of the query's class (minus the query itself when it is part of the reference
-  set); R-Precision(q) = (hits among the first R)/R.  Values equal pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")``
-  (docs/protocol.md §Metrics): same lone-query exclusion, same self-exclusion (the query's
-  own index is removed wherever it ranks; if it is not among the k+1 results the last column is
+  set); R-Precision(q) = (hits among the first R)/R.  Values equal pytorch-metric-learning 2.x
+  ``AccuracyCalculator(k="max_bin_count")`` (docs/protocol.md §Metrics): same lone-query exclusion, same self-exclusion
+  (the query's own index is removed wherever it ranks; if it is not among the k+1 results the last column is
   dropped), the same exact L2 ranking with ties broken by the smaller index (faiss ``IndexFlatL2``),
   queries averaged micro (one query = one vote).
 * ``recall_at_{k}`` -- the "Recall@k" of DML papers: the fraction of queries with at least one
@@ -350,8 +350,10 @@ def _check_backend(backend: str, loo: bool) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "torch" and not loo:
-        raise ValueError("backend 'torch' (symmetric search) is for leave-one-out only; "
-                         "a query set is searched with backend 'faiss' or 'auto'")
+        raise ValueError(
+            "backend 'torch' (symmetric search) is for leave-one-out only; "
+            "a query set is searched with backend 'faiss' or 'auto'"
+        )
     return backend
 
 
@@ -388,14 +390,22 @@ def _evaluate(
     _check_backend(backend, loo=query_embeddings is None)
     with _faiss_threads():
         return _evaluate_checked(
-            embeddings, labels, query_embeddings=query_embeddings, query_labels=query_labels,
-            recall_ks=recall_ks, ndcg_ks=ndcg_ks, normalize=normalize, nmi=nmi, backend=backend,
+            embeddings,
+            labels,
+            query_embeddings=query_embeddings,
+            query_labels=query_labels,
+            recall_ks=recall_ks,
+            ndcg_ks=ndcg_ks,
+            normalize=normalize,
+            nmi=nmi,
+            backend=backend,
             details=details,
         )
 
 
-def _evaluate_checked(embeddings, labels, *, query_embeddings, query_labels, recall_ks, ndcg_ks, normalize,
-                      nmi, backend, details):
+def _evaluate_checked(
+    embeddings, labels, *, query_embeddings, query_labels, recall_ks, ndcg_ks, normalize, nmi, backend, details
+):
 
     use_gpu = (_is_cuda(embeddings) or _is_cuda(query_embeddings)) and _gpu_available()
     ref_t = _embedding_matrix(embeddings, "embeddings")
@@ -407,9 +417,7 @@ def _evaluate_checked(embeddings, labels, *, query_embeddings, query_labels, rec
         q_t = _embedding_matrix(query_embeddings, "query_embeddings")
         q_labels = _label_vector(query_labels, "query_labels", q_t.shape[0], "query_embeddings")
         if q_t.shape[1] != ref_t.shape[1]:
-            raise ValueError(
-                f"query_embeddings have {q_t.shape[1]} dims but embeddings have {ref_t.shape[1]}"
-            )
+            raise ValueError(f"query_embeddings have {q_t.shape[1]} dims but embeddings have {ref_t.shape[1]}")
 
     if normalize:
         ref_t = F.normalize(ref_t, p=2, dim=1)
@@ -451,8 +459,10 @@ def _evaluate_checked(embeddings, labels, *, query_embeddings, query_labels, rec
             blocks = [(searched, idx.cpu().numpy())]
         else:
             search = _FlatL2Search(ref, depth + n_self, use_gpu)
-            blocks = ((searched[b], search(query[searched[b]]))
-                      for b in _query_blocks(len(searched), depth + n_self, ref.shape[1]))
+            blocks = (
+                (searched[b], search(query[searched[b]]))
+                for b in _query_blocks(len(searched), depth + n_self, ref.shape[1])
+            )
         for rows, idx in blocks:
             if loo:
                 idx = _remove_self(idx, rows)
@@ -501,14 +511,15 @@ def _cosine(query: np.ndarray, rows: np.ndarray, ref: np.ndarray, idx: np.ndarra
     return out
 
 
-def _per_class(per_query: dict[str, np.ndarray], q_labels: np.ndarray, valid: np.ndarray) -> dict[int, dict[str, float]]:
+def _per_class(
+    per_query: dict[str, np.ndarray], q_labels: np.ndarray, valid: np.ndarray
+) -> dict[int, dict[str, float]]:
     """Class id -> mean of each per-query metric over the class's evaluated queries, plus their count."""
     cls, inv, counts = np.unique(q_labels[valid], return_inverse=True, return_counts=True)
     inv = inv.ravel()
     means = {name: np.bincount(inv, weights=v[valid], minlength=len(cls)) / counts for name, v in per_query.items()}
     return {
-        int(c): {name: float(m[i]) for name, m in means.items()} | {"count": int(counts[i])}
-        for i, c in enumerate(cls)
+        int(c): {name: float(m[i]) for name, m in means.items()} | {"count": int(counts[i])} for i, c in enumerate(cls)
     }
 
 
@@ -547,8 +558,16 @@ def retrieval_metrics(
     and checkpoint selection needs only MAP@R.
     """
     return _evaluate(
-        embeddings, labels, query_embeddings=query_embeddings, query_labels=query_labels,
-        recall_ks=recall_ks, ndcg_ks=ndcg_ks, normalize=normalize, nmi=nmi, backend=backend, details=False,
+        embeddings,
+        labels,
+        query_embeddings=query_embeddings,
+        query_labels=query_labels,
+        recall_ks=recall_ks,
+        ndcg_ks=ndcg_ks,
+        normalize=normalize,
+        nmi=nmi,
+        backend=backend,
+        details=False,
     )
 
 
@@ -570,6 +589,14 @@ def retrieval_details(
     see ``RetrievalDetails`` for the fields.  Memory: O(N · depth) for the neighbour arrays.
     """
     return _evaluate(
-        embeddings, labels, query_embeddings=query_embeddings, query_labels=query_labels,
-        recall_ks=recall_ks, ndcg_ks=ndcg_ks, normalize=normalize, nmi=nmi, backend=backend, details=True,
+        embeddings,
+        labels,
+        query_embeddings=query_embeddings,
+        query_labels=query_labels,
+        recall_ks=recall_ks,
+        ndcg_ks=ndcg_ks,
+        normalize=normalize,
+        nmi=nmi,
+        backend=backend,
+        details=True,
     )

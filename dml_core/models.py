@@ -140,8 +140,10 @@ class GlobalPooling(nn.Module):
         if self.kind == "kmax":
             positions = x.shape[2] * x.shape[3]
             if self.arg > positions:
-                raise ValueError(f"pooling {self.mode!r}: K = {self.arg} exceeds the {x.shape[2]}×{x.shape[3]} = "
-                                 f"{positions} positions of the trunk's feature map")
+                raise ValueError(
+                    f"pooling {self.mode!r}: K = {self.arg} exceeds the {x.shape[2]}×{x.shape[3]} = "
+                    f"{positions} positions of the trunk's feature map"
+                )
             # ProxyNCA++ Eq. 7: the mean of each channel's K largest activations.
             return x.flatten(2).topk(self.arg, dim=2).values.mean(dim=2)
         return x.mean(dim=(2, 3)) + x.amax(dim=(2, 3))
@@ -173,7 +175,11 @@ class EmbeddingModel(nn.Module):
         super().__init__()
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"embedding_dim must be a positive integer, got {embedding_dim!r}")
-        for name, flag in (("layer_norm", layer_norm), ("freeze_bn", freeze_bn), ("freeze_bn_affine", freeze_bn_affine)):
+        for name, flag in (
+            ("layer_norm", layer_norm),
+            ("freeze_bn", freeze_bn),
+            ("freeze_bn_affine", freeze_bn_affine),
+        ):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         if freeze_bn_affine and not freeze_bn:
@@ -190,8 +196,10 @@ class EmbeddingModel(nn.Module):
         #: the input convention of the trunk's weights: give it to the data transforms (``preprocessing=``)
         self.preprocessing: Preprocessing = spec.preprocessing_for(self.trunk)
         if getattr(self.trunk, "pooled_features_only", False) and self.pool.kind != "avg":
-            raise ValueError(f"trunk {trunk!r} gives pooled features (timm's pre-logits of a token model), not a "
-                             f"feature map: only pooling 'avg' applies, got {pooling!r}")
+            raise ValueError(
+                f"trunk {trunk!r} gives pooled features (timm's pre-logits of a token model), not a "
+                f"feature map: only pooling 'avg' applies, got {pooling!r}"
+            )
         embedder: list[tuple[str, nn.Module]] = []
         if layer_norm:
             embedder.append(("layer_norm", nn.LayerNorm(self.feature_dim, elementwise_affine=False)))
@@ -231,15 +239,20 @@ class EmbeddingModel(nn.Module):
             raise ValueError(f"images must be a (B, 3, H, W) tensor, got shape {tuple(images.shape)}")
         fmap = self.trunk(images)
         if fmap.dim() != 4 or fmap.size(1) != self.feature_dim:
-            raise ValueError(f"trunk {self.trunk_name!r} returned shape {tuple(fmap.shape)}, expected a (B, "
-                             f"{self.feature_dim}, H, W) feature map (its feature_dim is {self.feature_dim})")
+            raise ValueError(
+                f"trunk {self.trunk_name!r} returned shape {tuple(fmap.shape)}, expected a (B, "
+                f"{self.feature_dim}, H, W) feature map (its feature_dim is {self.feature_dim})"
+            )
         return self.pool(fmap)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.embedder(self.pooled_features(images))
 
     def extra_repr(self) -> str:
-        return f"trunk={self.trunk_name!r}, feature_dim={self.feature_dim}, embedding_dim={self.embedding_dim}, freeze_bn={self.freeze_bn}"
+        return (
+            f"trunk={self.trunk_name!r}, feature_dim={self.feature_dim}, "
+            f"embedding_dim={self.embedding_dim}, freeze_bn={self.freeze_bn}"
+        )
 
 
 def build_model(**kwargs) -> EmbeddingModel:
@@ -249,7 +262,8 @@ def build_model(**kwargs) -> EmbeddingModel:
     if unknown:
         raise ValueError(f"build_model: unknown model field(s) {unknown}; known: {list(allowed)}")
     if "trunk" not in kwargs:
-        raise ValueError(f"build_model: field 'trunk' is required (a built-in name {TRUNKS}, 'timm:<model>', "
-                         "'package.module:callable' or an entry-point name; docs/trunks.md)")
+        raise ValueError(
+            f"build_model: field 'trunk' is required (a built-in name {TRUNKS}, 'timm:<model>', "
+            "'package.module:callable' or an entry-point name; docs/trunks.md)"
+        )
     return EmbeddingModel(**kwargs)
-

@@ -137,8 +137,9 @@ def _packages_distributions() -> dict[str, list[str]]:
     global _PKG_DISTS
     key = tuple(sys.path)
     if _PKG_DISTS is None or _PKG_DISTS[0] != key:
-        mapping = {top: list(dict.fromkeys(names))
-                   for top, names in importlib.metadata.packages_distributions().items()}
+        mapping = {
+            top: list(dict.fromkeys(names)) for top, names in importlib.metadata.packages_distributions().items()
+        }
         _PKG_DISTS = (key, mapping)
     return _PKG_DISTS[1]
 
@@ -206,10 +207,16 @@ def load_object(module: str, attr: str, *, what: str) -> object:
     try:
         obj = importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - whatever the plugin raises, reported in one line
-        missing = isinstance(e, ModuleNotFoundError) and e.name is not None and (
-            module == e.name or module.startswith(e.name + "."))
-        message = (f"{what}: cannot import module {module!r} ({one_line(e)}): not installed or not on sys.path"
-                   if missing else f"{what}: cannot import module {module!r}: {one_line(e)}{raised_at(e)}")
+        missing = (
+            isinstance(e, ModuleNotFoundError)
+            and e.name is not None
+            and (module == e.name or module.startswith(e.name + "."))
+        )
+        message = (
+            f"{what}: cannot import module {module!r} ({one_line(e)}): not installed or not on sys.path"
+            if missing
+            else f"{what}: cannot import module {module!r}: {one_line(e)}{raised_at(e)}"
+        )
         raise PluginImportError(message, module=module, cause=e, missing=missing) from None
     parts = attr.split(".")
     for i, part in enumerate(parts):
@@ -217,9 +224,14 @@ def load_object(module: str, attr: str, *, what: str) -> object:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise PluginAttributeError(f"{what}: {owner!r} has no attribute {part!r}", owner=owner, part=part,
-                                       cause=None) from None
+            raise PluginAttributeError(
+                f"{what}: {owner!r} has no attribute {part!r}", owner=owner, part=part, cause=None
+            ) from None
         except Exception as e:  # noqa: BLE001 - a module __getattr__ or property of the plugin's
-            raise PluginAttributeError(f"{what}: reading {part!r} of {owner!r} failed: {one_line(e)}{raised_at(e)}",
-                                       owner=owner, part=part, cause=e) from None
+            raise PluginAttributeError(
+                f"{what}: reading {part!r} of {owner!r} failed: {one_line(e)}{raised_at(e)}",
+                owner=owner,
+                part=part,
+                cause=e,
+            ) from None
     return obj

@@ -64,7 +64,9 @@ class MPerClassBatchSampler:
         self.iters_per_epoch = _positive_int("iters_per_epoch", iters_per_epoch)
         self.num_replicas = _positive_int("num_replicas", num_replicas)
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.num_replicas:
-            raise ValueError(f"MPerClassBatchSampler: rank must be in [0, num_replicas={self.num_replicas}), got {rank!r}")
+            raise ValueError(
+                f"MPerClassBatchSampler: rank must be in [0, num_replicas={self.num_replicas}), got {rank!r}"
+            )
         self.rank = int(rank)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"MPerClassBatchSampler: seed must be a non-negative integer, got {seed!r}")
@@ -107,7 +109,7 @@ class MPerClassBatchSampler:
     def global_batches(self) -> Iterator[np.ndarray]:
         """The epoch's global batches (every rank computes the same ones), class-major order."""
         rng = np.random.Generator(np.random.PCG64([self.seed, self.epoch]))
-        n_classes, cpb, m = len(self.classes), self.classes_per_batch, self.m
+        n_classes, cpb = len(self.classes), self.classes_per_batch
         deck = rng.permutation(n_classes)
         pos = 0
         for _ in range(self.iters_per_epoch):
@@ -152,7 +154,8 @@ class MPerClassBatchSampler:
 
     def __repr__(self) -> str:
         return (
-            f"MPerClassBatchSampler(classes={len(self.classes)}, m={self.m}, classes_per_batch={self.classes_per_batch}, "
+            f"MPerClassBatchSampler(classes={len(self.classes)}, m={self.m}, "
+            f"classes_per_batch={self.classes_per_batch}, "
             f"iters_per_epoch={self.iters_per_epoch}, seed={self.seed}, epoch={self.epoch}, "
             f"rank={self.rank}/{self.num_replicas})"
         )

@@ -216,9 +216,10 @@ def check_image(data: bytes, where: str) -> tuple[str, int, int]:
     if fmt == "PNG":
         # Pillow stops at the IEND chunk without checking it: a cut or flipped IEND would pass
         end = data.rfind(b"IEND")
-        if end < 4 or data[end - 4:end] != b"\0\0\0\0" or data[end + 4:end + 8] != _IEND_CRC:
-            raise CorruptImageError(f"{where}: does not decode (PNG without an intact IEND chunk: truncated or "
-                                    "damaged)")
+        if end < 4 or data[end - 4 : end] != b"\0\0\0\0" or data[end + 4 : end + 8] != _IEND_CRC:
+            raise CorruptImageError(
+                f"{where}: does not decode (PNG without an intact IEND chunk: truncated or damaged)"
+            )
     try:
         if fmt == "PNG":
             with Image.open(io.BytesIO(data)) as im:
@@ -259,8 +260,9 @@ def write_shards(
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     storage = open_storage(dest, endpoint_url=endpoint_url)
     if storage.exists(MANIFEST_NAME) and not overwrite:
-        raise DataExistsError(f"{storage.uri_of(MANIFEST_NAME)}: exists; pass overwrite=True (--overwrite) "
-                              "to replace it")
+        raise DataExistsError(
+            f"{storage.uri_of(MANIFEST_NAME)}: exists; pass overwrite=True (--overwrite) to replace it"
+        )
 
     rows = sorted(records, key=lambda r: (int(r.label), r.relpath))
     if not rows:
@@ -289,22 +291,38 @@ def write_shards(
             writer=pq.ParquetWriter(
                 tmp,
                 PARQUET_SCHEMA,
-                compression={"image": "NONE", "label": "ZSTD", "class_name": "ZSTD", "split": "ZSTD",
-                             "relpath": "ZSTD", "sha256": "ZSTD", "index": "ZSTD"},
+                compression={
+                    "image": "NONE",
+                    "label": "ZSTD",
+                    "class_name": "ZSTD",
+                    "split": "ZSTD",
+                    "relpath": "ZSTD",
+                    "sha256": "ZSTD",
+                    "index": "ZSTD",
+                },
                 # min/max statistics of a binary image column would bloat the footer for nothing, and a
                 # dictionary of unique image blobs only adds a decode step: both only for the small columns
                 write_statistics=["label", "split"],
                 use_dictionary=["label", "class_name", "split"],
             ),
-            path=tmp, name=name, rows=0, bytes=0, groups=[],
+            path=tmp,
+            name=name,
+            rows=0,
+            bytes=0,
+            groups=[],
         )
 
     def close_shard():
         state["writer"].close()
         tmp: Path = state["path"]
         digest = _sha256_file(tmp)
-        entry = {"path": state["name"], "sha256": digest, "rows": state["rows"], "bytes": tmp.stat().st_size,
-                 "row_groups": state["groups"]}
+        entry = {
+            "path": state["name"],
+            "sha256": digest,
+            "rows": state["rows"],
+            "bytes": tmp.stat().st_size,
+            "row_groups": state["groups"],
+        }
         if local:
             os.replace(tmp, staging / state["name"])
         else:
@@ -441,15 +459,17 @@ def _validate_records(rows: Sequence[Record], dataset: str) -> list[Record]:
         name = nfc(r.class_name)
         prev = names.setdefault(label, name)
         if prev != name:
-            raise DataError(f"{where}: {dataset}: label {r.label} has two class names, {prev!r} and "
-                            f"{r.class_name!r}")
+            raise DataError(f"{where}: {dataset}: label {r.label} has two class names, {prev!r} and {r.class_name!r}")
         other_label, other_raw = keys.setdefault(class_name_key(name), (label, r.class_name))
         if other_label != label:
             if other_raw == r.class_name:
-                raise DataError(f"{where}: {dataset}: labels {other_label} and {r.label} have the same class name "
-                                f"{r.class_name!r}")
-            raise DataError(f"{where}: {dataset}: class names {other_raw!r} (label {other_label}) and "
-                            f"{r.class_name!r} (label {label}) differ only by case or Unicode normalisation")
+                raise DataError(
+                    f"{where}: {dataset}: labels {other_label} and {r.label} have the same class name {r.class_name!r}"
+                )
+            raise DataError(
+                f"{where}: {dataset}: class names {other_raw!r} (label {other_label}) and "
+                f"{r.class_name!r} (label {label}) differ only by case or Unicode normalisation"
+            )
         out.append(r if name == r.class_name else dataclasses.replace(r, class_name=name))
     return out
 
@@ -492,8 +512,10 @@ def _is_int(v) -> bool:
 def _expect(cond: bool, where: str, field: str, want: str, value) -> None:
     if not cond:
         shown = repr(value)
-        raise ManifestError(f"{where}: {field}: expected {want}, got {shown[:80]}"
-                            f"{'...' if len(shown) > 80 else ''} ({type(value).__name__})")
+        raise ManifestError(
+            f"{where}: {field}: expected {want}, got {shown[:80]}"
+            f"{'...' if len(shown) > 80 else ''} ({type(value).__name__})"
+        )
 
 
 def _validate_manifest(m, where: str) -> dict:
@@ -502,22 +524,24 @@ def _validate_manifest(m, where: str) -> dict:
         raise ManifestError(f"{where}: not a JSON object (the top level is a {type(m).__name__})")
     version = m.get("schema_version")
     if version not in READABLE_VERSIONS or not _is_int(version):
-        raise ManifestError(f"{where}: schema_version {version!r} is not supported (this code reads "
-                            f"{', '.join(map(str, READABLE_VERSIONS))})")
+        raise ManifestError(
+            f"{where}: schema_version {version!r} is not supported (this code reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))})"
+        )
     for key in ("dataset", "num_images", "classes", "shards"):
         if key not in m:
             raise ManifestError(f"{where}: {key}: missing field")
-    _expect(isinstance(m["dataset"], str) and m["dataset"] != "", where, "dataset", "a non-empty string",
-            m["dataset"])
-    _expect(_is_int(m["num_images"]) and m["num_images"] >= 0, where, "num_images", "an integer >= 0",
-            m["num_images"])
+    _expect(isinstance(m["dataset"], str) and m["dataset"] != "", where, "dataset", "a non-empty string", m["dataset"])
+    _expect(_is_int(m["num_images"]) and m["num_images"] >= 0, where, "num_images", "an integer >= 0", m["num_images"])
     _expect(isinstance(m["classes"], list), where, "classes", "a list", m["classes"])
     for i, c in enumerate(m["classes"]):
         f = f"classes[{i}]"
         _expect(isinstance(c, dict), where, f, "an object", c)
-        for key, ok, want in (("label", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-                              ("name", lambda v: isinstance(v, str), "a string"),
-                              ("count", lambda v: _is_int(v) and v >= 1, "an integer >= 1")):
+        for key, ok, want in (
+            ("label", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+            ("name", lambda v: isinstance(v, str), "a string"),
+            ("count", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+        ):
             if key not in c:
                 raise ManifestError(f"{where}: {f}.{key}: missing field")
             _expect(ok(c[key]), where, f"{f}.{key}", want, c[key])
@@ -529,19 +553,32 @@ def _validate_manifest(m, where: str) -> dict:
             if key not in sh:
                 raise ManifestError(f"{where}: {f}.{key}: missing field")
         path = sh["path"]
-        _expect(isinstance(path, str) and path != "" and not path.startswith("/") and ".." not in path.split("/")
-                and "\\" not in path, where, f"{f}.path", "a relative '/'-separated path without '..'", path)
+        _expect(
+            isinstance(path, str)
+            and path != ""
+            and not path.startswith("/")
+            and ".." not in path.split("/")
+            and "\\" not in path,
+            where,
+            f"{f}.path",
+            "a relative '/'-separated path without '..'",
+            path,
+        )
         digest = sh["sha256"]
-        _expect(isinstance(digest, str) and len(digest) == 64 and all(ch in "0123456789abcdef" for ch in digest),
-                where, f"{f}.sha256", "64 lower-case hex digits", digest)
+        _expect(
+            isinstance(digest, str) and len(digest) == 64 and all(ch in "0123456789abcdef" for ch in digest),
+            where,
+            f"{f}.sha256",
+            "64 lower-case hex digits",
+            digest,
+        )
         _expect(_is_int(sh["rows"]) and sh["rows"] >= 0, where, f"{f}.rows", "an integer >= 0", sh["rows"])
         groups = sh["row_groups"]
         _expect(isinstance(groups, list), where, f"{f}.row_groups", "a list of integers >= 1", groups)
         for j, n in enumerate(groups):
             _expect(_is_int(n) and n >= 1, where, f"{f}.row_groups[{j}]", "an integer >= 1", n)
         if sum(groups) != sh["rows"]:
-            raise ManifestError(f"{where}: {f}.row_groups: sum to {sum(groups)}, {f}.rows = {sh['rows']} "
-                                f"({path})")
+            raise ManifestError(f"{where}: {f}.row_groups: sum to {sum(groups)}, {f}.rows = {sh['rows']} ({path})")
     total = sum(sh["rows"] for sh in m["shards"])
     if total != m["num_images"]:
         raise ManifestError(f"{where}: num_images: {m['num_images']}, but the shards hold {total} rows")
@@ -559,19 +596,21 @@ def _validate_manifest(m, where: str) -> dict:
             raise ManifestError(f"{where}: classes[{i}].name: class name {c['name']!r} {problem}")
         j = first.setdefault(class_name_key(c["name"]), i)
         if j != i:
-            raise ManifestError(f"{where}: classes[{j}].name {m['classes'][j]['name']!r} and classes[{i}].name "
-                                f"{c['name']!r} differ only by case or Unicode normalisation")
+            raise ManifestError(
+                f"{where}: classes[{j}].name {m['classes'][j]['name']!r} and classes[{i}].name "
+                f"{c['name']!r} differ only by case or Unicode normalisation"
+            )
     if sum(c["count"] for c in m["classes"]) != m["num_images"]:
-        raise ManifestError(f"{where}: classes: counts sum to {sum(c['count'] for c in m['classes'])}, "
-                            f"num_images = {m['num_images']}")
+        raise ManifestError(
+            f"{where}: classes: counts sum to {sum(c['count'] for c in m['classes'])}, num_images = {m['num_images']}"
+        )
     return m
 
 
 class _ShardSource:
     """Everything shared by a table and its subsets: the manifest, the storage, and per-process handles."""
 
-    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True,
-                 rehash=False):
+    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True, rehash=False):
         root, name = _split_manifest_uri(uri)
         self.storage = open_storage(root, endpoint_url=endpoint_url)
         self.manifest_uri = self.storage.uri_of(name)
@@ -627,11 +666,11 @@ class _ShardSource:
         expected = entry["sha256"]
         in_place = self.storage.local_path(entry["path"])
         if in_place is not None:
-            path = _verify_in_place(in_place, expected, self.cache_dir / "verified", entry["path"],
-                                    rehash=self.rehash)
+            path = _verify_in_place(in_place, expected, self.cache_dir / "verified", entry["path"], rehash=self.rehash)
         else:
-            path = _download_verified(self.storage, entry["path"], expected, self.cache_dir / "shards",
-                                      rehash=self.rehash)
+            path = _download_verified(
+                self.storage, entry["path"], expected, self.cache_dir / "shards", rehash=self.rehash
+            )
         self._local[k] = path
         return path
 
@@ -643,8 +682,9 @@ class _ShardSource:
             try:
                 f = pq.ParquetFile(path, memory_map=True)
             except (pa.ArrowException, OSError) as e:
-                raise ShardChecksumError(f"{path}: shard {self.shard_name(k)} is not a readable parquet file "
-                                         f"({e})") from e
+                raise ShardChecksumError(
+                    f"{path}: shard {self.shard_name(k)} is not a readable parquet file ({e})"
+                ) from e
             self._check_layout(k, f)
             self._files[k] = f
         return f
@@ -659,8 +699,9 @@ class _ShardSource:
             return f.read_row_group(rg, columns=columns, use_threads=False)
         except (pa.ArrowException, OSError) as e:
             part = f"row group {rg}" if rg is not None else f"columns {columns}"
-            raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} {part}: unreadable "
-                                    f"({type(e).__name__}: {e})") from e
+            raise CorruptImageError(
+                f"{self.manifest_uri}: shard {self.shard_name(k)} {part}: unreadable ({type(e).__name__}: {e})"
+            ) from e
 
     def _check_layout(self, k: int, f: pq.ParquetFile) -> None:
         """The file's schema, rows and row-group sizes must be the manifest's: rows are located through the
@@ -680,9 +721,14 @@ class _ShardSource:
             raise ManifestError(f"{where}: rows {entry['rows']}, but the file holds {meta.num_rows} rows")
         actual = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         if actual != list(entry["row_groups"]):
-            shown = lambda xs: str(xs) if len(xs) <= 12 else f"{str(xs[:12])[:-1]}, ...] ({len(xs)} groups)"
-            raise ManifestError(f"{where}: row_groups {shown(list(entry['row_groups']))} do not match the "
-                                f"file's row groups {shown(actual)}")
+
+            def shown(xs):
+                return str(xs) if len(xs) <= 12 else f"{str(xs[:12])[:-1]}, ...] ({len(xs)} groups)"
+
+            raise ManifestError(
+                f"{where}: row_groups {shown(list(entry['row_groups']))} do not match the "
+                f"file's row groups {shown(actual)}"
+            )
 
     def locate(self, g: int) -> tuple[int, int, int, int]:
         """Global row -> (shard, row in shard, row group, offset in row group)."""
@@ -702,8 +748,12 @@ class _ShardSource:
         # One thread: this runs inside a DataLoader worker, which is the unit of parallelism.
         t = self.read_group(k, rg, ["image", "sha256", "relpath", self.id_column])
         # Keep Arrow arrays (no per-row Python objects); a row is converted only when it is asked for.
-        value = (t.column("image").combine_chunks(), t.column("sha256").combine_chunks(),
-                 t.column("relpath").combine_chunks(), t.column(self.id_column).to_numpy())
+        value = (
+            t.column("image").combine_chunks(),
+            t.column("sha256").combine_chunks(),
+            t.column("relpath").combine_chunks(),
+            t.column(self.id_column).to_numpy(),
+        )
         self._lru[key] = value
         while len(self._lru) > max(1, self.cache_row_groups):
             self._lru.popitem(last=False)
@@ -715,20 +765,26 @@ class _ShardSource:
         self._check_row_id(g, k, r, ids[off], relpaths[off])
         data = images[off].as_py()
         if self.verify_rows and hashlib.sha256(data).hexdigest() != digests[off].as_py():
-            raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} row {r} "
-                                    f"({relpaths[off].as_py()}): image bytes do not match their sha256")
+            raise CorruptImageError(
+                f"{self.manifest_uri}: shard {self.shard_name(k)} row {r} "
+                f"({relpaths[off].as_py()}): image bytes do not match their sha256"
+            )
         return data
 
     def _check_row_id(self, g: int, k: int, r: int, got, relpath) -> None:
         """The row read must be row g: its own `index` (v2), or at least its label (v1)."""
         if self.id_column == "index":
             if int(got) != g:
-                raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} row {r}: the row read "
-                                        f"there ({relpath.as_py()}) holds row {int(got)} of the dataset, expected "
-                                        f"{g} (manifest and shard disagree)")
+                raise CorruptImageError(
+                    f"{self.manifest_uri}: shard {self.shard_name(k)} row {r}: the row read "
+                    f"there ({relpath.as_py()}) holds row {int(got)} of the dataset, expected "
+                    f"{g} (manifest and shard disagree)"
+                )
         elif self.labels is not None and int(got) != int(self.labels[g]):
-            raise CorruptImageError(f"{self.manifest_uri}: shard {self.shard_name(k)} row {r} ({relpath.as_py()}): "
-                                    f"label {int(got)}, expected {int(self.labels[g])} (manifest and shard disagree)")
+            raise CorruptImageError(
+                f"{self.manifest_uri}: shard {self.shard_name(k)} row {r} ({relpath.as_py()}): "
+                f"label {int(got)}, expected {int(self.labels[g])} (manifest and shard disagree)"
+            )
 
     def relpath(self, g: int) -> str:
         k, _, rg, off = self.locate(g)
@@ -774,8 +830,9 @@ def _download_verified(storage, key: str, expected: str, cache: Path, *, rehash:
             storage.get_file(key, tmp)
             got = _sha256_file(tmp)
             if got != expected:
-                raise ShardChecksumError(f"{storage.uri_of(key)}: sha256 {got} does not match the manifest's "
-                                         f"{expected}")
+                raise ShardChecksumError(
+                    f"{storage.uri_of(key)}: sha256 {got} does not match the manifest's {expected}"
+                )
             os.replace(tmp, final)
             _write_stamp(final, expected, stamps)
         finally:
@@ -786,8 +843,7 @@ def _download_verified(storage, key: str, expected: str, cache: Path, *, rehash:
 
 def _fingerprint(path: Path) -> str:
     st = path.stat()
-    return (f"{path.resolve()}\n{st.st_dev}\n{st.st_ino}\n{st.st_size}\n{st.st_mtime_ns}\n"
-            f"{st.st_ctime_ns}\n")
+    return f"{path.resolve()}\n{st.st_dev}\n{st.st_ino}\n{st.st_size}\n{st.st_mtime_ns}\n{st.st_ctime_ns}\n"
 
 
 def _write_stamp(path: Path, expected: str, stamps: Path) -> None:
@@ -818,8 +874,9 @@ def _verify_in_place(path: Path, expected: str, stamps: Path, name: str, *, reha
     if not path.is_file():
         raise DataFileNotFoundError(f"{path}: shard {name} listed in the manifest is missing")
     if not _stamp_ok(path, expected, stamps, rehash):
-        raise ShardChecksumError(f"{path}: shard {name} sha256 {_sha256_file(path)} does not match the manifest's "
-                                 f"{expected}")
+        raise ShardChecksumError(
+            f"{path}: shard {name} sha256 {_sha256_file(path)} does not match the manifest's {expected}"
+        )
     return path
 
 
@@ -848,10 +905,15 @@ class ShardedTable:
     `ImageDataset(table, transform)` decodes and transforms in DataLoader workers.
     """
 
-    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True,
-                 rehash=False):
-        source = _ShardSource(uri, endpoint_url=endpoint_url, cache_dir=cache_dir,
-                              cache_row_groups=cache_row_groups, verify_rows=verify_rows, rehash=rehash)
+    def __init__(self, uri, *, endpoint_url=None, cache_dir=None, cache_row_groups=16, verify_rows=True, rehash=False):
+        source = _ShardSource(
+            uri,
+            endpoint_url=endpoint_url,
+            cache_dir=cache_dir,
+            cache_row_groups=cache_row_groups,
+            verify_rows=verify_rows,
+            rehash=rehash,
+        )
         labels, splits = [], []
         v2 = source.id_column == "index"
         for k in range(len(source.manifest["shards"])):
@@ -865,14 +927,17 @@ class ShardedTable:
                 bad = np.flatnonzero(idx != np.arange(start, start + len(idx)))
                 if bad.size:
                     r = int(bad[0])
-                    raise ManifestError(f"{source.manifest_uri}: shards[{k}] ({source.shard_name(k)}): row {r} "
-                                        f"holds row {int(idx[r])} of the dataset, expected {start + r} (shards "
-                                        "reordered or from another dataset)")
+                    raise ManifestError(
+                        f"{source.manifest_uri}: shards[{k}] ({source.shard_name(k)}): row {r} "
+                        f"holds row {int(idx[r])} of the dataset, expected {start + r} (shards "
+                        "reordered or from another dataset)"
+                    )
         all_labels = np.concatenate(labels).astype(np.int64) if labels else np.zeros(0, np.int64)
         _check_label_counts(all_labels, source.manifest, source.manifest_uri)
         source.labels = all_labels
-        self._init_view(source, np.arange(len(all_labels)), all_labels,
-                        np.concatenate(splits) if splits else np.zeros(0, dtype=str))
+        self._init_view(
+            source, np.arange(len(all_labels)), all_labels, np.concatenate(splits) if splits else np.zeros(0, dtype=str)
+        )
 
     def _init_view(self, source, rows, all_labels, all_splits):
         self._source = source
@@ -902,8 +967,7 @@ class ShardedTable:
         return len(self._rows)
 
     def __repr__(self) -> str:
-        return (f"ShardedTable({self._source.manifest_uri!r}, rows={len(self)}, "
-                f"classes={len(self.class_names)})")
+        return f"ShardedTable({self._source.manifest_uri!r}, rows={len(self)}, classes={len(self.class_names)})"
 
     def _global(self, i: int) -> int:
         n = len(self._rows)
@@ -934,8 +998,11 @@ def _check_shard_names(src: _ShardSource, k: int, t: pa.Table) -> None:
     want = {int(c["label"]): c["name"] for c in src.manifest["classes"]}
     labels, names = t.column("label"), t.column("class_name")
     pairs = pa.table({"label": labels, "class_name": names}).group_by(["label", "class_name"]).aggregate([])
-    bad = [(int(l), n) for l, n in zip(pairs.column("label").to_pylist(), pairs.column("class_name").to_pylist())
-           if want.get(int(l)) != n]
+    bad = [
+        (int(l), n)
+        for l, n in zip(pairs.column("label").to_pylist(), pairs.column("class_name").to_pylist())
+        if want.get(int(l)) != n
+    ]
     if not bad:
         return
     lab, nam = labels.to_numpy(), np.asarray(names.to_pylist(), dtype=object)
@@ -948,8 +1015,10 @@ def _check_shard_names(src: _ShardSource, k: int, t: pa.Table) -> None:
     groups = src.group_starts[k]
     rg = int(np.searchsorted(groups, r, side="right") - 1)
     relpath = src.read_group(k, rg, ["relpath"]).column("relpath")[r - int(groups[rg])].as_py()
-    raise ManifestError(f"{src.manifest_uri}: shard {src.shard_name(k)} row {r} ({relpath}): {problem} (labels "
-                        "and class names must match one to one)")
+    raise ManifestError(
+        f"{src.manifest_uri}: shard {src.shard_name(k)} row {r} ({relpath}): {problem} (labels "
+        "and class names must match one to one)"
+    )
 
 
 def check_label_names(source, *, endpoint_url: str | None = None, cache_dir=None) -> dict:
@@ -964,8 +1033,11 @@ def check_label_names(source, *, endpoint_url: str | None = None, cache_dir=None
     if isinstance(source, dict):
         m = _validate_manifest(source, f"manifest of {source.get('dataset', '?')}")
         return {"classes": len(m["classes"]), "rows": int(m["num_images"])}
-    table = source if isinstance(source, ShardedTable) else ShardedTable(source, endpoint_url=endpoint_url,
-                                                                         cache_dir=cache_dir, cache_row_groups=1)
+    table = (
+        source
+        if isinstance(source, ShardedTable)
+        else ShardedTable(source, endpoint_url=endpoint_url, cache_dir=cache_dir, cache_row_groups=1)
+    )
     src = table._source
     _validate_manifest(src.manifest, src.manifest_uri)
     for k in range(len(src.manifest["shards"])):
@@ -999,8 +1071,12 @@ def verify_shards(uri, *, endpoint_url=None, cache_dir=None, decode: bool = True
         data = src.image_bytes(g)
         if decode:
             check_image(data, f"{src.manifest_uri}: {src.row_name(g)}")
-    return {"dataset": table.dataset, "images": len(table), "classes": len(table.class_names),
-            "shards": len(src.manifest["shards"])}
+    return {
+        "dataset": table.dataset,
+        "images": len(table),
+        "classes": len(table.class_names),
+        "shards": len(src.manifest["shards"]),
+    }
 
 
 def check_rows(uri, *, endpoint_url=None, cache_dir=None, hash_rows: bool = False) -> dict:
@@ -1027,13 +1103,20 @@ def check_rows(uri, *, endpoint_url=None, cache_dir=None, hash_rows: bool = Fals
                 g = base + off
                 src._check_row_id(g, k, g - int(src.shard_starts[k]), ids[off], relpaths[off])
                 data = images[off].as_py()
-                where = (f"{src.manifest_uri}: shard {entry['path']} row {g - int(src.shard_starts[k])} "
-                         f"({relpaths[off].as_py()})")
+                where = (
+                    f"{src.manifest_uri}: shard {entry['path']} row {g - int(src.shard_starts[k])} "
+                    f"({relpaths[off].as_py()})"
+                )
                 if hash_rows and hashlib.sha256(data).hexdigest() != digests[off].as_py():
                     raise CorruptImageError(f"{where}: image bytes do not match their sha256")
                 fmt, w, h = _image_header(data, where)
                 formats[fmt] = formats.get(fmt, 0) + 1
                 lo, hi = [min(lo[0], w), min(lo[1], h)], [max(hi[0], w), max(hi[1], h)]
-    return {"dataset": table.dataset, "rows": len(table), "shards": len(src.manifest["shards"]),
-            "formats": formats, "min_size": tuple(int(x) for x in lo) if len(table) else None,
-            "max_size": tuple(hi) if len(table) else None}
+    return {
+        "dataset": table.dataset,
+        "rows": len(table),
+        "shards": len(src.manifest["shards"]),
+        "formats": formats,
+        "min_size": tuple(int(x) for x in lo) if len(table) else None,
+        "max_size": tuple(hi) if len(table) else None,
+    }

@@ -401,4 +401,3 @@ def _as_list(value, name: str) -> list:
     if not isinstance(value, list):
         raise ValueError(f"fold manifest field {name!r} must be a JSON list, got {type(value).__name__}")
     return value
-

@@ -37,7 +37,7 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     """`s3://bucket/a/b` -> ('bucket', 'a/b'); the prefix has no leading or trailing '/'."""
     if not is_s3_uri(uri):
         raise ValueError(f"not an s3:// URI: {uri!r}")
-    rest = uri[len("s3://"):]
+    rest = uri[len("s3://") :]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise ValueError(f"S3 URI without a bucket: {uri!r}")
@@ -128,9 +128,12 @@ class S3Storage:
                 "s3",
                 endpoint_url=self.endpoint_url,
                 region_name=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
-                config=Config(s3={"addressing_style": "path"},
-                              retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"},
-                              connect_timeout=S3_CONNECT_TIMEOUT, read_timeout=S3_READ_TIMEOUT),
+                config=Config(
+                    s3={"addressing_style": "path"},
+                    retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"},
+                    connect_timeout=S3_CONNECT_TIMEOUT,
+                    read_timeout=S3_READ_TIMEOUT,
+                ),
             )
         return self._client
 

@@ -64,6 +64,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
+from dml_core.checkpoint import STATE_FORMAT, rng_state, set_rng_state
 from dml_core.data import decode_image, eval_transform
 from dml_core.distributed import (
     all_gather_no_grad,
@@ -79,7 +80,7 @@ from dml_core.distributed import (
     is_distributed,
     shard_bounds,
 )
-from dml_core.checkpoint import STATE_FORMAT, rng_state, set_rng_state
+
 # MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (``metric_loss_optimizer``); the registry's default
 # ``loss_weight_decay`` is the same constant.  Importable from here as before.
 from dml_core.protocol import MLRC_LOSS_WEIGHT_DECAY
@@ -159,7 +160,9 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {v!r}")
-        if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0):
+        if self.patience is not None and (
+            isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0
+        ):
             raise ValueError(f"TrainConfig.patience must be a non-negative integer or None, got {self.patience!r}")
         for name in ("trunk_lr", "embedder_lr", "loss_lr", "weight_decay", "loss_weight_decay", "momentum"):
             v = getattr(self, name)
@@ -225,7 +228,8 @@ def _check_dataset(dataset, name: str, what: str) -> None:
         raise ValueError(
             f"{name} is an image table ({type(dataset).__name__}: rows of encoded images), not a dataset of "
             "tensors: pass "
-            f"dml_core.data.ImageDataset(table, {what}(image_size)) (the protocol's {what}, docs/protocol.md §Preprocessing)"
+            f"dml_core.data.ImageDataset(table, {what}(image_size)) (the protocol's {what}, "
+            "docs/protocol.md §Preprocessing)"
         )
     if not hasattr(type(dataset), "__getitem__") or not hasattr(type(dataset), "__len__"):
         raise ValueError(
@@ -274,8 +278,10 @@ def _check_resume_state(state: dict[str, Any], config: TrainConfig, world: int) 
     mine = dataclasses.asdict(config)
     diff = sorted(k for k, v in state["config"].items() if k not in _RESUME_FREE_FIELDS and mine.get(k) != v)
     if diff:
-        raise ValueError("resume_state was written with another TrainConfig: "
-                         + ", ".join(f"{k}={state['config'][k]!r} (now {mine.get(k)!r})" for k in diff))
+        raise ValueError(
+            "resume_state was written with another TrainConfig: "
+            + ", ".join(f"{k}={state['config'][k]!r} (now {mine.get(k)!r})" for k in diff)
+        )
 
 
 def loss_weight_decay_for(loss: nn.Module, config: TrainConfig) -> float:
@@ -346,8 +352,10 @@ def _embed_device(where: str, model: nn.Module, device) -> torch.device:
     dev = _resolve_device(device)
     same = dev.type == here.type and (dev.type != "cuda" or dev.index == here.index)
     if not same:
-        raise ValueError(f"{where}: device is {str(dev)!r} but the model is on {str(here)!r}; pass device=None to "
-                         "embed on the model's device, or move the model first (model.to(device))")
+        raise ValueError(
+            f"{where}: device is {str(dev)!r} but the model is on {str(here)!r}; pass device=None to "
+            "embed on the model's device, or move the model first (model.to(device))"
+        )
     return dev
 
 
@@ -384,7 +392,11 @@ def _check_batch_size(where: str, batch_size) -> None:
 
 
 def embed(
-    model: nn.Module, dataset, *, batch_size: int = 128, device: str | torch.device | None = None,
+    model: nn.Module,
+    dataset,
+    *,
+    batch_size: int = 128,
+    device: str | torch.device | None = None,
     num_workers: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Embeddings of every row of a *labelled* ``dataset`` (in row order) and its labels, both on CPU.
@@ -641,8 +653,12 @@ def train_fold(
             scaler.load_state_dict(resume_state["scaler"])
         history = [dict(r) for r in resume_state["history"]]
         b = resume_state["best"]
-        best = {"metrics": dict(b["metrics"]), "epoch": int(b["epoch"]), "iteration": int(b["iteration"]),
-                "state": b["state"]}
+        best = {
+            "metrics": dict(b["metrics"]),
+            "epoch": int(b["epoch"]),
+            "iteration": int(b["iteration"]),
+            "state": b["state"],
+        }
         iteration, start_epoch = int(resume_state["iteration"]), int(resume_state["epoch"])
         t0 -= float(resume_state["seconds"])  # history's seconds continue from the checkpoint's
 
@@ -668,53 +684,67 @@ def train_fold(
             torch.distributed.all_gather_object(rngs, mine)
         if rank != 0:
             return
-        on_checkpoint({
-            "format": STATE_FORMAT,
-            "epoch": epoch,
-            "iteration": iteration,
-            "world_size": world,
-            "config": dataclasses.asdict(config),
-            "seconds": time.perf_counter() - t0,
-            "model": _cpu_state(model),
-            "loss": _cpu_state(loss),
-            "optimizer": _cpu_copy(optimizer.state_dict()),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": rngs,
-            "best": {"metrics": dict(best["metrics"]), "epoch": best["epoch"], "iteration": best["iteration"],
-                     "state": best["state"]},  # CPU copies already, never modified in place
-            "history": copy.deepcopy(history),
-        })
+        on_checkpoint(
+            {
+                "format": STATE_FORMAT,
+                "epoch": epoch,
+                "iteration": iteration,
+                "world_size": world,
+                "config": dataclasses.asdict(config),
+                "seconds": time.perf_counter() - t0,
+                "model": _cpu_state(model),
+                "loss": _cpu_state(loss),
+                "optimizer": _cpu_copy(optimizer.state_dict()),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "rng": rngs,
+                "best": {
+                    "metrics": dict(best["metrics"]),
+                    "epoch": best["epoch"],
+                    "iteration": best["iteration"],
+                    "state": best["state"],
+                },  # CPU copies already, never modified in place
+                "history": copy.deepcopy(history),
+            }
+        )
 
     def evaluate(epoch: int) -> None:
         te = time.perf_counter()
         metrics = _evaluate(model, val_set, config, device)
         is_best = not history or metrics[config.primary_metric] > best["metrics"][config.primary_metric]
         if is_best:
-            best.update(metrics=metrics, epoch=epoch, iteration=iteration,
-                        state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
-        report({
-            "epoch": epoch,
-            "iteration": iteration,
-            "metrics": metrics,
-            "train_loss": train_loss(),
-            "seconds": time.perf_counter() - t0,
-            "eval_seconds": time.perf_counter() - te,
-            "is_best": is_best,
-            "best_epoch": best["epoch"],
-        })
+            best.update(
+                metrics=metrics,
+                epoch=epoch,
+                iteration=iteration,
+                state={"model": _cpu_state(model), "loss": _cpu_state(loss)},
+            )
+        report(
+            {
+                "epoch": epoch,
+                "iteration": iteration,
+                "metrics": metrics,
+                "train_loss": train_loss(),
+                "seconds": time.perf_counter() - t0,
+                "eval_seconds": time.perf_counter() - te,
+                "is_best": is_best,
+                "best_epoch": best["epoch"],
+            }
+        )
         model.train()
 
     def log_train_loss(epoch: int) -> None:  # fixed-budget mode: the loss curve only
-        report({
-            "epoch": epoch,
-            "iteration": iteration,
-            "metrics": {},
-            "train_loss": train_loss(),
-            "seconds": time.perf_counter() - t0,
-            "eval_seconds": 0.0,
-            "is_best": False,
-            "best_epoch": 0,
-        })
+        report(
+            {
+                "epoch": epoch,
+                "iteration": iteration,
+                "metrics": {},
+                "train_loss": train_loss(),
+                "seconds": time.perf_counter() - t0,
+                "eval_seconds": 0.0,
+                "is_best": False,
+                "best_epoch": 0,
+            }
+        )
 
     def result(status: str, reason: str, epochs: int, stopped_early: bool = False) -> FoldResult:
         return FoldResult(
@@ -735,8 +765,12 @@ def train_fold(
     if resume_state is not None:
         # The RNG streams last: nothing above may draw from them, as the uninterrupted run drew nothing here.
         set_rng_state(resume_state["rng"][rank], device, loader_rng)
-        if (not fixed_budget and config.patience is not None and start_epoch - best["epoch"] > config.patience
-                and start_epoch > 0):
+        if (
+            not fixed_budget
+            and config.patience is not None
+            and start_epoch - best["epoch"] > config.patience
+            and start_epoch > 0
+        ):
             # killed after the evaluation that stopped the fold, before it returned
             return result("ok", f"early stop at epoch {start_epoch}: best epoch {best['epoch']}", start_epoch, True)
     elif not fixed_budget:
@@ -797,6 +831,7 @@ def train_fold(
             if config.patience is not None and epoch - best["epoch"] > config.patience:
                 return result("ok", f"early stop at epoch {epoch}: best epoch {best['epoch']}", epoch, True)
     if fixed_budget:
-        best.update(epoch=config.max_epochs, iteration=iteration,
-                    state={"model": _cpu_state(model), "loss": _cpu_state(loss)})
+        best.update(
+            epoch=config.max_epochs, iteration=iteration, state={"model": _cpu_state(model), "loss": _cpu_state(loss)}
+        )
     return result("ok", "", config.max_epochs)

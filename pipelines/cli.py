@@ -29,12 +29,19 @@ __all__ = ["main", "build_parser"]
 def _add_sweep(sub) -> None:
     p = sub.add_parser("sweep", help="run a reality-check sweep (Bayesian optimisation × 4 folds per loss and dataset)")
     p.add_argument("config", help="sweep config YAML (see configs/)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the sweep of this config's name: finished trials are kept, unfinished ones rerun")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster address (e.g. ray://head:10001 or auto); default: start a local Ray")
-    p.add_argument("--name", default=None,
-                   help="override the config's sweep name (e.g. a dated name for a scheduled re-run)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep of this config's name: finished trials are kept, unfinished ones rerun",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (e.g. ray://head:10001 or auto); default: start a local Ray",
+    )
+    p.add_argument(
+        "--name", default=None, help="override the config's sweep name (e.g. a dated name for a scheduled re-run)"
+    )
     p.set_defaults(func=_run_sweep)
 
 
@@ -90,11 +97,14 @@ def _check_report_args(args) -> None:
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     where = "--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI"
     if not uri:  # MLflow's default store would be created empty in this folder before saying nothing is there
-        raise ConfigError("--tracking-uri", "required (or set MLFLOW_TRACKING_URI): the MLflow store the sweep logged "
-                                            "to, e.g. sqlite:///runs/NAME/mlflow.db or http://host:5000")
+        raise ConfigError(
+            "--tracking-uri",
+            "required (or set MLFLOW_TRACKING_URI): the MLflow store the sweep logged "
+            "to, e.g. sqlite:///runs/NAME/mlflow.db or http://host:5000",
+        )
     check_tracking_uri(uri, where)
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+        db = Path(uri[len("sqlite:///") :])
         if not db.is_file():
             raise ConfigError(where, f"no sqlite DB at {str(db)!r} (the report only reads)")
         if not os.access(db, os.R_OK | os.W_OK):  # the report logs a run: MLflow would retry a read-only DB for minutes
@@ -131,8 +141,10 @@ def _finish(outcome, reference: str = "") -> int:
     from pipelines.results.study_results import ci_table, params_table
 
     print()
-    print(f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
-          "mean ± half-width of the 95 % t-interval across reproductions:")
+    print(
+        f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
+        "mean ± half-width of the 95 % t-interval across reproductions:"
+    )
     print(ci_table(outcome.studies))
     if reference:
         print(reference)
@@ -174,14 +186,15 @@ def _check_address(args) -> None:
 
 def _run_demo(args) -> int:
     # the config schema and the sweep: see _check_report_args
-    from pipelines.config.schema import parse_config
-    from pipelines.config.presets import demo_config
-    from pipelines.execution.sweep import run_sweep
     from pipelines.config import ConfigError
+    from pipelines.config.presets import demo_config
+    from pipelines.config.schema import parse_config
+    from pipelines.execution.sweep import run_sweep
 
     if args.resume and not args.name:
-        raise ConfigError("--resume", "needs --name NAME: the demo sweep to continue (its name was printed with the "
-                                      "resume command)")
+        raise ConfigError(
+            "--resume", "needs --name NAME: the demo sweep to continue (its name was printed with the resume command)"
+        )
     _check_address(args)
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
     outcome = run_sweep(cfg, resume=args.resume, address=args.address)
@@ -196,8 +209,10 @@ def _untrained_reference(cfg) -> str:
 
     plan = preflight(cfg)[0]
     m = untrained_test_metrics(plan, cfg.protocol.seed)
-    return (f"untrained network (same architecture, initial weights) on the same test classes: "
-            f"P@1 {100 * m['precision_at_1']:.2f}  RP {100 * m['r_precision']:.2f}  MAP@R {100 * m['map_at_r']:.2f}")
+    return (
+        f"untrained network (same architecture, initial weights) on the same test classes: "
+        f"P@1 {100 * m['precision_at_1']:.2f}  RP {100 * m['r_precision']:.2f}  MAP@R {100 * m['map_at_r']:.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,21 @@ One definition each: the sweep, the MLflow tree, the report, the visuals and re-
 
 from __future__ import annotations
 
-__all__ = ["HEADLINE_METRICS", "METRIC_LABELS", "MODES", "REPRODUCTION", "PARAMS", "OBJECTIVE", "OUTCOME_FILE",
-           "TEST_EMBEDDINGS", "TEST_LABELS", "MODEL_FILE", "ALIAS", "study_key", "study_dirname"]
+__all__ = [
+    "HEADLINE_METRICS",
+    "METRIC_LABELS",
+    "MODES",
+    "REPRODUCTION",
+    "PARAMS",
+    "OBJECTIVE",
+    "OUTCOME_FILE",
+    "TEST_EMBEDDINGS",
+    "TEST_LABELS",
+    "MODEL_FILE",
+    "ALIAS",
+    "study_key",
+    "study_dirname",
+]
 
 #: The reality check's three headline metrics (docs/protocol.md §Test evaluation), in the order tables show them.
 HEADLINE_METRICS = ("precision_at_1", "r_precision", "map_at_r")

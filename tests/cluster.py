@@ -45,7 +45,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
-TRIAL_DRIVER_RESOURCE = "dmlrc_trial_driver"  # pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE (no pipelines import here)
+TRIAL_DRIVER_RESOURCE = (
+    "dmlrc_trial_driver"  # pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE (no pipelines import here)
+)
 
 __all__ = ["LocalCluster", "local_cluster", "ClusterUnavailable"]
 
@@ -63,8 +65,8 @@ def _free_port() -> int:
 @dataclass
 class Node:
     index: int
-    resource: str                       # its own custom resource, e.g. "node_1"
-    proc: subprocess.Popen              # `ray start --block`, leader of its own session
+    resource: str  # its own custom resource, e.g. "node_1"
+    proc: subprocess.Popen  # `ray start --block`, leader of its own session
     temp_dir: str
     log_path: Path
     node_id: str = ""
@@ -72,8 +74,8 @@ class Node:
 
     def pids(self) -> list[int]:
         """The ``ray start`` process and every process below it (GCS, raylet, agents, workers), children first."""
-        import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
         import psutil
+        import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
 
         try:
             root = psutil.Process(self.proc.pid)
@@ -82,8 +84,8 @@ class Node:
             return []
 
     def raylet_pid(self) -> int | None:
-        import ray  # noqa: F401
         import psutil
+        import ray  # noqa: F401
 
         for pid in self.pids():
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -94,7 +96,7 @@ class Node:
 
 @dataclass
 class LocalCluster:
-    address: str                        # GCS address for `dmlrc sweep --address` / ray.init(address=...)
+    address: str  # GCS address for `dmlrc sweep --address` / ray.init(address=...)
     nodes: list[Node]
     base_env: dict[str, str]
     s3_endpoint: str = ""
@@ -102,7 +104,7 @@ class LocalCluster:
     access_key: str = ""
     secret_key: str = ""
     tracking_uri: str = ""
-    mlflow: Any = None                  # the tests.mlflow_server.MlflowServer behind tracking_uri (kill, restart)
+    mlflow: Any = None  # the tests.mlflow_server.MlflowServer behind tracking_uri (kill, restart)
     workdir: Path = field(default_factory=Path)
 
     @property
@@ -159,11 +161,12 @@ print("NODES=" + json.dumps([{"NodeID": n["NodeID"], "Alive": n["Alive"], "Resou
 
 
 def _ray_nodes(address: str, env: dict[str, str], timeout: float) -> list[dict]:
-    out = subprocess.run([sys.executable, "-c", _NODES_SCRIPT, address], env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-c", _NODES_SCRIPT, address], env=env, capture_output=True, text=True, timeout=timeout
+    )
     for line in out.stdout.splitlines():
         if line.startswith("NODES="):
-            return json.loads(line[len("NODES="):])
+            return json.loads(line[len("NODES=") :])
     raise RuntimeError(f"could not list the nodes of {address}: {out.stdout[-2000:]}{out.stderr[-2000:]}")
 
 
@@ -172,11 +175,29 @@ def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path, su
     temp_dir = tempfile.mkdtemp(prefix=f"dmlrc-n{index}-")
     log_path = logs / f"node{index}{suffix}.log"
     resource = f"node_{index}"
-    cmd = [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
-           "--temp-dir", temp_dir, "--node-manager-port", str(_free_port()),
-           "--object-manager-port", str(_free_port()), "--runtime-env-agent-port", str(_free_port()),
-           "--dashboard-agent-listen-port", str(_free_port()), "--dashboard-agent-grpc-port", str(_free_port()),
-           "--metrics-export-port", str(_free_port()), *args]
+    cmd = [
+        RAY,
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--temp-dir",
+        temp_dir,
+        "--node-manager-port",
+        str(_free_port()),
+        "--object-manager-port",
+        str(_free_port()),
+        "--runtime-env-agent-port",
+        str(_free_port()),
+        "--dashboard-agent-listen-port",
+        str(_free_port()),
+        "--dashboard-agent-grpc-port",
+        str(_free_port()),
+        "--metrics-export-port",
+        str(_free_port()),
+        *args,
+    ]
     # Each node its own dataset cache, as each machine of a real cluster has its own disk (a replacement, a new one).
     env = {**env, "DMLRC_CACHE_DIR": str(logs.parent / f"node{index}{suffix}-cache")}
     with open(log_path, "wb") as log:
@@ -193,8 +214,8 @@ def _stop_node(node: Node, grace: float = 15.0) -> None:
             node.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
-    import ray  # noqa: F401
     import psutil
+    import ray  # noqa: F401
 
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
@@ -207,9 +228,19 @@ def _stop_node(node: Node, grace: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
-def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: int = 0, worker_cpus: int = 2,
-                  worker_resources: dict[str, float] | None = None, driver_resource: bool = True,
-                  object_store_mb: int = 80, bucket: str = "dmlrc", services: bool = True, start_timeout: float = 120.0):
+def local_cluster(
+    workdir: str | os.PathLike,
+    *,
+    workers: int = 2,
+    head_cpus: int = 0,
+    worker_cpus: int = 2,
+    worker_resources: dict[str, float] | None = None,
+    driver_resource: bool = True,
+    object_store_mb: int = 80,
+    bucket: str = "dmlrc",
+    services: bool = True,
+    start_timeout: float = 120.0,
+):
     """Start head + ``workers`` worker nodes (and, with ``services``, S3 and MLflow-on-PostgreSQL); yield a
     :class:`LocalCluster`; stop everything by pid on exit.  Raises :class:`ClusterUnavailable` without PostgreSQL.
     ``driver_resource``: the head declares ``dmlrc_trial_driver`` (trial drivers run there), as a deployment should."""
@@ -232,20 +263,39 @@ def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: in
             except PostgresUnavailable as e:
                 raise ClusterUnavailable(str(e)) from None
             endpoint, key, secret = stack.enter_context(s3_server(workdir))
-            s3_env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
-                      "AWS_DEFAULT_REGION": "us-east-1", "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
-                      "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required"}
+            s3_env = {
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_ACCESS_KEY_ID": key,
+                "AWS_SECRET_ACCESS_KEY": secret,
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+                "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
+            }
             import boto3
 
-            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                         region_name="us-east-1").create_bucket(Bucket=bucket)
+            boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                aws_access_key_id=key,
+                aws_secret_access_key=secret,
+                region_name="us-east-1",
+            ).create_bucket(Bucket=bucket)
             env.update(s3_env)
-            cluster.mlflow = stack.enter_context(mlflow_server_process(
-                workdir / "mlflow", backend_uri=pg_uri, artifacts_destination=f"s3://{bucket}/mlflow",
-                env={**s3_env, "MLFLOW_S3_ENDPOINT_URL": endpoint}))
+            cluster.mlflow = stack.enter_context(
+                mlflow_server_process(
+                    workdir / "mlflow",
+                    backend_uri=pg_uri,
+                    artifacts_destination=f"s3://{bucket}/mlflow",
+                    env={**s3_env, "MLFLOW_S3_ENDPOINT_URL": endpoint},
+                )
+            )
             cluster.tracking_uri = cluster.mlflow.uri
-            cluster.s3_endpoint, cluster.s3_bucket, cluster.access_key, cluster.secret_key = \
-                endpoint, bucket, key, secret
+            cluster.s3_endpoint, cluster.s3_bucket, cluster.access_key, cluster.secret_key = (
+                endpoint,
+                bucket,
+                key,
+                secret,
+            )
 
         def stop_all() -> None:
             for node in reversed(nodes):  # workers first, the head (GCS) last
@@ -255,11 +305,32 @@ def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: in
         gcs_port = _free_port()
         # The head is where trial drivers belong, as infra/ray/raycluster.yaml declares it.
         head_resources = {TRIAL_DRIVER_RESOURCE: 10_000} if driver_resource else {}
-        nodes.append(_start_node(0, ["--head", "--port", str(gcs_port), "--num-cpus", str(head_cpus),
-                                     "--num-gpus", "0", "--resources", json.dumps({"node_0": 1, **head_resources}),
-                                     "--object-store-memory", str(object_store_mb * 2**20),
-                                     "--include-dashboard", "false", "--dashboard-host", "127.0.0.1",
-                                     "--dashboard-port", str(_free_port())], env, logs))
+        nodes.append(
+            _start_node(
+                0,
+                [
+                    "--head",
+                    "--port",
+                    str(gcs_port),
+                    "--num-cpus",
+                    str(head_cpus),
+                    "--num-gpus",
+                    "0",
+                    "--resources",
+                    json.dumps({"node_0": 1, **head_resources}),
+                    "--object-store-memory",
+                    str(object_store_mb * 2**20),
+                    "--include-dashboard",
+                    "false",
+                    "--dashboard-host",
+                    "127.0.0.1",
+                    "--dashboard-port",
+                    str(_free_port()),
+                ],
+                env,
+                logs,
+            )
+        )
         deadline = time.monotonic() + start_timeout
         address = ""
         while not address:  # the head prints the address workers join: `ray start --address='<ip>:<port>'`
@@ -272,13 +343,28 @@ def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: in
             time.sleep(0.5)
         cluster.address = address
         for i in range(1, workers + 1):
-            nodes.append(_start_node(i, ["--address", address, "--num-cpus", str(worker_cpus), "--num-gpus", "0",
-                                         "--resources", json.dumps({f"node_{i}": 1, **(worker_resources or {})}),
-                                         "--object-store-memory", str(object_store_mb * 2**20)], env, logs))
+            nodes.append(
+                _start_node(
+                    i,
+                    [
+                        "--address",
+                        address,
+                        "--num-cpus",
+                        str(worker_cpus),
+                        "--num-gpus",
+                        "0",
+                        "--resources",
+                        json.dumps({f"node_{i}": 1, **(worker_resources or {})}),
+                        "--object-store-memory",
+                        str(object_store_mb * 2**20),
+                    ],
+                    env,
+                    logs,
+                )
+            )
         # Every node registered, and which node id is which (by its own custom resource).
         while True:
-            listed = [n for n in _ray_nodes(address, env, timeout=max(10.0, deadline - time.monotonic()))
-                      if n["Alive"]]
+            listed = [n for n in _ray_nodes(address, env, timeout=max(10.0, deadline - time.monotonic())) if n["Alive"]]
             by_resource = {r: n["NodeID"] for n in listed for r in n["Resources"] if r.startswith("node_")}
             if all(node.resource in by_resource for node in nodes):
                 for node in nodes:
@@ -286,7 +372,9 @@ def local_cluster(workdir: str | os.PathLike, *, workers: int = 2, head_cpus: in
                 break
             dead = [n.index for n in nodes if n.proc.poll() is not None]
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"Ray nodes {dead or '?'} did not join {address}: "
-                                   + " | ".join(n.log_path.read_text(errors='replace')[-1500:] for n in nodes))
+                raise RuntimeError(
+                    f"Ray nodes {dead or '?'} did not join {address}: "
+                    + " | ".join(n.log_path.read_text(errors="replace")[-1500:] for n in nodes)
+                )
             time.sleep(1)
         yield cluster

@@ -36,10 +36,22 @@ CUDA = torch.device("cuda", 0)
 FAKE_FREE_BYTES, FAKE_TOTAL_BYTES = 78 << 30, 80 << 30
 _aten = torch.ops.aten
 # ops that may take CPU tensors next to CUDA ones on a real GPU: cross-device copies, and CPU index tensors
-_MIXING_ALLOWED = {_aten.copy_.default, _aten._to_copy.default, _aten.index.Tensor, _aten.index_put_.default,
-                   _aten.index_put.default, _aten._index_put_impl_.default}
-_PRODUCTS = {_aten.mm.default, _aten.mm.out, _aten.addmm.default, _aten.bmm.default, _aten.matmul.default,
-             _aten.baddbmm.default}
+_MIXING_ALLOWED = {
+    _aten.copy_.default,
+    _aten._to_copy.default,
+    _aten.index.Tensor,
+    _aten.index_put_.default,
+    _aten.index_put.default,
+    _aten._index_put_impl_.default,
+}
+_PRODUCTS = {
+    _aten.mm.default,
+    _aten.mm.out,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.matmul.default,
+    _aten.baddbmm.default,
+}
 
 
 class FakeCudaTensor(torch.Tensor):
@@ -51,8 +63,14 @@ class FakeCudaTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, inner: torch.Tensor):
         out = torch.Tensor._make_wrapper_subclass(
-            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(), dtype=inner.dtype,
-            device=CUDA, requires_grad=False)
+            cls,
+            inner.shape,
+            strides=inner.stride(),
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            device=CUDA,
+            requires_grad=False,
+        )
         out.inner = inner
         return out
 
@@ -99,8 +117,10 @@ class FakeCudaTensor(torch.Tensor):
         return self.inner.tolist()
 
     def numpy(self, *args, **kwargs):
-        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
-                        "host memory first.")
+        raise TypeError(
+            "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+            "host memory first."
+        )
 
     __array__ = numpy
 
@@ -127,8 +147,12 @@ class FakeCudaLog:
     def cuda_kernel_missing(self) -> list[str]:
         """Ops that ran on cuda tensors but have no CUDA (or backend-independent) kernel in this torch build."""
         has = torch._C._dispatch_has_kernel_for_dispatch_key
-        keys = ("CUDA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
-                "CompositeImplicitAutograd")
+        keys = (
+            "CUDA",
+            "CompositeExplicitAutograd",
+            "CompositeExplicitAutogradNonFunctional",
+            "CompositeImplicitAutograd",
+        )
         return sorted(op.name() for op in self.ops if not any(has(op.name(), k) for k in keys))
 
 
@@ -145,8 +169,10 @@ class _Mode(TorchDispatchMode):
         if on_cuda and func not in _MIXING_ALLOWED:
             cpu = [tuple(t.shape) for t in tensors if not isinstance(t, FakeCudaTensor) and t.dim() > 0]
             if cpu:
-                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                                   f"cuda:0 and cpu! ({func}, CPU tensors of shapes {cpu})")
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but found at least two devices, "
+                    f"cuda:0 and cpu! ({func}, CPU tensors of shapes {cpu})"
+                )
         args, kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
         if _is_cuda_device(device):
             kwargs["device"] = torch.device("cpu")

@@ -10,8 +10,9 @@
 
 The server runs in its own session (process group) and is stopped by that process id — never by name.
 Artifacts are proxied by the server (``--artifacts-destination`` inside ``tmp_path``), as in a shared deployment.
-``postgres_database()`` yields a ``postgresql+psycopg2://`` URI of a fresh database on the PostgreSQL at 127.0.0.1:5432 (``$DMLRC_TEST_PG`` overrides
-the admin URI) and drops it afterwards; it raises :class:`PostgresUnavailable` when none is reachable.
+``postgres_database()`` yields a ``postgresql+psycopg2://`` URI of a fresh database on the PostgreSQL at 127.0.0.1:5432
+(``$DMLRC_TEST_PG`` overrides the admin URI) and drops it afterwards; it raises :class:`PostgresUnavailable` when none
+is reachable.
 """
 
 from __future__ import annotations
@@ -28,8 +29,14 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-__all__ = ["mlflow_server", "mlflow_server_process", "MlflowServer", "postgres_database",
-           "PostgresUnavailable", "free_port"]
+__all__ = [
+    "mlflow_server",
+    "mlflow_server_process",
+    "MlflowServer",
+    "postgres_database",
+    "PostgresUnavailable",
+    "free_port",
+]
 
 PG_ADMIN_URI = os.environ.get("DMLRC_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -70,20 +77,42 @@ class MlflowServer:
     def start(self, timeout: float = 180.0) -> None:
         """Start the server and wait until it answers ``/health``."""
         self._log = open(self.workdir / "mlflow-server.log", "ab")
-        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--backend-store-uri", self.backend, "--artifacts-destination", self.artifacts, "--workers", "1"]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     # no background job runner (8 huey consumer processes): no job is submitted
-                                     env={**os.environ, **self.env, "MLFLOW_TRACKING_URI": "",
-                                          "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--backend-store-uri",
+            self.backend,
+            "--artifacts-destination",
+            self.artifacts,
+            "--workers",
+            "1",
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # no background job runner (8 huey consumer processes): no job is submitted
+            env={**os.environ, **self.env, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        )
         deadline = time.time() + timeout
         while not _healthy(self.uri):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: "
-                                   + (self.workdir / "mlflow-server.log").read_text()[-3000:])
+                raise RuntimeError(
+                    f"mlflow server exited with {self.proc.returncode}: "
+                    + (self.workdir / "mlflow-server.log").read_text()[-3000:]
+                )
             if time.time() > deadline:
-                raise RuntimeError(f"mlflow server on {self.uri} not healthy after {timeout:.0f}s: "
-                                   + (self.workdir / "mlflow-server.log").read_text()[-3000:])
+                raise RuntimeError(
+                    f"mlflow server on {self.uri} not healthy after {timeout:.0f}s: "
+                    + (self.workdir / "mlflow-server.log").read_text()[-3000:]
+                )
             time.sleep(0.5)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -104,13 +133,24 @@ class MlflowServer:
 
 
 @contextlib.contextmanager
-def mlflow_server_process(workdir: str | os.PathLike, backend_uri: str | None = None, timeout: float = 180.0, *,
-                          artifacts_destination: str | None = None, env: dict[str, str] | None = None):
+def mlflow_server_process(
+    workdir: str | os.PathLike,
+    backend_uri: str | None = None,
+    timeout: float = 180.0,
+    *,
+    artifacts_destination: str | None = None,
+    env: dict[str, str] | None = None,
+):
     """:func:`mlflow_server`, yielding the :class:`MlflowServer` (to kill and restart it) instead of its URI."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    server = MlflowServer(workdir, backend_uri or f"sqlite:///{workdir / 'mlflow-server.db'}",
-                          artifacts_destination or str(workdir / "mlflow-artifacts"), env, free_port())
+    server = MlflowServer(
+        workdir,
+        backend_uri or f"sqlite:///{workdir / 'mlflow-server.db'}",
+        artifacts_destination or str(workdir / "mlflow-artifacts"),
+        env,
+        free_port(),
+    )
     try:
         server.start(timeout)
         yield server
@@ -119,14 +159,21 @@ def mlflow_server_process(workdir: str | os.PathLike, backend_uri: str | None = 
 
 
 @contextlib.contextmanager
-def mlflow_server(workdir: str | os.PathLike, backend_uri: str | None = None, timeout: float = 180.0, *,
-                  artifacts_destination: str | None = None, env: dict[str, str] | None = None):
+def mlflow_server(
+    workdir: str | os.PathLike,
+    backend_uri: str | None = None,
+    timeout: float = 180.0,
+    *,
+    artifacts_destination: str | None = None,
+    env: dict[str, str] | None = None,
+):
     """Start ``mlflow server`` (sqlite in ``workdir`` unless ``backend_uri``); yield its ``http://127.0.0.1:<port>``.
 
     ``artifacts_destination`` (default: a folder in ``workdir``) may be an ``s3://`` URI; ``env`` is added to the
     server's environment (e.g. ``MLFLOW_S3_ENDPOINT_URL`` and the S3 keys for such a destination)."""
-    with mlflow_server_process(workdir, backend_uri, timeout, artifacts_destination=artifacts_destination,
-                               env=env) as server:
+    with mlflow_server_process(
+        workdir, backend_uri, timeout, artifacts_destination=artifacts_destination, env=env
+    ) as server:
         yield server.uri
 
 
@@ -151,7 +198,9 @@ def postgres_database(admin_uri: str = PG_ADMIN_URI):
         yield f"{base}/{name}"
     finally:
         with admin.cursor() as cur:
-            cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-                        (name,))
+            cur.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (name,),
+            )
             cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
         admin.close()

@@ -91,8 +91,10 @@ def _wait_ready(endpoint_url: str, proc: subprocess.Popen, log_path: Path, timeo
         except Exception as e:  # not ready yet: connection refused, 5xx while volumes are allocated, ...
             last_error = e
             time.sleep(0.5)
-    raise TimeoutError(f"SeaweedFS S3 at {endpoint_url} not ready after {timeout:.0f}s ({last_error!r}); "
-                       f"log:\n{log_path.read_text()[-4000:]}")
+    raise TimeoutError(
+        f"SeaweedFS S3 at {endpoint_url} not ready after {timeout:.0f}s ({last_error!r}); "
+        f"log:\n{log_path.read_text()[-4000:]}"
+    )
 
 
 @contextlib.contextmanager
@@ -107,16 +109,28 @@ def s3_server(tmp_dir, *, timeout: float = 90.0):
     master, volume, filer, s3 = _free_port_pairs(4, rng_seed=os.getpid() ^ time.monotonic_ns())
     sock = data_dir  # weed's unix sockets go next to its data, not to its system-wide default location
     cmd = [
-        weed, "server",
-        f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        f"-master.port={master}", f"-master.port.grpc={master + _GRPC_OFFSET}",
-        f"-volume.port={volume}", f"-volume.port.grpc={volume + _GRPC_OFFSET}",
-        f"-filer.port={filer}", f"-filer.port.grpc={filer + _GRPC_OFFSET}",
-        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3 + _GRPC_OFFSET}",
-        "-s3.port.iceberg=0", "-s3.port.lance=0",          # extra gateways off: fewer ports to collide
-        f"-filer.localSocket={sock / 'filer.sock'}", f"-s3.localSocket={sock / 's3.sock'}",
-        "-master.volumeSizeLimitMB=64", "-volume.max=0",   # small volumes: a test needs only a few MB
-        "-master.telemetry=false", "-volume.preStopSeconds=0",  # default waits 10 s on stop
+        weed,
+        "server",
+        f"-dir={data_dir}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-master.port={master}",
+        f"-master.port.grpc={master + _GRPC_OFFSET}",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume + _GRPC_OFFSET}",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer + _GRPC_OFFSET}",
+        "-s3",
+        f"-s3.port={s3}",
+        f"-s3.port.grpc={s3 + _GRPC_OFFSET}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",  # extra gateways off: fewer ports to collide
+        f"-filer.localSocket={sock / 'filer.sock'}",
+        f"-s3.localSocket={sock / 's3.sock'}",
+        "-master.volumeSizeLimitMB=64",
+        "-volume.max=0",  # small volumes: a test needs only a few MB
+        "-master.telemetry=false",
+        "-volume.preStopSeconds=0",  # default waits 10 s on stop
     ]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -18,23 +18,51 @@ import pytest
 import yaml
 
 
-def cluster_sweep_config(tmp_path: Path, tracking_uri: str, storage: str, *, name: str, losses=("contrastive",),
-                         datasets: int = 1, trials: int = 1, reproductions: int = 2, iters_per_epoch: int = 2,
-                         max_epochs: int = 1, trunk: str = "tiny", runtime_env: dict | None = None,
-                         **resources) -> Path:
+def cluster_sweep_config(
+    tmp_path: Path,
+    tracking_uri: str,
+    storage: str,
+    *,
+    name: str,
+    losses=("contrastive",),
+    datasets: int = 1,
+    trials: int = 1,
+    reproductions: int = 2,
+    iters_per_epoch: int = 2,
+    max_epochs: int = 1,
+    trunk: str = "tiny",
+    runtime_env: dict | None = None,
+    **resources,
+) -> Path:
     """A tiny real sweep: synthetic data, 4 kfold folds, warm single-worker folds of 1 CPU."""
     doc = {
         "name": name,
         "seed": 1,
-        "datasets": [{"name": f"synthetic{i}" if datasets > 1 else "synthetic", "kind": "synthetic", "num_classes": 16,
-                      "per_class": 6, "image_size": 16, "seed": i + 1} for i in range(datasets)],
+        "datasets": [
+            {
+                "name": f"synthetic{i}" if datasets > 1 else "synthetic",
+                "kind": "synthetic",
+                "num_classes": 16,
+                "per_class": 6,
+                "image_size": 16,
+                "seed": i + 1,
+            }
+            for i in range(datasets)
+        ],
         "losses": list(losses),
         "model": {"trunk": trunk, "embedding_dim": 8, "freeze_bn": False},
-        "protocol": {"folds": 4, "fold_layout": "kfold", "trials": trials, "startup_trials": trials,
-                     "reproductions": reproductions, "iters_per_epoch": iters_per_epoch, "eval_every": 1,
-                     "patience": 1, "max_epochs": max_epochs,
-                     "train": {"classes_per_batch": 2, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
-                               "eval_batch_size": 64}},
+        "protocol": {
+            "folds": 4,
+            "fold_layout": "kfold",
+            "trials": trials,
+            "startup_trials": trials,
+            "reproductions": reproductions,
+            "iters_per_epoch": iters_per_epoch,
+            "eval_every": 1,
+            "patience": 1,
+            "max_epochs": max_epochs,
+            "train": {"classes_per_batch": 2, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
+        },
         "resources": {"workers_per_fold": 1, "cpus_per_worker": 1, "max_concurrent_trials": 1, **resources},
         "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
         "storage": storage,
@@ -61,12 +89,23 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
         pytest.skip(f"no PostgreSQL for the MLflow server: {e}")
     try:
         plugin = Path(__file__).resolve().parents[1] / "examples" / "plugin" / "src" / "dmlrc_example"
-        cfg = cluster_sweep_config(tmp_path, c.tracking_uri, c.storage("sweeps"), name="multinode",
-                                   losses=("contrastive", "dmlrc_example.losses:CircleLoss"),
-                                   trunk="dmlrc_example.trunks:wide_tiny",
-                                   runtime_env={"py_modules": [str(plugin)]})
-        out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=800, env=c.driver_env())
+        cfg = cluster_sweep_config(
+            tmp_path,
+            c.tracking_uri,
+            c.storage("sweeps"),
+            name="multinode",
+            losses=("contrastive", "dmlrc_example.losses:CircleLoss"),
+            trunk="dmlrc_example.trunks:wide_tiny",
+            runtime_env={"py_modules": [str(plugin)]},
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=800,
+            env=c.driver_env(),
+        )
         log = out.stdout[-5000:] + out.stderr[-5000:]
         assert out.returncode == 0, log
         assert "warning:" not in out.stdout, log  # S3 storage and an MLflow server: nothing to warn about
@@ -95,7 +134,10 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
         drivers = {r.data.tags.get("driver_node_id") for r in runs if r.data.tags["stage"] in ("trial", "reproduction")}
         assert drivers == {c.node_ids[0]}, (drivers, c.node_ids)
         # Fold results went through the shared S3 storage (no local path on a multi-node cluster).
-        assert all(r.data.tags["checkpoint"].startswith(f"s3://{c.s3_bucket}/sweeps")
-                   for r in runs if r.data.tags["stage"] == "fold")
+        assert all(
+            r.data.tags["checkpoint"].startswith(f"s3://{c.s3_bucket}/sweeps")
+            for r in runs
+            if r.data.tags["stage"] == "fold"
+        )
     finally:
         cluster.__exit__(None, None, None)

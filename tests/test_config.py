@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config.schema import ConfigError, check_tracking_uri, check_uri, load_config, parse_config
 from pipelines.config.presets import DEMO, demo_config
+from pipelines.config.schema import ConfigError, check_tracking_uri, check_uri, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,8 +38,16 @@ def _error(doc) -> ConfigError:
     return info.value
 
 
-@pytest.mark.parametrize("path", ["pipelines/config/demo.yaml", "configs/omniglot.yaml", "configs/mlrc-cub200.yaml",
-                                  "configs/omniglot-zoo.yaml", "examples/circle-vs-contrastive.yaml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "pipelines/config/demo.yaml",
+        "configs/omniglot.yaml",
+        "configs/mlrc-cub200.yaml",
+        "configs/omniglot-zoo.yaml",
+        "examples/circle-vs-contrastive.yaml",
+    ],
+)
 def test_shipped_presets_parse(path):
     cfg = load_config(ROOT / path)
     name = Path(path).stem
@@ -152,9 +160,15 @@ def test_bad_uris_are_named(uri, field):
 
 
 def test_good_uris_pass():
-    for uri in ("http://127.0.0.1:5000", "https://mlflow.example.org/", "sqlite:///runs/x.db",
-                "sqlite:////abs/x.db", "postgresql://u:p@db:5432/mlflow",
-                "postgresql+psycopg2://u@127.0.0.1:5432/mlflow", "http://user:pw@host:5000"):
+    for uri in (
+        "http://127.0.0.1:5000",
+        "https://mlflow.example.org/",
+        "sqlite:///runs/x.db",
+        "sqlite:////abs/x.db",
+        "postgresql://u:p@db:5432/mlflow",
+        "postgresql+psycopg2://u@127.0.0.1:5432/mlflow",
+        "http://user:pw@host:5000",
+    ):
         assert check_tracking_uri(uri) == uri
     assert check_uri("s3://bucket/prefix", "storage") == "s3://bucket/prefix"
     assert check_uri("runs", "storage") == "runs"
@@ -209,8 +223,9 @@ def test_missing_dataset_names_the_path(tmp_path):
 def test_too_few_classes_for_four_folds_times_m():
     from pipelines.execution.preflight import preflight
 
-    cfg = parse_config(_cfg(**{"datasets.0": {"kind": "synthetic", "num_classes": 16, "per_class": 4,
-                                              "image_size": 16}}))
+    cfg = parse_config(
+        _cfg(**{"datasets.0": {"kind": "synthetic", "num_classes": 16, "per_class": 4, "image_size": 16}})
+    )
     with pytest.raises(ConfigError) as info:
         preflight(cfg)
     e = info.value
@@ -237,13 +252,16 @@ def test_batch_must_split_across_workers():
     assert info.value.field == "resources.workers_per_fold" and "8 × 4 = 32" in str(info.value)
 
 
-@pytest.mark.parametrize("train, field", [
-    ({"optimizer": "lbfgs"}, "protocol.train.optimizer"),
-    ({"momentum": float("nan")}, "protocol.train.momentum"),
-    ({"trunk_lr": float("inf")}, "protocol.train.trunk_lr"),
-    ({"amp_dtype": "int8"}, "protocol.train.amp_dtype"),
-    ({"m": 0}, "protocol.train.m"),
-])
+@pytest.mark.parametrize(
+    "train, field",
+    [
+        ({"optimizer": "lbfgs"}, "protocol.train.optimizer"),
+        ({"momentum": float("nan")}, "protocol.train.momentum"),
+        ({"trunk_lr": float("inf")}, "protocol.train.trunk_lr"),
+        ({"amp_dtype": "int8"}, "protocol.train.amp_dtype"),
+        ({"m": 0}, "protocol.train.m"),
+    ],
+)
 def test_bad_train_setting_names_its_own_field(train, field):
     assert _error(_cfg(**{"protocol.train": train})).field == field
 
@@ -252,8 +270,10 @@ def test_train_config_errors_left_to_preflight_name_their_own_field():
     """What only dml_core.train.TrainConfig rejects is mapped by the field it names, not by a substring."""
     from pipelines.execution.preflight import _train_config_field
 
-    assert _train_config_field("TrainConfig.momentum must be a finite non-negative number, got nan") == \
-        "protocol.train.momentum"
+    assert (
+        _train_config_field("TrainConfig.momentum must be a finite non-negative number, got nan")
+        == "protocol.train.momentum"
+    )
     assert _train_config_field("TrainConfig.iters_per_epoch must be a positive integer") == "protocol.iters_per_epoch"
     assert _train_config_field("something else") == "protocol.train"
 
@@ -307,9 +327,9 @@ def test_cli_bad_config_exits_2_with_one_line_and_starts_nothing(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().splitlines() == [
-        out.stderr.strip().splitlines()[0]
-    ] and out.stderr.startswith("config error: losses[1].name: unknown loss 'mpaa' (known: ")
+    assert out.stderr.strip().splitlines() == [out.stderr.strip().splitlines()[0]] and out.stderr.startswith(
+        "config error: losses[1].name: unknown loss 'mpaa' (known: "
+    )
     assert "Traceback" not in out.stderr
     assert "ray imported: False" in out.stdout
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlruns").exists()
@@ -347,7 +367,9 @@ def test_recipe_paper_gives_each_loss_its_papers_model_and_batch():
 
     doc = copy.deepcopy(DEMO)
     doc["protocol"]["recipe"] = "paper"
-    doc["protocol"]["train"] = {k: v for k, v in doc["protocol"]["train"].items() if k not in ("classes_per_batch", "m")}
+    doc["protocol"]["train"] = {
+        k: v for k, v in doc["protocol"]["train"].items() if k not in ("classes_per_batch", "m")
+    }
     doc["losses"] = [{"name": "proxynca_pp"}]
     cfg = parse_config(doc)
     (pp,) = preflight(cfg)
@@ -372,9 +394,21 @@ def test_loss_weight_decay_follows_the_loss_unless_configured():
     manifest = SimpleNamespace(test_classes=(4, 5))
 
     def wd(train):
-        ctx = SimpleNamespace(fixed_params={}, train=train, loss="margin", table_ref=None, image_size=16,
-                              model_kwargs={}, use_gpu=False, cpus_per_worker=1, tracking_uri="", experiment_id="",
-                              study="s", sweep="x", mid_fold_resume=True)
+        ctx = SimpleNamespace(
+            fixed_params={},
+            train=train,
+            loss="margin",
+            table_ref=None,
+            image_size=16,
+            model_kwargs={},
+            use_gpu=False,
+            cpus_per_worker=1,
+            tracking_uri="",
+            experiment_id="",
+            study="s",
+            sweep="x",
+            mid_fold_resume=True,
+        )
         return _fold_config(ctx, fold, {}, 0, "run", False, manifest, "parent")["train"].get("loss_weight_decay")
 
     # unset: train_fold applies the loss's own (0 for Margin's beta, as MLRC ran it; tests/test_library.py)
@@ -397,15 +431,16 @@ def test_lists_must_be_non_empty_with_distinct_names(key):
     assert info.value.field == f"{key}[{n}].name" and f"already listed as {key}[0]" in str(info.value)
 
 
-# ---------------------------------------------------------------------------------------- schema (pydantic) and JSON Schema
+# ------------------------------------------------------------------------------------ schema (pydantic) and JSON Schema
 
 
 def test_published_json_schema_is_the_models_current_schema():
     from pipelines.config.schema import sweep_json_schema
 
     published = json.loads((ROOT / "docs" / "sweep-config.schema.json").read_text())
-    assert published == json.loads(json.dumps(sweep_json_schema())), \
+    assert published == json.loads(json.dumps(sweep_json_schema())), (
         "regenerate docs/sweep-config.schema.json (see its test) after changing pipelines/config/schema.py"
+    )
 
 
 def test_shipped_configs_pass_the_published_json_schema_and_bad_ones_do_not():
@@ -427,13 +462,17 @@ def test_protocol_training_defaults_are_train_configs():
 
     tc = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     p = ProtocolSpec()
-    assert (p.iters_per_epoch, p.max_epochs, p.eval_every, p.patience) == \
-        (tc["iters_per_epoch"], tc["max_epochs"], tc["eval_every"], tc["patience"])
+    assert (p.iters_per_epoch, p.max_epochs, p.eval_every, p.patience) == (
+        tc["iters_per_epoch"],
+        tc["max_epochs"],
+        tc["eval_every"],
+        tc["patience"],
+    )
     for name, f in TrainSpec.model_fields.items():
         if f.default is not None:
             assert f.default == tc[name], name
     source = (ROOT / "pipelines" / "config" / "schema.py").read_text()
-    assert "_TC[\"iters_per_epoch\"]" in source and "= Field(100," not in source
+    assert '_TC["iters_per_epoch"]' in source and "= Field(100," not in source
 
 
 def test_unset_train_keys_stay_unset_so_recipe_and_loss_defaults_apply():
@@ -441,12 +480,15 @@ def test_unset_train_keys_stay_unset_so_recipe_and_loss_defaults_apply():
     assert cfg.protocol.train == {"momentum": 0.5}
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"resources.fold_executor": "warm", "resources.workers_per_fold": 2}, "resources.fold_executor"),
-    ({"resources.fold_executor": "fast"}, "resources.fold_executor"),
-    ({"resources.max_concurrent_studies": 0}, "resources.max_concurrent_studies"),
-    ({"resources.max_concurrent_studies": True}, "resources.max_concurrent_studies"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"resources.fold_executor": "warm", "resources.workers_per_fold": 2}, "resources.fold_executor"),
+        ({"resources.fold_executor": "fast"}, "resources.fold_executor"),
+        ({"resources.max_concurrent_studies": 0}, "resources.max_concurrent_studies"),
+        ({"resources.max_concurrent_studies": True}, "resources.max_concurrent_studies"),
+    ],
+)
 def test_fold_executor_and_study_concurrency_are_checked(changes, field):
     assert _error(_cfg(**changes)).field == field
 
@@ -454,8 +496,15 @@ def test_fold_executor_and_study_concurrency_are_checked(changes, field):
 def test_fold_executor_and_study_concurrency_defaults_and_valid_values():
     r = parse_config(_cfg()).resources
     assert (r.fold_executor, r.max_concurrent_studies) == ("auto", None)
-    r = parse_config(_cfg(**{"resources.fold_executor": "warm", "resources.workers_per_fold": 1,
-                             "resources.max_concurrent_studies": 3})).resources
+    r = parse_config(
+        _cfg(
+            **{
+                "resources.fold_executor": "warm",
+                "resources.workers_per_fold": 1,
+                "resources.max_concurrent_studies": 3,
+            }
+        )
+    ).resources
     assert (r.fold_executor, r.workers_per_fold, r.max_concurrent_studies) == ("warm", 1, 3)
     assert parse_config(_cfg(**{"resources.fold_executor": "train"})).resources.fold_executor == "train"
 
@@ -542,7 +591,7 @@ def test_postgresql_uris_use_the_installed_driver():
             assert cfg.tracking_uri() == "postgresql+psycopg2://u:p@127.0.0.1:5432/mlflow"
 
 
-# ---------------------------------------------------------------------------------------- preflight: locations, resources
+# -------------------------------------------------------------------------------------- preflight: locations, resources
 
 
 def _preflight_error(cfg) -> ConfigError:
@@ -558,24 +607,25 @@ def test_unwritable_storage_and_sqlite_fail_fast_naming_the_field(tmp_path, monk
     import os
     import time
 
-    import pipelines.execution.preflight as pf
-
     locked = tmp_path / "locked"
     locked.mkdir()
     real_access = os.access
-    monkeypatch.setattr(pf.os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     e = _preflight_error(parse_config(_cfg(storage=str(locked))))
     assert e.field == "storage" and "not writable" in str(e)
     t0 = time.perf_counter()
-    e = _preflight_error(parse_config(_cfg(storage=str(tmp_path / "ok"),
-                                           tracking={"uri": f"sqlite:///{locked}/sub/mlflow.db"})))
+    e = _preflight_error(
+        parse_config(_cfg(storage=str(tmp_path / "ok"), tracking={"uri": f"sqlite:///{locked}/sub/mlflow.db"}))
+    )
     assert e.field == "tracking.uri" and "not writable" in str(e) and time.perf_counter() - t0 < 10
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locked"]
 
 
-@pytest.mark.skipif(hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
-                    reason="root may write anywhere: the os.access variant above covers it")
+@pytest.mark.skipif(
+    hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
+    reason="root may write anywhere: the os.access variant above covers it",
+)
 def test_unwritable_storage_by_permissions(tmp_path, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
@@ -600,8 +650,9 @@ def test_use_gpu_without_gpus_fails_before_launch(monkeypatch):
     assert info.value.field == "resources.use_gpu" and "the Ray cluster has 0 GPUs and 16 CPUs" in str(info.value)
     check_cluster_resources(cfg, {"CPU": 16.0, "GPU": 2.0})
     with pytest.raises(ConfigError) as info:
-        check_cluster_resources(parse_config(_cfg(**{"resources.cpus_per_worker": 4, "resources.workers_per_fold": 2})),
-                                {"CPU": 6.0})
+        check_cluster_resources(
+            parse_config(_cfg(**{"resources.cpus_per_worker": 4, "resources.workers_per_fold": 2})), {"CPU": 6.0}
+        )
     assert info.value.field == "resources.cpus_per_worker"
 
 
@@ -639,8 +690,12 @@ def test_a_row_whose_image_header_is_corrupt_names_the_dataset_path(tmp_path):
 
     buf = _io.BytesIO()
     Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(buf, format="PNG")
-    write_shards([Record(f"c{c}/{i}.png", c, f"c{c}", "train", buf.getvalue) for c in range(2) for i in range(3)],
-                 tmp_path / "pq", dataset="toy", progress=False)
+    write_shards(
+        [Record(f"c{c}/{i}.png", c, f"c{c}", "train", buf.getvalue) for c in range(2) for i in range(3)],
+        tmp_path / "pq",
+        dataset="toy",
+        progress=False,
+    )
     check_image_rows(str(tmp_path / "pq"), "datasets[1]")
     shard = next((tmp_path / "pq").rglob("*.parquet"))
     t = pq.read_table(shard)
@@ -667,15 +722,20 @@ def test_prepared_parquet_rows_are_read_in_preflight(tmp_path, monkeypatch):
         Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(buf, format="PNG")
         return buf.getvalue()
 
-    records = [Record(f"c{c}/{i}.png", c, f"c{c}", "train", (lambda v=c * 7 + i: png(v)))
-               for c in range(32) for i in range(6)]
+    records = [
+        Record(f"c{c}/{i}.png", c, f"c{c}", "train", (lambda v=c * 7 + i: png(v))) for c in range(32) for i in range(6)
+    ]
     write_shards(records, tmp_path / "pq", dataset="toy", progress=False, row_group_rows=16)
     seen = []
     real = pf.check_image_rows
     monkeypatch.setattr(pf, "check_image_rows", lambda uri, where: (seen.append(uri), real(uri, where)))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = parse_config(_cfg(storage=str(tmp_path / "runs"),
-                            datasets=[{"kind": "parquet", "path": str(tmp_path / "pq"), "image_size": 16}]))
+    cfg = parse_config(
+        _cfg(
+            storage=str(tmp_path / "runs"),
+            datasets=[{"kind": "parquet", "path": str(tmp_path / "pq"), "image_size": 16}],
+        )
+    )
     pf.preflight(cfg)
     assert seen == [str(tmp_path / "pq")]
 
@@ -691,12 +751,15 @@ def _cli(argv, capsys):
     return rc, err
 
 
-@pytest.mark.parametrize("argv_tail, words", [
-    (["verify", "{tmp}/nowhere"], "nowhere"),
-    (["verify", "{tmp}/notjson"], "notjson"),
-    (["prepare", "omniglot", "--src", "{tmp}/badzip", "--dest", "{tmp}/out", "--no-progress"], "badzip"),
-    (["prepare", "cub200", "--src", "{tmp}/empty", "--dest", "{tmp}/out", "--no-progress"], "empty"),
-])
+@pytest.mark.parametrize(
+    "argv_tail, words",
+    [
+        (["verify", "{tmp}/nowhere"], "nowhere"),
+        (["verify", "{tmp}/notjson"], "notjson"),
+        (["prepare", "omniglot", "--src", "{tmp}/badzip", "--dest", "{tmp}/out", "--no-progress"], "badzip"),
+        (["prepare", "cub200", "--src", "{tmp}/empty", "--dest", "{tmp}/out", "--no-progress"], "empty"),
+    ],
+)
 def test_data_errors_are_one_line_exit_2(tmp_path, capsys, argv_tail, words):
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / "manifest.json").write_text("[1, 2")
@@ -712,7 +775,9 @@ def test_report_bad_input_is_one_config_error(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     rc, err = _cli(["report", "--experiment", "x", "--tracking-uri", f"sqlite:///{tmp_path}/nope.db"], capsys)
-    assert rc == 2 and err.startswith("config error: --tracking-uri: no sqlite DB") and not (tmp_path / "nope.db").exists()
+    assert (
+        rc == 2 and err.startswith("config error: --tracking-uri: no sqlite DB") and not (tmp_path / "nope.db").exists()
+    )
     rc, err = _cli(["report", "--experiment", "x", "--tracking-uri", "http://u:hunter2@127.0.0.1:9"], capsys)
     assert rc == 2 and err.startswith("config error: --tracking-uri: MLflow server") and "hunter2" not in err
     rc, err = _cli(["report", "--experiment", "x", "--tracking-uri", "file:///x"], capsys)
@@ -723,8 +788,9 @@ def test_report_bad_input_is_one_config_error(tmp_path, capsys, monkeypatch):
     Tracker.open(uri, "real")
     capsys.readouterr()  # MLflow's own start-up log lines
     (tmp_path / "afile").write_text("x")
-    rc, err = _cli(["report", "--experiment", "real", "--tracking-uri", uri, "--out", str(tmp_path / "afile" / "r")],
-                   capsys)
+    rc, err = _cli(
+        ["report", "--experiment", "real", "--tracking-uri", uri, "--out", str(tmp_path / "afile" / "r")], capsys
+    )
     assert rc == 2 and err.startswith("config error: --out: ")
     rc, err = _cli(["report", "--experiment", "nope", "--tracking-uri", uri, "--out", str(tmp_path / "r")], capsys)
     assert rc == 2 and err.startswith("config error: --experiment: no MLflow experiment named 'nope'"), err

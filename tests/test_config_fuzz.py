@@ -30,8 +30,16 @@ CORPUS = yaml.safe_load((HERE / "config_fuzz" / "corpus.yaml").read_text())["cas
 SECRET = "s3cr3t"
 CASE_SECONDS = 60
 #: Environment variables a case must not inherit from the machine running the tests.
-_CLEAN_ENV = ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
-              "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+_CLEAN_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "RAY_ADDRESS",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+)
 
 
 class Hang(BaseException):
@@ -223,9 +231,14 @@ def _schema_fields() -> set[str]:
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name in model.model_fields:
             path = f"{prefix}{name}"
-            sub = {"model": config.ModelSpec, "protocol": config.ProtocolSpec, "resources": config.ResourcesSpec,
-                   "tracking": config.TrackingSpec, "train": config.TrainSpec,
-                   "runtime_env": config.RuntimeEnvSpec}.get(name)
+            sub = {
+                "model": config.ModelSpec,
+                "protocol": config.ProtocolSpec,
+                "resources": config.ResourcesSpec,
+                "tracking": config.TrackingSpec,
+                "train": config.TrainSpec,
+                "runtime_env": config.RuntimeEnvSpec,
+            }.get(name)
             if sub is not None and name in getattr(model, "model_fields", {}):
                 out.add(path)
                 walk(sub, path + ".")
@@ -233,8 +246,13 @@ def _schema_fields() -> set[str]:
                 out.add(path)
 
     walk(config.SweepConfig, "")
-    for m in (config.SyntheticDataset, config.OmniglotDataset, config.FolderDataset, config.ParquetDataset,
-              config.CsvDataset):
+    for m in (
+        config.SyntheticDataset,
+        config.OmniglotDataset,
+        config.FolderDataset,
+        config.ParquetDataset,
+        config.CsvDataset,
+    ):
         walk(m, "datasets[].")
     walk(config.LossSpec, "losses[].")
     return out
@@ -250,8 +268,9 @@ def test_the_corpus_covers_every_field_of_the_schema():
 @pytest.mark.parametrize("case", CORPUS, ids=[c["id"] for c in CORPUS])
 def test_malformed_config_is_one_line_naming_its_field(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    outcome = run_case(case, tmp_path, monkeypatch.setattr, monkeypatch.setenv,
-                       lambda k: monkeypatch.delenv(k, raising=False))
+    outcome = run_case(
+        case, tmp_path, monkeypatch.setattr, monkeypatch.setenv, lambda k: monkeypatch.delenv(k, raising=False)
+    )
     assert outcome.verdict == "ok", f"{outcome.verdict}: {outcome.detail}"
     assert outcome.seconds < CASE_SECONDS
 

@@ -24,8 +24,11 @@ def _doc(**top):
 
 
 def test_an_inline_space_overrides_one_loss_and_leaves_the_others_their_own():
-    inline = {"space": {"pos_margin": {"low": 0.0, "high": 0.2}}, "fixed": {"neg_margin": 1.5},
-              "paper_defaults": {"pos_margin": 0.1}}
+    inline = {
+        "space": {"pos_margin": {"low": 0.0, "high": 0.2}},
+        "fixed": {"neg_margin": 1.5},
+        "paper_defaults": {"pos_margin": 0.1},
+    }
     cfg = parse_config(_doc(losses=[{"name": "contrastive", "space": inline}, "mpa", "proxynca_pp"]))
     spaces = {ls.name: ls.search_space for ls in cfg.losses}
     assert spaces["contrastive"].params["pos_margin"].high == 0.2 and spaces["contrastive"].fixed == {"neg_margin": 1.5}
@@ -47,8 +50,9 @@ def test_a_space_file_named_by_the_config(tmp_path):
 
 
 def test_a_user_folder_adds_to_and_overrides_the_builtin_spaces(tmp_path):
-    (tmp_path / "contrastive.yaml").write_text("loss: contrastive\nspace:\n  pos_margin: {low: 0.0, high: 0.4}\n"
-                                               "paper_defaults:\n  pos_margin: 0.0\n")
+    (tmp_path / "contrastive.yaml").write_text(
+        "loss: contrastive\nspace:\n  pos_margin: {low: 0.0, high: 0.4}\npaper_defaults:\n  pos_margin: 0.0\n"
+    )
     cfg = parse_config(_doc(tune_spaces=str(tmp_path), losses=["contrastive", "mpa"]))
     assert cfg.losses[0].search_space.params["pos_margin"].high == 0.4
     assert cfg.losses[1].search_space == builtin_spaces()["mpa"]  # no file for mpa in the folder: the built-in one
@@ -63,8 +67,10 @@ def test_losses_all_is_every_builtin_loss_with_a_space_minus_exclude():
 
 
 def test_an_import_path_loss_with_a_shipped_space_and_runtime_env_py_modules():
-    doc = _doc(losses=["contrastive", "dmlrc_example.losses:CircleLoss"],
-               runtime_env={"py_modules": [str(PLUGIN)], "env_vars": {"MYLAB_MODE": "fast"}})
+    doc = _doc(
+        losses=["contrastive", "dmlrc_example.losses:CircleLoss"],
+        runtime_env={"py_modules": [str(PLUGIN)], "env_vars": {"MYLAB_MODE": "fast"}},
+    )
     try:
         cfg = parse_config(doc)
         assert str(PLUGIN.parent) in sys.path  # the driver imports what the workers get
@@ -89,8 +95,11 @@ def test_init_ray_puts_the_users_runtime_env_under_the_jobs(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
     try:
-        ray_runtime.init_ray(None, num_cpus=2, user_env={"py_modules": ["/x/mylab"], "pip": ["mylab==1.0"],
-                                                          "env_vars": {"MYLAB_MODE": "fast"}})
+        ray_runtime.init_ray(
+            None,
+            num_cpus=2,
+            user_env={"py_modules": ["/x/mylab"], "pip": ["mylab==1.0"], "env_vars": {"MYLAB_MODE": "fast"}},
+        )
     finally:
         ray_runtime.stop_ray(False)
     env = seen["runtime_env"]

@@ -8,9 +8,9 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.results.study_results import StudySummary, ci_table
 from pipelines.execution.sweep import max_concurrent_studies, study_cost
 from pipelines.execution.trial import fold_cost
+from pipelines.results.study_results import StudySummary, ci_table
 
 OUTCOME = {"time_start": 100.0, "time_end": 130.0, "world_size": 2}
 
@@ -24,10 +24,12 @@ def test_a_folds_cost_is_its_wall_time_times_what_its_workers_held():
 
 
 def test_the_study_sums_its_trials_and_reports_the_diverged_share_apart():
-    rows = [{"status": "ok", "cost_cpu_seconds": 10.0, "cost_gpu_seconds": 1.0},
-            {"status": "diverged", "cost_cpu_seconds": 5.0, "cost_gpu_seconds": 0.5, "cost_restarts": 1.0},
-            {"status": "ok", "cost_cpu_seconds": 7.0, "cost_gpu_seconds": 0.0, "__reproduction__": 0},
-            {"error": "boom", "trial_id": "t3"}]  # no result: nothing to add
+    rows = [
+        {"status": "ok", "cost_cpu_seconds": 10.0, "cost_gpu_seconds": 1.0},
+        {"status": "diverged", "cost_cpu_seconds": 5.0, "cost_gpu_seconds": 0.5, "cost_restarts": 1.0},
+        {"status": "ok", "cost_cpu_seconds": 7.0, "cost_gpu_seconds": 0.0, "__reproduction__": 0},
+        {"error": "boom", "trial_id": "t3"},
+    ]  # no result: nothing to add
     c = study_cost(rows)
     assert c["cost.cpu_seconds"] == 22.0 and c["cost.gpu_seconds"] == 1.5 and c["cost.restarts"] == 1.0
     assert c["cost.diverged.cpu_seconds"] == 5.0 and c["cost.diverged.gpu_seconds"] == 0.5
@@ -41,8 +43,8 @@ def test_the_sweeps_table_shows_cpu_and_gpu_hours():
 
 
 def _cfg(**resources):
-    from pipelines.config.schema import parse_config
     from pipelines.config.presets import demo_config
+    from pipelines.config.schema import parse_config
 
     doc = demo_config("cost", "runs")
     doc["resources"] = {**doc.get("resources", {}), **resources}
@@ -56,8 +58,9 @@ def test_default_studies_in_flight_fill_a_local_ray_but_do_not_oversubscribe_it(
     assert max_concurrent_studies(cfg, None, {"CPU": 2}, 10) == 1  # a small laptop: one at a time
     assert max_concurrent_studies(cfg, None, {"CPU": 1000}, 4) == 4  # never more than there are studies
     assert max_concurrent_studies(cfg, "ray://head:10001", {"CPU": 2}, 45) == 45  # a cluster: Ray's queue bounds
-    gpu = _cfg(workers_per_fold=1, use_gpu=True, gpus_per_worker=1.0, max_concurrent_trials=1,
-               max_concurrent_studies=None)
+    gpu = _cfg(
+        workers_per_fold=1, use_gpu=True, gpus_per_worker=1.0, max_concurrent_trials=1, max_concurrent_studies=None
+    )
     assert max_concurrent_studies(gpu, None, {"CPU": 64, "GPU": 2 * gpu.protocol.folds}, 10) == 2
     assert max_concurrent_studies(_cfg(max_concurrent_studies=2), None, {"CPU": 1000}, 10) == 2
 
@@ -72,8 +75,12 @@ def test_report_has_a_cost_column_in_every_format(tmp_path):
     exp = c.get_experiment_by_name("sweep-c")
     for run in c.search_runs([exp.experiment_id], "tags.stage = 'study'"):
         if run.data.tags["loss"] == "mpa":
-            for k, v in {"cost.cpu_seconds": 5400.0, "cost.gpu_seconds": 1800.0, "cost.diverged.cpu_seconds": 360.0,
-                         "cost.diverged.gpu_seconds": 0.0}.items():
+            for k, v in {
+                "cost.cpu_seconds": 5400.0,
+                "cost.gpu_seconds": 1800.0,
+                "cost.diverged.cpu_seconds": 360.0,
+                "cost.diverged.gpu_seconds": 0.0,
+            }.items():
                 c.log_metric(run.info.run_id, k, v)
     paths = write_report(uri, "sweep-c", tmp_path / "out", log_to_mlflow=False)
     md = paths["md"].read_text()

@@ -162,13 +162,19 @@ def test_ddp_on_cuda_two_ranks_of_16_equal_one_process_of_32(ieee_fp32):
             np.testing.assert_allclose(got["values"], single["values"], rtol=1e-5, atol=1e-6, err_msg=f"{name} {r}")
             for k, v in single["model"].items():
                 if v.is_floating_point():
-                    torch.testing.assert_close(got["model"][k].cpu() - init[k], v.cpu() - init[k], rtol=1e-5,
-                                               atol=1e-5, msg=lambda m, k=k: f"{name} {k}: {m}")
+                    torch.testing.assert_close(
+                        got["model"][k].cpu() - init[k],
+                        v.cpu() - init[k],
+                        rtol=1e-5,
+                        atol=1e-5,
+                        msg=lambda m, k=k: f"{name} {k}: {m}",
+                    )
             torch.testing.assert_close(got["emb"], single["emb"], rtol=1e-5, atol=1e-6)  # embedded on the GPU
         for k, v in ranks[0][name]["model"].items():
             assert torch.equal(v, ranks[1][name]["model"][k]), k
-    moved = max(float((ref["pair"]["model"][k].cpu() - init[k]).abs().max()) for k in init
-                if init[k].is_floating_point())
+    moved = max(
+        float((ref["pair"]["model"][k].cpu() - init[k]).abs().max()) for k in init if init[k].is_floating_point()
+    )
     assert moved > 1e-4
 
 

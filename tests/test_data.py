@@ -12,7 +12,6 @@ import pytest
 import torch
 from PIL import Image
 
-from dml_core.datasets import read_image_folder
 from dml_core.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -25,6 +24,7 @@ from dml_core.data import (
     synthetic,
     train_transform,
 )
+from dml_core.datasets import read_image_folder
 from dml_core.shards import CorruptImageError
 
 OMNIGLOT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "omniglot"
@@ -60,8 +60,12 @@ def test_image_table_rejects_bad_input_with_the_field_named():
 
 
 def test_subset_and_take_keep_labels_names_and_meta_aligned():
-    t = ImageTable(list("abcdef"), np.array([3, 1, 3, 7, 1, 7]), class_names=["one", "three", "seven"],
-                   meta={"split": np.array(list("xyzuvw"))})
+    t = ImageTable(
+        list("abcdef"),
+        np.array([3, 1, 3, 7, 1, 7]),
+        class_names=["one", "three", "seven"],
+        meta={"split": np.array(list("xyzuvw"))},
+    )
     s = t.subset([7, 1])
     assert s.images == ["b", "d", "e", "f"]
     assert s.labels.tolist() == [1, 7, 1, 7] and s.labels.dtype == np.int64
@@ -194,15 +198,20 @@ def _zip_with(path: Path, root: str, files: dict[str, bytes]) -> None:
 
 def test_read_omniglot_deduplicates_identical_files_and_rejects_conflicting_ones(tmp_path):
     a, b, c = (_encode(_rgb(i, 8, 8), "PNG") for i in range(3))
-    _zip_with(tmp_path / "images_background_small1.zip", "images_background_small1",
-              {"Greek/character01/x_01.png": a, "Greek/character01/x_02.png": b, "Korean/character01/k_01.png": c})
-    _zip_with(tmp_path / "images_background_small2.zip", "images_background_small2",
-              {"Greek/character01/x_01.png": a, "Tagalog/character02/t_01.png": b})
+    _zip_with(
+        tmp_path / "images_background_small1.zip",
+        "images_background_small1",
+        {"Greek/character01/x_01.png": a, "Greek/character01/x_02.png": b, "Korean/character01/k_01.png": c},
+    )
+    _zip_with(
+        tmp_path / "images_background_small2.zip",
+        "images_background_small2",
+        {"Greek/character01/x_01.png": a, "Tagalog/character02/t_01.png": b},
+    )
     t = read_omniglot(tmp_path)
     assert t.class_names == ["Greek/character01", "Korean/character01", "Tagalog/character02"]
     assert t.labels.tolist() == [0, 0, 1, 2] and t.images[0] == a
-    _zip_with(tmp_path / "images_background_small3.zip", "images_background_small3",
-              {"Greek/character01/x_01.png": c})
+    _zip_with(tmp_path / "images_background_small3.zip", "images_background_small3", {"Greek/character01/x_01.png": c})
     with pytest.raises(ValueError, match="Greek/character01/x_01.png differs between"):
         read_omniglot(tmp_path)
 

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from test_datasets_prepare import jpeg, make_fake_cars, make_fake_cub, make_fake_sop
 
 from dml_core.data import read_parquet_manifest
 from dml_core.datasets import prepare
@@ -36,7 +37,6 @@ from dml_core.shards import (
     verify_shards,
     write_shards,
 )
-from test_datasets_prepare import jpeg, make_fake_cars, make_fake_cub, make_fake_sop
 
 OMNIGLOT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "omniglot"
 
@@ -117,8 +117,11 @@ def test_reordered_row_groups_in_the_manifest_are_rejected(tmp_path):
     m = write_shards(recs, tmp_path / "out", dataset="toy", row_group_rows=3, progress=False)
     assert m["shards"][0]["row_groups"] == [3, 3, 2]
     mpath = _rewrite_manifest(tmp_path / "out", lambda mj: mj["shards"][0].update(row_groups=[2, 3, 3]))
-    with pytest.raises(ManifestError, match=rf"^{mpath}: shards\[0\] \(shards/part-00000.parquet\): row_groups "
-                                            r"\[2, 3, 3\] do not match the file's row groups \[3, 3, 2\]"):
+    with pytest.raises(
+        ManifestError,
+        match=rf"^{mpath}: shards\[0\] \(shards/part-00000.parquet\): row_groups "
+        r"\[2, 3, 3\] do not match the file's row groups \[3, 3, 2\]",
+    ):
         read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
     with pytest.raises(ManifestError):
         check_rows(tmp_path / "out", cache_dir=tmp_path / "cache")
@@ -132,8 +135,11 @@ def test_a_row_read_at_a_wrong_offset_is_caught_by_its_index_column(tmp_path):
     src = t._source
     src.group_starts[0] = np.array([0, 2, 5, 8])  # a locate bug: rows 2.. now land one row late
     t.images[1]
-    with pytest.raises(CorruptImageError, match=r"shard shards/part-00000.parquet row 2: the row read there "
-                                                r"\(c0/3.jpg\) holds row 3 of the dataset, expected 2"):
+    with pytest.raises(
+        CorruptImageError,
+        match=r"shard shards/part-00000.parquet row 2: the row read there "
+        r"\(c0/3.jpg\) holds row 3 of the dataset, expected 2",
+    ):
         t.images[2]
 
 
@@ -142,8 +148,13 @@ def test_schema_v1_shards_without_an_index_column_are_still_read_and_checked_by_
     m = write_shards(recs, tmp_path / "out", dataset="toy", row_group_rows=3, progress=False)
     shard = tmp_path / "out" / m["shards"][0]["path"]
     pq.write_table(pq.read_table(shard).drop_columns(["index"]), shard, row_group_size=3)
-    _rewrite_manifest(tmp_path / "out", lambda mj: (mj.update(schema_version=1), mj["shards"][0].update(
-        sha256=hashlib.sha256(shard.read_bytes()).hexdigest())))
+    _rewrite_manifest(
+        tmp_path / "out",
+        lambda mj: (
+            mj.update(schema_version=1),
+            mj["shards"][0].update(sha256=hashlib.sha256(shard.read_bytes()).hexdigest()),
+        ),
+    )
     t = read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
     assert [t.images[i] for i in range(8)] == [data[f"c{c}/{j}.jpg"] for c in range(2) for j in range(4)]
     t._source.group_starts[0] = np.array([0, 2, 5, 8])  # rows 2.. one late: row 3 (class 0) is still class 0 ...
@@ -161,6 +172,7 @@ def test_manifest_rows_per_shard_must_match_the_file(tmp_path):
         mj["shards"][0].update(rows=7, row_groups=[3, 3, 1])
         mj["num_images"] = 7
         mj["classes"][1]["count"] = 3
+
     _rewrite_manifest(tmp_path / "out", edit)
     with pytest.raises(ManifestError, match=r"shards\[0\] \(shards/part-00000.parquet\): rows 7, but the file holds 8"):
         read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
@@ -175,47 +187,56 @@ def test_an_unreadable_page_names_the_shard_and_row_group(tmp_path):
     col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == "relpath")
     raw = bytearray(shard.read_bytes())
     end = col.data_page_offset + col.total_compressed_size
-    raw[end - 12:end - 1] = bytes(b ^ 0xFF for b in raw[end - 12:end - 1])  # inside the ZSTD payload
+    raw[end - 12 : end - 1] = bytes(b ^ 0xFF for b in raw[end - 12 : end - 1])  # inside the ZSTD payload
     shard.write_bytes(bytes(raw))
     _rewrite_manifest(tmp_path / "out", lambda mj: mj["shards"][0].update(sha256=hashlib.sha256(raw).hexdigest()))
     t = read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
     t.images[2]
-    with pytest.raises(CorruptImageError, match=r"manifest.json: shard shards/part-00000.parquet row group 1: "
-                                                r"unreadable"):
+    with pytest.raises(
+        CorruptImageError,
+        match=r"manifest.json: shard shards/part-00000.parquet row group 1: "
+        r"unreadable",
+    ):
         t.images[3]
     with pytest.raises(CorruptImageError, match="row group 1: unreadable"):
         verify_shards(tmp_path / "out", cache_dir=tmp_path / "cache")
 
 
-@pytest.mark.parametrize("payload, field", [
-    ("[1, 2, 3]", "not a JSON object"),
-    ("{not json", "not valid JSON"),
-    (b"\xff\xfe{}", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        ("[1, 2, 3]", "not a JSON object"),
+        ("{not json", "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+    ],
+)
 def test_a_manifest_that_is_not_a_json_object_names_the_file(tmp_path, payload, field):
     (tmp_path / "manifest.json").write_bytes(payload if isinstance(payload, bytes) else payload.encode())
     with pytest.raises(ManifestError, match=f"^{tmp_path / 'manifest.json'}: {field}"):
         read_parquet_manifest(tmp_path)
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda m: m.update(num_images="8"), "num_images"),
-    (lambda m: m.update(num_images=True), "num_images"),
-    (lambda m: m.update(classes={"a": 1}), "classes"),
-    (lambda m: m["classes"][1].update(label="1"), r"classes\[1\]\.label"),
-    (lambda m: m["classes"][0].update(name=None), r"classes\[0\]\.name"),
-    (lambda m: m.update(shards="shards/part-00000.parquet"), "shards"),
-    (lambda m: m["shards"][0].update(rows="8"), r"shards\[0\]\.rows"),
-    (lambda m: m["shards"][0].update(row_groups="3,3,2"), r"shards\[0\]\.row_groups"),
-    (lambda m: m["shards"][0].update(row_groups=[3, 3, 2.0]), r"shards\[0\]\.row_groups\[2\]"),
-    (lambda m: m["shards"][0].update(row_groups=[3, 0, 3, 2]), r"shards\[0\]\.row_groups\[1\]"),
-    (lambda m: m["shards"][0].update(sha256=5), r"shards\[0\]\.sha256"),
-    (lambda m: m["shards"][0].update(sha256="abc"), r"shards\[0\]\.sha256"),
-    (lambda m: m["shards"][0].update(path="../../etc/passwd"), r"shards\[0\]\.path"),
-    (lambda m: m["shards"][0].update(path="/etc/passwd"), r"shards\[0\]\.path"),
-    (lambda m: m["shards"][0].pop("row_groups"), r"shards\[0\]\.row_groups"),
-    (lambda m: m.pop("dataset"), "dataset"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda m: m.update(num_images="8"), "num_images"),
+        (lambda m: m.update(num_images=True), "num_images"),
+        (lambda m: m.update(classes={"a": 1}), "classes"),
+        (lambda m: m["classes"][1].update(label="1"), r"classes\[1\]\.label"),
+        (lambda m: m["classes"][0].update(name=None), r"classes\[0\]\.name"),
+        (lambda m: m.update(shards="shards/part-00000.parquet"), "shards"),
+        (lambda m: m["shards"][0].update(rows="8"), r"shards\[0\]\.rows"),
+        (lambda m: m["shards"][0].update(row_groups="3,3,2"), r"shards\[0\]\.row_groups"),
+        (lambda m: m["shards"][0].update(row_groups=[3, 3, 2.0]), r"shards\[0\]\.row_groups\[2\]"),
+        (lambda m: m["shards"][0].update(row_groups=[3, 0, 3, 2]), r"shards\[0\]\.row_groups\[1\]"),
+        (lambda m: m["shards"][0].update(sha256=5), r"shards\[0\]\.sha256"),
+        (lambda m: m["shards"][0].update(sha256="abc"), r"shards\[0\]\.sha256"),
+        (lambda m: m["shards"][0].update(path="../../etc/passwd"), r"shards\[0\]\.path"),
+        (lambda m: m["shards"][0].update(path="/etc/passwd"), r"shards\[0\]\.path"),
+        (lambda m: m["shards"][0].pop("row_groups"), r"shards\[0\]\.row_groups"),
+        (lambda m: m.pop("dataset"), "dataset"),
+    ],
+)
 def test_manifest_fields_of_the_wrong_type_are_named(tmp_path, edit, field):
     recs, _ = _records(2, 4)
     write_shards(recs, tmp_path / "out", dataset="toy", row_group_rows=3, progress=False)
@@ -235,10 +256,14 @@ def test_check_rows_reads_every_header_and_names_the_bad_row(tmp_path):
     images[4] = b"\x89PNX" + images[4][4:]  # magic bytes broken; its sha256 column is left alone
     t = t.set_column(t.schema.get_field_index("image"), "image", pa.array(images, pa.binary()))
     pq.write_table(t, shard, row_group_size=3)
-    _rewrite_manifest(tmp_path / "out", lambda mj: mj["shards"][0].update(
-        sha256=hashlib.sha256(shard.read_bytes()).hexdigest()))
-    with pytest.raises(CorruptImageError, match=rf"^{tmp_path / 'out' / 'manifest.json'}: shard "
-                                                r"shards/part-00000.parquet row 4 \(c1/0.jpg\): not a readable image"):
+    _rewrite_manifest(
+        tmp_path / "out", lambda mj: mj["shards"][0].update(sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
+    )
+    with pytest.raises(
+        CorruptImageError,
+        match=rf"^{tmp_path / 'out' / 'manifest.json'}: shard "
+        r"shards/part-00000.parquet row 4 \(c1/0.jpg\): not a readable image",
+    ):
         check_rows(tmp_path / "out", cache_dir=tmp_path / "cache")
 
 
@@ -246,8 +271,10 @@ def test_check_rows_reads_every_header_and_names_the_bad_row(tmp_path):
 
 
 def _one_bad(tmp_path, bad: bytes, name="bad.png"):
-    recs = [Record("ok.jpg", 0, "a", "train", lambda: jpeg(1)),
-            Record(name, 1, "b", "train", lambda: bad, source=f"/data/src/{name}")]
+    recs = [
+        Record("ok.jpg", 0, "a", "train", lambda: jpeg(1)),
+        Record(name, 1, "b", "train", lambda: bad, source=f"/data/src/{name}"),
+    ]
     return lambda: write_shards(recs, tmp_path / "o", dataset="t", progress=False)
 
 
@@ -381,11 +408,17 @@ def _zip(path: Path, entries: dict[str, bytes]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["root/../../x_01.png", "/abs/Greek/char01/x_01.png", "root/Greek/../x_01.png",
-                                  "root\\..\\Greek\\x.png/char01/x_01.png"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "root/../../x_01.png",
+        "/abs/Greek/char01/x_01.png",
+        "root/Greek/../x_01.png",
+        "root\\..\\Greek\\x.png/char01/x_01.png",
+    ],
+)
 def test_zip_entries_that_leave_the_zip_root_are_rejected(tmp_path, name):
-    z = _zip(tmp_path / "images_background_small1.zip",
-             {"root/Greek/char01/x_01.png": png(1), name: png(2)})
+    z = _zip(tmp_path / "images_background_small1.zip", {"root/Greek/char01/x_01.png": png(1), name: png(2)})
     with pytest.raises(DataError, match=rf"^{z}: entry .*('\.\.'|absolute)"):
         prepare("omniglot", tmp_path, tmp_path / "out", progress=False)
 
@@ -465,38 +498,66 @@ def _image_folder(root: Path, classes=("a", "b"), per_class: int = 2) -> Path:
 # --------------------------------------------------------------------------------------------- csv datasets
 
 _CSV_CASES = {
-    "missing column": ("path,class_name\na/0.jpg,a\n",
-                       "row 1: missing column 'label' (the header has 'path', 'class_name'; required: path, label)"),
+    "missing column": (
+        "path,class_name\na/0.jpg,a\n",
+        "row 1: missing column 'label' (the header has 'path', 'class_name'; required: path, label)",
+    ),
     "empty path": ("path,label\na/0.jpg,0\n,0\n", "row 3: empty path"),
-    "dotdot path": ("path,label\na/0.jpg,0\na/../../secret.jpg,0\n",
-                    "row 3: image path 'a/../../secret.jpg' contains '..' and leaves the root {root}"),
-    "absolute path": ("path,label\n{secret},0\n",
-                      "row 2: image path '{secret}' is absolute (paths must be relative to the root {root})"),
-    "backslash path": ("path,label\na\\0.jpg,0\n",
-                       "row 2: image path 'a\\\\0.jpg' contains a backslash (paths are '/'-separated)"),
+    "dotdot path": (
+        "path,label\na/0.jpg,0\na/../../secret.jpg,0\n",
+        "row 3: image path 'a/../../secret.jpg' contains '..' and leaves the root {root}",
+    ),
+    "absolute path": (
+        "path,label\n{secret},0\n",
+        "row 2: image path '{secret}' is absolute (paths must be relative to the root {root})",
+    ),
+    "backslash path": (
+        "path,label\na\\0.jpg,0\n",
+        "row 2: image path 'a\\\\0.jpg' contains a backslash (paths are '/'-separated)",
+    ),
     "missing file": ("path,label\na/0.jpg,0\na/9.jpg,0\n", "row 3: image 'a/9.jpg' not found under {root}"),
     "label not an integer": ("path,label\na/0.jpg,zero\n", "row 2: label 'zero' is not a non-negative integer"),
     "label a float": ("path,label\na/0.jpg,1.0\n", "row 2: label '1.0' is not a non-negative integer"),
     "label negative": ("path,label\na/0.jpg,-1\n", "row 2: label '-1' is not a non-negative integer"),
-    "duplicate path": ("path,label\na/0.jpg,0\na/1.jpg,0\n./a//0.jpg,0\n",
-                       "row 4: image 'a/0.jpg' is listed twice (first on row 2)"),
-    "label with two names": ("path,label,class_name\na/0.jpg,0,a\na/1.jpg,0,b\n",
-                             "row 3: label 0 has class name 'b', but row 2 names it 'a'"),
-    "name with two labels": ("path,label,class_name\na/0.jpg,0,a\nb/0.jpg,1,a\n",
-                             "row 3: class name 'a' has label 1, but row 2 gives it label 0"),
-    "names differ by case": ("path,label,class_name\na/0.jpg,0,Apple\nb/0.jpg,1,apple\n",
-                             ("row 3: class names 'Apple' (label 0, row 2) and 'apple' (label 1) differ only by case "
-                              "or Unicode normalisation")),
-    "names differ by normalisation": ("path,label,class_name\na/0.jpg,0,caf\u00e9\nb/0.jpg,1,cafe\u0301\n",
-                                      ("row 3: class names 'caf\u00e9' (label 0, row 2) and 'cafe\u0301' (label 1) "
-                                       "differ only by case or Unicode normalisation")),
-    "control character in a name": ('path,label,class_name\na/0.jpg,0,"bad\nname"\n',
-                                    "row 2: class name 'bad\\nname' contains the control character U+000A"),
+    "duplicate path": (
+        "path,label\na/0.jpg,0\na/1.jpg,0\n./a//0.jpg,0\n",
+        "row 4: image 'a/0.jpg' is listed twice (first on row 2)",
+    ),
+    "label with two names": (
+        "path,label,class_name\na/0.jpg,0,a\na/1.jpg,0,b\n",
+        "row 3: label 0 has class name 'b', but row 2 names it 'a'",
+    ),
+    "name with two labels": (
+        "path,label,class_name\na/0.jpg,0,a\nb/0.jpg,1,a\n",
+        "row 3: class name 'a' has label 1, but row 2 gives it label 0",
+    ),
+    "names differ by case": (
+        "path,label,class_name\na/0.jpg,0,Apple\nb/0.jpg,1,apple\n",
+        (
+            "row 3: class names 'Apple' (label 0, row 2) and 'apple' (label 1) differ only by case "
+            "or Unicode normalisation"
+        ),
+    ),
+    "names differ by normalisation": (
+        "path,label,class_name\na/0.jpg,0,caf\u00e9\nb/0.jpg,1,cafe\u0301\n",
+        (
+            "row 3: class names 'caf\u00e9' (label 0, row 2) and 'cafe\u0301' (label 1) "
+            "differ only by case or Unicode normalisation"
+        ),
+    ),
+    "control character in a name": (
+        'path,label,class_name\na/0.jpg,0,"bad\nname"\n',
+        "row 2: class name 'bad\\nname' contains the control character U+000A",
+    ),
     "ragged row": ("path,label,class_name\na/0.jpg,0,a,extra\n", "row 2: expected 3 fields (as the header), got 4"),
-    "train row flagged as query": ("path,label,split,is_query,is_gallery\na/0.jpg,0,train,True,\n",
-                                   "row 2: a train row cannot be a query or gallery image"),
-    "bad query flag": ("path,label,split,is_query,is_gallery\na/0.jpg,0,validation,maybe,\n",
-                       "row 2: query 'maybe' is not a boolean (True/False, 1/0, yes/no, or empty)"),
+    "train row flagged as query": (
+        "path,label,split,is_query,is_gallery\na/0.jpg,0,train,True,\n",
+        "row 2: a train row cannot be a query or gallery image",
+    ),
+    "bad query flag": (
+        "path,label,split,is_query,is_gallery\na/0.jpg,0,validation,maybe,\n",
+        "row 2: query 'maybe' is not a boolean (True/False, 1/0, yes/no, or empty)",
+    ),
     "no image rows": ("path,label\n", "has a header but no image rows"),
     "not utf-8": (b"path,label\n\xff.jpg,0\n", "row 2: not UTF-8 text (byte 11: b'\\xff')"),
 }
@@ -525,8 +586,11 @@ def test_a_csv_image_linked_out_of_the_root_is_refused(tmp_path, capsys):
     (root / "a" / "evil.jpg").symlink_to(secret)
     (root / "data.csv").write_text("path,label\na/0.jpg,0\na/evil.jpg,0\n")
     line = _data_cli(capsys, "prepare", "csv", "--src", root / "data.csv", "--dest", tmp_path / "out", "--no-progress")
-    _expect_line(line, f"{root / 'data.csv'}: row 3: image 'a/evil.jpg' is a symbolic link (or under one) to "
-                       f"{os.path.realpath(secret)}, outside the root {root}")
+    _expect_line(
+        line,
+        f"{root / 'data.csv'}: row 3: image 'a/evil.jpg' is a symbolic link (or under one) to "
+        f"{os.path.realpath(secret)}, outside the root {root}",
+    )
 
 
 def test_two_csv_rows_that_are_one_file_through_a_link_are_refused(tmp_path, capsys):
@@ -534,18 +598,32 @@ def test_two_csv_rows_that_are_one_file_through_a_link_are_refused(tmp_path, cap
     (root / "b" / "alias.jpg").symlink_to(root / "a" / "0.jpg")
     (root / "data.csv").write_text("path,label\na/0.jpg,0\nb/alias.jpg,1\n")
     line = _data_cli(capsys, "prepare", "csv", "--src", root / "data.csv", "--dest", tmp_path / "out", "--no-progress")
-    _expect_line(line, f"{root / 'data.csv'}: row 3: image 'b/alias.jpg' is the same file as row 2's 'a/0.jpg' "
-                       "(through a symbolic link)")
+    _expect_line(
+        line,
+        f"{root / 'data.csv'}: row 3: image 'b/alias.jpg' is the same file as row 2's 'a/0.jpg' "
+        "(through a symbolic link)",
+    )
 
 
 def test_a_corrupt_image_listed_in_a_csv_names_the_file_and_writes_nothing(tmp_path, capsys):
     root = _image_folder(tmp_path / "src", per_class=40)
     victim = root / "b" / "39.jpg"
     victim.write_bytes(victim.read_bytes()[:100])
-    (root / "data.csv").write_text("path,label\n" + "".join(f"{c}/{j}.jpg,{i}\n" for i, c in enumerate("ab")
-                                                              for j in range(40)))
-    line = _data_cli(capsys, "prepare", "csv", "--src", root / "data.csv", "--dest", tmp_path / "out", "--no-progress",
-                     "--row-group-rows", "4")
+    (root / "data.csv").write_text(
+        "path,label\n" + "".join(f"{c}/{j}.jpg,{i}\n" for i, c in enumerate("ab") for j in range(40))
+    )
+    line = _data_cli(
+        capsys,
+        "prepare",
+        "csv",
+        "--src",
+        root / "data.csv",
+        "--dest",
+        tmp_path / "out",
+        "--no-progress",
+        "--row-group-rows",
+        "4",
+    )
     assert re.fullmatch(rf"data error: {re.escape(str(victim))}: (does not decode|not a readable image) .*", line)
     assert not (tmp_path / "out").exists()  # the row groups already written were staged, then removed
 
@@ -562,8 +640,9 @@ def test_folder_class_names_that_differ_only_by_case_are_refused(tmp_path, capsy
 def test_folder_class_names_that_differ_only_by_unicode_normalisation_are_refused(tmp_path, capsys):
     root = _image_folder(tmp_path / "src", classes=("caf\u00e9", "cafe\u0301"))
     line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
-    _expect_line(line, f"{root}: class folders 'cafe\u0301' and 'caf\u00e9' differ only by case or Unicode "
-                       "normalisation")
+    _expect_line(
+        line, f"{root}: class folders 'cafe\u0301' and 'caf\u00e9' differ only by case or Unicode normalisation"
+    )
 
 
 def test_a_folder_class_name_with_a_control_character_is_refused(tmp_path, capsys):
@@ -593,9 +672,12 @@ def test_a_tree_that_is_not_an_image_folder_fails_fast_naming_the_root(tmp_path,
         (root / "notes" / f"{i:02d}.txt").write_text("x")
     _image_folder(root, classes=("photos",))
     line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
-    _expect_line(line, f"{root}: does not look like an image folder (the layout is <root>/<class>/<image>): 21 "
-                       "entries are not images (e.g. 'notes/20.txt') against 0 images so far; give the dataset's own "
-                       "root")
+    _expect_line(
+        line,
+        f"{root}: does not look like an image folder (the layout is <root>/<class>/<image>): 21 "
+        "entries are not images (e.g. 'notes/20.txt') against 0 images so far; give the dataset's own "
+        "root",
+    )
 
 
 def test_a_link_cycle_in_a_folder_is_refused_not_followed_forever(tmp_path, capsys):
@@ -603,16 +685,22 @@ def test_a_link_cycle_in_a_folder_is_refused_not_followed_forever(tmp_path, caps
     root = _image_folder(tmp_path / "src")
     (root / "a" / "loop").symlink_to(".")
     line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
-    _expect_line(line, f"{root / 'a' / 'loop'}: is a symbolic link to {os.path.realpath(root / 'a')}, a folder "
-                       "already listed as 'a' (a cycle, or one folder under two names)")
+    _expect_line(
+        line,
+        f"{root / 'a' / 'loop'}: is a symbolic link to {os.path.realpath(root / 'a')}, a folder "
+        "already listed as 'a' (a cycle, or one folder under two names)",
+    )
 
 
 def test_a_class_folder_linked_into_another_class_is_refused(tmp_path, capsys):
     root = _image_folder(tmp_path / "src")
     (root / "b" / "more").symlink_to(root / "a")
     line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
-    _expect_line(line, f"{root / 'b' / 'more'}: is a symbolic link to {os.path.realpath(root / 'a')}, a folder "
-                       "already listed as 'a' (a cycle, or one folder under two names)")
+    _expect_line(
+        line,
+        f"{root / 'b' / 'more'}: is a symbolic link to {os.path.realpath(root / 'a')}, a folder "
+        "already listed as 'a' (a cycle, or one folder under two names)",
+    )
 
 
 def test_a_folder_image_linked_out_of_the_root_is_refused(tmp_path, capsys):
@@ -621,8 +709,10 @@ def test_a_folder_image_linked_out_of_the_root_is_refused(tmp_path, capsys):
     secret.write_bytes(jpeg(3))
     (root / "a" / "evil.jpg").symlink_to(secret)
     line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
-    _expect_line(line, f"{root / 'a' / 'evil.jpg'}: is a symbolic link to {os.path.realpath(secret)}, outside the "
-                       f"image folder {root}")
+    _expect_line(
+        line,
+        f"{root / 'a' / 'evil.jpg'}: is a symbolic link to {os.path.realpath(secret)}, outside the image folder {root}",
+    )
 
 
 def test_an_empty_class_folder_is_refused(tmp_path, capsys):
@@ -630,8 +720,11 @@ def test_an_empty_class_folder_is_refused(tmp_path, capsys):
     (root / "empty").mkdir()
     (root / "empty" / "README.txt").write_text("nothing here")
     line = _data_cli(capsys, "prepare", "folder", "--src", root, "--dest", tmp_path / "out", "--no-progress")
-    _expect_line(line, f"{root}: class directories without images: ['empty'] (the layout is <root>/<class>/<image>; "
-                       f"is {root} the dataset's root?)")
+    _expect_line(
+        line,
+        f"{root}: class directories without images: ['empty'] (the layout is <root>/<class>/<image>; "
+        f"is {root} the dataset's root?)",
+    )
 
 
 def test_a_corrupt_image_in_a_folder_names_the_file_and_writes_nothing(tmp_path, capsys):
@@ -674,44 +767,54 @@ def test_two_classes_labels_swapped_and_restamped_fail_verify(tmp_path, capsys):
     """Before: the class sizes are equal, so the count check passed and `verify` said ok."""
     out, _ = _toy_shards(tmp_path, 2, 4)
     _restamp(out, 0, lambda t: _set(t, "label", pa.array([1 - v for v in t.column("label").to_pylist()], pa.int64())))
-    _expect_line(_verify_line(capsys, out, tmp_path),
-                 f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 1 has class name "
-                 "'class0' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)")
+    _expect_line(
+        _verify_line(capsys, out, tmp_path),
+        f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 1 has class name "
+        "'class0' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)",
+    )
 
 
 def test_labels_shifted_by_one_and_restamped_fail_verify(tmp_path, capsys):
     out, _ = _toy_shards(tmp_path, 3, 4)
-    _restamp(out, 0, lambda t: _set(t, "label", pa.array([(v + 1) % 3 for v in t.column("label").to_pylist()],
-                                                         pa.int64())))
-    _expect_line(_verify_line(capsys, out, tmp_path),
-                 f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 1 has class name "
-                 "'class0' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)")
+    _restamp(
+        out, 0, lambda t: _set(t, "label", pa.array([(v + 1) % 3 for v in t.column("label").to_pylist()], pa.int64()))
+    )
+    _expect_line(
+        _verify_line(capsys, out, tmp_path),
+        f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 1 has class name "
+        "'class0' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)",
+    )
 
 
 def test_a_label_column_turned_into_strings_fails_verify(tmp_path, capsys):
     """Before: the strings were parsed back into numbers and `verify` said ok."""
     out, _ = _toy_shards(tmp_path, 2, 4)
     _restamp(out, 0, lambda t: _set(t, "label", pa.array([str(v) for v in t.column("label").to_pylist()])))
-    _expect_line(_verify_line(capsys, out, tmp_path),
-                 f"{out / 'manifest.json'}: shards[0] (shards/part-00000.parquet): column 'label' is string, "
-                 "expected int64")
+    _expect_line(
+        _verify_line(capsys, out, tmp_path),
+        f"{out / 'manifest.json'}: shards[0] (shards/part-00000.parquet): column 'label' is string, expected int64",
+    )
 
 
 def test_class_names_swapped_in_a_shard_fail_verify(tmp_path, capsys):
     out, _ = _toy_shards(tmp_path, 2, 4)
     swap = {"class0": "class1", "class1": "class0"}
     _restamp(out, 0, lambda t: _set(t, "class_name", pa.array([swap[v] for v in t.column("class_name").to_pylist()])))
-    _expect_line(_verify_line(capsys, out, tmp_path),
-                 f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 0 has class name "
-                 "'class1' here, but the manifest's label 0 is 'class0' (labels and class names must match one to one)")
+    _expect_line(
+        _verify_line(capsys, out, tmp_path),
+        f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 0 has class name "
+        "'class1' here, but the manifest's label 0 is 'class0' (labels and class names must match one to one)",
+    )
 
 
 def test_class_names_swapped_in_the_manifest_fail_verify(tmp_path, capsys):
     out, _ = _toy_shards(tmp_path, 2, 4)
     _rewrite_manifest(out, lambda m: (m["classes"][0].update(name="class1"), m["classes"][1].update(name="class0")))
-    _expect_line(_verify_line(capsys, out, tmp_path),
-                 f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 0 has class name "
-                 "'class0' here, but the manifest's label 0 is 'class1' (labels and class names must match one to one)")
+    _expect_line(
+        _verify_line(capsys, out, tmp_path),
+        f"{out / 'manifest.json'}: shard shards/part-00000.parquet row 0 (c0/0.jpg): label 0 has class name "
+        "'class0' here, but the manifest's label 0 is 'class1' (labels and class names must match one to one)",
+    )
 
 
 def test_a_class_named_differently_in_another_shard_fails_verify(tmp_path, capsys):
@@ -722,22 +825,27 @@ def test_a_class_named_differently_in_another_shard_fails_verify(tmp_path, capsy
     assert 1 in t1.column("label").to_pylist()
     first = t1.column("label").to_pylist().index(1)
     rel = t1.column("relpath")[first].as_py()
+
     def rename(t):
         pairs = zip(t.column("label").to_pylist(), t.column("class_name").to_pylist())
         return _set(t, "class_name", pa.array(["class2" if l == 1 else n for l, n in pairs]))
 
     _restamp(out, 1, rename)
-    _expect_line(_verify_line(capsys, out, tmp_path),
-                 f"{out / 'manifest.json'}: shard {m['shards'][1]['path']} row {first} ({rel}): label 1 has class name "
-                 "'class2' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)")
+    _expect_line(
+        _verify_line(capsys, out, tmp_path),
+        f"{out / 'manifest.json'}: shard {m['shards'][1]['path']} row {first} ({rel}): label 1 has class name "
+        "'class2' here, but the manifest's label 1 is 'class1' (labels and class names must match one to one)",
+    )
 
 
 def test_a_manifest_with_case_colliding_class_names_fails(tmp_path, capsys):
     out, _ = _toy_shards(tmp_path, 2, 4)
     _rewrite_manifest(out, lambda m: (m["classes"][0].update(name="Class"), m["classes"][1].update(name="class")))
-    _expect_line(_verify_line(capsys, out, tmp_path),
-                 f"{out / 'manifest.json'}: classes[0].name 'Class' and classes[1].name 'class' differ only by case or "
-                 "Unicode normalisation")
+    _expect_line(
+        _verify_line(capsys, out, tmp_path),
+        f"{out / 'manifest.json'}: classes[0].name 'Class' and classes[1].name 'class' differ only by case or "
+        "Unicode normalisation",
+    )
 
 
 def test_check_label_names_on_an_open_table_sees_a_shard_changed_since(tmp_path):

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_datasets_prepare import jpeg
 
 from dml_core.data import read_parquet_manifest
 from dml_core.datasets import prepare, read_csv_dataset, read_image_folder
 from dml_core.shards import DataError, Record, check_label_names, write_shards
-from test_datasets_prepare import jpeg
 
 CLASSES = ("apple", "mango", "zebra")
 
@@ -63,15 +63,17 @@ def test_read_csv_dataset_returns_an_image_table_sorted_like_the_shards(tmp_path
 
 def test_csv_columns_oml_flags_root_option_and_lenient_spelling(tmp_path):
     files = make_folder(tmp_path / "images", per_class=3)
-    rows = ["\ufeffpath , label,split,is_query,is_gallery,x_1",  # BOM, spaces around names, an unknown column
-            " ./apple/00.jpg,0,train,,,5",
-            "apple//01.jpg,0,train,None,,5",
-            "apple/extra/02.jpg, 0 ,train,,,5",
-            "mango/00.jpg,1,validation,True,False,5",
-            "mango/01.jpg,1,validation,false,1,5",
-            "mango/extra/02.jpg,1,validation,yes,yes,5",
-            "",
-            "zebra/00.jpg,7,validation,,,5"]
+    rows = [
+        "\ufeffpath , label,split,is_query,is_gallery,x_1",  # BOM, spaces around names, an unknown column
+        " ./apple/00.jpg,0,train,,,5",
+        "apple//01.jpg,0,train,None,,5",
+        "apple/extra/02.jpg, 0 ,train,,,5",
+        "mango/00.jpg,1,validation,True,False,5",
+        "mango/01.jpg,1,validation,false,1,5",
+        "mango/extra/02.jpg,1,validation,yes,yes,5",
+        "",
+        "zebra/00.jpg,7,validation,,,5",
+    ]
     (tmp_path / "lists").mkdir()
     (tmp_path / "lists" / "oml.csv").write_text("\n".join(rows) + "\n")
     t = read_csv_dataset(tmp_path / "lists" / "oml.csv", root=tmp_path / "images")
@@ -92,7 +94,7 @@ def test_class_names_are_stored_in_nfc_and_a_name_spelt_both_ways_is_one_class(t
     m = prepare("folder", tmp_path / "src", tmp_path / "out", progress=False)
     assert [c["name"] for c in m["classes"]] == ["caf\u00e9", "tea"]
     rel = sorted(files)
-    text = ("path,label,class_name\n" + f"{rel[0]},0,{nfd}\n{rel[1]},0,caf\u00e9\n{rel[2]},1,tea\n{rel[3]},1,tea\n")
+    text = "path,label,class_name\n" + f"{rel[0]},0,{nfd}\n{rel[1]},0,caf\u00e9\n{rel[2]},1,tea\n{rel[3]},1,tea\n"
     (tmp_path / "src" / "data.csv").write_text(text)
     assert read_csv_dataset(tmp_path / "src" / "data.csv").class_names == ["caf\u00e9", "tea"]
     assert _shards(prepare("csv", tmp_path / "src" / "data.csv", tmp_path / "out2", progress=False)) == _shards(m)
@@ -125,8 +127,11 @@ def test_prepare_folder_and_prepare_csv_give_identical_shards(tmp_path):
 
 def test_a_failed_prepare_leaves_nothing_behind_even_after_whole_shards(tmp_path):
     """Before: the shards closed before the corrupt image stayed under the destination (without a manifest)."""
-    recs = [Record(f"c{c}/{j}.jpg", c, f"class{c}", "train", (lambda b: lambda: b)(jpeg(50 * c + j)))
-            for c in range(3) for j in range(6)]
+    recs = [
+        Record(f"c{c}/{j}.jpg", c, f"class{c}", "train", (lambda b: lambda: b)(jpeg(50 * c + j)))
+        for c in range(3)
+        for j in range(6)
+    ]
     recs[-1] = Record("c2/5.jpg", 2, "class2", "train", lambda: jpeg(1)[:100], source="c2/5.jpg")
     with pytest.raises(DataError, match="^c2/5.jpg: "):
         write_shards(recs, tmp_path / "out", dataset="t", max_shard_bytes=2000, row_group_rows=2, progress=False)
@@ -143,27 +148,88 @@ def test_cli_prepare_folder_and_csv(tmp_path, capsys):
 
     files = make_folder(tmp_path / "src")
     (tmp_path / "src" / "data.csv").write_text(folder_csv(files))
-    assert main(["data", "prepare", "folder", "--src", str(tmp_path / "src"), "--dest", str(tmp_path / "f"),
-                 "--name", "fruit", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "folder",
+                "--src",
+                str(tmp_path / "src"),
+                "--dest",
+                str(tmp_path / "f"),
+                "--name",
+                "fruit",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "fruit: 12 images, 3 classes, 1 shards" in out and "{'all': 12}" in out
-    assert main(["data", "prepare", "csv", "--src", str(tmp_path / "src" / "data.csv"), "--dest", str(tmp_path / "c"),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "csv",
+                "--src",
+                str(tmp_path / "src" / "data.csv"),
+                "--dest",
+                str(tmp_path / "c"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "data: 12 images, 3 classes" in capsys.readouterr().out
     mf, mc = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("f", "c"))
     assert _shards(mf) == _shards(mc) and mf["dataset"] == "fruit"
     assert main(["data", "verify", str(tmp_path / "c"), "--no-progress", "--cache-dir", str(tmp_path / "cache")]) == 0
     assert "ok: data: 12 images, 3 classes, 1 shards verified" in capsys.readouterr().out
     # --root / --name are for folder and csv only; a bad --name is one data error line
-    assert main(["data", "prepare", "cub200", "--src", str(tmp_path / "src"), "--dest", str(tmp_path / "x"),
-                 "--root", str(tmp_path), "--no-progress"]) == 2
-    assert capsys.readouterr().err.strip() == (f"data error: {tmp_path / 'src'}: --root and --name are for `prepare "
-                                               "folder` / `prepare csv` only")
-    assert main(["data", "prepare", "folder", "--src", str(tmp_path / "src"), "--dest", str(tmp_path / "y"),
-                 "--name", "my data", "--no-progress"]) == 2
-    assert capsys.readouterr().err.strip() == (f"data error: {tmp_path / 'src'}: dataset name 'my data' must be "
-                                               "1-128 characters of A-Z a-z 0-9 . _ - (starting with a letter or "
-                                               "digit)")
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "cub200",
+                "--src",
+                str(tmp_path / "src"),
+                "--dest",
+                str(tmp_path / "x"),
+                "--root",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        f"data error: {tmp_path / 'src'}: --root and --name are for `prepare folder` / `prepare csv` only"
+    )
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "folder",
+                "--src",
+                str(tmp_path / "src"),
+                "--dest",
+                str(tmp_path / "y"),
+                "--name",
+                "my data",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        f"data error: {tmp_path / 'src'}: dataset name 'my data' must be "
+        "1-128 characters of A-Z a-z 0-9 . _ - (starting with a letter or "
+        "digit)"
+    )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
@@ -182,8 +248,9 @@ def s3(tmp_path_factory):
     import boto3
 
     with s3_server(tmp_path_factory.mktemp("s3")) as (endpoint, key, secret):
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
+        ).create_bucket(Bucket=BUCKET)
         yield endpoint, key, secret
 
 
@@ -216,8 +283,9 @@ def test_s3_csv_and_folder_prepare_to_the_same_shards_as_local(creds, tmp_path, 
     kw = {"progress": False, "max_shard_bytes": 3000, "row_group_rows": 2}
     local = prepare("folder", tmp_path / "src", tmp_path / "local", **kw)
     assert len(local["shards"]) > 1
-    from_csv = prepare("csv", f"s3://{BUCKET}/raw/fruit/data.csv", f"s3://{BUCKET}/prepared/fruit-csv",
-                       endpoint_url=creds, **kw)
+    from_csv = prepare(
+        "csv", f"s3://{BUCKET}/raw/fruit/data.csv", f"s3://{BUCKET}/prepared/fruit-csv", endpoint_url=creds, **kw
+    )
     from_folder = prepare("folder", f"s3://{BUCKET}/raw/fruit", tmp_path / "from_s3_folder", endpoint_url=creds, **kw)
     assert _shards(from_csv) == _shards(local) == _shards(from_folder)
     assert from_csv["dataset"] == "data" and from_folder["dataset"] == "fruit"
@@ -230,15 +298,51 @@ def test_s3_csv_and_folder_prepare_to_the_same_shards_as_local(creds, tmp_path, 
     assert folder.labels.tolist() == table.labels.tolist() and folder.images == table.images
 
     # the CSV local, its images on S3 (--root), through the CLI; a missing image is one line naming the row
-    assert main(["data", "prepare", "csv", "--src", str(tmp_path / "src" / "data.csv"), "--root",
-                 f"s3://{BUCKET}/raw/fruit", "--dest", str(tmp_path / "mixed"), "--endpoint-url", creds,
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "csv",
+                "--src",
+                str(tmp_path / "src" / "data.csv"),
+                "--root",
+                f"s3://{BUCKET}/raw/fruit",
+                "--dest",
+                str(tmp_path / "mixed"),
+                "--endpoint-url",
+                creds,
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     default = prepare("folder", tmp_path / "src", tmp_path / "local_default", progress=False)  # the CLI's sizes
     assert _shards(json.loads((tmp_path / "mixed" / "manifest.json").read_text())) == _shards(default)
-    _upload(creds, "raw/broken", {"data.csv": b"path,label\napple/00.jpg,0\napple/99.jpg,0\n",
-                                  "apple/00.jpg": files["apple/00.jpg"]})
+    _upload(
+        creds,
+        "raw/broken",
+        {"data.csv": b"path,label\napple/00.jpg,0\napple/99.jpg,0\n", "apple/00.jpg": files["apple/00.jpg"]},
+    )
     capsys.readouterr()
-    assert main(["data", "prepare", "csv", "--src", f"s3://{BUCKET}/raw/broken/data.csv", "--dest",
-                 f"s3://{BUCKET}/prepared/broken", "--endpoint-url", creds, "--no-progress"]) == 2
-    assert capsys.readouterr().err.strip() == (f"data error: s3://{BUCKET}/raw/broken/data.csv: row 3: image "
-                                               f"'apple/99.jpg' not found under s3://{BUCKET}/raw/broken")
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "csv",
+                "--src",
+                f"s3://{BUCKET}/raw/broken/data.csv",
+                "--dest",
+                f"s3://{BUCKET}/prepared/broken",
+                "--endpoint-url",
+                creds,
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        f"data error: s3://{BUCKET}/raw/broken/data.csv: row 3: image "
+        f"'apple/99.jpg' not found under s3://{BUCKET}/raw/broken"
+    )

@@ -64,7 +64,7 @@ def make_fake_cub(src: Path, n_classes: int = 3, per_class: int = 4) -> dict[str
             rel = f"{cdir}/Bird_{chr(64 + c)}_{j:04d}.jpg"
             data = jpeg(image_id)
             _write(root / "images" / rel, data)
-            train = (image_id % 2)
+            train = image_id % 2
             lines_img.append(f"{image_id} {rel}")
             lines_lab.append(f"{image_id} {c}")
             lines_split.append(f"{image_id} {train}")
@@ -242,8 +242,9 @@ def test_inshop_header_count_mismatch_is_reported(tmp_path):
         prepare("inshop", tmp_path / "src", tmp_path / "out", progress=False)
 
 
-@pytest.mark.skipif(not any(OMNIGLOT.glob("images_*.zip")),
-                    reason=f"Omniglot zips not found at ../shared/data/omniglot ({OMNIGLOT})")
+@pytest.mark.skipif(
+    not any(OMNIGLOT.glob("images_*.zip")), reason=f"Omniglot zips not found at ../shared/data/omniglot ({OMNIGLOT})"
+)
 def test_omniglot_real_zips_prepare_to_242_classes_and_4840_images(tmp_path):
     m = prepare("omniglot", OMNIGLOT, tmp_path / "out", progress=False)
     assert m["num_classes"] == 242 and m["num_images"] == 4840
@@ -300,7 +301,14 @@ def test_manifest_contents_and_refusal_to_overwrite(tmp_path):
     assert m["schema_version"] == 2 and m["counts"] == {"images": 6, "classes": 3, "per_split": {"test": 3, "train": 3}}
     assert m["classes"] == [{"label": c, "name": f"class{c}", "count": 2} for c in range(3)]
     assert set(pq.ParquetFile(tmp_path / "out" / m["shards"][0]["path"]).schema_arrow.names) == {
-        "image", "label", "class_name", "split", "relpath", "sha256", "index"}
+        "image",
+        "label",
+        "class_name",
+        "split",
+        "relpath",
+        "sha256",
+        "index",
+    }
     with pytest.raises(FileExistsError, match="overwrite"):
         write_shards(recs, tmp_path / "out", dataset="toy", progress=False)
     write_shards(recs, tmp_path / "out", dataset="toy", overwrite=True, progress=False)
@@ -328,11 +336,19 @@ def test_writer_rejects_inconsistent_records(tmp_path):
     with pytest.raises(ValueError, match="duplicate image path 'a.jpg'"):
         write_shards([Record("a.jpg", 0, "x", "train", lambda: ok)] * 2, tmp_path / "o", dataset="t", progress=False)
     with pytest.raises(ValueError, match="label 0 has two class names"):
-        write_shards([Record("a.jpg", 0, "x", "train", lambda: ok), Record("b.jpg", 0, "y", "train", lambda: ok)],
-                     tmp_path / "o", dataset="t", progress=False)
+        write_shards(
+            [Record("a.jpg", 0, "x", "train", lambda: ok), Record("b.jpg", 0, "y", "train", lambda: ok)],
+            tmp_path / "o",
+            dataset="t",
+            progress=False,
+        )
     with pytest.raises(CorruptImageError, match="b.jpg: not a readable image"):
-        write_shards([Record("a.jpg", 0, "x", "train", lambda: ok), Record("b.jpg", 1, "y", "train", lambda: b"junk")],
-                     tmp_path / "o", dataset="t", progress=False)
+        write_shards(
+            [Record("a.jpg", 0, "x", "train", lambda: ok), Record("b.jpg", 1, "y", "train", lambda: b"junk")],
+            tmp_path / "o",
+            dataset="t",
+            progress=False,
+        )
     assert not (tmp_path / "o").exists()  # nothing half-written: the staged shards and the folders it made are gone
 
 
@@ -362,7 +378,7 @@ def test_corrupt_row_raises_naming_shard_and_row(tmp_path):
     recs, data = _records(2, 4)
     m = write_shards(recs, tmp_path / "out", dataset="toy", row_group_rows=3, progress=False)
     shard = tmp_path / "out" / m["shards"][0]["path"]
-    _rewrite_row(shard, 5, jpeg(999))                       # valid JPEG, wrong bytes for the row
+    _rewrite_row(shard, 5, jpeg(999))  # valid JPEG, wrong bytes for the row
     _rewrite_row(shard, 6, data["c1/2.jpg"][: len(data["c1/2.jpg"]) // 2])  # truncated JPEG
     mj = json.loads((tmp_path / "out" / "manifest.json").read_text())
     mj["shards"][0]["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()  # shard-level check passes
@@ -434,20 +450,51 @@ def test_cli_prepare_and_verify(tmp_path, capsys):
     from pipelines.data_cli import run_data
 
     make_fake_cub(tmp_path / "src")
-    args = _cli(["data", "prepare", "cub200", "--src", str(tmp_path / "src"), "--dest", str(tmp_path / "out"),
-                 "--no-progress", "--row-group-rows", "5"])
+    args = _cli(
+        [
+            "data",
+            "prepare",
+            "cub200",
+            "--src",
+            str(tmp_path / "src"),
+            "--dest",
+            str(tmp_path / "out"),
+            "--no-progress",
+            "--row-group-rows",
+            "5",
+        ]
+    )
     assert run_data(args) == 0
     out, err = capsys.readouterr()
     assert "cub200: 12 images, 3 classes, 1 shards" in out and "official cub200 has 200 classes" in err
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["shards"][0]["row_groups"] == [5, 5, 2]
-    assert run_data(_cli(["data", "verify", str(tmp_path / "out"), "--no-progress",
-                          "--cache-dir", str(tmp_path / "cache")])) == 0
+    assert (
+        run_data(
+            _cli(["data", "verify", str(tmp_path / "out"), "--no-progress", "--cache-dir", str(tmp_path / "cache")])
+        )
+        == 0
+    )
     assert "ok: cub200: 12 images, 3 classes, 1 shards verified" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         _cli(["data", "prepare", "imagenet", "--src", "x", "--dest", "y"])
     # an existing destination is one `data error:` line naming it, exit 2 (no traceback)
     capsys.readouterr()
-    assert run_data(_cli(["data", "prepare", "cub200", "--src", str(tmp_path / "src"), "--dest", str(tmp_path / "out"),
-                          "--no-progress"])) == 2
+    assert (
+        run_data(
+            _cli(
+                [
+                    "data",
+                    "prepare",
+                    "cub200",
+                    "--src",
+                    str(tmp_path / "src"),
+                    "--dest",
+                    str(tmp_path / "out"),
+                    "--no-progress",
+                ]
+            )
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("data error: ") and "\n" not in err and str(tmp_path / "out") in err

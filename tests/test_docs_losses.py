@@ -18,8 +18,17 @@ from pipelines.config.spaces import all_spaces
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "losses.md"
-COLUMNS = ["loss", "paper, equations", "hyperparameters", "paper_defaults", "batch", "model", "parameters", "loss wd",
-           "details"]
+COLUMNS = [
+    "loss",
+    "paper, equations",
+    "hyperparameters",
+    "paper_defaults",
+    "batch",
+    "model",
+    "parameters",
+    "loss wd",
+    "details",
+]
 
 
 def _rows() -> dict[str, dict[str, str]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from fake_cuda import FakeCudaTensor, fake_cuda, to_fake_cuda
 
 
@@ -30,12 +29,15 @@ def test_device_tensors_report_cuda_and_compute_like_the_cpu():
     assert torch.ops.aten.mm.default in log.ops and not log.cuda_kernel_missing()
 
 
-@pytest.mark.parametrize("mix", [
-    lambda xc: xc + torch.ones(4),  # a buffer made without device=
-    lambda xc: xc.index_select(0, torch.arange(2)),
-    lambda xc: torch.mm(xc, torch.eye(4)),
-    lambda xc: torch.add(xc, xc, out=torch.empty(6, 4)),
-])
+@pytest.mark.parametrize(
+    "mix",
+    [
+        lambda xc: xc + torch.ones(4),  # a buffer made without device=
+        lambda xc: xc.index_select(0, torch.arange(2)),
+        lambda xc: torch.mm(xc, torch.eye(4)),
+        lambda xc: torch.add(xc, xc, out=torch.empty(6, 4)),
+    ],
+)
 def test_a_cpu_tensor_meeting_a_device_tensor_raises_as_on_a_gpu(mix):
     with fake_cuda():
         xc = to_fake_cuda(torch.randn(6, 4))

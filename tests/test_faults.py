@@ -64,15 +64,35 @@ SHORT = 2  # epochs of the sweeps whose fault does not need a fold caught mid-tr
 IDENTIFYING = ("sweep", "stage", "study", "dataset", "loss", "fold", "trial_id")
 
 
-def _config(tmp_path: Path, tracking_uri: str, storage: str, *, name: str, trials: int, reproductions: int,
-            epochs: int = EPOCHS, folds: int = 4, **resources) -> Path:
+def _config(
+    tmp_path: Path,
+    tracking_uri: str,
+    storage: str,
+    *,
+    name: str,
+    trials: int,
+    reproductions: int,
+    epochs: int = EPOCHS,
+    folds: int = 4,
+    **resources,
+) -> Path:
     """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, batches of 8 × 4, no early stop.
     ``folds``: 4 spread a trial over both worker nodes (2 CPUs each), which the node faults need; the faults whose
     place does not matter (S3, MLflow, a diverging trial, a corrupt shard) run 2, half the work."""
     from tests.test_cluster import cluster_sweep_config
 
-    path = cluster_sweep_config(tmp_path, tracking_uri, storage, name=name, trials=trials, reproductions=reproductions,
-                                iters_per_epoch=ITERS, max_epochs=epochs, fold_retries=2, **resources)
+    path = cluster_sweep_config(
+        tmp_path,
+        tracking_uri,
+        storage,
+        name=name,
+        trials=trials,
+        reproductions=reproductions,
+        iters_per_epoch=ITERS,
+        max_epochs=epochs,
+        fold_retries=2,
+        **resources,
+    )
     doc = yaml.safe_load(path.read_text())
     doc["seed"] = 5
     doc["datasets"][0].update(num_classes=32, per_class=8)
@@ -101,9 +121,14 @@ def cluster(tmp_path_factory):
 
 
 def _start(c, cfg: Path, log_path: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address,
-                             *extra], cwd=cfg.parent, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
-                            env=c.driver_env(), start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address, *extra],
+        cwd=cfg.parent,
+        stdout=open(log_path, "ab"),
+        stderr=subprocess.STDOUT,
+        env=c.driver_env(),
+        start_new_session=True,
+    )
 
 
 def _runs(c, experiment: str, view=None):
@@ -126,8 +151,9 @@ def _with_node_2(c) -> None:
         c.replace_node(2)
 
 
-def _wait_for_fold(c, experiment: str, proc: subprocess.Popen, log_path: Path, *, node_id: str | None, evals: int,
-                   timeout: float = 600):
+def _wait_for_fold(
+    c, experiment: str, proc: subprocess.Popen, log_path: Path, *, node_id: str | None, evals: int, timeout: float = 600
+):
     """Block until a RUNNING fold run (on ``node_id``, if given) has logged ``evals`` evaluations; return it."""
     deadline = time.time() + timeout
     while True:
@@ -137,9 +163,12 @@ def _wait_for_fold(c, experiment: str, proc: subprocess.Popen, log_path: Path, *
         try:
             client, runs = _runs(c, experiment)
             for r in runs:
-                if (r.data.tags.get("stage") == "fold" and r.info.status == "RUNNING"
-                        and (node_id is None or r.data.tags.get("node_id") == node_id)
-                        and len(client.get_metric_history(r.info.run_id, "val.map_at_r")) >= evals):
+                if (
+                    r.data.tags.get("stage") == "fold"
+                    and r.info.status == "RUNNING"
+                    and (node_id is None or r.data.tags.get("node_id") == node_id)
+                    and len(client.get_metric_history(r.info.run_id, "val.map_at_r")) >= evals
+                ):
                     return r
         except Exception:  # noqa: BLE001 - the experiment may not exist yet
             continue
@@ -156,8 +185,16 @@ def _finish(proc: subprocess.Popen, log_path: Path, timeout: float) -> str:
     return text
 
 
-def _check_tree(c, experiment: str, *, parents: int, resume: bool = True, study: str | None = None,
-                epochs: int = EPOCHS, n_folds: int = 4) -> dict:
+def _check_tree(
+    c,
+    experiment: str,
+    *,
+    parents: int,
+    resume: bool = True,
+    study: str | None = None,
+    epochs: int = EPOCHS,
+    n_folds: int = 4,
+) -> dict:
     """The invariants every fault must keep (of one ``study`` only, if given); returns counts for the reliability
     table."""
     from mlflow.entities import ViewType
@@ -193,8 +230,14 @@ def _check_tree(c, experiment: str, *, parents: int, resume: bool = True, study:
                 assert 0 <= redone_here <= n * interval * (1 if resume else epochs), (r.data.tags, redone_here)
                 redone += redone_here
     deleted_folds = [r for r in every if r.data.tags.get("stage") == "fold" and r.info.lifecycle_stage == "deleted"]
-    return {"trials_finished": len(ps), "folds": len(folds), "folds_resumed": resumed, "iterations_redone": redone,
-            "replaced_fold_attempts": len(deleted_folds), "trial_ids": [r.data.tags.get("trial_id") for r in ps]}
+    return {
+        "trials_finished": len(ps),
+        "folds": len(folds),
+        "folds_resumed": resumed,
+        "iterations_redone": redone,
+        "replaced_fold_attempts": len(deleted_folds),
+        "trial_ids": [r.data.tags.get("trial_id") for r in ps],
+    }
 
 
 def _record(tmp_path: Path, row: dict) -> None:
@@ -229,9 +272,17 @@ def test_a_worker_node_killed_mid_fold_resumes_on_the_surviving_node(cluster, tm
     assert int(after.data.tags["resumed_from"]) >= ITERS, after.data.tags
     assert after.data.tags["node_id"] == c.node_ids[1], after.data.tags
     assert counts["folds"] == 12 and counts["replaced_fold_attempts"] == 0, counts
-    _record(tmp_path, {"fault": "worker node killed mid-fold (SIGKILL of its raylet and workers)",
-                       "trials_lost": 0, "trials_duplicated": 0, **counts,
-                       "wall_s": round(time.time() - t0, 1), "after_fault_s": round(time.time() - t_fault, 1)})
+    _record(
+        tmp_path,
+        {
+            "fault": "worker node killed mid-fold (SIGKILL of its raylet and workers)",
+            "trials_lost": 0,
+            "trials_duplicated": 0,
+            **counts,
+            "wall_s": round(time.time() - t0, 1),
+            "after_fault_s": round(time.time() - t_fault, 1),
+        },
+    )
 
 
 @pytest.mark.timeout(1200)
@@ -241,8 +292,15 @@ def test_the_same_node_loss_without_mid_fold_resume_trains_the_lost_folds_again(
     iteration they had done is trained again."""
     c = cluster
     _with_node_2(c)
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("noresume"), name="noresume", trials=1, reproductions=2,
-                  mid_fold_resume=False)
+    cfg = _config(
+        tmp_path,
+        c.tracking_uri,
+        c.storage("noresume"),
+        name="noresume",
+        trials=1,
+        reproductions=2,
+        mid_fold_resume=False,
+    )
     log_path = tmp_path / "sweep.log"
     t0 = time.time()
     proc = _start(c, cfg, log_path)
@@ -258,9 +316,17 @@ def test_the_same_node_loss_without_mid_fold_resume_trains_the_lost_folds_again(
     client, runs = _runs(c, "noresume-experiment")
     assert client.get_run(victim.info.run_id).info.lifecycle_stage == "deleted"  # replaced by a fresh run
     assert counts["replaced_fold_attempts"] >= 1 and counts["iterations_redone"] >= 2 * ITERS, counts
-    _record(tmp_path, {"fault": "worker node killed mid-fold, mid_fold_resume: false", "trials_lost": 0,
-                       "trials_duplicated": 0, **counts, "wall_s": round(time.time() - t0, 1),
-                       "after_fault_s": round(time.time() - t_fault, 1)})
+    _record(
+        tmp_path,
+        {
+            "fault": "worker node killed mid-fold, mid_fold_resume: false",
+            "trials_lost": 0,
+            "trials_duplicated": 0,
+            **counts,
+            "wall_s": round(time.time() - t0, 1),
+            "after_fault_s": round(time.time() - t_fault, 1),
+        },
+    )
 
 
 @pytest.mark.timeout(1500)
@@ -313,19 +379,31 @@ def test_driver_killed_while_a_node_is_down_then_resume_completes(cluster, tmp_p
     # every run of the resumed sweep, replacements included, carries the identifying tags
     for r in active:
         s = r.data.tags.get("stage")
-        need = {"study": ("stage", "study", "dataset", "loss"), "trial": ("stage", "study", "trial_id"),
-                "reproduction": ("stage", "study", "trial_id"), "fold": IDENTIFYING}[s]
+        need = {
+            "study": ("stage", "study", "dataset", "loss"),
+            "trial": ("stage", "study", "trial_id"),
+            "reproduction": ("stage", "study", "trial_id"),
+            "fold": IDENTIFYING,
+        }[s]
         missing = [k for k in need if k not in r.data.tags]
         assert not missing, (s, missing, r.data.tags)
     assert "resum" in text.lower()
-    _record(tmp_path, {"fault": "sweep driver SIGKILLed while a worker node is down, then --resume",
-                       "trials_lost": 0, "trials_duplicated": 0, **counts, "wall_s": round(time.time() - t0, 1)})
+    _record(
+        tmp_path,
+        {
+            "fault": "sweep driver SIGKILLed while a worker node is down, then --resume",
+            "trials_lost": 0,
+            "trials_duplicated": 0,
+            **counts,
+            "wall_s": round(time.time() - t0, 1),
+        },
+    )
 
 
 def _s3_pid(c) -> int:
     """The pid of the cluster's SeaweedFS server (one ``weed server -s3`` process), found by its S3 port."""
-    import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
     import psutil
+    import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
 
     flag = "-s3.port=" + c.s3_endpoint.rsplit(":", 1)[1]
     for p in psutil.process_iter(["cmdline"]):
@@ -342,8 +420,7 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
     the interval since its last stored checkpoint; storage trouble is retried, not turned into retraining."""
     c = cluster
     _with_node_2(c)
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("s3outage"), name="s3outage", trials=1, reproductions=2,
-                  folds=2)
+    cfg = _config(tmp_path, c.tracking_uri, c.storage("s3outage"), name="s3outage", trials=1, reproductions=2, folds=2)
     log_path = tmp_path / "sweep.log"
     pid = _s3_pid(c)
     t0 = time.time()
@@ -359,9 +436,13 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
                 try:
                     client, runs = _runs(c, "s3outage-experiment")
                     parents = {r.info.run_id for r in runs if r.data.tags.get("stage") == stage}
-                    if any(r.data.tags.get("stage") == "fold" and r.info.status == "RUNNING"
-                           and r.data.tags.get("mlflow.parentRunId") in parents
-                           and len(client.get_metric_history(r.info.run_id, "val.map_at_r")) >= evals for r in runs):
+                    if any(
+                        r.data.tags.get("stage") == "fold"
+                        and r.info.status == "RUNNING"
+                        and r.data.tags.get("mlflow.parentRunId") in parents
+                        and len(client.get_metric_history(r.info.run_id, "val.map_at_r")) >= evals
+                        for r in runs
+                    ):
                         break
                 except Exception:  # noqa: BLE001
                     continue
@@ -379,9 +460,18 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     counts = _check_tree(c, "s3outage-experiment", parents=3, n_folds=2)
     store_failures = text.count("failed (")
-    _record(tmp_path, {"fault": "S3 server stopped (SIGSTOP) for 30 s, then for 120 s", "outages_s": outages,
-                       "trials_lost": 0, "trials_duplicated": 0, **counts, "storage_warnings": store_failures,
-                       "wall_s": round(time.time() - t0, 1)})
+    _record(
+        tmp_path,
+        {
+            "fault": "S3 server stopped (SIGSTOP) for 30 s, then for 120 s",
+            "outages_s": outages,
+            "trials_lost": 0,
+            "trials_duplicated": 0,
+            **counts,
+            "storage_warnings": store_failures,
+            "wall_s": round(time.time() - t0, 1),
+        },
+    )
 
 
 OUTAGE_S = 20  # tracking.outage_timeout_s of the MLflow test: the sweep must stop this long after the server died
@@ -392,8 +482,9 @@ STOP_BOUND_S = 200  # ... plus at most this: one MLflow back-off step (≤ 120 s
 def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_completes(cluster, tmp_path):
     c = cluster
     _with_node_2(c)
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("mlflowdown"), name="mlflowdown", trials=1, reproductions=2,
-                  folds=2)
+    cfg = _config(
+        tmp_path, c.tracking_uri, c.storage("mlflowdown"), name="mlflowdown", trials=1, reproductions=2, folds=2
+    )
     doc = yaml.safe_load(cfg.read_text())
     doc["tracking"]["outage_timeout_s"] = OUTAGE_S
     cfg.write_text(yaml.safe_dump(doc))
@@ -407,8 +498,9 @@ def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_compl
         try:
             rc = proc.wait(timeout=OUTAGE_S + STOP_BOUND_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError("the sweep did not stop while MLflow was down:\n"
-                                 + log_path.read_text(errors="replace")[-6000:]) from None
+            raise AssertionError(
+                "the sweep did not stop while MLflow was down:\n" + log_path.read_text(errors="replace")[-6000:]
+            ) from None
         stopped_after = time.time() - t_kill
         down_s = stopped_after + 5
         time.sleep(5)  # still down a little after the stop: nothing may depend on the server coming back at once
@@ -429,10 +521,19 @@ def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_compl
     proc = _start(c, cfg, log_path, "--resume")
     _finish(proc, log_path, timeout=1200)
     counts = _check_tree(c, "mlflowdown-experiment", parents=3, n_folds=2)
-    _record(tmp_path, {"fault": f"MLflow server SIGKILLed mid-fold, down {down_s:.0f} s "
-                                f"(tracking.outage_timeout_s {OUTAGE_S}), restarted, then --resume",
-                       "trials_lost": 0, "trials_duplicated": 0, **counts, "stopped_after_s": round(stopped_after, 1),
-                       "resume_s": round(time.time() - t_resume, 1), "wall_s": round(time.time() - t0, 1)})
+    _record(
+        tmp_path,
+        {
+            "fault": f"MLflow server SIGKILLed mid-fold, down {down_s:.0f} s "
+            f"(tracking.outage_timeout_s {OUTAGE_S}), restarted, then --resume",
+            "trials_lost": 0,
+            "trials_duplicated": 0,
+            **counts,
+            "stopped_after_s": round(stopped_after, 1),
+            "resume_s": round(time.time() - t_resume, 1),
+            "wall_s": round(time.time() - t0, 1),
+        },
+    )
 
 
 @pytest.mark.timeout(1200)
@@ -444,13 +545,21 @@ def test_a_trial_whose_folds_diverge_is_recorded_with_its_reason_and_the_study_g
     _with_node_2(c)
     spaces = tmp_path / "spaces"
     spaces.mkdir()
-    (spaces / "contrastive.yaml").write_text(yaml.safe_dump({
-        "loss": "contrastive",
-        "space": {"pos_margin": {"low": -0.2, "high": 2.0},
-                  "neg_margin": {"type": "categorical", "choices": [0.3841, 3.0e38]}},
-        "paper_defaults": {"pos_margin": -0.2, "neg_margin": 0.3841}}))
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("diverge"), name="diverge", trials=2, reproductions=2,
-                  epochs=SHORT, folds=2)
+    (spaces / "contrastive.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "loss": "contrastive",
+                "space": {
+                    "pos_margin": {"low": -0.2, "high": 2.0},
+                    "neg_margin": {"type": "categorical", "choices": [0.3841, 3.0e38]},
+                },
+                "paper_defaults": {"pos_margin": -0.2, "neg_margin": 0.3841},
+            }
+        )
+    )
+    cfg = _config(
+        tmp_path, c.tracking_uri, c.storage("diverge"), name="diverge", trials=2, reproductions=2, epochs=SHORT, folds=2
+    )
     doc = yaml.safe_load(cfg.read_text())
     doc["tune_spaces"] = str(spaces)
     cfg.write_text(yaml.safe_dump(doc))
@@ -476,9 +585,17 @@ def test_a_trial_whose_folds_diverge_is_recorded_with_its_reason_and_the_study_g
     assert study.data.metrics["trials.diverged"] == 1 and study.data.metrics["trials.ok"] == 1
     ok = [r for r in trials if r is not diverged[0]][0]
     assert study.data.tags["best_trial_id"] == ok.data.tags["trial_id"]  # the study went on with the other trial
-    _record(tmp_path, {"fault": "a trial whose folds diverge (loss +inf on the first batch)", "trials_lost": 0,
-                       "trials_duplicated": 0, "trials_diverged": len(diverged), **counts,
-                       "wall_s": round(time.time() - t0, 1)})
+    _record(
+        tmp_path,
+        {
+            "fault": "a trial whose folds diverge (loss +inf on the first batch)",
+            "trials_lost": 0,
+            "trials_duplicated": 0,
+            "trials_diverged": len(diverged),
+            **counts,
+            "wall_s": round(time.time() - t0, 1),
+        },
+    )
 
 
 @pytest.mark.timeout(1200)
@@ -491,16 +608,22 @@ def test_a_corrupt_shard_fails_its_folds_naming_it_and_the_other_study_finishes(
 
     c = cluster
     _with_node_2(c)
-    s3 = boto3.client("s3", endpoint_url=c.s3_endpoint, aws_access_key_id=c.access_key,
-                      aws_secret_access_key=c.secret_key, region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=c.s3_endpoint,
+        aws_access_key_id=c.access_key,
+        aws_secret_access_key=c.secret_key,
+        region_name="us-east-1",
+    )
     dest = f"s3://{c.s3_bucket}/corrupt/cub"
     make_fake_cub(tmp_path / "src", n_classes=32, per_class=6)
     env = c.driver_env(DMLRC_CACHE_DIR=str(tmp_path / "driver-cache"))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # prepare and verify as the driver's machine does: its S3 keys and its own cache
     try:
-        manifest = prepare("cub200", tmp_path / "src", dest, endpoint_url=c.s3_endpoint, progress=False,
-                           max_shard_bytes=4000)
+        manifest = prepare(
+            "cub200", tmp_path / "src", dest, endpoint_url=c.s3_endpoint, progress=False, max_shard_bytes=4000
+        )
         verify_shards(dest, endpoint_url=c.s3_endpoint)  # a good copy of every shard in the driver's cache
     finally:
         for k, v in saved.items():
@@ -515,16 +638,22 @@ def test_a_corrupt_shard_fails_its_folds_naming_it_and_the_other_study_finishes(
     bad[len(bad) // 2] ^= 0xFF  # a damaged object (a bad upload, bit rot): its sha256 no longer matches
     s3.put_object(Bucket=c.s3_bucket, Key=key, Body=bytes(bad))
 
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("corrupt"), name="corrupt", trials=1, reproductions=2,
-                  epochs=SHORT, folds=2)
+    cfg = _config(
+        tmp_path, c.tracking_uri, c.storage("corrupt"), name="corrupt", trials=1, reproductions=2, epochs=SHORT, folds=2
+    )
     doc = yaml.safe_load(cfg.read_text())
     doc["datasets"].append({"name": "cub-shards", "kind": "parquet", "path": dest, "image_size": 16})
     cfg.write_text(yaml.safe_dump(doc))
     log_path = tmp_path / "sweep.log"
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
-                            cwd=tmp_path, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
+        cwd=tmp_path,
+        stdout=open(log_path, "ab"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         rc = proc.wait(timeout=900)
     except subprocess.TimeoutExpired:
@@ -532,8 +661,7 @@ def test_a_corrupt_shard_fails_its_folds_naming_it_and_the_other_study_finishes(
         raise AssertionError("the sweep hung:\n" + log_path.read_text(errors="replace")[-6000:]) from None
     text = log_path.read_text(errors="replace")
     assert rc == 1, text[-6000:]  # one study failed, the sweep itself did not
-    counts = _check_tree(c, "corrupt-experiment", parents=3, study="synthetic/contrastive", epochs=SHORT,
-                         n_folds=2)
+    counts = _check_tree(c, "corrupt-experiment", parents=3, study="synthetic/contrastive", epochs=SHORT, n_folds=2)
     from mlflow.entities import ViewType
 
     _, runs = _runs(c, "corrupt-experiment", ViewType.ACTIVE_ONLY)
@@ -547,9 +675,18 @@ def test_a_corrupt_shard_fails_its_folds_naming_it_and_the_other_study_finishes(
         assert "sha256" in r.data.tags["reason"], r.data.tags
     folds = [r for r in mine if r.data.tags.get("stage") == "fold"]
     assert folds and all(r.info.status != "RUNNING" for r in folds)
-    _record(tmp_path, {"fault": "a corrupt data shard in S3 (one study), the other study synthetic",
-                       "trials_lost": 0, "trials_duplicated": 0, "failed_study_trials": len(trials),
-                       "failed_study_folds": len(folds), **counts, "wall_s": round(time.time() - t0, 1)})
+    _record(
+        tmp_path,
+        {
+            "fault": "a corrupt data shard in S3 (one study), the other study synthetic",
+            "trials_lost": 0,
+            "trials_duplicated": 0,
+            "failed_study_trials": len(trials),
+            "failed_study_folds": len(folds),
+            **counts,
+            "wall_s": round(time.time() - t0, 1),
+        },
+    )
 
 
 @pytest.mark.timeout(1500)
@@ -562,8 +699,15 @@ def test_the_node_hosting_the_trials_driver_killed_mid_fold_the_trial_retries_on
     except ClusterUnavailable as e:
         pytest.skip(f"no PostgreSQL for the MLflow server: {e}")
     try:
-        cfg = _config(tmp_path, c.tracking_uri, c.storage("driverhost"), name="driverhost", trials=1,
-                      reproductions=2, trial_retries=1)
+        cfg = _config(
+            tmp_path,
+            c.tracking_uri,
+            c.storage("driverhost"),
+            name="driverhost",
+            trials=1,
+            reproductions=2,
+            trial_retries=1,
+        )
         log_path = tmp_path / "sweep.log"
         t0 = time.time()
         proc = _start(c, cfg, log_path)
@@ -589,9 +733,17 @@ def test_the_node_hosting_the_trials_driver_killed_mid_fold_the_trial_retries_on
         survivor = c.node_ids[3 - victim]
         assert trials[0].data.tags["driver_node_id"] == survivor, trials[0].data.tags
         assert counts["folds_resumed"] >= 1 and counts["replaced_fold_attempts"] == 0, counts
-        _record(tmp_path, {"fault": "the node hosting the trial's driver killed mid-fold (trial_retries: 1)",
-                           "trials_lost": 0, "trials_duplicated": 0, **counts, "wall_s": round(time.time() - t0, 1),
-                           "after_fault_s": round(time.time() - t_fault, 1)})
+        _record(
+            tmp_path,
+            {
+                "fault": "the node hosting the trial's driver killed mid-fold (trial_retries: 1)",
+                "trials_lost": 0,
+                "trials_duplicated": 0,
+                **counts,
+                "wall_s": round(time.time() - t0, 1),
+                "after_fault_s": round(time.time() - t_fault, 1),
+            },
+        )
         assert "no node declares the custom resource" in text and "trial_retries >= 1" not in text  # the set-up note
     finally:
         cm.__exit__(None, None, None)

@@ -75,11 +75,19 @@ def test_a_killed_fold_resumes_from_its_checkpoint_and_its_fold_is_logged_once(t
         "losses": ["contrastive"],
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
         # Long enough epochs (and no early stop) that a fold is still training a while after its first evaluation.
-        "protocol": {"folds": FOLDS, "fold_layout": "kfold", "trials": 1, "startup_trials": 1, "reproductions": 2,
-                     "iters_per_epoch": 40, "eval_every": 1, "patience": 50, "max_epochs": 4,
-                     "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1,
-                      "fold_executor": executor},
+        "protocol": {
+            "folds": FOLDS,
+            "fold_layout": "kfold",
+            "trials": 1,
+            "startup_trials": 1,
+            "reproductions": 2,
+            "iters_per_epoch": 40,
+            "eval_every": 1,
+            "patience": 50,
+            "max_epochs": 4,
+            "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3},
+        },
+        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1, "fold_executor": executor},
         "storage": str(tmp_path / "runs"),
     }
     interval = doc["protocol"]["iters_per_epoch"] * doc["protocol"]["eval_every"]
@@ -91,8 +99,13 @@ def test_a_killed_fold_resumes_from_its_checkpoint_and_its_fold_is_logged_once(t
     log_path = tmp_path / "sweep.log"
     log = open(log_path, "wb")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         # Wait until some fold of the search trial has logged two evaluations, stored a checkpoint past epoch 0 and is
         # still running, then kill every fold process alive at that moment (each one's fold restarts and resumes).
@@ -108,8 +121,11 @@ def test_a_killed_fold_resumes_from_its_checkpoint_and_its_fold_is_logged_once(t
                 c = MlflowClient(uri)
                 exp = c.get_experiment_by_name("restart")
                 runs = search_all(c, exp.experiment_id, "tags.stage = 'fold'") if exp else []
-                busy = [r for r in runs if r.info.status == "RUNNING"
-                        and len(c.get_metric_history(r.info.run_id, "val.map_at_r")) >= 2]
+                busy = [
+                    r
+                    for r in runs
+                    if r.info.status == "RUNNING" and len(c.get_metric_history(r.info.run_id, "val.map_at_r")) >= 2
+                ]
             except Exception:  # noqa: BLE001 - the DB may be mid-creation
                 continue
             if busy and _checkpointed_past(tmp_path / "runs", interval):

@@ -56,13 +56,36 @@ def _no_process_left(ray_tmp: str) -> None:
     assert left == [], left
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (Linux: the SigCgt mask of /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # no /proc: fall back to signalling at once
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_while_the_cli_starts_is_one_line_and_its_exit_status(tmp_path, sig, status):
-    """Before the banner (torch, the schema and Ray are still importing): one line, 128 + the signal, nothing written."""
+    """Before the banner (torch, the schema and Ray are still importing): one line, 128 + the signal, nothing
+    written."""
     cfg = tiny_sweep_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", name="early")
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=sweep_env(ray_tmpdir()), text=True)
-    time.sleep(1.0)  # inside the imports (they take several seconds)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=sweep_env(ray_tmpdir()),
+        text=True,
+    )
+    # Inside the imports (they take several seconds): once the CLI catches SIGTERM its start-up handlers are in
+    # place for both signals.  Before that, the interpreter itself is still starting (a loaded machine can take over
+    # a second), which is not what this test is about.
+    deadline = time.time() + 60
+    while not _catches(proc.pid, signal.SIGTERM) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == status, (out, err)
@@ -102,8 +125,13 @@ def test_sigterm_stops_the_sweep_closes_its_runs_leaves_no_process_and_resume_fi
         # 1. Right after the banner: Ray has just started, no fold yet.
         out_path, err_path = tmp_path / "banner.out", tmp_path / "banner.err"
         with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
-            proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
-                                    stdout=out_f, stderr=err_f, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+                cwd=tmp_path,
+                stdout=out_f,
+                stderr=err_f,
+                env=env,
+            )
         deadline = time.time() + 240
         while not sweep_started(out_path):
             assert proc.poll() is None, err_path.read_text(errors="replace")[-3000:]
@@ -118,8 +146,13 @@ def test_sigterm_stops_the_sweep_closes_its_runs_leaves_no_process_and_resume_fi
         # 2. Mid-fold, continuing the same sweep: a fold of the first trial is training.
         out_path, err_path = tmp_path / "first.out", tmp_path / "first.err"
         with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
-            proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--resume"],
-                                    cwd=tmp_path, stdout=out_f, stderr=err_f, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--resume"],
+                cwd=tmp_path,
+                stdout=out_f,
+                stderr=err_f,
+                env=env,
+            )
         deadline = time.time() + 240
         while True:
             assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.returncode}"
@@ -151,15 +184,22 @@ def test_sigterm_stops_the_sweep_closes_its_runs_leaves_no_process_and_resume_fi
         runs = search_all(c, exp.experiment_id, "")
         assert [r for r in runs if r.info.status == "RUNNING"] == []
         killed = [r for r in runs if r.info.status == "KILLED"]
-        assert killed and all(r.data.tags.get("reason") == "interrupted" for r in killed), \
-            [(r.data.tags, r.info.status) for r in runs]
+        assert killed and all(r.data.tags.get("reason") == "interrupted" for r in killed), [
+            (r.data.tags, r.info.status) for r in runs
+        ]
         study = [r for r in runs if r.data.tags.get("stage") == "study"]
         assert len(study) == 1 and study[0].data.tags.get("done") != "true"  # not recorded as a finished study
         print(f"stopped {took:.1f} s after SIGTERM")
 
         # 3. --resume continues from there and finishes the sweep; every run is FINISHED, the study done.
-        done = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--resume"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300, env=env)
+        done = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--resume"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
         runs = search_all(c, exp.experiment_id, "")
         assert all(r.info.status == "FINISHED" for r in runs), [(r.data.tags, r.info.status) for r in runs]
@@ -170,7 +210,9 @@ def test_sigterm_stops_the_sweep_closes_its_runs_leaves_no_process_and_resume_fi
         assert len([r for r in runs if r.data.tags.get("stage") == "fold"]) == 2 * 3
         _no_process_left(ray_tmp)
     finally:
-        if proc is not None and proc.poll() is None:  # a failed assertion above: stop our driver (its Ray fate-shares with it)
+        if (
+            proc is not None and proc.poll() is None
+        ):  # a failed assertion above: stop our driver (its Ray fate-shares with it)
             proc.kill()
             proc.wait(timeout=60)
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -26,8 +26,7 @@ from dml_core.metrics import retrieval_details, retrieval_metrics
 
 torch.set_num_threads(1)
 
-PML_KEYS = {"precision_at_1": "precision_at_1", "r_precision": "r_precision",
-            "map_at_r": "mean_average_precision_at_r"}
+PML_KEYS = {"precision_at_1": "precision_at_1", "r_precision": "r_precision", "map_at_r": "mean_average_precision_at_r"}
 KS = dict(recall_ks=(1, 2, 4, 8, 16), ndcg_ks=(2, 4, 8, 16))
 PRUNES = ("fp32", "bf16")
 
@@ -422,8 +421,8 @@ def test_bf16_pays_only_where_its_keys_round_like_the_gemm(monkeypatch):
 
 
 def test_bf16_pays_where_the_panel_time_it_saves_exceeds_its_own_work(monkeypatch):
-    """The cost model behind ``prune=None``, on times ``_bf16_times`` measured on an Intel Xeon with AMX (two threads: fp32
-    panel product 1.53 ms, bf16 + conversion 0.64 ms, a working key 84 ns): at 100k × 128, k = 19, fp32 (the
+    """The cost model behind ``prune=None``, on times ``_bf16_times`` measured on an Intel Xeon with AMX (two threads:
+    fp32 panel product 1.53 ms, bf16 + conversion 0.64 ms, a working key 84 ns): at 100k × 128, k = 19, fp32 (the
     modes measured 7.8 vs 8.2 s), at 300k bf16 (56.5 vs 47.1 s), at 1M bf16; a deep search (k = 2000) makes the
     per-row work too large again; bf16 products hardly faster than fp32 never pay."""
     monkeypatch.setattr(K, "_gemm_k_block", lambda *a: 128)
@@ -508,6 +507,7 @@ def test_bf16_times_are_measured_panel_products_and_working_keys(monkeypatch):
     real_mm, real_dots = K._panel_mm, K._PairDots.__call__
     K._fp32_product(16, 64, 128)
     for slow in (torch.bfloat16, torch.float32):
+
         def mm(a, b, out, how, slow=slow):
             if a.dtype == slow:
                 time.sleep(0.02)
@@ -540,7 +540,8 @@ def prune_mode(request, monkeypatch):
 def test_metrics_identical_to_faiss_backend_and_pml_on_tied_uneven_data(make, normalize, prune_mode):
     x, y = make(7)
     assert np.bincount(np.unique(y, return_inverse=True)[1]).max() > 10 * np.median(
-        np.bincount(np.unique(y, return_inverse=True)[1]))  # uneven classes
+        np.bincount(np.unique(y, return_inverse=True)[1])
+    )  # uneven classes
     ours = retrieval_details(x, y, normalize=normalize, nmi=False, backend="torch", **KS)
     flat = retrieval_details(x, y, normalize=normalize, nmi=False, backend="faiss", **KS)
     assert ours.metrics == flat.metrics
@@ -620,8 +621,8 @@ def test_cuda_branch_on_fake_cuda_tensors(tile):
     (tests/fake_cuda.py): it runs in CI, where there is no GPU, and fails where a GPU would fail first -- a
     buffer, index or constant made on the CPU and mixed with device tensors, an op without a CUDA kernel, an
     fp32 product with TF32 allowed.  Results equal the CPU branch's (exact data; the CPU computes both).
-    ``tile=None``: the tile ``_cuda_tile`` picks, one tile for the whole set (diagonal only); 256: off-diagonal tiles, ragged last
-    block.  The real GPU run is the next test."""
+    ``tile=None``: the tile ``_cuda_tile`` picks, one tile for the whole set (diagonal only); 256: off-diagonal tiles,
+    ragged last block.  The real GPU run is the next test."""
     from fake_cuda import fake_cuda, to_fake_cuda
 
     x, y = quantised(14)
@@ -635,8 +636,7 @@ def test_cuda_branch_on_fake_cuda_tensors(tile):
             assert d.is_cuda and i.is_cuda
             d, i = d.cpu(), i.cpu()
         with fake_cuda() as log_metrics:
-            b = retrieval_details(to_fake_cuda(torch.from_numpy(x)), to_fake_cuda(torch.from_numpy(y)), nmi=False,
-                                  **KS)
+            b = retrieval_details(to_fake_cuda(torch.from_numpy(x)), to_fake_cuda(torch.from_numpy(y)), nmi=False, **KS)
             with pytest.raises(ValueError, match="prune='bf16' is a CPU mode"):
                 self_knn(to_fake_cuda(torch.from_numpy(x)), 5, prune="bf16")
         assert torch.backends.cuda.matmul.allow_tf32 is True  # restored
@@ -656,13 +656,16 @@ def test_cuda_branch_on_fake_cuda_tensors(tile):
     assert set(tiles) == {(side, side)} and len(tiles) == blocks * (blocks + 1) // 2
 
 
-@pytest.mark.parametrize("free_gb, n, tile", [
-    (78, 1_000_000, 32768),  # an 80 GB card: the largest tile (9.1 GB of buffers)
-    (16, 1_000_000, 16384),  # 32768 would need 9.1 GB of the 8 GB allowed
-    (4, 1_000_000, 8192),
-    (1, 1_000_000, 8192),  # nothing fits half the free memory: the smallest
-    (4, 10_000, 32768),  # a small set needs only its own rows: the tile is cut to N below
-])
+@pytest.mark.parametrize(
+    "free_gb, n, tile",
+    [
+        (78, 1_000_000, 32768),  # an 80 GB card: the largest tile (9.1 GB of buffers)
+        (16, 1_000_000, 16384),  # 32768 would need 9.1 GB of the 8 GB allowed
+        (4, 1_000_000, 8192),
+        (1, 1_000_000, 8192),  # nothing fits half the free memory: the smallest
+        (4, 10_000, 32768),  # a small set needs only its own rows: the tile is cut to N below
+    ],
+)
 def test_cuda_tile_is_the_largest_that_fits_half_the_free_memory(monkeypatch, free_gb, n, tile):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gb << 30, 80 << 30))
     assert K._cuda_tile(n, None) == tile

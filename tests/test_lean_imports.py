@@ -50,8 +50,9 @@ print(json.dumps({"status": res.status, "built": built[:8], "n_built": len(built
 
 def test_tiny_fold_process_loads_no_torchvision_and_no_dynamo_before_training():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _FOLD_LIKE], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FOLD_LIKE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["status"] == "ok"

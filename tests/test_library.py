@@ -13,8 +13,7 @@ import torch
 
 import dml_core.train as train_mod
 from dml_core.data import ImageDataset, eval_transform, synthetic
-from dml_core.losses import build_loss, loss_info
-from dml_core.losses import registered_info
+from dml_core.losses import build_loss, loss_info, registered_info
 from dml_core.models import EmbeddingModel
 from dml_core.train import TrainConfig, embed, embed_images, train_fold
 
@@ -40,8 +39,20 @@ def _model(seed=0):
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(classes_per_batch=4, m=2, iters_per_epoch=2, max_epochs=3, eval_every=1, patience=None,
-                trunk_lr=1e-3, embedder_lr=1e-3, loss_lr=1e-2, eval_batch_size=16, seed=0, device="cpu")
+    base = dict(
+        classes_per_batch=4,
+        m=2,
+        iters_per_epoch=2,
+        max_epochs=3,
+        eval_every=1,
+        patience=None,
+        trunk_lr=1e-3,
+        embedder_lr=1e-3,
+        loss_lr=1e-2,
+        eval_batch_size=16,
+        seed=0,
+        device="cpu",
+    )
     base.update(kw)
     return TrainConfig(**base)
 

@@ -82,8 +82,10 @@ def test_declared_pooling_matches_the_model_recipe(page):
 def test_the_pooling_check_catches_a_page_that_contradicts_the_recipe(tmp_path, monkeypatch):
     page = next(p for p in PAGES if p.name == "group_loss.md")
     wrong = tmp_path / page.name
-    wrong.write_text(page.read_text(encoding="utf-8").replace("model recipe: average pooling", "model recipe: max pooling"),
-                     encoding="utf-8")
+    wrong.write_text(
+        page.read_text(encoding="utf-8").replace("model recipe: average pooling", "model recipe: max pooling"),
+        encoding="utf-8",
+    )
     with pytest.raises(AssertionError, match="group_loss"):
         test_declared_pooling_matches_the_model_recipe(wrong)
     silent = tmp_path / "silent.md"
@@ -98,16 +100,26 @@ def test_the_pooling_check_catches_a_page_that_contradicts_the_recipe(tmp_path, 
 ROOT = Path(__file__).resolve().parents[1]
 #: Files whose comments, docstrings and prose cite the documentation.
 CITING = sorted(
-    [*(ROOT / "dml_core").rglob("*.py"), *(ROOT / "pipelines").rglob("*.py"), *(ROOT / "pipelines").rglob("*.yaml"),
-     *(ROOT / "pipelines").rglob("*.md"), *(ROOT / "tune_spaces").glob("*.yaml"), *(ROOT / "configs").glob("*.yaml"),
-     *(ROOT / "docs").rglob("*.md"), ROOT / "bench" / "train_loop_bench.py"]
+    [
+        *(ROOT / "dml_core").rglob("*.py"),
+        *(ROOT / "pipelines").rglob("*.py"),
+        *(ROOT / "pipelines").rglob("*.yaml"),
+        *(ROOT / "pipelines").rglob("*.md"),
+        *(ROOT / "tune_spaces").glob("*.yaml"),
+        *(ROOT / "configs").glob("*.yaml"),
+        *(ROOT / "docs").rglob("*.md"),
+        ROOT / "bench" / "train_loop_bench.py",
+    ]
 )
 #: A page, then one or more "§Name" on the same line ("docs/protocol.md §Schedule and §Optimisers").
 CITATION = re.compile(r"\bdocs/((?:[\w-]+/)*[\w-]+\.md)`?\s*((?:§(?:(?!docs/)[^§\n])*)+)")
 #: Citations of implementation notes that are not part of the repository.
-OUTSIDE = re.compile(r"protocol_reality_check|shared/spec|\bspec\s*§|\bspec\s+`*loss_|\b(?:protocol|SEC|MPA|ProxyNCA\+\+|RSW)"
-                     r" spec\b|\bMLRC §|\(spec\s|\bthe spec's\b|\bloss_(?:group|multi_proxy_anchor|proxynca_pp|"
-                     r"realigned_softmax_warping|spherical_embedding_constraint)\b", re.IGNORECASE)
+OUTSIDE = re.compile(
+    r"protocol_reality_check|shared/spec|\bspec\s*§|\bspec\s+`*loss_|\b(?:protocol|SEC|MPA|ProxyNCA\+\+|RSW)"
+    r" spec\b|\bMLRC §|\(spec\s|\bthe spec's\b|\bloss_(?:group|multi_proxy_anchor|proxynca_pp|"
+    r"realigned_softmax_warping|spherical_embedding_constraint)\b",
+    re.IGNORECASE,
+)
 
 
 def _prose(path: Path) -> list[tuple[int, str]]:
@@ -115,12 +127,19 @@ def _prose(path: Path) -> list[tuple[int, str]]:
     text = path.read_text(encoding="utf-8")
     if path.suffix != ".py":
         return list(enumerate(text.splitlines(), 1))
-    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline)
-           if tok.type == tokenize.COMMENT]
+    out = [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+        if tok.type == tokenize.COMMENT
+    ]
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
     return sorted(out)
 

@@ -54,9 +54,24 @@ def _fresh(loss_name: str):
 
 
 def _config(optimizer: str) -> TrainConfig:
-    return TrainConfig(classes_per_batch=4, m=2, iters_per_epoch=3, max_epochs=4, eval_every=2, patience=None,
-                       trunk_lr=1e-3, embedder_lr=2e-3, loss_lr=5e-2, weight_decay=1e-4, loss_weight_decay=1e-4,
-                       momentum=0.9, optimizer=optimizer, eval_batch_size=16, seed=3, device="cpu")
+    return TrainConfig(
+        classes_per_batch=4,
+        m=2,
+        iters_per_epoch=3,
+        max_epochs=4,
+        eval_every=2,
+        patience=None,
+        trunk_lr=1e-3,
+        embedder_lr=2e-3,
+        loss_lr=5e-2,
+        weight_decay=1e-4,
+        loss_weight_decay=1e-4,
+        momentum=0.9,
+        optimizer=optimizer,
+        eval_batch_size=16,
+        seed=3,
+        device="cpu",
+    )
 
 
 def _reference(model, loss, train_set, cfg: TrainConfig) -> list[float]:
@@ -80,8 +95,9 @@ def _reference(model, loss, train_set, cfg: TrainConfig) -> list[float]:
     ]
     if list(loss.parameters()):
         opts.append(make(list(loss.parameters()), cfg.loss_lr, cfg.loss_weight_decay))
-    sampler = MPerClassBatchSampler(labels, cfg.m, cfg.classes_per_batch, iters_per_epoch=cfg.iters_per_epoch,
-                                    seed=cfg.seed, num_replicas=1, rank=0)
+    sampler = MPerClassBatchSampler(
+        labels, cfg.m, cfg.classes_per_batch, iters_per_epoch=cfg.iters_per_epoch, seed=cfg.seed, num_replicas=1, rank=0
+    )
     loader = DataLoader(train_set, batch_sampler=sampler, generator=torch.Generator().manual_seed(seed))
     model.train()
     loss.train()

@@ -25,8 +25,9 @@ _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 def _comment_lines(source: str) -> set[int]:
     """Line numbers (1-based) holding a comment."""
-    return {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-            if tok.type == tokenize.COMMENT}
+    return {
+        tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT
+    }
 
 
 def _local_import_runs(tree: ast.AST) -> list[list[ast.stmt]]:
@@ -78,8 +79,10 @@ def uncommented_local_imports(root: Path = ROOT) -> list[str]:
 
 def test_every_function_local_import_says_why():
     missing = uncommented_local_imports()
-    assert not missing, ("function-local imports without a comment saying why (move them to the module's top, or "
-                         "say on the line or right above what the local import buys):\n" + "\n".join(missing))
+    assert not missing, (
+        "function-local imports without a comment saying why (move them to the module's top, or "
+        "say on the line or right above what the local import buys):\n" + "\n".join(missing)
+    )
 
 
 def test_the_checker_finds_a_bare_local_import(tmp_path):
@@ -114,7 +117,8 @@ def test_the_checker_finds_a_bare_local_import(tmp_path):
         "    def method(self):\n"
         "        from collections import (OrderedDict,\n"
         "                                 deque)\n"
-        "        return OrderedDict, deque\n")
+        "        return OrderedDict, deque\n"
+    )
     assert uncommented_local_imports(tmp_path) == [
         "pipelines/mod.py:17: import shutil",
         "pipelines/mod.py:19: import csv",

@@ -176,8 +176,16 @@ def test_every_loss_trains_through_train_fold(name, tiny_data):
     loss = _build(name, 6, 8)
     before = [p.detach().clone() for p in list(model.parameters()) + list(loss.parameters())]
     cfg = TrainConfig(
-        classes_per_batch=4, m=m, iters_per_epoch=2, max_epochs=1, eval_every=2, patience=None,
-        trunk_lr=1e-3, embedder_lr=1e-3, loss_lr=1e-3, eval_batch_size=20,
+        classes_per_batch=4,
+        m=m,
+        iters_per_epoch=2,
+        max_epochs=1,
+        eval_every=2,
+        patience=None,
+        trunk_lr=1e-3,
+        embedder_lr=1e-3,
+        loss_lr=1e-3,
+        eval_batch_size=20,
     )
     res = train_fold(model, loss, train, val, cfg)
     assert res.status == "ok", res.reason
@@ -198,9 +206,20 @@ def _ddp_runs():
     table = synthetic(12, 6, image_size=16, seed=0)
     train, val = ImageDataset(table.subset(range(8))), ImageDataset(table.subset(range(8, 12)))
     cfg = TrainConfig(
-        classes_per_batch=8, m=4, iters_per_epoch=2, max_epochs=1, eval_every=1, patience=None,
-        optimizer="sgd", momentum=0.9, trunk_lr=0.05, embedder_lr=0.05, loss_lr=0.05, weight_decay=0.0,
-        loss_weight_decay=0.0, eval_batch_size=8,
+        classes_per_batch=8,
+        m=4,
+        iters_per_epoch=2,
+        max_epochs=1,
+        eval_every=1,
+        patience=None,
+        optimizer="sgd",
+        momentum=0.9,
+        trunk_lr=0.05,
+        embedder_lr=0.05,
+        loss_lr=0.05,
+        weight_decay=0.0,
+        loss_weight_decay=0.0,
+        eval_batch_size=8,
     )
     out = {}
     for name, params in DDP_LOSSES.items():
@@ -235,7 +254,9 @@ def test_ddp_two_ranks_of_16_equal_one_process_of_32_for_proxy_pair_and_group_lo
     ranks = run_ddp(_ddp_worker, 2)
     for name, single in ref.items():
         assert single["status"] == "ok"
-        assert max(float(u.abs().max()) for u in single["update"].values()) > 1e-4, f"{name}: update too small to compare"
+        assert max(float(u.abs().max()) for u in single["update"].values()) > 1e-4, (
+            f"{name}: update too small to compare"
+        )
         for r, got in enumerate(ranks):
             got = got[name]
             where = f"{name} rank {r}"

@@ -24,9 +24,17 @@ from dml_core.metrics import ndcg_at_k, normalized_mutual_info, retrieval_metric
 torch.set_num_threads(1)
 
 KEYS = [
-    "precision_at_1", "r_precision", "map_at_r",
-    "recall_at_1", "recall_at_2", "recall_at_4", "recall_at_8",
-    "ndcg_at_2", "ndcg_at_4", "ndcg_at_8", "nmi",
+    "precision_at_1",
+    "r_precision",
+    "map_at_r",
+    "recall_at_1",
+    "recall_at_2",
+    "recall_at_4",
+    "recall_at_8",
+    "ndcg_at_2",
+    "ndcg_at_4",
+    "ndcg_at_8",
+    "nmi",
 ]
 PML_KEYS = {
     "precision_at_1": "precision_at_1",
@@ -54,9 +62,7 @@ def clustered(seed, n_classes=60, max_size=14, dim=16, noise=1.5, singletons=5):
 def pml(query, query_labels, reference=None, reference_labels=None):
     from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
-    calc = AccuracyCalculator(
-        include=tuple(PML_KEYS.values()), k="max_bin_count", device=torch.device("cpu")
-    )
+    calc = AccuracyCalculator(include=tuple(PML_KEYS.values()), k="max_bin_count", device=torch.device("cpu"))
     kw = {}
     if reference is not None:
         kw = dict(reference=reference, reference_labels=torch.as_tensor(reference_labels))
@@ -179,8 +185,9 @@ def test_recall_ndcg_map_equal_brute_force_with_query_set():
     x, y = clustered(7, n_classes=30)
     split = np.arange(len(y)) % 3 == 0
     ks = (1, 3, 8)
-    ours = retrieval_metrics(x[~split], y[~split], query_embeddings=x[split], query_labels=y[split],
-                             recall_ks=ks, ndcg_ks=ks)
+    ours = retrieval_metrics(
+        x[~split], y[~split], query_embeddings=x[split], query_labels=y[split], recall_ks=ks, ndcg_ks=ks
+    )
     ref = brute_force(x[~split], y[~split], ks, query=x[split], query_labels=y[split])
     for k, v in ref.items():
         assert abs(ours[k] - v) <= 1e-9, (k, ours[k], v)
@@ -413,10 +420,14 @@ def test_nan_rows_are_counted_in_the_error():
     "call,message",
     [
         (lambda x, y: retrieval_metrics(x, y[:-1]), "labels has 99 entries but embeddings has 100 rows"),
-        (lambda x, y: retrieval_metrics(x, y, query_embeddings=x[:3], query_labels=y[:4]),
-         "query_labels has 4 entries but query_embeddings has 3 rows"),
-        (lambda x, y: retrieval_metrics(x, y, query_embeddings=x[:3, :2], query_labels=y[:3]),
-         "query_embeddings have 2 dims but embeddings have 8"),
+        (
+            lambda x, y: retrieval_metrics(x, y, query_embeddings=x[:3], query_labels=y[:4]),
+            "query_labels has 4 entries but query_embeddings has 3 rows",
+        ),
+        (
+            lambda x, y: retrieval_metrics(x, y, query_embeddings=x[:3, :2], query_labels=y[:3]),
+            "query_embeddings have 2 dims but embeddings have 8",
+        ),
         (lambda x, y: retrieval_metrics(x, y, query_embeddings=x[:3]), "must be given together"),
         (lambda x, y: retrieval_metrics(x, y.astype(float)), "labels must hold integer class ids"),
         (lambda x, y: retrieval_metrics(x[:, 0], y), r"embeddings must be 2-D"),

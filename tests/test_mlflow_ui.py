@@ -1,7 +1,7 @@
 """What a user sees in MLflow 3's UI: headless Chromium against a real ``mlflow server``.
 
-The state is written by the real code (``pipelines.tracking.model_registry``: experiment kind, dataset input, study note, pyfunc
-models, registered version) from fold checkpoints of untrained models, so no sweep is needed; the version's
+The state is written by the real code (``pipelines.tracking.model_registry``: experiment kind, dataset input, study
+note, pyfunc models, registered version) from fold checkpoints of untrained models, so no sweep is needed; the version's
 ``reeval.status`` is set as ``dmlrc reeval`` sets it.  Checks, on the rendered DOM (``chromium --dump-dom``):
 
 * the experiment page opens on the training-runs view (the study run is listed), not on the GenAI overview;
@@ -25,9 +25,17 @@ CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/ch
 
 def render(url: str, png: Path, *, wait_ms: int = 20000) -> str:
     """Load ``url`` in headless Chromium, save a screenshot to ``png``; return the rendered DOM."""
-    base = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            "--hide-scrollbars", "--window-size=1500,1000", f"--virtual-time-budget={wait_ms}",
-            f"--user-data-dir={png.parent / ('chrome-' + png.stem)}"]
+    base = [
+        CHROMIUM,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        "--window-size=1500,1000",
+        f"--virtual-time-budget={wait_ms}",
+        f"--user-data-dir={png.parent / ('chrome-' + png.stem)}",
+    ]
     subprocess.run(base + [f"--screenshot={png}", url], capture_output=True, timeout=180, check=False)
     dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=180)
     (png.with_suffix(".html")).write_text(dom.stdout)
@@ -35,34 +43,43 @@ def render(url: str, png: Path, *, wait_ms: int = 20000) -> str:
 
 
 def _fake_study(tmp: Path, uri: str, experiment: str):
-    """A study run + registered version written by pipelines.tracking.model_registry from 4 untrained fold checkpoints."""
+    """A study run + registered version written by pipelines.tracking.model_registry from 4 untrained fold
+    checkpoints."""
     import torch
 
     from dml_core.models import build_model
     from pipelines.config.schema import SyntheticDataset
     from pipelines.tracking.model_registry import on_study_end, on_study_start
-    from pipelines.tracking.ui import set_experiment_kind
     from pipelines.tracking.runs import Tracker
+    from pipelines.tracking.ui import set_experiment_kind
 
     kwargs = {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False}
     ckpts = []
     for k in range(4):
         d = tmp / f"ckpt{k}"
         d.mkdir(parents=True)
-        torch.save({"model": build_model(**kwargs).state_dict(), "model_kwargs": kwargs, "loss_name": "contrastive"},
-                   d / "model.pt")
+        torch.save(
+            {"model": build_model(**kwargs).state_dict(), "model_kwargs": kwargs, "loss_name": "contrastive"},
+            d / "model.pt",
+        )
         ckpts.append(str(d))
     t = Tracker.open(uri, experiment)
     set_experiment_kind(t.client, t.experiment_id)  # what run_sweep does once
-    run_id, _ = t.get_or_create({"sweep": "ui", "study": "shapes/contrastive", "stage": "study"},
-                                run_name="shapes/contrastive")
+    run_id, _ = t.get_or_create(
+        {"sweep": "ui", "study": "shapes/contrastive", "stage": "study"}, run_name="shapes/contrastive"
+    )
     t.set_tags(run_id, {"loss": "contrastive", "dataset": "shapes", "git_commit": "abc", "folds_hash": "f" * 64})
     spec = SyntheticDataset(name="shapes", kind="synthetic", image_size=16, num_classes=8, per_class=4, seed=0)
-    plan = SimpleNamespace(key="shapes/contrastive", loss=SimpleNamespace(name="contrastive"),
-                           dataset=SimpleNamespace(spec=spec, table=None))
+    plan = SimpleNamespace(
+        key="shapes/contrastive",
+        loss=SimpleNamespace(name="contrastive"),
+        dataset=SimpleNamespace(spec=spec, table=None),
+    )
     on_study_start(t, run_id, plan)
-    ci = {m: {k: (0.5, 0.45, 0.55) for k in ("precision_at_1", "r_precision", "map_at_r")}
-          for m in ("concat", "separated")}
+    ci = {
+        m: {k: (0.5, 0.45, 0.55) for k in ("precision_at_1", "r_precision", "map_at_r")}
+        for m in ("concat", "separated")
+    }
     t.log_metrics(run_id, {f"test.{m}.{k}.mean": v[0] for m, d in ci.items() for k, v in d.items()})
     reps = [{"__reproduction__": 0, "seed": 1003, "fold_checkpoints": ckpts, "test_concat_map_at_r": 0.5}]
     ref = on_study_end(t, study_run_id=run_id, experiment=experiment, sweep="ui", plan=plan, reps=reps, ci=ci)

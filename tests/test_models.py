@@ -32,8 +32,9 @@ def test_tiny_trunk_any_size_and_pooling(size, pooling):
     assert out.shape == (3, 7) and model.embedding_dim == 7 and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("trunk, feature_dim", [("resnet18", 512), ("resnet50", 2048), ("googlenet", 1024),
-                                                ("bninception", 1024)])
+@pytest.mark.parametrize(
+    "trunk, feature_dim", [("resnet18", 512), ("resnet50", 2048), ("googlenet", 1024), ("bninception", 1024)]
+)
 def test_torchvision_trunks_forward(trunk, feature_dim):
     model = build_model(trunk=trunk, pooling="avg+max", layer_norm=True, embedding_dim=16)
     model.eval()
@@ -236,7 +237,11 @@ def test_every_builtin_model_records_the_preprocessing_its_trunk_expects():
         pre = EmbeddingModel(trunk).preprocessing
         assert pre == trunk_preprocessing(trunk)
         assert (pre.mean, pre.std, pre.channel_order, pre.value_scale) == (
-            IMAGENET_PREPROCESSING.mean, IMAGENET_PREPROCESSING.std, "RGB", 1.0)
+            IMAGENET_PREPROCESSING.mean,
+            IMAGENET_PREPROCESSING.std,
+            "RGB",
+            1.0,
+        )
 
 
 def test_missing_pretrained_file_names_the_path(tmp_path):

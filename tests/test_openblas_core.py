@@ -53,8 +53,10 @@ def test_faiss_loads_the_chosen_kernels_in_a_fresh_process():
     env = {k: v for k, v in os.environ.items() if k != oc.VARIABLE}
     env["OPENBLAS_VERBOSE"] = "2"  # OpenBLAS prints "Core: <name>" when it loads
     # numpy's own (newer) OpenBLAS loads first and prints its core too: faiss's is the one after the mark.
-    code = ("import os, sys, numpy, torch; print('MARK', file=sys.stderr, flush=True); import dml_core.metrics; "
-            "print('left', os.environ.get('OPENBLAS_CORETYPE'), file=sys.stderr)")
+    code = (
+        "import os, sys, numpy, torch; print('MARK', file=sys.stderr, flush=True); import dml_core.metrics; "
+        "print('left', os.environ.get('OPENBLAS_CORETYPE'), file=sys.stderr)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     after = out.stderr.split("MARK", 1)[1]

@@ -33,8 +33,12 @@ PLUGIN = ROOT / "examples" / "plugin"
 
 def _wheel(src: Path, out: Path) -> Path:
     """``pip wheel`` of a project folder with this environment's setuptools (no network, no build isolation)."""
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                        str(src)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (wheel,) = out.glob("*.whl")
     return wheel
@@ -74,8 +78,12 @@ def _isolated_python(tmp: Path, prefix: Path) -> tuple[Path, dict[str, str]]:
     env_dir = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
     py = env_dir / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(site, "test-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH", "VIRTUAL_ENV")}
     env["PYTHONPATH"] = str(prefix)
@@ -95,20 +103,44 @@ def test_installed_wheel_sweeps_an_entry_point_plugin_and_its_model_loads_anywhe
     from tests.test_registry import parquet_dataset
 
     prefix = tmp_path / "prefix"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
-                        str(prefix), str(wheels["ours"]), str(wheels["plugin"])], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(prefix),
+            str(wheels["ours"]),
+            str(wheels["plugin"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     py, env = _isolated_python(tmp_path, prefix)
     work = tmp_path / "work"  # outside the checkout
     work.mkdir()
-    where = _run(py, ["-c", "import dml_core, pipelines, tune_spaces, dmlrc_example; "
-                            "print(dml_core.__file__, pipelines.__file__, dmlrc_example.__file__)"], work, env)
+    where = _run(
+        py,
+        [
+            "-c",
+            "import dml_core, pipelines, tune_spaces, dmlrc_example; "
+            "print(dml_core.__file__, pipelines.__file__, dmlrc_example.__file__)",
+        ],
+        work,
+        env,
+    )
     assert where.returncode == 0, where.stderr
     assert str(ROOT) not in where.stdout and where.stdout.count(str(prefix)) == 3, where.stdout
 
     data = parquet_dataset(work / "data")
     from dml_core.trunks import resolve_trunk  # the plugin trunk's own layout, for a pretrained file
+
     sys.path.insert(0, str(PLUGIN / "src"))
     try:
         module, _ = resolve_trunk("dmlrc_example.trunks:wide_tiny").build()
@@ -121,13 +153,23 @@ def test_installed_wheel_sweeps_an_entry_point_plugin_and_its_model_loads_anywhe
 
     uri = f"sqlite:///{work / 'mlflow.db'}"
     doc = {
-        "name": "pkg", "seed": 3,
+        "name": "pkg",
+        "seed": 3,
         "datasets": [{"name": "shapes", "kind": "parquet", "path": data, "image_size": 16}],
         "losses": ["contrastive", "circle"],
         "model": {"trunk": "wide_tiny", "embedding_dim": 8, "freeze_bn": False, "pretrained": str(pretrained)},
-        "protocol": {"folds": 2, "fold_layout": "kfold", "trials": 1, "startup_trials": 1, "reproductions": 2,
-                     "iters_per_epoch": 2, "eval_every": 1, "patience": 1, "max_epochs": 1,
-                     "train": {"classes_per_batch": 4, "m": 4, "eval_batch_size": 64}},
+        "protocol": {
+            "folds": 2,
+            "fold_layout": "kfold",
+            "trials": 1,
+            "startup_trials": 1,
+            "reproductions": 2,
+            "iters_per_epoch": 2,
+            "eval_every": 1,
+            "patience": 1,
+            "max_epochs": 1,
+            "train": {"classes_per_batch": 4, "m": 4, "eval_batch_size": 64},
+        },
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
         "tracking": {"uri": uri, "experiment": "pkg-experiment"},
         "storage": str(work / "runs"),
@@ -138,13 +180,23 @@ def test_installed_wheel_sweeps_an_entry_point_plugin_and_its_model_loads_anywhe
     assert out.returncode == 0, log
     for loss in ("contrastive", "circle"):
         assert f"registered 2 reproduction models as dmlrc.pkg-experiment.shapes.{loss} version 1" in out.stdout, log
-    table = out.stdout[out.stdout.index("test metrics ×100"):]
+    table = out.stdout[out.stdout.index("test metrics ×100") :]
     assert "circle" in table and "contrastive" in table and table.count("±") >= 12, table
 
     # dmlrc reeval of the plugin's model, in the installed environment: ok
-    (work / "reeval.yaml").write_text(yaml.safe_dump({
-        "schedule": "pkg", "tracking_uri": uri, "models": [{"name": "dmlrc.pkg-experiment.shapes.circle"}],
-        "datasets": {"shapes": data}, "tolerance": 0.01, "out": str(work / "reeval-out"), "batch_size": 64}))
+    (work / "reeval.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "schedule": "pkg",
+                "tracking_uri": uri,
+                "models": [{"name": "dmlrc.pkg-experiment.shapes.circle"}],
+                "datasets": {"shapes": data},
+                "tolerance": 0.01,
+                "out": str(work / "reeval-out"),
+                "batch_size": 64,
+            }
+        )
+    )
     rv = _run(py, ["-m", "pipelines.cli", "reeval", "reeval.yaml"], work, env)
     assert rv.returncode == 0, rv.stdout[-4000:] + rv.stderr[-3000:]
     assert "| dmlrc.pkg-experiment.shapes.circle | 1 |" in rv.stdout and "| ok |" in rv.stdout, rv.stdout[-3000:]

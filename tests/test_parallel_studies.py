@@ -2,9 +2,9 @@
 
 A sweep of three tiny studies (synthetic data, 1 trial, 2 reproductions, 2 kfold folds of 1 worker) with
 ``max_concurrent_studies`` left to its default on a local Ray of 6 CPUs (a study needs 2 → three at once): the study
-runs' time spans overlap; a sweep of two with ``max_concurrent_studies: 1``: they follow one another.  Every study finishes with its
-intervals either way.  The parallel sweep is also where cost accounting is checked on real runs: each study run's
-``cost.*`` is the sum of its fold runs', and ``dmlrc report`` shows the cost column.
+runs' time spans overlap; a sweep of two with ``max_concurrent_studies: 1``: they follow one another.  Every study
+finishes with its intervals either way.  The parallel sweep is also where cost accounting is checked on real runs: each
+study run's ``cost.*`` is the sum of its fold runs', and ``dmlrc report`` shows the cost column.
 """
 
 from __future__ import annotations
@@ -33,8 +33,14 @@ def _config(tmp_path, uri: str, name: str, losses=tuple(LOSSES), **resources):
 def _sweep(tmp_path, cfg) -> subprocess.CompletedProcess:
     ray_tmp = ray_tmpdir()
     try:
-        return subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=900, env=sweep_env(ray_tmp))
+        return subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=sweep_env(ray_tmp),
+        )
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
@@ -64,8 +70,11 @@ def _check_studies_finished(by_stage, losses=tuple(LOSSES)) -> None:
         m = r.data.metrics
         for mode in ("concat", "separated"):
             assert {f"test.{mode}.map_at_r.{k}" for k in ("mean", "ci_low", "ci_high")} <= set(m), sorted(m)
-            assert m[f"test.{mode}.map_at_r.ci_low"] <= m[f"test.{mode}.map_at_r.mean"] <= \
-                m[f"test.{mode}.map_at_r.ci_high"]
+            assert (
+                m[f"test.{mode}.map_at_r.ci_low"]
+                <= m[f"test.{mode}.map_at_r.mean"]
+                <= m[f"test.{mode}.map_at_r.ci_high"]
+            )
 
 
 def _check_cost(by_stage) -> None:
@@ -89,7 +98,8 @@ def _check_cost(by_stage) -> None:
             assert f.data.tags["node_id"]
         for p in parents:
             assert p.data.metrics["cost.cpu_seconds"] == pytest.approx(
-                sum(f.data.metrics["cost.cpu_seconds"] for f in kids[p.info.run_id]))
+                sum(f.data.metrics["cost.cpu_seconds"] for f in kids[p.info.run_id])
+            )
         assert m["cost.cpu_seconds"] > 0
         assert m["cost.cpu_seconds"] == pytest.approx(sum(f.data.metrics["cost.cpu_seconds"] for f in folds))
         assert m["cost.wall_seconds"] == pytest.approx(sum(f.data.metrics["cost.wall_seconds"] for f in folds))
@@ -109,9 +119,10 @@ def test_studies_run_at_once_by_default_with_their_cost(tmp_path):
     # progress stays per study; the final table is in the config's order and shows the cost
     for loss in LOSSES:
         assert f"[synthetic/{loss}] done in" in out.stdout
-    table = out.stdout[out.stdout.index("finished in"):]
+    table = out.stdout[out.stdout.index("finished in") :]
     assert [table.index(f"synthetic  {loss}") for loss in LOSSES] == sorted(
-        table.index(f"synthetic  {loss}") for loss in LOSSES)
+        table.index(f"synthetic  {loss}") for loss in LOSSES
+    )
     assert "CPU-h" in table and "GPU-h" in table
     by_stage = _runs(uri, "par-experiment")
     _check_studies_finished(by_stage)

@@ -49,8 +49,14 @@ def test_sweep_with_postgresql_as_direct_tracking_store(tmp_path, scheme):
         uri = f"{scheme}://{user}:{PASSWORD}@{hostpart}"
         name = "pg" + scheme.replace("+", "")
         cfg = tiny_sweep_config(tmp_path, uri, name=name)
-        out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=800, env=sweep_env(ray_tmp))
+        out = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=800,
+            env=sweep_env(ray_tmp),
+        )
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
         # the banner, password redacted (postgresql:// may be pinned to the installed psycopg2: pipelines.config.schema)
         assert f":***@{hostpart} experiment" in out.stdout and "MLflow postgresql" in out.stdout, out.stdout[-3000:]

@@ -5,7 +5,6 @@ on its unchanged data (ok, metrics equal to 1e-6), a degraded copy (regressed, e
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import pytest
 import yaml
 
 from tests.test_registry import check_registered, parquet_dataset, run_cli, run_registered_sweep
-
 
 # ------------------------------------------------------------------------------------------------ fast units
 
@@ -31,23 +29,38 @@ def test_regression_needs_a_drop_beyond_tolerance_and_outside_the_paired_interva
     # a drop within the tolerance is never a regression
     assert regression_verdict([0.5, 0.6], [0.495, 0.595], tolerance=0.01)[0] is False
     # unpaired: intervals must be apart
-    assert regression_verdict([0.5], [0.3], tolerance=0.01, paired=False, registered_ci=(0.45, 0.55),
-                              now_ci=(0.25, 0.35))[0] is True
-    assert regression_verdict([0.5], [0.3], tolerance=0.01, paired=False, registered_ci=(0.2, 0.8),
-                              now_ci=(0.1, 0.5))[0] is False
+    assert (
+        regression_verdict([0.5], [0.3], tolerance=0.01, paired=False, registered_ci=(0.45, 0.55), now_ci=(0.25, 0.35))[
+            0
+        ]
+        is True
+    )
+    assert (
+        regression_verdict([0.5], [0.3], tolerance=0.01, paired=False, registered_ci=(0.2, 0.8), now_ci=(0.1, 0.5))[0]
+        is False
+    )
 
 
-@pytest.mark.parametrize("doc, field", [
-    ({"models": [{"name": "m"}], "datasets": {"d": "/x"}, "bogus": 1}, "bogus"),
-    ({"tracking_uri": "sqlite:///x.db", "models": [], "datasets": {"d": "/x"}}, "models"),
-    ({"tracking_uri": "sqlite:///x.db", "models": [{"name": "m", "experiment": "e"}], "datasets": {"d": "/x"}},
-     "models[0]"),
-    ({"tracking_uri": "sqlite:///x.db", "models": [{"name": "m"}], "datasets": {"d": "/x"}, "metrics": ["acc"]},
-     "metrics[0]"),
-    ({"tracking_uri": "sqlite:///x.db", "models": [{"name": "m"}], "datasets": {"d": "/x"}, "tolerance": -1},
-     "tolerance"),
-    ({"tracking_uri": "sqlite:///x.db", "models": [{"name": "m"}], "datasets": []}, "datasets"),
-])
+@pytest.mark.parametrize(
+    "doc, field",
+    [
+        ({"models": [{"name": "m"}], "datasets": {"d": "/x"}, "bogus": 1}, "bogus"),
+        ({"tracking_uri": "sqlite:///x.db", "models": [], "datasets": {"d": "/x"}}, "models"),
+        (
+            {"tracking_uri": "sqlite:///x.db", "models": [{"name": "m", "experiment": "e"}], "datasets": {"d": "/x"}},
+            "models[0]",
+        ),
+        (
+            {"tracking_uri": "sqlite:///x.db", "models": [{"name": "m"}], "datasets": {"d": "/x"}, "metrics": ["acc"]},
+            "metrics[0]",
+        ),
+        (
+            {"tracking_uri": "sqlite:///x.db", "models": [{"name": "m"}], "datasets": {"d": "/x"}, "tolerance": -1},
+            "tolerance",
+        ),
+        ({"tracking_uri": "sqlite:///x.db", "models": [{"name": "m"}], "datasets": []}, "datasets"),
+    ],
+)
 def test_bad_config_is_one_line_naming_the_field_exit_2(tmp_path, doc, field, capsys):
     from pipelines.cli import main
 
@@ -62,8 +75,15 @@ def test_unknown_model_is_a_config_error_before_ray(tmp_path, capsys):
     from pipelines.cli import main
 
     p = tmp_path / "r.yaml"
-    p.write_text(yaml.safe_dump({"tracking_uri": f"sqlite:///{tmp_path / 'm.db'}", "models": [{"name": "nope"}],
-                                 "datasets": {"d": str(tmp_path)}}))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "tracking_uri": f"sqlite:///{tmp_path / 'm.db'}",
+                "models": [{"name": "nope"}],
+                "datasets": {"d": str(tmp_path)},
+            }
+        )
+    )
     assert main(["reeval", str(p)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: models[0].name: no registered model version nope")
@@ -83,28 +103,31 @@ def _load(tmp_path: Path, **changes):
     return load_reeval_config(p)
 
 
-@pytest.mark.parametrize("changes, field, says", [
-    ({"bogus": 1, "tolerance": 5}, "bogus", "unknown key (known: schedule, tracking_uri, models"),
-    ({"models": "m"}, "models", "non-empty list"),
-    ({"models": [{"name": "m"}, {"alias": "a"}]}, "models[1]", "exactly one of `name` or `experiment`"),
-    ({"models": [{"name": "m", "stage": "prod"}]}, "models[0].stage", "unknown key (known: name, alias, version"),
-    ({"models": [{"name": "m", "alias": "a", "version": 2}]}, "models[0]", "`alias` or `version`, not both"),
-    ({"models": [{"name": "m", "alias": 5}]}, "models[0].alias", "valid string, got 5"),
-    ({"models": [{"name": "m", "version": True}]}, "models[0].version", "version number"),
-    ({"models": [{"experiment": "e", "version": 1}]}, "models[0].version", "only with `name`"),
-    ({"datasets": {}}, "datasets", "parquet URIs"),
-    ({"datasets": {"d": "gs://bucket/d"}}, "datasets.d", "unsupported URI scheme 'gs'"),
-    ({"metrics": ["map_at_r", "acc"]}, "metrics[1]", "unknown metric 'acc'"),
-    ({"metrics": ["nmi", "nmi"]}, "metrics[1]", "already listed as metrics[0]"),
-    ({"tolerance": 1}, "tolerance", "[0, 1), got 1"),
-    ({"tolerance": float("nan")}, "tolerance", "[0, 1), got nan"),
-    ({"batch_size": True}, "batch_size", "positive integer, got True"),
-    ({"batch_size": 2.0}, "batch_size", "positive integer, got 2.0"),
-    ({"use_gpu": "yes"}, "use_gpu", "true or false"),
-    ({"ray_address": "head"}, "ray_address", "not a Ray address"),
-    ({"out": "s3://bucket/reeval"}, "out", "expected a local path"),
-    ({"tracking_uri": "file:///tmp/mlruns"}, "tracking_uri", "not supported by MLflow 3"),
-])
+@pytest.mark.parametrize(
+    "changes, field, says",
+    [
+        ({"bogus": 1, "tolerance": 5}, "bogus", "unknown key (known: schedule, tracking_uri, models"),
+        ({"models": "m"}, "models", "non-empty list"),
+        ({"models": [{"name": "m"}, {"alias": "a"}]}, "models[1]", "exactly one of `name` or `experiment`"),
+        ({"models": [{"name": "m", "stage": "prod"}]}, "models[0].stage", "unknown key (known: name, alias, version"),
+        ({"models": [{"name": "m", "alias": "a", "version": 2}]}, "models[0]", "`alias` or `version`, not both"),
+        ({"models": [{"name": "m", "alias": 5}]}, "models[0].alias", "valid string, got 5"),
+        ({"models": [{"name": "m", "version": True}]}, "models[0].version", "version number"),
+        ({"models": [{"experiment": "e", "version": 1}]}, "models[0].version", "only with `name`"),
+        ({"datasets": {}}, "datasets", "parquet URIs"),
+        ({"datasets": {"d": "gs://bucket/d"}}, "datasets.d", "unsupported URI scheme 'gs'"),
+        ({"metrics": ["map_at_r", "acc"]}, "metrics[1]", "unknown metric 'acc'"),
+        ({"metrics": ["nmi", "nmi"]}, "metrics[1]", "already listed as metrics[0]"),
+        ({"tolerance": 1}, "tolerance", "[0, 1), got 1"),
+        ({"tolerance": float("nan")}, "tolerance", "[0, 1), got nan"),
+        ({"batch_size": True}, "batch_size", "positive integer, got True"),
+        ({"batch_size": 2.0}, "batch_size", "positive integer, got 2.0"),
+        ({"use_gpu": "yes"}, "use_gpu", "true or false"),
+        ({"ray_address": "head"}, "ray_address", "not a Ray address"),
+        ({"out": "s3://bucket/reeval"}, "out", "expected a local path"),
+        ({"tracking_uri": "file:///tmp/mlruns"}, "tracking_uri", "not supported by MLflow 3"),
+    ],
+)
 def test_each_bad_key_is_one_config_error_at_its_field(tmp_path, changes, field, says):
     from pipelines.config.errors import ConfigError
 
@@ -148,16 +171,23 @@ def test_defaults_null_values_and_what_the_job_gets(tmp_path, monkeypatch):
     from pipelines.reeval.run import load_reeval_config  # the CLI's import path still works
 
     monkeypatch.chdir(tmp_path)
-    cfg = _load(tmp_path, models=[{"name": "m", "version": 3}, {"experiment": "e", "alias": None}],
-                datasets={"d": "shards"}, tolerance=0, ray_address="ray://head:10001")
+    cfg = _load(
+        tmp_path,
+        models=[{"name": "m", "version": 3}, {"experiment": "e", "alias": None}],
+        datasets={"d": "shards"},
+        tolerance=0,
+        ray_address="ray://head:10001",
+    )
     assert cfg.schedule == "nightly" and cfg.metrics == ("precision_at_1", "r_precision", "map_at_r")
     assert cfg.models == [{"name": "m", "version": 3}, {"experiment": "e"}]
     assert cfg.tracking_uri == f"sqlite:///{tmp_path / 'x.db'}"  # absolute: the embedding actors open it too
     assert cfg.datasets == {"d": str(tmp_path / "shards")} and cfg.tolerance == 0.0 and isinstance(cfg.tolerance, float)
     assert (cfg.ray_address, cfg.use_gpu, cfg.batch_size, cfg.out) == ("ray://head:10001", False, 256, "reeval")
     p = tmp_path / "nulls.yaml"
-    p.write_text("tracking_uri: sqlite:///x.db\nmodels: [{name: m}]\ndatasets: {d: s3://bucket/d}\nschedule: null\n"
-                 "metrics: null\ntolerance: null\nbatch_size: null\nuse_gpu: null\nout: null\n")
+    p.write_text(
+        "tracking_uri: sqlite:///x.db\nmodels: [{name: m}]\ndatasets: {d: s3://bucket/d}\nschedule: null\n"
+        "metrics: null\ntolerance: null\nbatch_size: null\nuse_gpu: null\nout: null\n"
+    )
     cfg = load_reeval_config(p)
     assert (cfg.schedule, cfg.tolerance, cfg.batch_size, cfg.use_gpu, cfg.out) == ("nulls", 0.01, 256, False, "reeval")
 
@@ -168,21 +198,26 @@ def test_the_file_goes_through_the_hardened_yaml_loader(tmp_path):
     from pipelines.reeval.config import load_reeval_config
 
     p = tmp_path / "r.yaml"
-    p.write_text("tracking_uri: sqlite:///x.db\nmodels: [{name: m}]\ndatasets: {d: /x}\ntolerance: 0.1\n"
-                 "tolerance: 0.5\n")
+    p.write_text(
+        "tracking_uri: sqlite:///x.db\nmodels: [{name: m}]\ndatasets: {d: /x}\ntolerance: 0.1\ntolerance: 0.5\n"
+    )
     with pytest.raises(ConfigError) as e:
         load_reeval_config(p)
     assert e.value.field == "tolerance" and "duplicate key (lines 4 and 5)" in e.value.problem
     bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{n}: &{n} [*{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}]\n" for m, n in zip("abcde", "bcdef"))
+        f"{n}: &{n} [*{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}, *{m}]\n" for m, n in zip("abcde", "bcdef")
+    )
     p.write_text(bomb + "models: *f\n")
     with pytest.raises(ConfigError, match="more than 20000 nodes"):
         load_reeval_config(p)
     p.write_text("#" * (MAX_CONFIG_BYTES + 1))
     with pytest.raises(ConfigError, match="too large"):
         load_reeval_config(p)
-    for text, says in (("- a\n- b\n", "expected a mapping"), ("models: [\n", "not valid YAML"),
-                       ("1: x\n", "keys must be strings")):
+    for text, says in (
+        ("- a\n- b\n", "expected a mapping"),
+        ("models: [\n", "not valid YAML"),
+        ("1: x\n", "keys must be strings"),
+    ):
         p.write_text(text)
         with pytest.raises(ConfigError, match=says):
             load_reeval_config(p)
@@ -195,8 +230,9 @@ def test_published_json_schema_is_the_models_current_schema():
     from pipelines.reeval.config import reeval_json_schema
 
     published = json.loads((ROOT / "docs" / "reeval-config.schema.json").read_text())
-    assert published == json.loads(json.dumps(reeval_json_schema())), \
+    assert published == json.loads(json.dumps(reeval_json_schema())), (
         "regenerate docs/reeval-config.schema.json (docs/architecture.md, reeval/config.py) after changing the schema"
+    )
 
 
 def test_shipped_reeval_config_passes_the_published_json_schema_and_bad_ones_do_not():
@@ -205,9 +241,17 @@ def test_shipped_reeval_config_passes_the_published_json_schema_and_bad_ones_do_
     good = yaml.safe_load((ROOT / "infra" / "reeval" / "reeval.yaml").read_text())
     assert not list(validator.iter_errors(good))
     assert not list(validator.iter_errors({"models": [{"name": "m", "version": "2"}], "datasets": {"d": "/x"}}))
-    for bad in ({"models": [{"name": "m", "experiment": "e"}]}, {"models": [{"name": "m", "alias": "a", "version": 1}]},
-                {"models": [{"experiment": "e", "alias": "a"}]}, {"models": [{"alias": "a"}]}, {"datasets": {}},
-                {"metrics": ["acc"]}, {"tolerance": 1}, {"batch_size": True}, {"bogus": 1}):
+    for bad in (
+        {"models": [{"name": "m", "experiment": "e"}]},
+        {"models": [{"name": "m", "alias": "a", "version": 1}]},
+        {"models": [{"experiment": "e", "alias": "a"}]},
+        {"models": [{"alias": "a"}]},
+        {"datasets": {}},
+        {"metrics": ["acc"]},
+        {"tolerance": 1},
+        {"batch_size": True},
+        {"bogus": 1},
+    ):
         assert list(validator.iter_errors({**good, **bad})), bad
 
 
@@ -216,10 +260,20 @@ def test_shipped_reeval_config_passes_the_published_json_schema_and_bad_ones_do_
 
 def reeval_config(tmp_path: Path, uri: str, data: str, *, name: str, models=None) -> Path:
     p = tmp_path / f"{name}.yaml"
-    p.write_text(yaml.safe_dump({
-        "schedule": name, "tracking_uri": uri, "models": models or [{"experiment": "reg-experiment"}],
-        "datasets": {"shapes": data}, "metrics": ["map_at_r", "r_precision", "precision_at_1"],
-        "tolerance": 0.01, "out": str(tmp_path / f"out-{name}"), "batch_size": 64}))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "schedule": name,
+                "tracking_uri": uri,
+                "models": models or [{"experiment": "reg-experiment"}],
+                "datasets": {"shapes": data},
+                "metrics": ["map_at_r", "r_precision", "precision_at_1"],
+                "tolerance": 0.01,
+                "out": str(tmp_path / f"out-{name}"),
+                "batch_size": 64,
+            }
+        )
+    )
     return p
 
 
@@ -240,16 +294,24 @@ def _copy_as_second_version(uri: str, name: str) -> str:
     entries = []
     for r in reps:
         rep_run = search_all(c, exp, f"tags.stage = 'reproduction' and tags.reproduction = '{r['reproduction']}'")[0]
-        folds = sorted(search_all(c, exp, f"tags.`mlflow.parentRunId` = '{rep_run.info.run_id}'"),
-                       key=lambda f: int(f.data.tags["fold"]))
-        model_uri, model_id = log_reproduction_model(study.info.run_id, 10 + r["reproduction"],
-                                                     [f.data.tags["checkpoint"] for f in folds], 16, r["seed"],
-                                                     tracker_uri=uri)
+        folds = sorted(
+            search_all(c, exp, f"tags.`mlflow.parentRunId` = '{rep_run.info.run_id}'"),
+            key=lambda f: int(f.data.tags["fold"]),
+        )
+        model_uri, model_id = log_reproduction_model(
+            study.info.run_id,
+            10 + r["reproduction"],
+            [f.data.tags["checkpoint"] for f in folds],
+            16,
+            r["seed"],
+            tracker_uri=uri,
+        )
         entries.append({**r, "model_uri": model_uri, "model_id": model_id})
     tags = {**v1.tags, "reproductions": json.dumps(entries)}
     tags = {k: v for k, v in tags.items() if not k.startswith("reeval.")}
-    v2 = c.create_model_version(name, source=entries[0]["model_uri"], run_id=study.info.run_id, tags=tags,
-                                model_id=entries[0]["model_id"])
+    v2 = c.create_model_version(
+        name, source=entries[0]["model_uri"], run_id=study.info.run_id, tags=tags, model_id=entries[0]["model_id"]
+    )
     return v2.version, entries
 
 
@@ -267,8 +329,8 @@ def test_reeval_ok_regressed_failed_and_s3(tmp_path):
 def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking.model_registry import registered_model_name
     from pipelines.names import ALIAS
+    from pipelines.tracking.model_registry import registered_model_name
     from pipelines.tracking.runs import search_all
 
     c = MlflowClient(uri)
@@ -289,10 +351,10 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
         np.testing.assert_allclose(d["now_values"], d["registered_values"], rtol=0, atol=1e-6, err_msg=key)
     m = runs[0].data.metrics
     for mode in ("concat", "separated"):
-        assert m[f"test.{mode}.map_at_r.mean"] == pytest.approx(float(v.tags[f"test.{mode}.map_at_r.mean"]),
-                                                                 abs=1e-6)
+        assert m[f"test.{mode}.map_at_r.mean"] == pytest.approx(float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6)
     assert {"reeval.md", "reeval.html", "reeval.png"} <= {
-        Path(a.path).name for a in c.list_artifacts(runs[0].info.run_id, "reeval")}
+        Path(a.path).name for a in c.list_artifacts(runs[0].info.run_id, "reeval")
+    }
 
     # 2. degraded copy (half the test rows' labels permuted; new shards, new manifest hash): regressed, exit 3
     bad = parquet_dataset(tmp_path / "degraded", permute_test_fraction=0.5, seed=1)
@@ -307,8 +369,21 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     assert model_dirs
     for p in model_dirs:
         shutil.rmtree(p)
-    out = run_cli(["reeval", str(reeval_config(tmp_path, uri, data, name="broken", models=[
-        {"name": name, "version": 1}, {"name": name, "version": int(v2)}]))], cwd=tmp_path)
+    out = run_cli(
+        [
+            "reeval",
+            str(
+                reeval_config(
+                    tmp_path,
+                    uri,
+                    data,
+                    name="broken",
+                    models=[{"name": name, "version": 1}, {"name": name, "version": int(v2)}],
+                )
+            ),
+        ],
+        cwd=tmp_path,
+    )
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
     assert f"{name} version {v2}: FAILED" in out.stdout and f"{name} version 1: OK" in out.stdout
     assert c.get_model_version(name, v2).tags["reeval.status"] == "failed"
@@ -322,10 +397,15 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     import boto3
 
     with s3_server(tmp_path / "s3") as (endpoint, key, secret):
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                     region_name="us-east-1").create_bucket(Bucket="reeval")
-        env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_ENDPOINT_URL": endpoint,
-               "AWS_DEFAULT_REGION": "us-east-1"}
+        boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
+        ).create_bucket(Bucket="reeval")
+        env = {
+            "AWS_ACCESS_KEY_ID": key,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
         import os
 
         old = {k: os.environ.get(k) for k in env}
@@ -338,19 +418,23 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = val
-        out = run_cli(["reeval", str(reeval_config(tmp_path, uri, s3_data, name="s3",
-                                                   models=[{"name": name, "alias": ALIAS}]))],
-                      cwd=tmp_path, extra_env=env)
+        out = run_cli(
+            ["reeval", str(reeval_config(tmp_path, uri, s3_data, name="s3", models=[{"name": name, "alias": ALIAS}]))],
+            cwd=tmp_path,
+            extra_env=env,
+        )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         assert f"{name} version 1: OK" in out.stdout
         s3_run = [r for r in search_all(c, exp, "tags.stage = 'reeval'") if r.data.tags["schedule"] == "s3"][0]
         for mode in ("concat", "separated"):
             assert s3_run.data.metrics[f"test.{mode}.map_at_r.mean"] == pytest.approx(
-                float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6)
+                float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6
+            )
 
 
 def test_every_model_of_an_experiment_resolves_and_a_dataset_without_its_test_classes_is_a_config_error(tmp_path):
-    """Fast: resolution against a sqlite store (pipelines.tracking.model_registry output of untrained fold models), before Ray."""
+    """Fast: resolution against a sqlite store (pipelines.tracking.model_registry output of untrained fold models),
+    before Ray."""
     from mlflow.tracking import MlflowClient
 
     from dml_core.splits import FoldManifest

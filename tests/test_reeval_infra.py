@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,9 @@ def test_cronjob_is_a_valid_batch_v1_cronjob():
         assert rule["action"] in ("FailJob", "Ignore", "Count", "FailIndex")
         assert rule["onExitCodes"]["containerName"] in names
     # a regression (3) and a bad config (2) fail the Job without retries; a failure (1) is retried
-    codes = {c for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob" for c in r["onExitCodes"]["values"]}
+    codes = {
+        c for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob" for c in r["onExitCodes"]["values"]
+    }
     assert codes == {2, 3}
     # every mounted volume exists; no credential literal in the manifest
     vols = {v["name"] for v in pod["volumes"]}

@@ -37,8 +37,12 @@ def test_dataset_digest_is_the_manifest_hash_or_the_generator_parameters(tmp_pat
     from pipelines.config.schema import ParquetDataset, SyntheticDataset
     from pipelines.tracking.datasets import dataset_info
 
-    a = dataset_info(SyntheticDataset(name="s", kind="synthetic", image_size=16, num_classes=8, per_class=4, seed=1), None)
-    b = dataset_info(SyntheticDataset(name="s", kind="synthetic", image_size=16, num_classes=8, per_class=4, seed=2), None)
+    a = dataset_info(
+        SyntheticDataset(name="s", kind="synthetic", image_size=16, num_classes=8, per_class=4, seed=1), None
+    )
+    b = dataset_info(
+        SyntheticDataset(name="s", kind="synthetic", image_size=16, num_classes=8, per_class=4, seed=2), None
+    )
     assert a["digest"] != b["digest"] and len(a["digest"]) == 32 and a["sha256"].startswith(a["digest"])
 
     class T:  # a ShardedTable's manifest is all the digest reads
@@ -53,8 +57,16 @@ def test_dataset_digest_is_the_manifest_hash_or_the_generator_parameters(tmp_pat
 # ------------------------------------------------------------------------------------------------ shared set-up
 
 
-def parquet_dataset(dest: Path, *, num_classes: int = 32, per_class: int = 8, image_size: int = 16,
-                    permute_test_fraction: float = 0.0, seed: int = 0, endpoint_url: str | None = None) -> str:
+def parquet_dataset(
+    dest: Path,
+    *,
+    num_classes: int = 32,
+    per_class: int = 8,
+    image_size: int = 16,
+    permute_test_fraction: float = 0.0,
+    seed: int = 0,
+    endpoint_url: str | None = None,
+) -> str:
     """Synthetic images written as parquet shards (``dmlrc data`` format) at ``dest`` (a path or s3:// URI).
 
     ``permute_test_fraction``: that fraction of the rows of the test classes (second half of the classes, as
@@ -78,10 +90,25 @@ def parquet_dataset(dest: Path, *, num_classes: int = 32, per_class: int = 8, im
         Image.fromarray(img).save(buf, format="PNG")
         return buf.getvalue()
 
-    records = [Record(f"img_{i:05d}.png", int(labels[i]), f"class_{int(labels[i]):03d}", "all",
-                      (lambda img=table.images[i]: png(img))) for i in range(len(labels))]
-    write_shards(records, str(dest), dataset="synthetic-shards", endpoint_url=endpoint_url, progress=False,
-                 row_group_rows=32, max_shard_bytes=20_000)
+    records = [
+        Record(
+            f"img_{i:05d}.png",
+            int(labels[i]),
+            f"class_{int(labels[i]):03d}",
+            "all",
+            (lambda img=table.images[i]: png(img)),
+        )
+        for i in range(len(labels))
+    ]
+    write_shards(
+        records,
+        str(dest),
+        dataset="synthetic-shards",
+        endpoint_url=endpoint_url,
+        progress=False,
+        row_group_rows=32,
+        max_shard_bytes=20_000,
+    )
     return str(dest)
 
 
@@ -92,10 +119,16 @@ def sweep_config(tmp_path: Path, tracking_uri: str, data_uri: str, *, name: str 
         "datasets": [{"name": "shapes", "kind": "parquet", "path": data_uri, "image_size": 16}],
         "losses": ["contrastive"],
         "model": {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
-        "protocol": {"trials": 1, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 2,
-                     "eval_every": 1, "patience": 1, "max_epochs": 1,
-                     "train": {"classes_per_batch": 4, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
-                               "eval_batch_size": 64}},
+        "protocol": {
+            "trials": 1,
+            "startup_trials": 1,
+            "reproductions": 2,
+            "iters_per_epoch": 2,
+            "eval_every": 1,
+            "patience": 1,
+            "max_epochs": 1,
+            "train": {"classes_per_batch": 4, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
+        },
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
         "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
         "storage": str(tmp_path / "runs"),
@@ -109,8 +142,14 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 900, extra_env: dict | No
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra_env or {})
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def run_registered_sweep(tmp_path: Path, uri: str, *, name: str = "reg") -> tuple[str, str]:
@@ -135,10 +174,11 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     from dml_core.models import build_model
     from dml_core.splits import FoldManifest
     from dml_core.train import embed
-    from pipelines.tracking.model_registry import registered_model_name
-    from pipelines.names import ALIAS, HEADLINE_METRICS as HEADLINE
-    from pipelines.tracking.runs import search_all
+    from pipelines.names import ALIAS
+    from pipelines.names import HEADLINE_METRICS as HEADLINE
     from pipelines.results.embeddings import concatenated_embeddings
+    from pipelines.tracking.model_registry import registered_model_name
+    from pipelines.tracking.runs import search_all
 
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name(experiment)
@@ -155,8 +195,10 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     assert [(d.name, d.digest) for d in ds] == [("shapes", sha[:32])]
     folds = search_all(c, exp.experiment_id, "tags.stage = 'fold'")
     assert folds and all([d.dataset.digest for d in f.inputs.dataset_inputs] == [sha[:32]] for f in folds)
-    assert "test.concat.map_at_r" in study.data.tags["mlflow.note.content"] or "map_at_r" in \
-        study.data.tags["mlflow.note.content"]
+    assert (
+        "test.concat.map_at_r" in study.data.tags["mlflow.note.content"]
+        or "map_at_r" in study.data.tags["mlflow.note.content"]
+    )
 
     name = registered_model_name(experiment, "shapes", "contrastive")
     versions = c.search_model_versions(f"name = '{name}'")
@@ -174,7 +216,8 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
         for metric in HEADLINE:
             for part in ("mean", "ci_low", "ci_high"):
                 assert float(t[f"test.{mode}.{metric}.{part}"]) == pytest.approx(
-                    study.data.metrics[f"test.{mode}.{metric}.{part}"], abs=1e-12)
+                    study.data.metrics[f"test.{mode}.{metric}.{part}"], abs=1e-12
+                )
 
     # pyfunc predict == the fold models' embeddings (fold checkpoints read back from the models/ artifacts)
     manifest = FoldManifest.from_json(Path(c.download_artifacts(study.info.run_id, "folds.json")).read_text())
@@ -196,7 +239,8 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
 
 
 def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unpickling(tmp_path):
-    """Fast: pipelines.tracking.model_registry on a sqlite store from 4 untrained fold checkpoints (no Ray cluster, no server)."""
+    """Fast: pipelines.tracking.model_registry on a sqlite store from 4 untrained fold checkpoints (no Ray cluster, no
+    server)."""
     import mlflow
     import torch
     from mlflow.tracking import MlflowClient
@@ -265,8 +309,14 @@ def test_studies_logging_the_same_new_dataset_at_once_do_not_collide(tmp_path):
     from pipelines.tracking.datasets import log_dataset_input
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    info = {"name": "synthetic", "digest": "0" * 32, "sha256": "0" * 64, "kind": "synthetic",
-            "uri": 'synthetic:{"seed": 1}', "profile": {"num_classes": 4}}
+    info = {
+        "name": "synthetic",
+        "digest": "0" * 32,
+        "sha256": "0" * 64,
+        "kind": "synthetic",
+        "uri": 'synthetic:{"seed": 1}',
+        "profile": {"num_classes": 4},
+    }
     for rnd in range(6):
         exp = client.create_experiment(f"race-{rnd}")
         runs = [client.create_run(exp).info.run_id for _ in range(4)]

@@ -26,7 +26,13 @@ def _populate(uri: str, experiment: str) -> None:
         client.log_param(study, "space.margin", "uniform(0, 1)")
         for i, v in enumerate(values):
             r = client.create_run(
-                exp_id, tags={"stage": "reproduction", "mlflow.parentRunId": study, "reproduction": str(i), "seed": str(100 + i)}
+                exp_id,
+                tags={
+                    "stage": "reproduction",
+                    "mlflow.parentRunId": study,
+                    "reproduction": str(i),
+                    "seed": str(100 + i),
+                },
             ).info.run_id
             client.log_metric(r, "test.concat.map_at_r", v)
             client.log_metric(r, "test.separated.map_at_r", v - 0.05)
@@ -70,7 +76,9 @@ def test_report_tables_chart_and_paired_test(tmp_path):
     assert "**synthetic / mpa**: margin_mpa=0.25" in md and "space.margin" not in md
     assert "margin_contrastive=0.25" in paths["html"].read_text()
     assert {s["loss"]: s["best_params"] for s in report["studies"]} == {
-        "contrastive": {"margin_contrastive": "0.25"}, "mpa": {"margin_mpa": "0.25"}}
+        "contrastive": {"margin_contrastive": "0.25"},
+        "mpa": {"margin_mpa": "0.25"},
+    }
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("sweep-x")
     (logged,) = client.search_runs([exp.experiment_id], "tags.stage = 'report'")

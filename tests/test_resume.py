@@ -82,9 +82,18 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
         "losses": ["contrastive"],
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
         # folds long enough (also warm ones, whose trials take seconds) that trial 2 still runs when the driver dies
-        "protocol": {"folds": folds, "fold_layout": "kfold", "trials": trials, "startup_trials": 1,
-                     "reproductions": 2, "iters_per_epoch": 100, "eval_every": 1, "patience": 3, "max_epochs": 3,
-                     "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3}},
+        "protocol": {
+            "folds": folds,
+            "fold_layout": "kfold",
+            "trials": trials,
+            "startup_trials": 1,
+            "reproductions": 2,
+            "iters_per_epoch": 100,
+            "eval_every": 1,
+            "patience": 3,
+            "max_epochs": 3,
+            "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3},
+        },
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_executor": executor},
         "storage": str(tmp_path / "runs"),
     }
@@ -95,8 +104,13 @@ def test_sigkilled_sweep_resumes_without_rerunning_finished_trials(tmp_path, exe
 
     log = open(tmp_path / "first.log", "wb")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp_path,
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     # Wait until trial 1 finished and trial 2 is running (its fold runs exist), then kill the driver.
     deadline = time.time() + 900
     finished: list = []

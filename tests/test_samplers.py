@@ -55,7 +55,10 @@ def test_classes_with_fewer_than_m_rows_are_drawn_with_replacement():
 
 def test_same_seed_same_batches_other_seed_or_epoch_differs():
     labels = _labels([6] * 20)
-    mk = lambda seed: MPerClassBatchSampler(labels, m=2, classes_per_batch=5, iters_per_epoch=10, seed=seed)
+
+    def mk(seed):
+        return MPerClassBatchSampler(labels, m=2, classes_per_batch=5, iters_per_epoch=10, seed=seed)
+
     a, b, c = mk(3), mk(3), mk(4)
     assert _batches(a) == _batches(b)
     assert _batches(a) == _batches(a), "re-iterating one epoch must repeat it"
@@ -86,7 +89,9 @@ def test_rank_slices_concatenate_to_the_single_process_batch(world, m, cpb):
     labels = _labels([1, 3, 4, 7, 9] * 4)
     single = MPerClassBatchSampler(labels, m=m, classes_per_batch=cpb, iters_per_epoch=12, seed=5)
     ranks = [
-        MPerClassBatchSampler(labels, m=m, classes_per_batch=cpb, iters_per_epoch=12, seed=5, num_replicas=world, rank=r)
+        MPerClassBatchSampler(
+            labels, m=m, classes_per_batch=cpb, iters_per_epoch=12, seed=5, num_replicas=world, rank=r
+        )
         for r in range(world)
     ]
     for epoch in (0, 3):

@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def tiny_sweep_config(tmp_path: Path, tracking_uri: str, *, name: str, max_epochs: int = 1,
-                      iters_per_epoch: int = 2, **resources) -> Path:
+def tiny_sweep_config(
+    tmp_path: Path, tracking_uri: str, *, name: str, max_epochs: int = 1, iters_per_epoch: int = 2, **resources
+) -> Path:
     """The smallest real sweep: 1 loss, 2 kfold folds, 1 trial + 2 reproductions, 1 gloo worker per fold."""
     doc = {
         "name": name,
@@ -35,10 +36,18 @@ def tiny_sweep_config(tmp_path: Path, tracking_uri: str, *, name: str, max_epoch
         "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 16, "per_class": 6, "image_size": 16}],
         "losses": ["contrastive"],
         "model": {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
-        "protocol": {"folds": 2, "fold_layout": "kfold", "trials": 1, "startup_trials": 1, "reproductions": 2,
-                     "iters_per_epoch": iters_per_epoch, "eval_every": 1, "patience": 1, "max_epochs": max_epochs,
-                     "train": {"classes_per_batch": 4, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
-                               "eval_batch_size": 64}},
+        "protocol": {
+            "folds": 2,
+            "fold_layout": "kfold",
+            "trials": 1,
+            "startup_trials": 1,
+            "reproductions": 2,
+            "iters_per_epoch": iters_per_epoch,
+            "eval_every": 1,
+            "patience": 1,
+            "max_epochs": max_epochs,
+            "train": {"classes_per_batch": 4, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
+        },
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, **resources},
         "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
         "storage": str(tmp_path / "runs"),
@@ -77,8 +86,8 @@ def files_containing(root: Path, needles: list[bytes]) -> list[str]:
 
 
 def _descendants(pid: int) -> set[int]:
-    import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
     import psutil
+    import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
 
     try:
         return {p.pid for p in psutil.Process(pid).children(recursive=True)} | {pid}
@@ -121,16 +130,21 @@ def test_redact_uri_hides_only_the_password():
     for same in ("http://host:5000/x", "sqlite:////tmp/a:b@c.db", "postgresql://u@h/db", "", None):
         assert redact_uri(same) == same
     # a driver error quoting the password (raw or URL-decoded) loses it too
-    assert scrub("auth failed for s3cr@t and s3cr%40t", "postgresql://alice:s3cr%40t@db/m") == \
-        "auth failed for *** and ***"
+    assert (
+        scrub("auth failed for s3cr@t and s3cr%40t", "postgresql://alice:s3cr%40t@db/m")
+        == "auth failed for *** and ***"
+    )
 
 
 def test_failure_reason_says_why_each_trial_failed():
     from pipelines.execution.interrupts import failure_reason
 
-    rows = [{"trial_id": "t1", "status": "diverged", "reason": "fold 0: loss is NaN"},
-            {"trial_id": "t2", "error": RuntimeError("fold 1: worker died")},
-            {"trial_id": "t3"}, {"trial_id": "t4"}]
+    rows = [
+        {"trial_id": "t1", "status": "diverged", "reason": "fold 0: loss is NaN"},
+        {"trial_id": "t2", "error": RuntimeError("fold 1: worker died")},
+        {"trial_id": "t3"},
+        {"trial_id": "t4"},
+    ]
     text = failure_reason(rows)
     assert "diverged: fold 0: loss is NaN [t1]" in text
     assert "RuntimeError: fold 1: worker died [t2]" in text
@@ -149,8 +163,9 @@ def test_failure_reason_unwraps_what_ray_raised_in_a_task_inside_a_trial():
     inner = ValueError("s3://b/shards/part-00000.parquet: sha256 abc does not match the manifest's def")
     fold = RayTaskError("fold", "Traceback (most recent call last):\n  ...\n", inner).as_instanceof_cause()
     trial_err = RuntimeError(f"study t1: fold 0: {error_text(fold)}")
-    wrapped = RayTaskError("\x1b[36mray::ImplicitFunc.train()\x1b[39m", "Traceback ...\n  ^^^^\n",
-                           trial_err).as_instanceof_cause()
+    wrapped = RayTaskError(
+        "\x1b[36mray::ImplicitFunc.train()\x1b[39m", "Traceback ...\n  ^^^^\n", trial_err
+    ).as_instanceof_cause()
     assert error_text(fold) == f"ValueError: {inner}"
     text = failure_reason([{"trial_id": "t1", "error": wrapped}])
     assert text == f"error: RuntimeError: study t1: fold 0: ValueError: {inner} [t1]"
@@ -162,12 +177,13 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
     config, no run (before: Ray Train retried its worker-group start-up forever).  Ray itself is stubbed here."""
     import ray
 
-    from pipelines.execution import sweep
     from pipelines.config.schema import ConfigError, parse_config
+    from pipelines.execution import sweep
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    doc = yaml.safe_load(tiny_sweep_config(tmp_path, f"sqlite:///{tmp_path / 'm.db'}", name="gpu",
-                                           use_gpu=True).read_text())
+    doc = yaml.safe_load(
+        tiny_sweep_config(tmp_path, f"sqlite:///{tmp_path / 'm.db'}", name="gpu", use_gpu=True).read_text()
+    )
     cfg = parse_config(doc)
     started = []
     monkeypatch.setattr(sweep, "start_ray", lambda cfg, address: started.append(address) or False)
@@ -193,13 +209,20 @@ def sweep_with_credentials(tmp_path_factory):
     """One tiny sweep with fake AWS credentials in its environment; its sockets sampled while it runs."""
     tmp = tmp_path_factory.mktemp("secure")
     ray_tmp = ray_tmpdir()
-    secret = {"AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
-              "AWS_SECRET_ACCESS_KEY": "fake-secret-" + secrets.token_hex(16),
-              "AWS_SESSION_TOKEN": "fake-token-" + secrets.token_hex(16)}
+    secret = {
+        "AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
+        "AWS_SECRET_ACCESS_KEY": "fake-secret-" + secrets.token_hex(16),
+        "AWS_SESSION_TOKEN": "fake-token-" + secrets.token_hex(16),
+    }
     # 2 workers per fold: the gloo connections between them are checked too
     cfg = tiny_sweep_config(tmp, f"sqlite:///{tmp / 'mlflow.db'}", name="secure", workers_per_fold=2)
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=sweep_env(ray_tmp, **secret))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=sweep_env(ray_tmp, **secret),
+    )
     sockets: set[tuple[int, str, str, int]] = set()
     import threading
 
@@ -214,8 +237,14 @@ def sweep_with_credentials(tmp_path_factory):
         proc.kill()
     rc = proc.wait(timeout=60)
     reader.join(timeout=60)
-    yield {"rc": rc, "out": b"".join(output), "tmp": tmp, "ray_tmp": Path(ray_tmp), "secret": secret,
-           "sockets": sockets}
+    yield {
+        "rc": rc,
+        "out": b"".join(output),
+        "tmp": tmp,
+        "ray_tmp": Path(ray_tmp),
+        "secret": secret,
+        "sockets": sockets,
+    }
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
@@ -232,8 +261,9 @@ def test_aws_credentials_never_reach_ray_logs_mlflow_or_the_sweep_folder(sweep_w
         assert files_containing(root, needles) == []
     assert not any(n in s["out"] for n in needles)
     # the private credentials file the sweep used while Ray ran is gone
-    leftovers = [p for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)
-                 for p in Path(d).glob("dmlrc-aws-*")]
+    leftovers = [
+        p for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d) for p in Path(d).glob("dmlrc-aws-*")
+    ]
     assert files_containing_any(leftovers, needles) == []
 
 

@@ -29,8 +29,9 @@ def s3(tmp_path_factory):
     import boto3
 
     with s3_server(tmp_path_factory.mktemp("s3")) as (endpoint, key, secret):
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
+        ).create_bucket(Bucket=BUCKET)
         yield endpoint, key, secret
 
 
@@ -47,8 +48,9 @@ def creds(s3, monkeypatch):
 def _client(endpoint, key="any-key", secret="any-secret"):
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                        region_name="us-east-1")
+    return boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
+    )
 
 
 def test_s3_server_accepts_any_keys(s3):
@@ -63,8 +65,9 @@ def test_prepare_to_s3_and_stream_back_through_the_cache(creds, tmp_path, monkey
 
     expected = make_fake_cub(tmp_path / "src", n_classes=4, per_class=5)
     dest = f"s3://{BUCKET}/datasets/cub-a"
-    m = prepare("cub200", tmp_path / "src", dest, endpoint_url=creds, progress=False, max_shard_bytes=3000,
-                row_group_rows=4)
+    m = prepare(
+        "cub200", tmp_path / "src", dest, endpoint_url=creds, progress=False, max_shard_bytes=3000, row_group_rows=4
+    )
     assert len(m["shards"]) > 1
     keys = {o["Key"] for o in _client(creds).list_objects_v2(Bucket=BUCKET, Prefix="datasets/cub-a/")["Contents"]}
     assert keys == {"datasets/cub-a/manifest.json"} | {f"datasets/cub-a/{s['path']}" for s in m["shards"]}
@@ -105,8 +108,9 @@ def test_s3_table_in_dataloader_workers_reads_the_shared_cache(creds, tmp_path):
 
     make_fake_sop(tmp_path / "src", train_classes=(1, 2, 3, 4), test_classes=(5, 6), per_class=3)
     dest = f"s3://{BUCKET}/datasets/sop"
-    m = prepare("sop", tmp_path / "src", dest, endpoint_url=creds, progress=False, max_shard_bytes=2000,
-                row_group_rows=2)
+    m = prepare(
+        "sop", tmp_path / "src", dest, endpoint_url=creds, progress=False, max_shard_bytes=2000, row_group_rows=2
+    )
     # Workers start from a pickled table: no client, no open files; each reads from the shared cache.
     t = read_parquet_manifest(dest, endpoint_url=creds, cache_dir=tmp_path / "cache")
     ds = ImageDataset(t, eval_transform(16))
@@ -120,15 +124,33 @@ def test_s3_table_in_dataloader_workers_reads_the_shared_cache(creds, tmp_path):
 
 
 def test_cli_prepare_to_s3_with_endpoint_url(creds, tmp_path, capsys):
-    from pipelines.data_cli import add_data_parser, run_data
     from test_datasets_prepare import make_fake_cars
+
+    from pipelines.data_cli import add_data_parser, run_data
 
     make_fake_cars(tmp_path / "src")
     parser = argparse.ArgumentParser(prog="dmlrc")
     add_data_parser(parser.add_subparsers(dest="command"))
     dest = f"s3://{BUCKET}/datasets/cars"
-    assert run_data(parser.parse_args(["data", "prepare", "cars196", "--src", str(tmp_path / "src"), "--dest", dest,
-                                       "--endpoint-url", creds, "--no-progress"])) == 0
+    assert (
+        run_data(
+            parser.parse_args(
+                [
+                    "data",
+                    "prepare",
+                    "cars196",
+                    "--src",
+                    str(tmp_path / "src"),
+                    "--dest",
+                    dest,
+                    "--endpoint-url",
+                    creds,
+                    "--no-progress",
+                ]
+            )
+        )
+        == 0
+    )
     assert "cars196: 12 images, 4 classes" in capsys.readouterr().out
     manifest = json.loads(_client(creds).get_object(Bucket=BUCKET, Key="datasets/cars/manifest.json")["Body"].read())
     assert manifest["dataset"] == "cars196"
@@ -149,8 +171,10 @@ def test_a_damaged_cached_copy_is_hashed_again_and_replaced(creds, tmp_path):
     assert verify_shards(dest, endpoint_url=creds, cache_dir=cache)["images"] == 12
     cached = cache / "shards" / f"{m['shards'][0]['sha256']}.parquet"
     good = cached.read_bytes()
-    for check in (lambda: read_parquet_manifest(dest, endpoint_url=creds, cache_dir=cache),
-                  lambda: verify_shards(dest, endpoint_url=creds, cache_dir=cache)):
+    for check in (
+        lambda: read_parquet_manifest(dest, endpoint_url=creds, cache_dir=cache),
+        lambda: verify_shards(dest, endpoint_url=creds, cache_dir=cache),
+    ):
         st = cached.stat()
         raw = bytearray(good)
         raw[raw.rindex(b"parquet-cpp-arrow")] ^= 0x01  # neither row checksums nor decoding would see this byte

@@ -1,4 +1,5 @@
-"""Statistics against scipy itself: sem (ddof=1), the t-interval MLRC reports (docs/protocol.md §Intervals), ttest_rel."""
+"""Statistics against scipy itself: sem (ddof=1), the t-interval MLRC reports (docs/protocol.md §Intervals),
+ttest_rel."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The sweep pipeline: fold reduction, best-trial choice, CIs (fast) and one real sweep against ``mlflow server`` (slow).
+"""The sweep pipeline: fold reduction, best-trial choice, CIs (fast) and one real sweep against ``mlflow server``
+(slow).
 
 The slow tests run ``dmlrc sweep`` in a subprocess (it starts its own local Ray) against an ``mlflow server``
 process with a sqlite backend and, when PostgreSQL answers on 127.0.0.1:5432, with a fresh PostgreSQL database;
@@ -30,8 +31,12 @@ METRICS = ("map_at_r", "r_precision", "precision_at_1")
 
 
 def _outcome(fold, status="ok", map_at_r=0.5, reason=""):
-    return {"fold": fold, "status": status, "reason": reason,
-            "best_metrics": {"map_at_r": map_at_r, "r_precision": map_at_r + 0.1, "precision_at_1": 0.9}}
+    return {
+        "fold": fold,
+        "status": status,
+        "reason": reason,
+        "best_metrics": {"map_at_r": map_at_r, "r_precision": map_at_r + 0.1, "precision_at_1": 0.9},
+    }
 
 
 def test_objective_is_the_fold_mean_with_its_sem():
@@ -46,8 +51,12 @@ def test_objective_is_the_fold_mean_with_its_sem():
 
 
 def test_a_diverged_fold_scores_the_trial_zero_and_says_why():
-    outs = [_outcome(0), _outcome(1, "diverged", reason="non-finite loss nan at iteration 7 (epoch 1)"),
-            _outcome(2), _outcome(3)]
+    outs = [
+        _outcome(0),
+        _outcome(1, "diverged", reason="non-finite loss nan at iteration 7 (epoch 1)"),
+        _outcome(2),
+        _outcome(3),
+    ]
     out = reduce_folds(outs)
     assert out["status"] == "diverged"
     assert out["val.map_at_r.mean"] == 0.0 and out["val.map_at_r.sem"] == 0.0
@@ -80,10 +89,12 @@ def test_concatenated_embedding_normalises_each_fold_model_first():
 def test_confidence_intervals_are_student_t_across_reproductions():
     from scipy import stats
 
-    from pipelines.results.study_results import ci_report, ci_table, confidence_intervals, StudySummary
+    from pipelines.results.study_results import StudySummary, ci_report, ci_table, confidence_intervals
 
-    reps = [{REPRODUCTION: i, "test_concat_map_at_r": v, "test_separated_map_at_r": v - 0.05}
-            for i, v in enumerate([0.30, 0.34, 0.32])]
+    reps = [
+        {REPRODUCTION: i, "test_concat_map_at_r": v, "test_separated_map_at_r": v - 0.05}
+        for i, v in enumerate([0.30, 0.34, 0.32])
+    ]
     ci = confidence_intervals(reps)
     lo, hi = stats.t.interval(0.95, 2, loc=0.32, scale=stats.sem([0.30, 0.34, 0.32]))
     assert ci["concat"]["map_at_r"] == pytest.approx((0.32, lo, hi))
@@ -100,8 +111,14 @@ def test_optuna_space_follows_the_tune_space_scales():
     from pipelines.config.spaces import Param
     from pipelines.execution.search import optuna_space
 
-    sp = optuna_space({"a": Param("a", 1e-6, 1.0, log=True), "k": Param("k", 1, 10, type="int"),
-                       "m": Param("m", -0.2, 2.0), "c": Param("c", type="categorical", choices=(0.05, 0.1))})
+    sp = optuna_space(
+        {
+            "a": Param("a", 1e-6, 1.0, log=True),
+            "k": Param("k", 1, 10, type="int"),
+            "m": Param("m", -0.2, 2.0),
+            "c": Param("c", type="categorical", choices=(0.05, 0.1)),
+        }
+    )
     assert sp["a"] == FloatDistribution(1e-6, 1.0, log=True)
     assert sp["k"] == IntDistribution(1, 10) and sp["m"] == FloatDistribution(-0.2, 2.0)
     assert sp["c"] == CategoricalDistribution([0.05, 0.1])
@@ -145,8 +162,10 @@ def test_trials_a_restored_search_no_longer_knows_are_ended_and_hidden(tmp_path)
 
     t = Tracker.open(f"sqlite:///{tmp_path / 'm.db'}", "exp", (tmp_path / "art").as_uri())
     study, _ = t.get_or_create({"study": "d/l", "stage": "study"})
-    runs = {tid: t.get_or_create({"stage": "trial", "trial_id": tid}, parent=study)[0]
-            for tid in ("aaaa0001", "bbbb0002", "cccc0003", "dddd0004")}
+    runs = {
+        tid: t.get_or_create({"stage": "trial", "trial_id": tid}, parent=study)[0]
+        for tid in ("aaaa0001", "bbbb0002", "cccc0003", "dddd0004")
+    }
     for tid in runs:
         t.set_tags(runs[tid], {"trial_id": tid})
     lost_fold, _ = t.get_or_create({"stage": "fold", "fold": 0}, parent=runs["bbbb0002"])
@@ -165,19 +184,27 @@ def test_trials_a_restored_search_no_longer_knows_are_ended_and_hidden(tmp_path)
 # ------------------------------------------------------------------------------------------------ the real sweep
 
 
-def _sweep_config(tmp_path: Path, tracking_uri: str, *, losses, trials, workers, concurrent, name="e2e",
-                  folds: int = 4) -> Path:
+def _sweep_config(
+    tmp_path: Path, tracking_uri: str, *, losses, trials, workers, concurrent, name="e2e", folds: int = 4
+) -> Path:
     doc = {
         "name": name,
         "seed": 3,
         "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
         "losses": losses,
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
-        "protocol": {"folds": folds, "fold_layout": "mlrc" if folds == 4 else "kfold",
-                     "trials": trials, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 4,
-                     "eval_every": 1, "patience": 1, "max_epochs": 2,
-                     "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
-                               "eval_batch_size": 64}},
+        "protocol": {
+            "folds": folds,
+            "fold_layout": "mlrc" if folds == 4 else "kfold",
+            "trials": trials,
+            "startup_trials": 1,
+            "reproductions": 2,
+            "iters_per_epoch": 4,
+            "eval_every": 1,
+            "patience": 1,
+            "max_epochs": 2,
+            "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
+        },
         "resources": {"workers_per_fold": workers, "max_concurrent_trials": concurrent},
         "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
         "storage": str(tmp_path / "runs"),
@@ -187,16 +214,33 @@ def _sweep_config(tmp_path: Path, tracking_uri: str, *, losses, trials, workers,
     return path
 
 
-def _run_cli(args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | None = None
-             ) -> subprocess.CompletedProcess:
+def _run_cli(
+    args: list[str], cwd: Path, timeout: int = 1200, extra_env: dict | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(extra_env or {})
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
-def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int, workers: int,
-                    storage: Path, name: str, tune_result=None, n_folds: int = 4) -> None:
+def _check_run_tree(
+    uri: str,
+    experiment: str,
+    *,
+    losses: list[str],
+    trials: int,
+    workers: int,
+    storage: Path,
+    name: str,
+    tune_result=None,
+    n_folds: int = 4,
+) -> None:
     """``tune_result(study, trial_id)`` reads what Tune stored for a trial (default: from local ``storage``)."""
     tune_result = tune_result or (lambda study, trial_id: _tune_result(storage, name, study, trial_id))
     import torch
@@ -232,8 +276,9 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
         assert tags["protocol"] == "mlrc" and tags["sweep"] == name and tags["done"] == "true"
         kids = children[sid]
         trial_runs = [r for r in kids if r.data.tags["stage"] == "trial"]
-        rep_runs = sorted((r for r in kids if r.data.tags["stage"] == "reproduction"),
-                          key=lambda r: int(r.data.tags["reproduction"]))
+        rep_runs = sorted(
+            (r for r in kids if r.data.tags["stage"] == "reproduction"), key=lambda r: int(r.data.tags["reproduction"])
+        )
         assert len(trial_runs) == trials and [r.data.tags["reproduction"] for r in rep_runs] == ["0", "1"]
 
         # artifacts: fold manifest, CI report, best fold models
@@ -249,7 +294,7 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
         build_model(**state["model_kwargs"]).load_state_dict(state["model"])
 
         # trials: params = sampled hyperparameters; objective = fold mean (and its SEM) of best val MAP@R
-        space_keys = {k[len("space."):] for k in study.data.params if k.startswith("space.")}
+        space_keys = {k[len("space.") :] for k in study.data.params if k.startswith("space.")}
         best_seen = -1.0
         for tr in trial_runs:
             assert set(tr.data.params) == space_keys
@@ -288,7 +333,7 @@ def _check_run_tree(uri: str, experiment: str, *, losses: list[str], trials: int
             for metric in METRICS:
                 sep = np.mean([f.data.metrics[f"test.{metric}"] for f in folds])
                 assert rep.data.metrics[f"test.separated.{metric}"] == pytest.approx(sep, abs=1e-9)
-        test_keys = {k[len("test.concat."):] for k in rep_runs[0].data.metrics if k.startswith("test.concat.")}
+        test_keys = {k[len("test.concat.") :] for k in rep_runs[0].data.metrics if k.startswith("test.concat.")}
         assert {"precision_at_1", "r_precision", "map_at_r", "recall_at_1", "ndcg_at_2"} <= test_keys
         for mode in ("concat", "separated"):
             for metric in test_keys:
@@ -331,8 +376,16 @@ def test_sweep_end_to_end_against_mlflow_server_sqlite(tmp_path):
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
         assert "mlflow ui" not in out.stdout and uri in out.stdout  # the server to browse
         assert "[synthetic/contrastive] done in" in out.stdout
-        _check_run_tree(uri, "e2e-experiment", losses=["contrastive"], trials=2, workers=2,
-                        storage=tmp_path / "runs", name="e2e", n_folds=2)
+        _check_run_tree(
+            uri,
+            "e2e-experiment",
+            losses=["contrastive"],
+            trials=2,
+            workers=2,
+            storage=tmp_path / "runs",
+            name="e2e",
+            n_folds=2,
+        )
 
 
 @pytest.mark.slow
@@ -348,12 +401,18 @@ def test_sweep_end_to_end_against_mlflow_server_postgresql(tmp_path):
         pytest.skip(f"PostgreSQL not reachable: {e}")
     try:
         with mlflow_server(tmp_path / "server", backend_uri=pg_uri) as uri:
-            cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=2, workers=1, concurrent=2,
-                                name="e2epg")
+            cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=2, workers=1, concurrent=2, name="e2epg")
             out = _run_cli(["sweep", str(cfg)], cwd=tmp_path)
             assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
-            _check_run_tree(uri, "e2epg-experiment", losses=["contrastive"], trials=2, workers=1,
-                            storage=tmp_path / "runs", name="e2epg")
+            _check_run_tree(
+                uri,
+                "e2epg-experiment",
+                losses=["contrastive"],
+                trials=2,
+                workers=1,
+                storage=tmp_path / "runs",
+                name="e2epg",
+            )
             from mlflow.tracking import MlflowClient
 
             from pipelines.tracking.runs import search_all
@@ -372,13 +431,17 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
     too (tracking DB local sqlite); nothing Ray writes lands on the local disk, and the run tree is complete."""
     import boto3
     from mlflow.tracking import MlflowClient
-
-    from pipelines.names import study_dirname
     from s3_server import s3_server
 
+    from pipelines.names import study_dirname
+
     with s3_server(tmp_path) as (endpoint, access_key, secret_key):
-        s3_env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": access_key,
-                  "AWS_SECRET_ACCESS_KEY": secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+        s3_env = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": access_key,
+            "AWS_SECRET_ACCESS_KEY": secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
         for k, v in s3_env.items():  # this process reads the artifacts back through MLflow's S3 client
             monkeypatch.setenv(k, v)
         # The sweep must choose S3-compatible checksums itself (s3_compat_env): the test does not set them.
@@ -388,8 +451,9 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
         s3.create_bucket(Bucket="sweeps")
         uri = "sqlite:///" + str(tmp_path / "tracking" / "mlflow.db")
         (tmp_path / "tracking").mkdir()
-        cfg_path = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=1, workers=1, concurrent=1,
-                                 name="s3sweep")
+        cfg_path = _sweep_config(
+            tmp_path, uri, losses=["contrastive"], trials=1, workers=1, concurrent=1, name="s3sweep"
+        )
         doc = yaml.safe_load(cfg_path.read_text())
         doc["storage"] = "s3://sweeps/team"
         cfg_path.write_text(yaml.safe_dump(doc))
@@ -398,8 +462,11 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
         assert "storage s3://sweeps/team/s3sweep/ray" in out.stdout
 
-        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="sweeps")
-                for o in page.get("Contents", [])]
+        keys = [
+            o["Key"]
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket="sweeps")
+            for o in page.get("Contents", [])
+        ]
         ray_prefix = f"team/s3sweep/ray/{study_dirname('synthetic/contrastive')}/"
         assert any(k.startswith(ray_prefix + "search/") and k.endswith("/result.json") for k in keys), keys[:50]
         fold_outcomes = [k for k in keys if k.startswith(ray_prefix + "folds/") and k.endswith("/outcome.json")]
@@ -407,10 +474,9 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
         assert not (tmp_path / "runs" / "s3sweep" / "ray").exists()  # Ray wrote nothing locally
 
         c = MlflowClient(uri)
-        study = c.search_runs([c.get_experiment_by_name("s3sweep-experiment").experiment_id],
-                              "tags.stage = 'study'")[0]
+        study = c.search_runs([c.get_experiment_by_name("s3sweep-experiment").experiment_id], "tags.stage = 'study'")[0]
         assert study.info.artifact_uri.startswith("s3://sweeps/team/s3sweep/mlartifacts/"), study.info.artifact_uri
-        art_prefix = study.info.artifact_uri[len("s3://sweeps/"):]
+        art_prefix = study.info.artifact_uri[len("s3://sweeps/") :]
         assert {f"{art_prefix}/models/fold_{k}.pt" for k in range(4)} | {f"{art_prefix}/folds.json"} <= set(keys)
 
         def tune_result_on_s3(study_key: str, trial_id: str) -> dict:
@@ -420,15 +486,27 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
             return [json.loads(line) for line in body.splitlines() if line.strip()][-1]
 
         # The whole tree (fold models and reports downloaded from S3 through MLflow) as in the local sweeps.
-        _check_run_tree(uri, "s3sweep-experiment", losses=["contrastive"], trials=1, workers=1,
-                        storage=tmp_path / "runs", name="s3sweep", tune_result=tune_result_on_s3)
+        _check_run_tree(
+            uri,
+            "s3sweep-experiment",
+            losses=["contrastive"],
+            trials=1,
+            workers=1,
+            storage=tmp_path / "runs",
+            name="s3sweep",
+            tune_result=tune_result_on_s3,
+        )
 
 
 def test_s3_compat_env_only_for_a_custom_endpoint_and_never_over_the_users_choice(monkeypatch):
     from pipelines.execution.ray_runtime import s3_compat_env
 
-    keys = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REQUEST_CHECKSUM_CALCULATION",
-            "AWS_RESPONSE_CHECKSUM_VALIDATION")
+    keys = (
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_REQUEST_CHECKSUM_CALCULATION",
+        "AWS_RESPONSE_CHECKSUM_VALIDATION",
+    )
     for k in keys:
         monkeypatch.delenv(k, raising=False)
     s3_compat_env()  # AWS itself: the SDK defaults stay
@@ -442,9 +520,8 @@ def test_s3_compat_env_only_for_a_custom_endpoint_and_never_over_the_users_choic
 
 def test_unreachable_s3_storage_is_one_error_naming_storage_before_ray_starts(tmp_path, monkeypatch, capsys):
     """A bucket nobody serves fails the sweep at once, naming ``storage``, before Ray or MLflow start."""
-    from tests.mlflow_server import free_port
-
     from pipelines.cli import main
+    from tests.mlflow_server import free_port
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
@@ -453,8 +530,15 @@ def test_unreachable_s3_storage_is_one_error_naming_storage_before_ray_starts(tm
     for k in ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION"):
         monkeypatch.delenv(k, raising=False)  # should the sweep get as far as setting them here, undone afterwards
     monkeypatch.chdir(tmp_path)
-    cfg_path = _sweep_config(tmp_path, "sqlite:///" + str(tmp_path / "m.db"), losses=["contrastive"], trials=1,
-                             workers=1, concurrent=1, name="nos3")
+    cfg_path = _sweep_config(
+        tmp_path,
+        "sqlite:///" + str(tmp_path / "m.db"),
+        losses=["contrastive"],
+        trials=1,
+        workers=1,
+        concurrent=1,
+        name="nos3",
+    )
     doc = yaml.safe_load(cfg_path.read_text())
     doc["storage"] = "s3://missing-bucket/x"
     cfg_path.write_text(yaml.safe_dump(doc))

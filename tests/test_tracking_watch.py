@@ -15,8 +15,8 @@ import time
 import pytest
 from urllib3.util.retry import Retry
 
-from pipelines.config.schema import ConfigError, parse_config
 from pipelines.config.presets import demo_config
+from pipelines.config.schema import ConfigError, parse_config
 from pipelines.tracking.outage import TrackingWatch, apply_retry_env, mlflow_retry_env
 
 

@@ -89,8 +89,15 @@ def make_model(seed=0, dim=8):
 
 def config(**kw) -> TrainConfig:
     base = dict(
-        classes_per_batch=4, m=2, iters_per_epoch=2, max_epochs=2, eval_every=1, patience=None,
-        eval_batch_size=16, seed=0, device="cpu",
+        classes_per_batch=4,
+        m=2,
+        iters_per_epoch=2,
+        max_epochs=2,
+        eval_every=1,
+        patience=None,
+        eval_batch_size=16,
+        seed=0,
+        device="cpu",
     )
     base.update(kw)
     return TrainConfig(**base)
@@ -147,7 +154,10 @@ def test_early_stopping_follows_epoch_minus_best_epoch_greater_than_patience(mon
     monkeypatch.setattr(train_mod, "_evaluate", lambda *a, **k: {"map_at_r": next(scores)})
     snapshots = {}
     model = make_model()
-    on_eval = lambda r: snapshots.__setitem__(r["epoch"], {k: v.clone() for k, v in model.state_dict().items()})
+
+    def on_eval(r):
+        snapshots[r["epoch"]] = {k: v.clone() for k, v in model.state_dict().items()}
+
     train, val = make_data()
     cfg = config(iters_per_epoch=1, max_epochs=50, eval_every=2, patience=3, trunk_lr=1e-3, embedder_lr=1e-3)
     res = train_fold(model, PairLoss(), train, val, cfg, on_eval=on_eval)
@@ -344,15 +354,28 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="train_set must expose .labels"):
         train_fold(make_model(), PairLoss(), torch.utils.data.TensorDataset(torch.zeros(4, 3)), val, config())
     with pytest.raises(ValueError, match="TrainConfig.device"):
-        train_fold(make_model(), PairLoss(), train, val, config(device="cuda:7" if not torch.cuda.is_available() else "bogus"))
+        train_fold(
+            make_model(), PairLoss(), train, val, config(device="cuda:7" if not torch.cuda.is_available() else "bogus")
+        )
     with pytest.raises(ValueError, match="classes, fewer than classes_per_batch = 9"):
         train_fold(make_model(), PairLoss(), train, val, config(classes_per_batch=9))
 
 
 # ------------------------------------------------------------------------------------ DDP
 DDP_CFG = dict(
-    classes_per_batch=8, m=4, iters_per_epoch=2, max_epochs=1, eval_every=1, optimizer="sgd", momentum=0.9,
-    trunk_lr=0.05, embedder_lr=0.05, loss_lr=0.05, weight_decay=0.0, loss_weight_decay=0.0, eval_batch_size=4,
+    classes_per_batch=8,
+    m=4,
+    iters_per_epoch=2,
+    max_epochs=1,
+    eval_every=1,
+    optimizer="sgd",
+    momentum=0.9,
+    trunk_lr=0.05,
+    embedder_lr=0.05,
+    loss_lr=0.05,
+    weight_decay=0.0,
+    loss_weight_decay=0.0,
+    eval_batch_size=4,
 )
 
 
@@ -414,10 +437,14 @@ def test_ddp_two_ranks_of_16_equal_one_process_of_32():
         for r, got in enumerate(ranks):
             got = got[name]
             assert got["status"] == single["status"] == "ok"
-            np.testing.assert_allclose(got["values"], single["values"], rtol=1e-5, atol=1e-6, err_msg=f"{name} rank {r}")
+            np.testing.assert_allclose(
+                got["values"], single["values"], rtol=1e-5, atol=1e-6, err_msg=f"{name} rank {r}"
+            )
             for k, v in single["model"].items():
                 if v.is_floating_point():
-                    torch.testing.assert_close(got["model"][k] - init[k], v - init[k], rtol=1e-5, atol=1e-5, msg=f"{name} {k}")
+                    torch.testing.assert_close(
+                        got["model"][k] - init[k], v - init[k], rtol=1e-5, atol=1e-5, msg=f"{name} {k}"
+                    )
             for k, v in single["loss"].items():
                 torch.testing.assert_close(got["loss"][k], v, rtol=1e-5, atol=1e-5, msg=f"{name} loss {k}")
             torch.testing.assert_close(got["emb"], single["emb"], rtol=1e-5, atol=1e-6)

@@ -31,8 +31,10 @@ class Killed(RuntimeError):
 def _data():
     table = synthetic(12, 6, image_size=IMAGE, seed=0)
     classes = np.unique(table.labels)
-    return (ImageDataset(table.subset(classes[:8]), train_transform(IMAGE)),
-            ImageDataset(table.subset(classes[8:]), eval_transform(IMAGE)))
+    return (
+        ImageDataset(table.subset(classes[:8]), train_transform(IMAGE)),
+        ImageDataset(table.subset(classes[8:]), eval_transform(IMAGE)),
+    )
 
 
 def _fresh(loss_name: str, init_seed: int):
@@ -43,8 +45,20 @@ def _fresh(loss_name: str, init_seed: int):
 
 
 def _config(**kw) -> TrainConfig:
-    base = dict(classes_per_batch=4, m=2, iters_per_epoch=3, max_epochs=7, eval_every=1, patience=None,
-                trunk_lr=1e-3, embedder_lr=2e-3, loss_lr=5e-2, eval_batch_size=16, seed=3, device="cpu")
+    base = dict(
+        classes_per_batch=4,
+        m=2,
+        iters_per_epoch=3,
+        max_epochs=7,
+        eval_every=1,
+        patience=None,
+        trunk_lr=1e-3,
+        embedder_lr=2e-3,
+        loss_lr=5e-2,
+        eval_batch_size=16,
+        seed=3,
+        device="cpu",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -68,16 +82,23 @@ def _run(loss_name, config, ckpt_dir=None, kill_after=None, resume=False):
             raise Killed(f"killed after checkpoint {kill_after}")
 
     state = store.load() if resume else None
-    res = train_fold(model, loss, train, val, config, on_checkpoint=on_checkpoint if store else None,
-                     resume_state=state)
+    res = train_fold(
+        model, loss, train, val, config, on_checkpoint=on_checkpoint if store else None, resume_state=state
+    )
     return res, model, loss, saved
 
 
 def _assert_identical(a, b):
     res_a, model_a, loss_a = a
     res_b, model_b, loss_b = b
-    assert (res_a.status, res_a.reason, res_a.best_epoch, res_a.iterations, res_a.epochs, res_a.stopped_early) == \
-        (res_b.status, res_b.reason, res_b.best_epoch, res_b.iterations, res_b.epochs, res_b.stopped_early)
+    assert (res_a.status, res_a.reason, res_a.best_epoch, res_a.iterations, res_a.epochs, res_a.stopped_early) == (
+        res_b.status,
+        res_b.reason,
+        res_b.best_epoch,
+        res_b.iterations,
+        res_b.epochs,
+        res_b.stopped_early,
+    )
     assert res_a.best_metrics == res_b.best_metrics
     assert _comparable(res_a.history) == _comparable(res_b.history)
     for mod_a, mod_b in ((model_a, model_b), (loss_a, loss_b)):
@@ -175,9 +196,12 @@ def _ddp_resume_worker(rank: int, world: int, path: str):
     got = _run_with(config, resume_state=load_state(path), init_seed=99)
     out = {}
     for name, (res, model, loss) in (("ref", ref), ("got", got)):
-        out[name] = dict(model={k: v.clone() for k, v in model.state_dict().items()},
-                         loss={k: v.clone() for k, v in loss.state_dict().items()},
-                         history=_comparable(res.history), best=res.best_metrics)
+        out[name] = dict(
+            model={k: v.clone() for k, v in model.state_dict().items()},
+            loss={k: v.clone() for k, v in loss.state_dict().items()},
+            history=_comparable(res.history),
+            best=res.best_metrics,
+        )
     return out
 
 
@@ -202,8 +226,8 @@ def test_ddp_ranks_resume_at_the_same_iteration_with_their_own_rng_streams(tmp_p
 
 
 def test_fold_checkpoints_count_restarts_and_survive_storage_trouble(tmp_path, capsys):
-    """pipelines.execution.fold's use of a checkpoint directory: attempts, resumed_from and redone iterations across starts;
-    a state that cannot be stored is a warning, not the end of the fold."""
+    """pipelines.execution.fold's use of a checkpoint directory: attempts, resumed_from and redone iterations across
+    starts; a state that cannot be stored is a warning, not the end of the fold."""
     from pipelines.execution.fold import _Checkpoints
 
     uri = str(tmp_path / "ckpt")

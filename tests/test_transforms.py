@@ -30,13 +30,20 @@ def _ref_tail():
 
 
 def _ref_train(size):
-    return v2.Compose([_RefToRGB(), v2.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), antialias=True),
-                       v2.RandomHorizontalFlip(0.5), *_ref_tail()])
+    return v2.Compose(
+        [
+            _RefToRGB(),
+            v2.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), antialias=True),
+            v2.RandomHorizontalFlip(0.5),
+            *_ref_tail(),
+        ]
+    )
 
 
 def _ref_eval(size):
-    return v2.Compose([_RefToRGB(), v2.Resize(round(size * 256 / 227), antialias=True), v2.CenterCrop(size),
-                       *_ref_tail()])
+    return v2.Compose(
+        [_RefToRGB(), v2.Resize(round(size * 256 / 227), antialias=True), v2.CenterCrop(size), *_ref_tail()]
+    )
 
 
 def _image(rng, h, w, mode="RGB"):
@@ -155,11 +162,17 @@ def test_bninception_preprocessing_gives_bgr_0_255_mean_subtracted_like_torchvis
 
     rng = np.random.default_rng(size + 1)
     ours_train, ours_eval = train_transform(size, preprocessing=pre), eval_transform(size, preprocessing=pre)
-    ref_train = v2.Compose([_RefToRGB(), v2.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3),
-                                                               antialias=True),
-                            v2.RandomHorizontalFlip(0.5), *_ref_tail_for(pre)])
-    ref_eval = v2.Compose([_RefToRGB(), v2.Resize(round(size * 256 / 227), antialias=True), v2.CenterCrop(size),
-                           *_ref_tail_for(pre)])
+    ref_train = v2.Compose(
+        [
+            _RefToRGB(),
+            v2.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3), antialias=True),
+            v2.RandomHorizontalFlip(0.5),
+            *_ref_tail_for(pre),
+        ]
+    )
+    ref_eval = v2.Compose(
+        [_RefToRGB(), v2.Resize(round(size * 256 / 227), antialias=True), v2.CenterCrop(size), *_ref_tail_for(pre)]
+    )
     for k, (h, w) in enumerate(SHAPES):
         img = _image(rng, h, w, "L" if k == 3 else "RGB")
         for seed in range(3):
@@ -172,8 +185,7 @@ def test_bninception_preprocessing_gives_bgr_0_255_mean_subtracted_like_torchvis
     # by hand: the eval crop of a solid colour is that colour, BGR, in 0-255 minus (104, 117, 128)
     solid = Image.new("RGB", (40, 50), (200, 100, 10))
     out = ours_eval(solid)
-    torch.testing.assert_close(out[:, 0, 0], torch.tensor([10 - 104.0, 100 - 117.0, 200 - 128.0]), rtol=0,
-                               atol=1e-4)
+    torch.testing.assert_close(out[:, 0, 0], torch.tensor([10 - 104.0, 100 - 117.0, 200 - 128.0]), rtol=0, atol=1e-4)
     assert "BGR x255 mean=(104, 117, 128) std=(1, 1, 1)" in repr(ours_eval)
 
 
@@ -208,8 +220,10 @@ def test_transforms_with_preprocessing_pickle_for_dataloader_workers():
     from dml_core.trunks import BNINCEPTION_PREPROCESSING
 
     img = _image(np.random.default_rng(2), 40, 40)
-    for tf in (train_transform(16, preprocessing=BNINCEPTION_PREPROCESSING),
-               eval_transform(16, preprocessing=BNINCEPTION_PREPROCESSING.as_dict())):
+    for tf in (
+        train_transform(16, preprocessing=BNINCEPTION_PREPROCESSING),
+        eval_transform(16, preprocessing=BNINCEPTION_PREPROCESSING.as_dict()),
+    ):
         clone = pickle.loads(pickle.dumps(tf))
         assert clone.preprocessing == BNINCEPTION_PREPROCESSING
         torch.manual_seed(0)

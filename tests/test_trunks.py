@@ -19,8 +19,17 @@ from torch import nn
 
 from dml_core.models import TRUNKS, EmbeddingModel, build_model
 from dml_core.plugins import PluginDistribution
-from dml_core.trunks import (BNINCEPTION_PREPROCESSING, ENTRY_POINT_GROUP, IMAGENET_PREPROCESSING, BNInception,
-                             Preprocessing, check_trunk, list_trunks, resolve_trunk, trunk_preprocessing)
+from dml_core.trunks import (
+    BNINCEPTION_PREPROCESSING,
+    ENTRY_POINT_GROUP,
+    IMAGENET_PREPROCESSING,
+    BNInception,
+    Preprocessing,
+    check_trunk,
+    list_trunks,
+    resolve_trunk,
+    trunk_preprocessing,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -48,7 +57,8 @@ def _randomise_batchnorm(model: nn.Module, seed: int) -> None:
 
 def _pretrainedmodels_bninception(seed: int = 0) -> nn.Module:
     pretrainedmodels = pytest.importorskip(
-        "pretrainedmodels", reason="pretrainedmodels (the oracle for BN-Inception) is not installed")
+        "pretrainedmodels", reason="pretrainedmodels (the oracle for BN-Inception) is not installed"
+    )
     torch.manual_seed(seed)
     ref = pretrainedmodels.bninception(num_classes=1000, pretrained=None)
     _randomise_batchnorm(ref, seed)
@@ -101,14 +111,20 @@ def test_bninception_embedding_model_loads_the_pretrainedmodels_state_dict_as_is
 def test_bninception_rejects_another_state_dict_naming_the_entries(tmp_path):
     path = tmp_path / "resnet.pth"
     torch.save(EmbeddingModel("tiny").trunk.state_dict(), path)
-    with pytest.raises(ValueError, match=r"resnet\.pth.*does not match trunk 'bninception': 414 missing entries "
-                                         r"\['conv1_7x7_s2.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"resnet\.pth.*does not match trunk 'bninception': 414 missing entries "
+        r"\['conv1_7x7_s2.weight'",
+    ):
         EmbeddingModel("bninception", pretrained=path)
     sd = BNInception().state_dict()
     sd["conv1_7x7_s2_bn.weight"] = torch.ones(1, 64)  # the (1, C) BN tensors of the Caffe-era TSN file
     torch.save(sd, path)
-    with pytest.raises(ValueError, match=r"1 entries of another shape \['conv1_7x7_s2_bn.weight \(1, 64\) "
-                                         r"\(trunk: \(64,\)\)'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 entries of another shape \['conv1_7x7_s2_bn.weight \(1, 64\) "
+        r"\(trunk: \(64,\)\)'\]",
+    ):
         EmbeddingModel("bninception", pretrained=path)
 
 
@@ -116,8 +132,12 @@ def test_bninception_is_a_builtin_trunk_with_bgr_0_255_preprocessing():
     assert "bninception" in TRUNKS
     pre = trunk_preprocessing("bninception")
     assert pre is BNINCEPTION_PREPROCESSING
-    assert (pre.channel_order, pre.value_scale, pre.mean, pre.std) == ("BGR", 255.0, (104.0, 117.0, 128.0),
-                                                                       (1.0, 1.0, 1.0))
+    assert (pre.channel_order, pre.value_scale, pre.mean, pre.std) == (
+        "BGR",
+        255.0,
+        (104.0, 117.0, 128.0),
+        (1.0, 1.0, 1.0),
+    )
     model = EmbeddingModel("bninception", pooling="avg+max", embedding_dim=16)
     assert model.preprocessing == pre and model.feature_dim == 1024
     bns = [m for m in model.trunk.modules() if isinstance(m, nn.BatchNorm2d)]
@@ -130,7 +150,12 @@ def test_builtin_trunk_preprocessing_is_imagenet():
         assert trunk_preprocessing(name) == IMAGENET_PREPROCESSING
     tiny = trunk_preprocessing("tiny")
     assert (tiny.mean, tiny.std, tiny.value_scale, tiny.channel_order, tiny.input_size) == (
-        IMAGENET_PREPROCESSING.mean, IMAGENET_PREPROCESSING.std, 1.0, "RGB", None)
+        IMAGENET_PREPROCESSING.mean,
+        IMAGENET_PREPROCESSING.std,
+        1.0,
+        "RGB",
+        None,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -183,8 +208,11 @@ def test_timm_token_model_gives_timms_pooled_pre_logits_and_only_avg_pooling(tim
     with torch.no_grad():
         torch.testing.assert_close(model.pooled_features(x), ref.forward_head(ref.forward_features(x), pre_logits=True))
     assert model.trunk.layout == "pooled" and model.feature_dim == ref.num_features
-    with pytest.raises(ValueError, match=r"trunk 'timm:test_vit' gives pooled features.*only pooling 'avg' applies, "
-                                         r"got 'gem'"):
+    with pytest.raises(
+        ValueError,
+        match=r"trunk 'timm:test_vit' gives pooled features.*only pooling 'avg' applies, "
+        r"got 'gem'",
+    ):
         EmbeddingModel("timm:test_vit", pooling="gem")
 
 
@@ -207,11 +235,13 @@ def test_timm_nhwc_feature_maps_are_permuted(timm):
 def test_timm_preprocessing_comes_from_the_pretrained_cfg(timm):
     cfg = timm.models.get_pretrained_cfg("test_resnet")
     pre = trunk_preprocessing("timm:test_resnet")
-    assert pre == Preprocessing(mean=cfg.mean, std=cfg.std, input_size=cfg.input_size,
-                                interpolation=cfg.interpolation, crop_pct=cfg.crop_pct)
+    assert pre == Preprocessing(
+        mean=cfg.mean, std=cfg.std, input_size=cfg.input_size, interpolation=cfg.interpolation, crop_pct=cfg.crop_pct
+    )
     assert pre.input_size == (160, 160) and pre.channel_order == "RGB" and pre.value_scale == 1.0
     assert trunk_preprocessing("timm:resnet10t.c3_in1k").input_size == tuple(
-        timm.models.get_pretrained_cfg("resnet10t.c3_in1k").input_size[1:])
+        timm.models.get_pretrained_cfg("resnet10t.c3_in1k").input_size[1:]
+    )
 
 
 def test_timm_pretrained_file_loads_without_the_classifier(timm, tmp_path):
@@ -236,14 +266,20 @@ def test_timm_pretrained_file_loads_without_the_classifier(timm, tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
     # another architecture's file: the first missing and unexpected entries are named
     torch.save(timm.create_model("test_efficientnet", pretrained=False).state_dict(), path)
-    with pytest.raises(ValueError, match=r"does not match trunk 'timm:test_resnet': \d+ missing entries "
-                                         r"\['conv1\.0\.weight'.*unexpected entries \['conv_stem\.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not match trunk 'timm:test_resnet': \d+ missing entries "
+        r"\['conv1\.0\.weight'.*unexpected entries \['conv_stem\.weight'",
+    ):
         EmbeddingModel("timm:test_resnet", pretrained=path)
 
 
 def test_timm_bad_names_are_value_errors_naming_them(timm):
-    with pytest.raises(ValueError, match=r"trunk 'timm:resnet5O': timm has no model 'resnet5O'.*close names: "
-                                         r"\['resnet50'"):
+    with pytest.raises(
+        ValueError,
+        match=r"trunk 'timm:resnet5O': timm has no model 'resnet5O'.*close names: "
+        r"\['resnet50'",
+    ):
         resolve_trunk("timm:resnet5O")
     with pytest.raises(ValueError, match=r"trunk 'timm:test_resnet\.nope': Invalid pretrained tag \(nope\)"):
         check_trunk("timm:test_resnet.nope")
@@ -340,8 +376,11 @@ def test_import_path_trunk_pretrained_weights(plugin, tmp_path):
     assert trunk.given == str(path) and torch.equal(trunk.conv.weight, state["conv.weight"])
     assert EmbeddingModel(f"{plugin}:with_weights").trunk.given is None
     torch.save({"conv.weight": state["conv.weight"]}, path)
-    with pytest.raises(ValueError, match=r"does not match trunk 'dmlrc_test_plugin:Trunk': \d+ missing entries "
-                                         r"\['conv\.bias'"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not match trunk 'dmlrc_test_plugin:Trunk': \d+ missing entries "
+        r"\['conv\.bias'",
+    ):
         EmbeddingModel(f"{plugin}:Trunk", pretrained=path)
 
 
@@ -359,7 +398,7 @@ _BROKEN = {
     "raises_on_import": "import os\n\nraise RuntimeError('plugin is broken')\n",
     "bad_syntax": "x = 1\ndef f(:\n    pass\n",
     "missing_dependency": "import dmlrc_no_such_package_xyz\n",
-    "shapes": textwrap.dedent('''
+    "shapes": textwrap.dedent("""
         from torch import nn
 
         NOT_CALLABLE = 3
@@ -396,14 +435,16 @@ _BROKEN = {
         class BadPreprocessing(nn.Module):
             feature_dim = 3
             preprocessing = {"channel_order": "RGBA"}
-    '''),
+    """),
 }
 
 
 @pytest.fixture
 def broken(tmp_path, monkeypatch):
-    paths = {name: _write_module(tmp_path / "broken", f"dmlrc_broken_{name}", src, monkeypatch)
-             for name, src in _BROKEN.items()}
+    paths = {
+        name: _write_module(tmp_path / "broken", f"dmlrc_broken_{name}", src, monkeypatch)
+        for name, src in _BROKEN.items()
+    }
     yield paths
     for name in _BROKEN:
         sys.modules.pop(f"dmlrc_broken_{name}", None)
@@ -422,17 +463,26 @@ def test_plugin_that_fails_to_import_names_its_error_and_where(broken):
     assert "cannot import module 'dmlrc_no_such_module_abc'" in str(err) and "raised at" not in str(err)
 
 
-@pytest.mark.parametrize("attr, message", [
-    ("nope", r"'dmlrc_broken_shapes' has no attribute 'nope'"),
-    ("BadPreprocessing.nope", r"'dmlrc_broken_shapes:BadPreprocessing' has no attribute 'nope'"),
-    ("NOT_CALLABLE", r"dmlrc_broken_shapes:NOT_CALLABLE is a int, not a callable"),
-    ("needs_args", r"must be callable without arguments \(pretrained= aside\), but it requires \['depth'\]"),
-    ("returns_dict", r"dmlrc_broken_shapes:returns_dict\(\) returned a dict, not a torch.nn.Module"),
-    ("no_feature_dim", r"returned a Conv2d without an int feature_dim \(or num_features\) attribute"),
-    ("bool_feature_dim", r"returned a module whose feature_dim is True, not a positive int"),
-    ("raises", r"dmlrc_broken_shapes:raises\(\) raised KeyError: 'layer4' \(raised at .*dmlrc_broken_shapes.py:LINE\)"),
-    ("BadPreprocessing", r"dmlrc_broken_shapes:BadPreprocessing.preprocessing: Preprocessing.channel_order must be"),
-])
+@pytest.mark.parametrize(
+    "attr, message",
+    [
+        ("nope", r"'dmlrc_broken_shapes' has no attribute 'nope'"),
+        ("BadPreprocessing.nope", r"'dmlrc_broken_shapes:BadPreprocessing' has no attribute 'nope'"),
+        ("NOT_CALLABLE", r"dmlrc_broken_shapes:NOT_CALLABLE is a int, not a callable"),
+        ("needs_args", r"must be callable without arguments \(pretrained= aside\), but it requires \['depth'\]"),
+        ("returns_dict", r"dmlrc_broken_shapes:returns_dict\(\) returned a dict, not a torch.nn.Module"),
+        ("no_feature_dim", r"returned a Conv2d without an int feature_dim \(or num_features\) attribute"),
+        ("bool_feature_dim", r"returned a module whose feature_dim is True, not a positive int"),
+        (
+            "raises",
+            r"dmlrc_broken_shapes:raises\(\) raised KeyError: 'layer4' \(raised at .*dmlrc_broken_shapes.py:LINE\)",
+        ),
+        (
+            "BadPreprocessing",
+            r"dmlrc_broken_shapes:BadPreprocessing.preprocessing: Preprocessing.channel_order must be",
+        ),
+    ],
+)
 def test_plugin_contract_violations_are_one_line_value_errors(broken, attr, message):
     err = _error(f"dmlrc_broken_shapes:{attr}")
     assert str(err).startswith(f"trunk 'dmlrc_broken_shapes:{attr}'")
@@ -442,8 +492,11 @@ def test_plugin_contract_violations_are_one_line_value_errors(broken, attr, mess
 
 def test_plugin_whose_feature_dim_is_wrong_fails_at_the_first_forward(broken):
     model = EmbeddingModel("dmlrc_broken_shapes:wrong_dim")
-    with pytest.raises(ValueError, match=r"trunk 'dmlrc_broken_shapes:wrong_dim' returned shape \(2, 4, 8, 8\), "
-                                         r"expected a \(B, 7, H, W\) feature map"):
+    with pytest.raises(
+        ValueError,
+        match=r"trunk 'dmlrc_broken_shapes:wrong_dim' returned shape \(2, 4, 8, 8\), "
+        r"expected a \(B, 7, H, W\) feature map",
+    ):
         model(_images(2, 8))
 
 
@@ -502,8 +555,9 @@ def test_entry_point_exported_by_two_distributions_names_both(site):
 def test_entry_point_named_like_a_builtin_trunk_is_refused(site):
     _install_dist(site, "dmlrc-shadow", "0.1", {"resnet18": "dmlrc_ep_plugin:Trunk"})
     err = _error("resnet18")
-    assert ("the entry point 'resnet18' of 'dmlrc-shadow 0.1' (dmlrc_ep_plugin:Trunk)" in str(err)
-            and "clashes with the built-in trunk 'resnet18'" in str(err))
+    assert "the entry point 'resnet18' of 'dmlrc-shadow 0.1' (dmlrc_ep_plugin:Trunk)" in str(
+        err
+    ) and "clashes with the built-in trunk 'resnet18'" in str(err)
     assert "dmlrc_ep_plugin" not in sys.modules
 
 
@@ -538,16 +592,28 @@ def test_spec_names_the_distribution_a_registered_model_must_require(site, plugi
 
 
 def test_preprocessing_validates_and_round_trips():
-    pre = Preprocessing.coerce({"mean": [104, 117, 128], "std": [1, 1, 1], "value_scale": 255,
-                                "channel_order": "bgr", "input_size": [3, 224, 224]})
+    pre = Preprocessing.coerce(
+        {
+            "mean": [104, 117, 128],
+            "std": [1, 1, 1],
+            "value_scale": 255,
+            "channel_order": "bgr",
+            "input_size": [3, 224, 224],
+        }
+    )
     assert pre == BNINCEPTION_PREPROCESSING
     assert Preprocessing(**pre.as_dict()) == pre and json.loads(json.dumps(pre.as_dict())) == pre.as_dict()
     assert Preprocessing.coerce(None) is IMAGENET_PREPROCESSING
-    for bad, message in [({"value_scale": 2}, "value_scale must be 1.0"), ({"channel_order": "RGBA"}, "'RGB' or"),
-                         ({"mean": [1, 2]}, "mean must be 3 finite numbers"), ({"std": [1, 0, 1]}, "positive"),
-                         ({"crop_pct": 0}, r"crop_pct must be in \(0, 1\]"), ({"input_size": (0, 3)}, "input_size"),
-                         ({"interpolation": "cubic"}, "interpolation must be one of"),
-                         ({"colour": "RGB"}, r"unknown Preprocessing field\(s\) \['colour'\]")]:
+    for bad, message in [
+        ({"value_scale": 2}, "value_scale must be 1.0"),
+        ({"channel_order": "RGBA"}, "'RGB' or"),
+        ({"mean": [1, 2]}, "mean must be 3 finite numbers"),
+        ({"std": [1, 0, 1]}, "positive"),
+        ({"crop_pct": 0}, r"crop_pct must be in \(0, 1\]"),
+        ({"input_size": (0, 3)}, "input_size"),
+        ({"interpolation": "cubic"}, "interpolation must be one of"),
+        ({"colour": "RGB"}, r"unknown Preprocessing field\(s\) \['colour'\]"),
+    ]:
         with pytest.raises(ValueError, match=message):
             Preprocessing.coerce(bad)
     with pytest.raises(ValueError, match="must be a dml_core.trunks.Preprocessing or a dict"):
@@ -567,8 +633,9 @@ def s3(tmp_path_factory):
     import boto3
 
     with s3_server(tmp_path_factory.mktemp("s3")) as (endpoint, key, secret):
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
-                     region_name="us-east-1").create_bucket(Bucket="weights")
+        boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
+        ).create_bucket(Bucket="weights")
         yield endpoint, key, secret
 
 
@@ -609,8 +676,7 @@ def test_resolving_and_building_bninception_loads_neither_timm_nor_torchvision()
         print(json.dumps(sorted(m for m in ("timm", "torchvision", "pretrainedmodels") if m in sys.modules)))
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
@@ -621,5 +687,6 @@ def test_shared_plugin_machinery_imports_neither_losses_nor_trunks():
 
     tree = ast.parse((ROOT / "dml_core" / "plugins.py").read_text(encoding="utf-8"))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
     assert not {m for m in imported if m and m.split(".")[0] == "dml_core"}, imported

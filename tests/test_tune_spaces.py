@@ -69,7 +69,9 @@ def test_malformed_file_errors_name_file_and_field(tmp_path):
     (tmp_path / "bad.yaml").write_text("loss: triplet\nspace:\n  margin: {low: 0.0, hi: 1.0}\n")
     with pytest.raises(SpaceError, match=r"unknown key\(s\) \['hi'\]"):
         all_spaces(tmp_path)
-    (tmp_path / "bad.yaml").write_text("loss: triplet\nspace:\n  margin: {low: 0.0, high: 1.0}\npaper_defaults:\n  margin: 5\n")
+    (tmp_path / "bad.yaml").write_text(
+        "loss: triplet\nspace:\n  margin: {low: 0.0, high: 1.0}\npaper_defaults:\n  margin: 5\n"
+    )
     with pytest.raises(SpaceError, match=r"paper_defaults.margin: 5 is outside"):
         all_spaces(tmp_path)
     (tmp_path / "bad.yaml").unlink()
@@ -116,7 +118,7 @@ def uncited_defaults(text: str, root: Path = ROOT) -> list[str]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("paper_defaults:"))
     bad, above = [], ""
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith(" "):
             break
         if line.strip().startswith("#"):
@@ -137,22 +139,27 @@ def test_every_paper_default_is_commented_with_its_source():
         assert not bad, f"{space.path.name}: paper_defaults lines without a followable source: {bad}"
 
 
-@pytest.mark.parametrize("comment,ok", [
-    ("MPA paper §4.2: delta = 0.1 in Eqs. 7, 13, 17", True),
-    ("SEC paper App. B.1, Table 7: MS, CUB200", True),
-    ("MLRC optimum on CUB200 (docs/protocol.md §Baseline optima)", True),
-    ("official code, CUB (docs/losses/group_loss.md §Settings)", True),
-    ("MLRC optimum on CUB200", False),                          # no place to look it up
-    ("§2", False),                                              # a section of what?
-    ("docs/nowhere.md §1", False),                              # a page that does not exist
-    ("spec §2: K = 10 (MPA paper §4.2)", False),                # also cites notes outside the repository
-    ("protocol_reality_check.md §4, CUB200 column", False),
-])
+@pytest.mark.parametrize(
+    "comment,ok",
+    [
+        ("MPA paper §4.2: delta = 0.1 in Eqs. 7, 13, 17", True),
+        ("SEC paper App. B.1, Table 7: MS, CUB200", True),
+        ("MLRC optimum on CUB200 (docs/protocol.md §Baseline optima)", True),
+        ("official code, CUB (docs/losses/group_loss.md §Settings)", True),
+        ("MLRC optimum on CUB200", False),  # no place to look it up
+        ("§2", False),  # a section of what?
+        ("docs/nowhere.md §1", False),  # a page that does not exist
+        ("spec §2: K = 10 (MPA paper §4.2)", False),  # also cites notes outside the repository
+        ("protocol_reality_check.md §4, CUB200 column", False),
+    ],
+)
 def test_source_rule(comment, ok):
     assert source_cited(comment) is ok
 
 
 def test_a_default_without_its_source_is_reported():
-    text = ("loss: x\nspace:\n  a: {low: 0, high: 1}\n  b: {low: 0, high: 1}\npaper_defaults:\n"
-            "  # MPA paper §4.2\n  a: 0.1\n  b: 0.2   # the usual value\n")
+    text = (
+        "loss: x\nspace:\n  a: {low: 0, high: 1}\n  b: {low: 0, high: 1}\npaper_defaults:\n"
+        "  # MPA paper §4.2\n  a: 0.1\n  b: 0.2   # the usual value\n"
+    )
     assert uncited_defaults(text) == ["b: 0.2   # the usual value"]

@@ -1,5 +1,5 @@
-"""Study visuals (pipelines.results.visuals): gallery, per-class metrics, embedding map, and their report page (fast: no Ray
-cluster, no server; MLflow on a sqlite file)."""
+"""Study visuals (pipelines.results.visuals): gallery, per-class metrics, embedding map, and their report page (fast: no
+Ray cluster, no server; MLflow on a sqlite file)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,16 @@ from dml_core.data import synthetic
 from dml_core.metrics import retrieval_metrics
 from dml_core.stats import confidence_interval
 from pipelines.names import HEADLINE_METRICS as METRICS
-from pipelines.results.visuals import (VisualSettings, build_visuals, confusions, gallery_queries, log_study_visuals,
-                               map_sample, pca_2d, table_rows)
+from pipelines.results.visuals import (
+    VisualSettings,
+    build_visuals,
+    confusions,
+    gallery_queries,
+    log_study_visuals,
+    map_sample,
+    pca_2d,
+    table_rows,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +99,9 @@ def test_per_class_metrics_average_back_to_the_global_ones(setup):
     assert worst["map_at_r"] == min(c["map_at_r"] for c in classes)
     assert v.per_class["worst"][0] == worst["label"]
     csv_rows = v.per_class_csv().splitlines()
-    assert csv_rows[0].startswith("label,class_name,queries,precision_at_1,r_precision,map_at_r") and len(csv_rows) == 16
+    assert (
+        csv_rows[0].startswith("label,class_name,queries,precision_at_1,r_precision,map_at_r") and len(csv_rows) == 16
+    )
 
 
 def test_confusions_count_other_classes_within_r():
@@ -142,14 +152,18 @@ def _fake_study(tmp_path: Path, table, test_classes, emb: np.ndarray, labels: np
     for k in range(4):
         d = tmp_path / f"{loss}-fold{k}"
         d.mkdir()
-        np.save(d / "test_embeddings.npy", emb[:, 3 * k:3 * k + 3])
+        np.save(d / "test_embeddings.npy", emb[:, 3 * k : 3 * k + 3])
         np.save(d / "test_labels.npy", labels)
         ckpts.append(str(d))
-    plan = types.SimpleNamespace(key=f"synthetic/{loss}", dataset=types.SimpleNamespace(
-        table=table, manifest=types.SimpleNamespace(test_classes=tuple(test_classes))))
+    plan = types.SimpleNamespace(
+        key=f"synthetic/{loss}",
+        dataset=types.SimpleNamespace(table=table, manifest=types.SimpleNamespace(test_classes=tuple(test_classes))),
+    )
     from pipelines.results.embeddings import concatenated_embeddings
 
-    concat = retrieval_metrics(concatenated_embeddings([emb[:, 3 * k:3 * k + 3] for k in range(4)]), labels, nmi=False)
+    concat = retrieval_metrics(
+        concatenated_embeddings([emb[:, 3 * k : 3 * k + 3] for k in range(4)]), labels, nmi=False
+    )
     return plan, [{"fold_checkpoints": ckpts, "test_concat_map_at_r": concat["map_at_r"]}]
 
 
@@ -167,8 +181,10 @@ def _populate(tmp_path: Path, uri: str):
         seconds = log_study_visuals(t, run_id, plan, reps)
         assert seconds is not None and seconds > 0
         mean, lo, hi = confidence_interval([0.3, 0.32] if loss == "contrastive" else [0.5, 0.52])
-        t.log_metrics(run_id, {"test.concat.map_at_r.mean": mean, "test.concat.map_at_r.ci_low": lo,
-                               "test.concat.map_at_r.ci_high": hi})
+        t.log_metrics(
+            run_id,
+            {"test.concat.map_at_r.mean": mean, "test.concat.map_at_r.ci_low": lo, "test.concat.map_at_r.ci_high": hi},
+        )
         t.finish(run_id)
         runs[loss] = run_id
     return t, runs
@@ -183,13 +199,25 @@ def test_study_visuals_are_logged_and_the_report_puts_losses_side_by_side(tmp_pa
     galleries = {}
     for loss, run_id in runs.items():
         names = {a.path for a in c.list_artifacts(run_id, "visuals")}
-        assert names == {f"visuals/{n}" for n in ("gallery.png", "gallery.json", "per_class.csv", "per_class.json",
-                                                   "embedding_map.png", "embedding_map.json")}
-        galleries[loss] = json.loads(Path(c.download_artifacts(run_id, "visuals/gallery.json", str(tmp_path))).read_text())
+        assert names == {
+            f"visuals/{n}"
+            for n in (
+                "gallery.png",
+                "gallery.json",
+                "per_class.csv",
+                "per_class.json",
+                "embedding_map.png",
+                "embedding_map.json",
+            )
+        }
+        galleries[loss] = json.loads(
+            Path(c.download_artifacts(run_id, "visuals/gallery.json", str(tmp_path))).read_text()
+        )
         assert c.get_run(run_id).data.metrics["visuals.seconds"] > 0
         assert "visuals.error" not in c.get_run(run_id).data.tags
-    assert [q["table_row"] for q in galleries["mpa"]["queries"]] == \
-        [q["table_row"] for q in galleries["contrastive"]["queries"]]
+    assert [q["table_row"] for q in galleries["mpa"]["queries"]] == [
+        q["table_row"] for q in galleries["contrastive"]["queries"]
+    ]
 
     paths = write_report(uri, "viz", tmp_path / "report", log_to_mlflow=False)
     page = paths["html"].read_text()

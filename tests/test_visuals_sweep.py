@@ -18,21 +18,27 @@ import yaml
 pytestmark = pytest.mark.slow
 
 LOSSES = ["contrastive", "ntxent"]
-VISUALS = {"gallery.png", "gallery.json", "per_class.csv", "per_class.json", "embedding_map.png",
-           "embedding_map.json"}
+VISUALS = {"gallery.png", "gallery.json", "per_class.csv", "per_class.json", "embedding_map.png", "embedding_map.json"}
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _config(tmp: Path, uri: str) -> Path:
     doc = {
-        "name": "viz", "seed": 3,
+        "name": "viz",
+        "seed": 3,
         "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
         "losses": LOSSES,
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
-        "protocol": {"trials": 1, "startup_trials": 1, "reproductions": 2, "iters_per_epoch": 4, "eval_every": 1,
-                     "patience": 1, "max_epochs": 2,
-                     "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3,
-                               "eval_batch_size": 64}},
+        "protocol": {
+            "trials": 1,
+            "startup_trials": 1,
+            "reproductions": 2,
+            "iters_per_epoch": 4,
+            "eval_every": 1,
+            "patience": 1,
+            "max_epochs": 2,
+            "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
+        },
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
         "tracking": {"uri": uri, "experiment": "viz-experiment"},
         "storage": str(tmp / "runs"),
@@ -50,8 +56,14 @@ def swept(tmp_path_factory):
     with mlflow_server(tmp / "server") as uri:
         cfg = _config(tmp, uri)
         env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-        out = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)], cwd=tmp, capture_output=True,
-                             text=True, timeout=1500, env=env)
+        out = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+            env=env,
+        )
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
         yield uri, tmp, cfg
 
@@ -94,8 +106,10 @@ def test_every_study_has_visuals_that_match_its_labels_and_metrics(swept):
         queries[loss] = [q["table_row"] for q in gallery["queries"]]
 
         # per-class values average back (query-weighted) to the reproduction-0 test.concat metrics the CI used
-        rep0 = c.search_runs([exp.experiment_id], f"tags.stage = 'reproduction' and tags.reproduction = '0' and "
-                                                   f"tags.`mlflow.parentRunId` = '{sid}'")[0]
+        rep0 = c.search_runs(
+            [exp.experiment_id],
+            f"tags.stage = 'reproduction' and tags.reproduction = '0' and tags.`mlflow.parentRunId` = '{sid}'",
+        )[0]
         n = sum(x["queries"] for x in per_class["classes"])
         assert n == len(plan.dataset.table.subset(test_classes))
         for m in ("map_at_r", "r_precision", "precision_at_1"):
@@ -108,9 +122,19 @@ def test_every_study_has_visuals_that_match_its_labels_and_metrics(swept):
 
 def _screenshot(url: str, path: Path, size: str = "1500,2200") -> None:
     profile = path.parent / f".chromium-{path.stem}"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-           f"--user-data-dir={profile}", f"--window-size={size}", "--virtual-time-budget=20000",
-           f"--screenshot={path}", url]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        f"--window-size={size}",
+        "--virtual-time-budget=20000",
+        f"--screenshot={path}",
+        url,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert path.exists() and path.stat().st_size > 10_000, out.stderr[-3000:]
 
@@ -132,8 +156,11 @@ def test_report_page_and_mlflow_run_page_in_headless_chromium(swept):
     _screenshot(paths["html"].as_uri() + "#dataset-synthetic", shots / "report.png")
     c, exp, studies = _studies(uri)
     sid = studies[0].info.run_id
-    _screenshot(f"{uri}/#/experiments/{exp.experiment_id}/runs/{sid}/artifacts/visuals/gallery.png",
-                shots / "mlflow_run.png", size="1500,1100")
+    _screenshot(
+        f"{uri}/#/experiments/{exp.experiment_id}/runs/{sid}/artifacts/visuals/gallery.png",
+        shots / "mlflow_run.png",
+        size="1500,1100",
+    )
     print(f"\nscreenshots: {shots}")
     for name in ("report.png", "mlflow_run.png"):
         im = np.asarray(Image.open(shots / name).convert("RGB"), dtype=np.int16)

@@ -22,8 +22,18 @@ from dml_core import __version__
 from dml_core.datasets.protocol import SOP_SPLITS, DatasetProtocol, dataset_protocol, protocol_for_table
 from dml_core.storage import is_s3_uri
 
-__all__ = ["DATASETS", "KINDS", "prepare", "reader", "read_csv_dataset", "read_image_folder", "DatasetProtocol",
-           "dataset_protocol", "protocol_for_table", "SOP_SPLITS"]
+__all__ = [
+    "DATASETS",
+    "KINDS",
+    "prepare",
+    "reader",
+    "read_csv_dataset",
+    "read_image_folder",
+    "DatasetProtocol",
+    "dataset_protocol",
+    "protocol_for_table",
+    "SOP_SPLITS",
+]
 
 DATASETS = ("cub200", "cars196", "sop", "inshop", "omniglot")
 #: Generic sources `prepare` also takes: an image folder and a dataset CSV (`folder.py`, `csv.py`).
@@ -69,8 +79,10 @@ def check_name(name: str, src) -> str:
     from dml_core.shards import DataError
 
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise DataError(f"{src}: dataset name {name!r} must be 1-128 characters of A-Z a-z 0-9 . _ - (starting "
-                        "with a letter or digit)")
+        raise DataError(
+            f"{src}: dataset name {name!r} must be 1-128 characters of A-Z a-z 0-9 . _ - (starting "
+            "with a letter or digit)"
+        )
     return name
 
 
@@ -102,8 +114,11 @@ def prepare(
         if root is not None and name != "csv":
             raise DataError(f"{src}: root is only for csv datasets (a folder's root is --src)")
         dataset = check_name(dataset_name if dataset_name is not None else default_name(name, src), src)
-        recs = mod.records(src, endpoint_url=endpoint_url) if name == "folder" else \
-            mod.records(src, root=root, endpoint_url=endpoint_url)
+        recs = (
+            mod.records(src, endpoint_url=endpoint_url)
+            if name == "folder"
+            else mod.records(src, root=root, endpoint_url=endpoint_url)
+        )
         info = {"label_convention": mod.LABEL_CONVENTION, "source_kind": name}
         if not is_s3_uri(dest) and (is_s3_uri(src) or (root is not None and is_s3_uri(root))):
             endpoint_url = None  # it served the source; the destination is local
@@ -117,5 +132,14 @@ def prepare(
         dataset = name
         info = {"label_convention": mod.LABEL_CONVENTION, "official_counts": mod.EXPECTED}
     info["prepared_by"] = f"dml-reality-check {__version__}"
-    return write_shards(recs, dest, dataset=dataset, endpoint_url=endpoint_url, info=info, overwrite=overwrite,
-                        progress=progress, max_shard_bytes=max_shard_bytes, row_group_rows=row_group_rows)
+    return write_shards(
+        recs,
+        dest,
+        dataset=dataset,
+        endpoint_url=endpoint_url,
+        info=info,
+        overwrite=overwrite,
+        progress=progress,
+        max_shard_bytes=max_shard_bytes,
+        row_group_rows=row_group_rows,
+    )

@@ -16,8 +16,10 @@ def find_file(src: Path, candidates: list[str], dataset: str) -> Path:
         p = src / c
         if p.is_file():
             return p
-    raise DataFileNotFoundError(f"{src / candidates[0]}: {dataset}: none of {[str(src / c) for c in candidates]} "
-                                f"exists (is --src the dataset's official directory?)")
+    raise DataFileNotFoundError(
+        f"{src / candidates[0]}: {dataset}: none of {[str(src / c) for c in candidates]} "
+        f"exists (is --src the dataset's official directory?)"
+    )
 
 
 def read_rows(path: Path, n_fields: int, *, skip: int = 0, dataset: str) -> list[tuple[int, list[str]]]:
@@ -30,8 +32,10 @@ def read_rows(path: Path, n_fields: int, *, skip: int = 0, dataset: str) -> list
                     continue
                 fields = line.split()
                 if len(fields) != n_fields:
-                    raise LayoutError(f"{path} line {lineno}: {dataset}: expected {n_fields} fields, got "
-                                      f"{len(fields)}: {line.rstrip()!r}")
+                    raise LayoutError(
+                        f"{path} line {lineno}: {dataset}: expected {n_fields} fields, got "
+                        f"{len(fields)}: {line.rstrip()!r}"
+                    )
                 rows.append((lineno, fields))
     except UnicodeDecodeError as e:
         raise LayoutError(f"{path}: {dataset}: not UTF-8 text ({e})") from None
@@ -63,8 +67,14 @@ def file_record(root: Path, relpath: str, label: int, class_name: str, split: st
     symbolic links)."""
     check_relpath(relpath, where or str(root))
     path = str(root / relpath)
-    return Record(relpath=relpath, label=int(label), class_name=class_name, split=split,
-                  read=functools.partial(_read_bytes, path), source=path)
+    return Record(
+        relpath=relpath,
+        label=int(label),
+        class_name=class_name,
+        split=split,
+        read=functools.partial(_read_bytes, path),
+        source=path,
+    )
 
 
 def _read_bytes(path: str) -> bytes:
@@ -85,8 +95,10 @@ def check_files_exist(root: Path, records: list[Record], dataset: str) -> None:
             continue
         real = Path(os.path.realpath(path))
         if not real.is_relative_to(real_root):
-            raise LayoutError(f"{path}: {dataset}: is a symbolic link (or under one) to {real}, outside --src "
-                              f"{real_root}")
+            raise LayoutError(
+                f"{path}: {dataset}: is a symbolic link (or under one) to {real}, outside --src {real_root}"
+            )
     if missing:
-        raise DataFileNotFoundError(f"{root}: {dataset}: {len(missing)} listed images are missing under {root}, "
-                                    f"e.g. {missing[:10]}")
+        raise DataFileNotFoundError(
+            f"{root}: {dataset}: {len(missing)} listed images are missing under {root}, e.g. {missing[:10]}"
+        )

@@ -95,11 +95,10 @@ class S3Root:
     def iter_keys(self) -> Iterator[str]:
         """Every key under the prefix, relative to it, page by page (so a caller can stop early)."""
         prefix = f"{self.storage.prefix}/" if self.storage.prefix else ""
-        pages = self.storage.client.get_paginator("list_objects_v2").paginate(Bucket=self.storage.bucket,
-                                                                            Prefix=prefix)
+        pages = self.storage.client.get_paginator("list_objects_v2").paginate(Bucket=self.storage.bucket, Prefix=prefix)
         for page in pages:
             for obj in page.get("Contents", []):
-                yield obj["Key"][len(prefix):]
+                yield obj["Key"][len(prefix) :]
 
     def keys(self) -> set[str]:
         if self._keys is None:

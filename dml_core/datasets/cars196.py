@@ -74,8 +74,9 @@ def records(src: str | Path) -> list[Record]:
         if test not in (0, 1):
             raise LayoutError(f"{mat_path}: {NAME}: annotations[{i}] ({path}) has test={test} (expected 0 or 1)")
         name = names[cls - 1] if names is not None else f"class_{cls:03d}"
-        recs.append(file_record(src, path, cls, name, "test" if test else "train",
-                                where=f"{mat_path}: annotations[{i}]"))
+        recs.append(
+            file_record(src, path, cls, name, "test" if test else "train", where=f"{mat_path}: annotations[{i}]")
+        )
     if not recs:
         raise LayoutError(f"{mat_path}: {NAME}: no annotations")
     check_files_exist(src, recs, NAME)

@@ -55,8 +55,16 @@ __all__ = ["CsvRow", "CsvDataset", "read_csv_rows", "records", "read_csv_dataset
 NAME = "csv"
 LABEL_CONVENTION = "label = the CSV's label column (non-negative integers, as given)"
 REQUIRED = ("path", "label")
-COLUMNS = {"path": "path", "label": "label", "class_name": "class_name", "split": "split", "query": "query",
-           "is_query": "query", "gallery": "gallery", "is_gallery": "gallery"}
+COLUMNS = {
+    "path": "path",
+    "label": "label",
+    "class_name": "class_name",
+    "split": "split",
+    "query": "query",
+    "is_query": "query",
+    "gallery": "gallery",
+    "is_gallery": "gallery",
+}
 _INT = re.compile(r"[0-9]+")
 _TRUE = {"1", "true", "t", "yes", "y"}
 _FALSE = {"0", "false", "f", "no", "n"}
@@ -66,8 +74,8 @@ _MAX_LABEL = 2**63 - 1
 
 @dataclass(frozen=True)
 class CsvRow:
-    row: int         # row number in the file (header = 1)
-    relpath: str     # normalised, '/'-separated, relative to the root
+    row: int  # row number in the file (header = 1)
+    relpath: str  # normalised, '/'-separated, relative to the root
     label: int
     class_name: str  # NFC
     split: str
@@ -75,9 +83,9 @@ class CsvRow:
 
 @dataclass(frozen=True)
 class CsvDataset:
-    csv: str                      # the CSV, as named in errors
+    csv: str  # the CSV, as named in errors
     root: LocalRoot | S3Root
-    rows: list[CsvRow]            # sorted by (label, relpath)
+    rows: list[CsvRow]  # sorted by (label, relpath)
 
 
 def _read_text(csv_uri: str, endpoint_url: str | None) -> str:
@@ -98,7 +106,7 @@ def _read_text(csv_uri: str, endpoint_url: str | None) -> str:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        bad = raw[e.start:e.start + 1]
+        bad = raw[e.start : e.start + 1]
         raise DataError(f"{csv_uri}: row {line}: not UTF-8 text (byte {e.start}: {bad!r})") from None
 
 
@@ -143,19 +151,24 @@ def _header(fields: list[str], csv_uri: str) -> dict[str, int]:
         if key is None:
             continue
         if key in cols:
-            raise LayoutError(f"{csv_uri}: row 1: column {key!r} is given twice ({names[cols[key]]!r} and "
-                              f"{name!r})")
+            raise LayoutError(f"{csv_uri}: row 1: column {key!r} is given twice ({names[cols[key]]!r} and {name!r})")
         cols[key] = i
     missing = [c for c in REQUIRED if c not in cols]
     if missing:
         shown = ", ".join(repr(n) for n in names) or "nothing"
-        raise LayoutError(f"{csv_uri}: row 1: missing column {missing[0]!r} (the header has {shown}; required: "
-                          f"{', '.join(REQUIRED)})")
+        raise LayoutError(
+            f"{csv_uri}: row 1: missing column {missing[0]!r} (the header has {shown}; required: {', '.join(REQUIRED)})"
+        )
     return cols
 
 
-def read_csv_rows(csv_uri: str | os.PathLike, *, root: str | os.PathLike | None = None,
-                  endpoint_url: str | None = None, check_files: bool = True) -> CsvDataset:
+def read_csv_rows(
+    csv_uri: str | os.PathLike,
+    *,
+    root: str | os.PathLike | None = None,
+    endpoint_url: str | None = None,
+    check_files: bool = True,
+) -> CsvDataset:
     """Parse and validate a dataset CSV (every rule in the module docstring) and, if `check_files`, that every
     listed image exists under the root (and, locally, does not leave it through a symbolic link, nor is the same
     file as another row's).  Nothing is read from the images."""
@@ -216,10 +229,13 @@ def _row(fields, n, cols, width, csv_uri, root, paths, label_name, name_label) -
     other_label, other_raw, other_row = name_label.setdefault(class_name_key(name), (label, raw, n))
     if other_label != label:
         if other_raw == raw:
-            raise LayoutError(f"{where}: class name {raw!r} has label {label}, but row {other_row} gives it label "
-                              f"{other_label}")
-        raise LayoutError(f"{where}: class names {other_raw!r} (label {other_label}, row {other_row}) and {raw!r} "
-                          f"(label {label}) differ only by case or Unicode normalisation")
+            raise LayoutError(
+                f"{where}: class name {raw!r} has label {label}, but row {other_row} gives it label {other_label}"
+            )
+        raise LayoutError(
+            f"{where}: class names {other_raw!r} (label {other_label}, row {other_row}) and {raw!r} "
+            f"(label {label}) differ only by case or Unicode normalisation"
+        )
     split = NO_SPLIT
     if "split" in cols:
         split = cell["split"]
@@ -251,20 +267,33 @@ def _check_files(csv_uri: str, root, rows: list[CsvRow]) -> None:
         for r in rows:
             other = seen.setdefault(root.real(r.relpath), r)
             if other is not r:
-                raise LayoutError(f"{csv_uri}: row {r.row}: image {r.relpath!r} is the same file as row {other.row}'s "
-                                  f"{other.relpath!r} (through a symbolic link)")
+                raise LayoutError(
+                    f"{csv_uri}: row {r.row}: image {r.relpath!r} is the same file as row {other.row}'s "
+                    f"{other.relpath!r} (through a symbolic link)"
+                )
 
 
-def records(csv_uri: str | os.PathLike, *, root: str | os.PathLike | None = None,
-            endpoint_url: str | None = None) -> list[Record]:
+def records(
+    csv_uri: str | os.PathLike, *, root: str | os.PathLike | None = None, endpoint_url: str | None = None
+) -> list[Record]:
     """One `Record` per row, for `write_shards` (`dmlrc data prepare csv`)."""
     ds = read_csv_rows(csv_uri, root=root, endpoint_url=endpoint_url)
-    return [Record(relpath=r.relpath, label=r.label, class_name=r.class_name, split=r.split,
-                   read=ds.root.reader(r.relpath), source=ds.root.source(r.relpath)) for r in ds.rows]
+    return [
+        Record(
+            relpath=r.relpath,
+            label=r.label,
+            class_name=r.class_name,
+            split=r.split,
+            read=ds.root.reader(r.relpath),
+            source=ds.root.source(r.relpath),
+        )
+        for r in ds.rows
+    ]
 
 
-def read_csv_dataset(csv_uri: str | os.PathLike, *, root: str | os.PathLike | None = None,
-                     endpoint_url: str | None = None):
+def read_csv_dataset(
+    csv_uri: str | os.PathLike, *, root: str | os.PathLike | None = None, endpoint_url: str | None = None
+):
     """A dataset CSV as an `ImageTable`: labels int64 as given, `class_names` aligned with the sorted labels,
     meta `split` and `relpath`; rows are file paths (local root) or image bytes (S3 root: read now, so prepare
     shards for anything large), sorted by (label, relpath)."""
@@ -276,5 +305,9 @@ def read_csv_dataset(csv_uri: str | os.PathLike, *, root: str | os.PathLike | No
     labels = np.array([r.label for r in ds.rows], dtype=np.int64)
     rels = [r.relpath for r in ds.rows]
     images = [ds.root.reader(rel)() for rel in rels] if ds.root.remote else [ds.root.source(rel) for rel in rels]
-    return ImageTable(images=images, labels=labels, class_names=[names[int(l)] for l in np.unique(labels)],
-                      meta={"relpath": np.array(rels, dtype=str), "split": np.array([r.split for r in ds.rows])})
+    return ImageTable(
+        images=images,
+        labels=labels,
+        class_names=[names[int(l)] for l in np.unique(labels)],
+        meta={"relpath": np.array(rels, dtype=str), "split": np.array([r.split for r in ds.rows])},
+    )

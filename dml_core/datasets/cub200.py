@@ -29,8 +29,7 @@ def _id_table(path: Path) -> dict[int, tuple[int, str]]:
     for lineno, (image_id, value) in read_rows(path, 2, dataset=NAME):
         i = to_int(image_id, path, lineno, "image_id", NAME)
         if i in out:
-            raise LayoutError(f"{path} line {lineno}: {NAME}: image_id {i} is listed twice (first on line "
-                              f"{out[i][0]})")
+            raise LayoutError(f"{path} line {lineno}: {NAME}: image_id {i} is listed twice (first on line {out[i][0]})")
         out[i] = (lineno, value)
     return out
 
@@ -43,8 +42,7 @@ def records(src: str | Path) -> list[Record]:
     split_txt = find_file(root, ["train_test_split.txt"], NAME)
 
     paths = _id_table(images_txt)
-    class_ids = {i: to_int(c, labels_txt, n, "class_id", NAME)
-                 for i, (n, c) in _id_table(labels_txt).items()}
+    class_ids = {i: to_int(c, labels_txt, n, "class_id", NAME) for i, (n, c) in _id_table(labels_txt).items()}
     split_lines = _id_table(split_txt)
     is_train = {i: to_int(t, split_txt, n, "is_training_image", NAME) for i, (n, t) in split_lines.items()}
     for path, table in ((labels_txt, class_ids), (split_txt, is_train)):
@@ -55,28 +53,40 @@ def records(src: str | Path) -> list[Record]:
     class_dir = {}
     for image_id, (lineno, path) in paths.items():
         if "/" not in path:
-            raise LayoutError(f"{images_txt} line {lineno}: {NAME}: image {image_id} path {path!r} has no class "
-                              "directory")
+            raise LayoutError(
+                f"{images_txt} line {lineno}: {NAME}: image {image_id} path {path!r} has no class directory"
+            )
         c = class_ids[image_id]
         if c < 1:
             raise LayoutError(f"{labels_txt}: {NAME}: image {image_id} has class_id {c} (expected >= 1)")
         d = path.split("/")[0]
         if class_dir.setdefault(c, d) != d:
-            raise LayoutError(f"{images_txt} line {lineno}: {NAME}: class_id {c} spans two directories, "
-                              f"{class_dir[c]!r} and {d!r}")
+            raise LayoutError(
+                f"{images_txt} line {lineno}: {NAME}: class_id {c} spans two directories, {class_dir[c]!r} and {d!r}"
+            )
     folder_order = {d: i for i, d in enumerate(sorted(set(class_dir.values())))}
     mismatched = [(c, d) for c, d in class_dir.items() if folder_order[d] != c - 1]
     if mismatched:
-        raise LayoutError(f"{labels_txt}: {NAME}: class_id - 1 differs from the ImageFolder (sorted directory) "
-                          f"order for {sorted(mismatched)[:5]}; the MLRC label convention would be ambiguous")
+        raise LayoutError(
+            f"{labels_txt}: {NAME}: class_id - 1 differs from the ImageFolder (sorted directory) "
+            f"order for {sorted(mismatched)[:5]}; the MLRC label convention would be ambiguous"
+        )
     for image_id, t in is_train.items():
         if t not in (0, 1):
-            raise LayoutError(f"{split_txt} line {split_lines[image_id][0]}: {NAME}: image {image_id} has "
-                              f"is_training_image {t} (expected 0 or 1)")
+            raise LayoutError(
+                f"{split_txt} line {split_lines[image_id][0]}: {NAME}: image {image_id} has "
+                f"is_training_image {t} (expected 0 or 1)"
+            )
 
     recs = [
-        file_record(root, f"images/{paths[i][1]}", class_ids[i] - 1, class_dir[class_ids[i]],
-                    "train" if is_train[i] else "test", where=f"{images_txt} line {paths[i][0]}")
+        file_record(
+            root,
+            f"images/{paths[i][1]}",
+            class_ids[i] - 1,
+            class_dir[class_ids[i]],
+            "train" if is_train[i] else "test",
+            where=f"{images_txt} line {paths[i][0]}",
+        )
         for i in sorted(paths)
     ]
     check_files_exist(root, recs, NAME)

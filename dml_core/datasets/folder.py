@@ -62,9 +62,11 @@ class _Budget:
     def spend(self, rel: str, images: int) -> None:
         self.other += 1
         if self.other > max(MAX_OTHER_ENTRIES, images):
-            raise LayoutError(f"{self.root}: does not look like an image folder ({LAYOUT}): {self.other} entries "
-                              f"are not images (e.g. {rel!r}) against {images} images so far; give the dataset's "
-                              "own root")
+            raise LayoutError(
+                f"{self.root}: does not look like an image folder ({LAYOUT}): {self.other} entries "
+                f"are not images (e.g. {rel!r}) against {images} images so far; give the dataset's "
+                "own root"
+            )
 
 
 def check_class_folders(names: list[str], root) -> None:
@@ -76,13 +78,13 @@ def check_class_folders(names: list[str], root) -> None:
             raise LayoutError(f"{root}: class folder {name!r} {problem}")
         other = first.setdefault(class_name_key(name), name)
         if other != name:
-            raise LayoutError(f"{root}: class folders {other!r} and {name!r} differ only by case or Unicode "
-                              "normalisation")
+            raise LayoutError(
+                f"{root}: class folders {other!r} and {name!r} differ only by case or Unicode normalisation"
+            )
 
 
 def _no_images(root, name: str) -> DataError:
-    return DataError(f"{root}: class directories without images: [{name!r}] ({LAYOUT}; is {root} the dataset's "
-                     "root?)")
+    return DataError(f"{root}: class directories without images: [{name!r}] ({LAYOUT}; is {root} the dataset's root?)")
 
 
 def _scan_local(root: LocalRoot) -> FolderScan:
@@ -111,11 +113,14 @@ def _scan_local(root: LocalRoot) -> FolderScan:
             path = os.path.join(root.path, rel_dir)
             real_dir = os.path.realpath(path)
             if not _inside(real_dir, root.real_root):
-                raise LayoutError(f"{path}: is a symbolic link (or under one) to {real_dir}, outside the image "
-                                  f"folder {root}")
+                raise LayoutError(
+                    f"{path}: is a symbolic link (or under one) to {real_dir}, outside the image folder {root}"
+                )
             if real_dir in seen_dirs:
-                raise LayoutError(f"{path}: is a symbolic link to {real_dir}, a folder already listed as "
-                                  f"{seen_dirs[real_dir]!r} (a cycle, or one folder under two names)")
+                raise LayoutError(
+                    f"{path}: is a symbolic link to {real_dir}, a folder already listed as "
+                    f"{seen_dirs[real_dir]!r} (a cycle, or one folder under two names)"
+                )
             seen_dirs[real_dir] = rel_dir
             with os.scandir(path) as it:
                 entries = sorted(it, key=lambda e: e.name)
@@ -129,11 +134,12 @@ def _scan_local(root: LocalRoot) -> FolderScan:
                         raise LayoutError(f"{e.path}: is not a regular file (a broken link or a device)")
                     real = os.path.realpath(e.path) if e.is_symlink() else os.path.join(real_dir, e.name)
                     if not _inside(real, root.real_root):
-                        raise LayoutError(f"{e.path}: is a symbolic link to {real}, outside the image folder "
-                                          f"{root}")
+                        raise LayoutError(f"{e.path}: is a symbolic link to {real}, outside the image folder {root}")
                     if real in seen_files:
-                        raise LayoutError(f"{e.path}: is the same file as {seen_files[real]!r} (through a symbolic "
-                                          "link): one image would be listed twice")
+                        raise LayoutError(
+                            f"{e.path}: is the same file as {seen_files[real]!r} (through a symbolic "
+                            "link): one image would be listed twice"
+                        )
                     seen_files[real] = rel
                     found.append(rel)
                 else:
@@ -187,8 +193,17 @@ def scan(root: str | os.PathLike, *, endpoint_url: str | None = None) -> FolderS
 def records(src: str | os.PathLike, *, endpoint_url: str | None = None) -> list[Record]:
     """One `Record` per image, for `write_shards` (`dmlrc data prepare folder`)."""
     s = scan(src, endpoint_url=endpoint_url)
-    return [Record(relpath=rel, label=label, class_name=s.class_names[label], split=NO_SPLIT,
-                   read=s.root.reader(rel), source=s.root.source(rel)) for rel, label in s.rows]
+    return [
+        Record(
+            relpath=rel,
+            label=label,
+            class_name=s.class_names[label],
+            split=NO_SPLIT,
+            read=s.root.reader(rel),
+            source=s.root.source(rel),
+        )
+        for rel, label in s.rows
+    ]
 
 
 def read_image_folder(root: str | os.PathLike, *, endpoint_url: str | None = None):
@@ -200,6 +215,9 @@ def read_image_folder(root: str | os.PathLike, *, endpoint_url: str | None = Non
     s = scan(root, endpoint_url=endpoint_url)
     rels = [rel for rel, _ in s.rows]
     images = [s.root.reader(rel)() for rel in rels] if s.root.remote else [s.root.source(rel) for rel in rels]
-    return ImageTable(images=images, labels=np.array([label for _, label in s.rows], dtype=np.int64),
-                      class_names=list(s.class_names),
-                      meta={"relpath": np.array(rels, dtype=str), "split": np.array([NO_SPLIT] * len(rels))})
+    return ImageTable(
+        images=images,
+        labels=np.array([label for _, label in s.rows], dtype=np.int64),
+        class_names=list(s.class_names),
+        meta={"relpath": np.array(rels, dtype=str), "split": np.array([NO_SPLIT] * len(rels))},
+    )

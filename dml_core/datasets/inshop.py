@@ -48,7 +48,9 @@ def records(src: str | Path) -> list[Record]:
     label = {item: i for i, item in enumerate(sorted(item_status))}
     first_image = check_relpath(rows[0][1][0], f"{path} line {rows[0][0]}")
     root = next((r for r in (src / "Img", src) if (r / first_image).is_file()), src / "Img")
-    recs = [file_record(root, name, label[item], item, status, where=f"{path} line {lineno}")
-            for lineno, (name, item, status) in rows]
+    recs = [
+        file_record(root, name, label[item], item, status, where=f"{path} line {lineno}")
+        for lineno, (name, item, status) in rows
+    ]
     check_files_exist(root, recs, NAME)
     return recs

@@ -64,8 +64,9 @@ def iter_zips(zip_dir: str | os.PathLike):
                 except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError) as e:
                     raise LayoutError(f"{zpath}: {name}: cannot be read from the zip ({e})") from None
                 except RuntimeError as e:  # zipfile's "File ... is encrypted, password required for extraction"
-                    raise LayoutError(f"{zpath}: {name}: encrypted in the zip (the Omniglot zips are not): "
-                                      f"{' '.join(str(e).split())}") from None
+                    raise LayoutError(
+                        f"{zpath}: {name}: encrypted in the zip (the Omniglot zips are not): {' '.join(str(e).split())}"
+                    ) from None
                 digest = hashlib.sha256(data).hexdigest()
                 if rel in seen:
                     if seen[rel][1] != digest:
@@ -87,6 +88,7 @@ def records(src: str | Path) -> list[Record]:
     out = []
     for rel, data, source in rows:
         cls = "/".join(rel.split("/")[:2])
-        out.append(Record(relpath=rel, label=index[cls], class_name=cls, split="background", read=_const(data),
-                          source=source))
+        out.append(
+            Record(relpath=rel, label=index[cls], class_name=cls, split="background", read=_const(data), source=source)
+        )
     return out

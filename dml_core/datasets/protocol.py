@@ -43,9 +43,11 @@ class DatasetProtocol:
         splits = np.asarray(splits)
         q, g = np.flatnonzero(splits == "query"), np.flatnonzero(splits == "gallery")
         if q.size == 0 or g.size == 0:
-            raise ValueError(f"{self.dataset}: query/gallery evaluation needs rows with split 'query' and "
-                             f"'gallery'; got {q.size} query and {g.size} gallery rows "
-                             f"(splits present: {sorted(set(splits.tolist()))})")
+            raise ValueError(
+                f"{self.dataset}: query/gallery evaluation needs rows with split 'query' and "
+                f"'gallery'; got {q.size} query and {g.size} gallery rows "
+                f"(splits present: {sorted(set(splits.tolist()))})"
+            )
         return q, g
 
     def evaluate(self, embeddings, labels, splits=None, **metric_kwargs) -> dict[str, float]:
@@ -59,8 +61,9 @@ class DatasetProtocol:
             raise ValueError(f"{self.dataset}: query/gallery evaluation needs the rows' original splits")
         q, g = self.query_gallery(splits)
         labels = np.asarray(labels)
-        return retrieval_metrics(embeddings[g], labels[g], query_embeddings=embeddings[q], query_labels=labels[q],
-                                 **metric_kwargs)
+        return retrieval_metrics(
+            embeddings[g], labels[g], query_embeddings=embeddings[q], query_labels=labels[q], **metric_kwargs
+        )
 
 
 def _classes_where(labels: np.ndarray, splits: np.ndarray, wanted: tuple[str, ...]) -> np.ndarray:
@@ -84,8 +87,9 @@ def dataset_protocol(dataset: str, labels, splits=None, *, sop_split: str = "mlr
         overlap = np.intersect1d(trainval, test)
         if overlap.size:
             raise ValueError(f"inshop: items in both train and query/gallery: {overlap[:10].tolist()}")
-        return DatasetProtocol("inshop", trainval, test, "query_gallery",
-                               "train items trainval; test = query vs gallery")
+        return DatasetProtocol(
+            "inshop", trainval, test, "query_gallery", "train items trainval; test = query vs gallery"
+        )
     if dataset == "sop" and sop_split == "official":
         trainval = _classes_where(labels, splits, ("train",))
         test = _classes_where(labels, splits, ("test",))

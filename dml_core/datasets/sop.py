@@ -6,7 +6,8 @@ Layout: `<src>/Ebay_train.txt`, `<src>/Ebay_test.txt` (header `image_id class_id
 Labels (docs/protocol.md §Datasets): MLRC concatenates both files and uses `class_id - 1` (0..22633).  `split` = the
 file a row came from (`train` / `test`): the official split has train classes 0..11317 (11,318 classes), while
 MLRC's sorted-halves split puts 0..11316 in trainval — one class off (docs/protocol.md §Class split).
-Which one a sweep uses is `dataset_protocol(..., sop_split="mlrc" | "official")`.  Class name = `<super-class dir>/<class_id>`.
+Which one a sweep uses is `dataset_protocol(..., sop_split="mlrc" | "official")`.  Class name =
+`<super-class dir>/<class_id>`.
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ def records(src: str | Path) -> list[Record]:
         except UnicodeDecodeError as e:
             raise LayoutError(f"{path}: {NAME}: not UTF-8 text ({e})") from None
         if header != HEADER:
-            raise LayoutError(f"{path} line 1: {NAME}: expected header {' '.join(HEADER)!r}, got "
-                              f"{' '.join(header)!r}")
+            raise LayoutError(f"{path} line 1: {NAME}: expected header {' '.join(HEADER)!r}, got {' '.join(header)!r}")
         for lineno, (_, class_id, _, rel) in read_rows(path, 4, skip=1, dataset=NAME):
             c = to_int(class_id, path, lineno, "class_id", NAME)
             if c < 1:
                 raise LayoutError(f"{path} line {lineno}: {NAME}: class_id {c} (expected >= 1)")
             if class_split.setdefault(c, split) != split:
-                raise LayoutError(f"{path} line {lineno}: {NAME}: class_id {c} is in both Ebay_train.txt and "
-                                 "Ebay_test.txt")
+                raise LayoutError(
+                    f"{path} line {lineno}: {NAME}: class_id {c} is in both Ebay_train.txt and Ebay_test.txt"
+                )
             recs.append(file_record(src, rel, c - 1, f"{rel.split('/')[0]}/{c}", split, where=f"{path} line {lineno}"))
     check_files_exist(src, recs, NAME)
     return recs

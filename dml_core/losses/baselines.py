@@ -112,8 +112,12 @@ class Contrastive(PMLLoss):
         if neg_margin <= 0:
             # d_ij >= 0, so [neg_margin - d_ij]_+ is always 0: the loss never pushes negatives apart (legal, but
             # almost certainly not meant: a search space reaching below 0 is the usual cause)
-            warnings.warn(f"contrastive: neg_margin={neg_margin:g} <= 0 on a distance: the negative term can never "
-                          "act, only positives are pulled together", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"contrastive: neg_margin={neg_margin:g} <= 0 on a distance: the negative term can never "
+                "act, only positives are pulled together",
+                UserWarning,
+                stacklevel=3,
+            )
         loss = pml_losses.ContrastiveLoss(pos_margin=pos_margin, neg_margin=neg_margin)
         super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
 
@@ -327,7 +331,9 @@ class NormalizedSoftmax(PMLLoss):
     def __init__(self, *, num_classes: int, embedding_dim: int, temperature: float = 0.05):
         num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
         temperature = positive(self.name, "temperature", temperature)
-        loss = pml_losses.NormalizedSoftmaxLoss(num_classes=num_classes, embedding_size=embedding_dim, temperature=temperature)
+        loss = pml_losses.NormalizedSoftmaxLoss(
+            num_classes=num_classes, embedding_size=embedding_dim, temperature=temperature
+        )
         super().__init__(loss, num_classes=num_classes, embedding_dim=embedding_dim)
 
 

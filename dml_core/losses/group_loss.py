@@ -46,7 +46,9 @@ __all__ = [
     "GroupLoss",
 ]
 
-GROUP_LOSS_PAPER = "Elezi, Vascon, Torcinovich, Pelillo & Leal-Taixé, The Group Loss for Deep Metric Learning, ECCV 2020"
+GROUP_LOSS_PAPER = (
+    "Elezi, Vascon, Torcinovich, Pelillo & Leal-Taixé, The Group Loss for Deep Metric Learning, ECCV 2020"
+)
 
 #: [C] on CUB: 6 classes × 9 samples, 2 anchors per class (docs/losses/group_loss.md §Settings).
 GROUP_LOSS_BATCH = BatchSpec(classes_per_batch=6, m=9, anchors_per_class=2)
@@ -106,8 +108,8 @@ def replicator_dynamics(
     π_iλ = Σ_j w_ij x_jλ (Eqs. 2–3);  x_iλ ← x_iλ π_iλ / Σ_μ x_iμ π_iμ (Eq. 4; matrix form Eqs. 5–6).
 
     Numerical guard (docs/losses/group_loss.md §Ambiguities resolved, "Zero support"): every support gets a
-    floor ``eps`` (π ← π + ε), so the normaliser Q_ii ≥ ε Σ_λ x_iλ > 0.  A row with zero support (e.g. anticorrelated with the
-    whole batch, or a one-sample batch) then keeps its distribution instead of becoming 0/0, and
+    floor ``eps`` (π ← π + ε), so the normaliser Q_ii ≥ ε Σ_λ x_iλ > 0.  A row with zero support (e.g. anticorrelated
+    with the whole batch, or a one-sample batch) then keeps its distribution instead of becoming 0/0, and
     gradients stay bounded by 1/ε.  One-hot rows (anchors) map to themselves exactly; ε = 1e-12
     is far below any real support, so regular rows follow Eq. 4.  Returns X(T), or with
     ``trace`` the list [X(0), X(1), …, X(T)].

@@ -249,7 +249,9 @@ class _MPAFamily(MultiProxyLoss):
         tau: float = 0.2,
         num_proxies: int = 10,
     ):
-        super().__init__(num_classes=num_classes, embedding_dim=embedding_dim, num_proxies=num_proxies, gamma=gamma, tau=tau)
+        super().__init__(
+            num_classes=num_classes, embedding_dim=embedding_dim, num_proxies=num_proxies, gamma=gamma, tau=tau
+        )
         self.alpha = positive(self.name, "alpha", alpha)
         self.delta = number(self.name, "delta", delta)
 

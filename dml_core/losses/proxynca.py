@@ -43,7 +43,9 @@ __all__ = [
     "ProxyNCAPlusPlus",
 ]
 
-PAPER_PP = "Teh, DeVries & Taylor, ProxyNCA++: Revisiting and Revitalizing Proxy Neighborhood Component Analysis, ECCV 2020"
+PAPER_PP = (
+    "Teh, DeVries & Taylor, ProxyNCA++: Revisiting and Revitalizing Proxy Neighborhood Component Analysis, ECCV 2020"
+)
 PAPER_NCA = "Movshovitz-Attias et al., No Fuss Distance Metric Learning using Proxies, ICCV 2017"
 
 

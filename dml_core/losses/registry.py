@@ -45,6 +45,7 @@ import torch
 
 # The plugin machinery shared with the trunks; PluginDistribution is re-exported here and by dml_core.losses.
 from dml_core.plugins import PluginDistribution, PluginError
+
 # The protocol's shared recipe lives in dml_core.protocol (imported by dml_core.train too); re-exported here.
 from dml_core.protocol import (
     MLRC_BATCH,
@@ -180,14 +181,23 @@ def _check_space_reference(space: Any) -> None:
     if space is None or isinstance(space, dict):
         return
     if not isinstance(space, str):
-        raise TypeError(f"loss_metadata: space must be a mapping or 'package:relative/file.yaml', "
-                        f"got {type(space).__name__}")
+        raise TypeError(
+            f"loss_metadata: space must be a mapping or 'package:relative/file.yaml', got {type(space).__name__}"
+        )
     package, sep, rel = space.partition(":")
     parts = rel.split("/")
-    if (not sep or not package or not all(p.isidentifier() for p in package.split("."))
-            or not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts)):
-        raise ValueError(f"loss_metadata: space {space!r} is not 'package:relative/file.yaml' (a file inside an "
-                         "importable package, read with importlib.resources)")
+    if (
+        not sep
+        or not package
+        or not all(p.isidentifier() for p in package.split("."))
+        or not rel
+        or rel.startswith("/")
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise ValueError(
+            f"loss_metadata: space {space!r} is not 'package:relative/file.yaml' (a file inside an "
+            "importable package, read with importlib.resources)"
+        )
 
 
 def loss_metadata(
@@ -221,8 +231,12 @@ def loss_metadata(
         raise TypeError(f"loss_metadata: batch must be a dml_core.losses.BatchSpec, got {type(batch).__name__}")
     if model is not None and not isinstance(model, ModelRecipe):
         raise TypeError(f"loss_metadata: model must be a dml_core.losses.ModelRecipe, got {type(model).__name__}")
-    if (isinstance(loss_weight_decay, bool) or not isinstance(loss_weight_decay, (int, float))
-            or not math.isfinite(loss_weight_decay) or loss_weight_decay < 0):
+    if (
+        isinstance(loss_weight_decay, bool)
+        or not isinstance(loss_weight_decay, (int, float))
+        or not math.isfinite(loss_weight_decay)
+        or loss_weight_decay < 0
+    ):
         raise ValueError(f"loss_metadata: loss_weight_decay must be a finite number >= 0, got {loss_weight_decay!r}")
     _check_space_reference(space)
     meta = LossMetadata(

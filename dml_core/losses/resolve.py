@@ -36,8 +36,17 @@ from dml_core.losses.registry import (
 )
 from dml_core.plugins import IMPORT_PATH, PluginDistribution, distribution_of_entry_point
 
-__all__ = ["resolve_loss", "loss_info", "build_loss", "registered_info", "list_losses", "list_wrappers",
-           "list_plugin_losses", "check_plugin_losses", "plugin_space"]
+__all__ = [
+    "resolve_loss",
+    "loss_info",
+    "build_loss",
+    "registered_info",
+    "list_losses",
+    "list_wrappers",
+    "list_plugin_losses",
+    "check_plugin_losses",
+    "plugin_space",
+]
 
 
 # --------------------------------------------------------------------------------------------------- name parsing
@@ -95,8 +104,10 @@ def _builtin_distribution() -> str:
 
 def _clash_message(name: str, eps: list[importlib.metadata.EntryPoint]) -> str:
     shown = " and ".join(f"{distribution_of_entry_point(ep) or '(unknown distribution)'} ({ep.value!r})" for ep in eps)
-    return (f"loss {name!r}: entry point of group {ENTRY_POINT_GROUP!r} exported by more than one distribution: "
-            f"{shown}; uninstall one, or name the loss by its import path")
+    return (
+        f"loss {name!r}: entry point of group {ENTRY_POINT_GROUP!r} exported by more than one distribution: "
+        f"{shown}; uninstall one, or name the loss by its import path"
+    )
 
 
 def check_plugin_losses() -> None:
@@ -114,10 +125,13 @@ def check_plugin_losses() -> None:
             raise LossPluginError(
                 f"loss {name!r}: entry point of {dist} ({eps[0].value!r}, group {ENTRY_POINT_GROUP!r}) has the name "
                 f"of a built-in loss of {_builtin_distribution()}, which always wins; rename the entry point or name "
-                "the plugin's loss by its import path")
+                "the plugin's loss by its import path"
+            )
         if ":" in name:
-            raise LossPluginError(f"loss {name!r}: entry point of {dist} (group {ENTRY_POINT_GROUP!r}) has a ':' in "
-                                  "its name, which a loss name reads as a wrapper or an import path; rename it")
+            raise LossPluginError(
+                f"loss {name!r}: entry point of {dist} (group {ENTRY_POINT_GROUP!r}) has a ':' in "
+                "its name, which a loss name reads as a wrapper or an import path; rename it"
+            )
         if len(eps) > 1:
             raise LossPluginError(_clash_message(name, eps))
 
@@ -136,9 +150,11 @@ def _load_object(module_name: str, attr: str, where: str) -> Any:
 def _check_factory(obj: Any, target: str, where: str) -> None:
     """A loss factory is callable as ``obj(num_classes=..., embedding_dim=..., **hyperparameters)``."""
     if not callable(obj):
-        raise LossPluginError(f"{where}: {target!r} is not callable ({type(obj).__name__}); a loss factory is a "
-                              "function or nn.Module class called as factory(num_classes=..., embedding_dim=..., "
-                              "**hyperparameters)")
+        raise LossPluginError(
+            f"{where}: {target!r} is not callable ({type(obj).__name__}); a loss factory is a "
+            "function or nn.Module class called as factory(num_classes=..., embedding_dim=..., "
+            "**hyperparameters)"
+        )
     if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.__init__ is torch.nn.Module.__init__:
         sig = inspect.Signature()  # nn.Module's own __init__(*args, **kwargs) only rejects what it is given
     else:
@@ -152,9 +168,11 @@ def _check_factory(obj: Any, target: str, where: str) -> None:
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     missing = [n for n in ("num_classes", "embedding_dim") if n not in params or params[n].kind not in keyword]
     if missing:
-        raise LossPluginError(f"{where}: {target}{sig} does not take {' and '.join(missing)} as keyword argument"
-                              f"{'s' if len(missing) > 1 else ''}; a loss factory is called as "
-                              "factory(num_classes=..., embedding_dim=..., **hyperparameters)")
+        raise LossPluginError(
+            f"{where}: {target}{sig} does not take {' and '.join(missing)} as keyword argument"
+            f"{'s' if len(missing) > 1 else ''}; a loss factory is called as "
+            "factory(num_classes=..., embedding_dim=..., **hyperparameters)"
+        )
 
 
 def _plugin_info(name: str, obj: Any, origin: str, distribution: PluginDistribution | None) -> LossInfo:
@@ -180,9 +198,11 @@ def _resolve_import_path(base: str, name: str) -> LossInfo:
     where = f"loss {name!r}"
     if not IMPORT_PATH.fullmatch(base):
         first = name.split(":", 1)[0]
-        raise LossPluginError(f"{where}: {base!r} is not an import path 'module:attribute' (e.g. "
-                              f"'mylab.losses:CircleLoss'), and {first!r} is not a loss wrapper "
-                              f"({', '.join(sorted(_WRAPPERS))})")
+        raise LossPluginError(
+            f"{where}: {base!r} is not an import path 'module:attribute' (e.g. "
+            f"'mylab.losses:CircleLoss'), and {first!r} is not a loss wrapper "
+            f"({', '.join(sorted(_WRAPPERS))})"
+        )
     obj = _load_object(module_name, attr, where)
     _check_factory(obj, base, where)
     return _plugin_info(base, obj, "import_path", plugins.distribution_of_module(module_name))
@@ -216,7 +236,8 @@ def _resolve_base(base: str, name: str) -> LossInfo:
     raise ValueError(
         f"unknown loss {base!r}; known: {', '.join(sorted(_REGISTRY))}"
         + (f"; plugins: {', '.join(plugins)}" if plugins else "")
-        + "; or an import path 'module:attribute'")
+        + "; or an import path 'module:attribute'"
+    )
 
 
 def resolve_loss(name: str) -> LossInfo:
@@ -273,14 +294,16 @@ def plugin_space(name: str) -> dict[str, Any] | None:
         problem = getattr(e, "problem", None) or type(e).__name__
         raise LossPluginError(f"{where}: not valid YAML{at}: {problem}") from None
     if not isinstance(doc, dict):
-        raise LossPluginError(f"{where}: expected a mapping with keys {', '.join(_SPACE_KEYS)}, "
-                              f"got {type(doc).__name__}")
+        raise LossPluginError(
+            f"{where}: expected a mapping with keys {', '.join(_SPACE_KEYS)}, got {type(doc).__name__}"
+        )
     return doc
 
 
 # --------------------------------------------------------------------------------------------------- building
-def _check_params(where: str, factory: Callable, params: dict[str, Any], reserved: set[str],
-                  error: type[ValueError] = ValueError) -> None:
+def _check_params(
+    where: str, factory: Callable, params: dict[str, Any], reserved: set[str], error: type[ValueError] = ValueError
+) -> None:
     """Reject parameters the factory does not take, naming them (before any training starts)."""
     try:
         sig = inspect.signature(factory)
@@ -288,9 +311,11 @@ def _check_params(where: str, factory: Callable, params: dict[str, Any], reserve
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return
-    accepted = {n for n, p in sig.parameters.items()
-                if n not in reserved and p.kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                        inspect.Parameter.POSITIONAL_ONLY)}
+    accepted = {
+        n
+        for n, p in sig.parameters.items()
+        if n not in reserved and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
+    }
     unknown = sorted(set(params) - accepted)
     if unknown:
         raise error(
@@ -335,8 +360,9 @@ def build_loss(name: str, *, num_classes: int, embedding_dim: int, **params: Any
         else:
             wrapper_params[owner][k] = v
     where = f"loss {info.name!r}"
-    _check_params(where, info.factory, base_params, {"num_classes", "embedding_dim"},
-                  LossPluginError if plugin else ValueError)
+    _check_params(
+        where, info.factory, base_params, {"num_classes", "embedding_dim"}, LossPluginError if plugin else ValueError
+    )
     kwargs = dict(num_classes=num_classes, embedding_dim=embedding_dim, **base_params)
     if plugin:
         _check_call(where, info.factory, kwargs)

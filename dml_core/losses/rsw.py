@@ -22,8 +22,8 @@ detached t1 with a strict ``<``, proxies start from ``kaiming_normal_(fan_out)``
 
 The paper trains in two phases (§IV-B: a larger α first, then a "followup" with other k1, k2,
 α, s; the code's values in docs/losses/rsw.md §Official code settings).  ``rsw`` exposes this as loss
-options: a step counter (the ``step`` buffer, +1 per forward call in training mode) switches to the ``phase2_*`` values once it reaches
-``phase2_step``.  Only the loss hyperparameters switch; the official code also lowers the
+options: a step counter (the ``step`` buffer, +1 per forward call in training mode) switches to the ``phase2_*`` values
+once it reaches ``phase2_step``.  Only the loss hyperparameters switch; the official code also lowers the
 learning rates at the switch, which is the training loop's business.
 """
 
@@ -68,7 +68,9 @@ def euclidean_distances(embeddings: torch.Tensor, proxies: torch.Tensor) -> torc
     Computed as sqrt(clamp(|e|² + |p|² − 2 e·p, 1e-12)) (one matmul, fast for C = 11,318);
     the clamp keeps an embedding that sits exactly on a proxy finite (the official code's formula).
     """
-    sq = (embeddings * embeddings).sum(1, keepdim=True) + (proxies * proxies).sum(1)[None] - 2 * embeddings @ proxies.t()
+    sq = (
+        (embeddings * embeddings).sum(1, keepdim=True) + (proxies * proxies).sum(1)[None] - 2 * embeddings @ proxies.t()
+    )
     return sq.clamp_min(1e-12).sqrt()
 
 

@@ -171,7 +171,8 @@ def l2_reg(base: nn.Module, *, l2_reg_eta: float = DEFAULT_L2_REG_ETA) -> L2Norm
 # --------------------------------------------------------------------------------------------
 @register(
     "semihard_triplet",
-    paper=f"Schroff, Kalenichenko & Philbin, FaceNet, CVPR 2015 (TF triplet_semihard_loss form), as used in {SEC_PAPER}",
+    paper="Schroff, Kalenichenko & Philbin, FaceNet, CVPR 2015 (TF triplet_semihard_loss form), "
+    f"as used in {SEC_PAPER}",
     batch=BatchSpec(classes_per_batch=40, m=3),
     model=ModelRecipe(pooling="avg", layer_norm=False),
     description="Triplet loss with FaceNet semi-hard negative mining (one negative per positive pair) on "

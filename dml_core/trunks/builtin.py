@@ -19,8 +19,13 @@ from dml_core.trunks.preprocessing import BNINCEPTION_PREPROCESSING, IMAGENET_PR
 __all__ = ["BUILTIN_TRUNKS", "FEATURE_DIMS", "TinyCNN", "build_builtin", "builtin_preprocessing", "head_prefixes"]
 
 BUILTIN_TRUNKS = ("tiny", "resnet18", "resnet50", "googlenet", "bninception")
-FEATURE_DIMS = {"tiny": 256, "resnet18": 512, "resnet50": 2048, "googlenet": 1024,
-                "bninception": BNINCEPTION_FEATURE_DIM}
+FEATURE_DIMS = {
+    "tiny": 256,
+    "resnet18": 512,
+    "resnet50": 2048,
+    "googlenet": 1024,
+    "bninception": BNINCEPTION_FEATURE_DIM,
+}
 # Children of the torchvision classifiers that come after the last feature map (or are auxiliary heads).
 _TORCHVISION_HEAD_PREFIXES = ("fc.", "avgpool.", "dropout.", "aux1.", "aux2.")
 
@@ -61,9 +66,7 @@ def _torchvision_trunk(name: str, pretrained_transform: bool) -> nn.Sequential:
         full = tvm.googlenet(weights=None, aux_logits=False, init_weights=True)
     else:
         full = getattr(tvm, name)(weights=None)
-    children = [
-        (n, m) for n, m in full.named_children() if m is not None and n + "." not in _TORCHVISION_HEAD_PREFIXES
-    ]
+    children = [(n, m) for n, m in full.named_children() if m is not None and n + "." not in _TORCHVISION_HEAD_PREFIXES]
     if name == "googlenet" and pretrained_transform:
         children.insert(0, ("transform_input", _GoogLeNetInputTransform()))
     return nn.Sequential(OrderedDict(children))

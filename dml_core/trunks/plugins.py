@@ -21,13 +21,29 @@ from pathlib import Path
 
 from torch import nn
 
-from dml_core.plugins import (IMPORT_PATH, PluginAttributeError, PluginImportError, distinct_entry_points,
-                              distribution_of_entry_point, entry_points, one_line, raised_at)
+from dml_core.plugins import (
+    IMPORT_PATH,
+    PluginAttributeError,
+    PluginImportError,
+    distinct_entry_points,
+    distribution_of_entry_point,
+    entry_points,
+    one_line,
+    raised_at,
+)
 from dml_core.plugins import load_object as _load
 from dml_core.trunks.preprocessing import Preprocessing
 
-__all__ = ["ENTRY_POINT_GROUP", "IMPORT_PATH", "load_object", "entry_points_named", "installed_entry_points",
-           "call_factory", "feature_dim_of", "declared_preprocessing"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "IMPORT_PATH",
+    "load_object",
+    "entry_points_named",
+    "installed_entry_points",
+    "call_factory",
+    "feature_dim_of",
+    "declared_preprocessing",
+]
 
 ENTRY_POINT_GROUP = "dml_reality_check.trunks"
 
@@ -38,16 +54,22 @@ def load_object(module: str, attr: str, trunk: str, what: str):
     try:
         obj = _load(module, attr, what=f"trunk {trunk!r}")
     except PluginImportError as e:
-        raise ValueError(f"trunk {trunk!r}: cannot import module {module!r} ({what}): {one_line(e.cause)}"
-                         f"{raised_at(e.cause, labelled=True)}") from None
+        raise ValueError(
+            f"trunk {trunk!r}: cannot import module {module!r} ({what}): {one_line(e.cause)}"
+            f"{raised_at(e.cause, labelled=True)}"
+        ) from None
     except PluginAttributeError as e:
         if e.cause is None:
             raise ValueError(f"trunk {trunk!r}: {e.owner!r} has no attribute {e.part!r} ({what})") from None
-        raise ValueError(f"trunk {trunk!r}: looking up {e.part!r} in {e.owner!r} raised {one_line(e.cause)}"
-                         f"{raised_at(e.cause, labelled=True)}") from None
+        raise ValueError(
+            f"trunk {trunk!r}: looking up {e.part!r} in {e.owner!r} raised {one_line(e.cause)}"
+            f"{raised_at(e.cause, labelled=True)}"
+        ) from None
     if not callable(obj):
-        raise ValueError(f"trunk {trunk!r}: {module}:{attr} is a {type(obj).__name__}, not a callable returning the "
-                         f"trunk module ({what})")
+        raise ValueError(
+            f"trunk {trunk!r}: {module}:{attr} is a {type(obj).__name__}, not a callable returning the "
+            f"trunk module ({what})"
+        )
     return obj
 
 
@@ -69,13 +91,17 @@ def entry_points_named(name: str, builtin: bool) -> list:
     eps = distinct_entry_points(installed_entry_points(name))
     if builtin and eps:
         sides = " and ".join(f"{distribution_of(ep)!r} ({ep.value})" for ep in eps)
-        raise ValueError(f"trunk {name!r}: the entry point {name!r} of {sides} (group {ENTRY_POINT_GROUP}) "
-                         f"clashes with the built-in trunk {name!r} of 'dml-reality-check'; rename the entry point or "
-                         "uninstall that distribution")
+        raise ValueError(
+            f"trunk {name!r}: the entry point {name!r} of {sides} (group {ENTRY_POINT_GROUP}) "
+            f"clashes with the built-in trunk {name!r} of 'dml-reality-check'; rename the entry point or "
+            "uninstall that distribution"
+        )
     if len(eps) > 1:
         sides = " and ".join(f"{distribution_of(ep)!r} ({ep.value})" for ep in eps)
-        raise ValueError(f"trunk {name!r} is exported by two distributions: {sides} (entry point group "
-                         f"{ENTRY_POINT_GROUP}); uninstall one, or name the trunk by its import path")
+        raise ValueError(
+            f"trunk {name!r} is exported by two distributions: {sides} (entry point group "
+            f"{ENTRY_POINT_GROUP}); uninstall one, or name the trunk by its import path"
+        )
     return eps
 
 
@@ -92,11 +118,17 @@ def check_signature(obj, ref: str, trunk: str) -> bool:
     if sig is None:
         return False
     params = sig.parameters.values()
-    required = [p.name for p in params if p.default is inspect.Parameter.empty and p.name != "pretrained"
-                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    required = [
+        p.name
+        for p in params
+        if p.default is inspect.Parameter.empty
+        and p.name != "pretrained"
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
     if required:
-        raise ValueError(f"trunk {trunk!r}: {ref} must be callable without arguments (pretrained= aside), but it "
-                         f"requires {required}")
+        raise ValueError(
+            f"trunk {trunk!r}: {ref} must be callable without arguments (pretrained= aside), but it requires {required}"
+        )
     return any(p.name == "pretrained" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
@@ -119,11 +151,15 @@ def feature_dim_of(module: nn.Module, ref: str, trunk: str) -> int:
         value = getattr(module, attr, None)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"trunk {trunk!r}: {ref}() returned a module whose {attr} is {value!r}, not a "
-                                 "positive int (the channel count of its feature map)")
+                raise ValueError(
+                    f"trunk {trunk!r}: {ref}() returned a module whose {attr} is {value!r}, not a "
+                    "positive int (the channel count of its feature map)"
+                )
             return value
-    raise ValueError(f"trunk {trunk!r}: {ref}() returned a {type(module).__name__} without an int feature_dim (or "
-                     "num_features) attribute: the channel count C of its (B, C, H, W) feature map")
+    raise ValueError(
+        f"trunk {trunk!r}: {ref}() returned a {type(module).__name__} without an int feature_dim (or "
+        "num_features) attribute: the channel count C of its (B, C, H, W) feature map"
+    )
 
 
 def declared_preprocessing(obj, ref: str, trunk: str) -> Preprocessing | None:

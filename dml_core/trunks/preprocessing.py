@@ -15,8 +15,14 @@ from dataclasses import asdict, dataclass, fields
 
 from dml_core.protocol import IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["Preprocessing", "IMAGENET_PREPROCESSING", "BNINCEPTION_PREPROCESSING", "CHANNEL_ORDERS", "VALUE_SCALES",
-           "INTERPOLATIONS"]
+__all__ = [
+    "Preprocessing",
+    "IMAGENET_PREPROCESSING",
+    "BNINCEPTION_PREPROCESSING",
+    "CHANNEL_ORDERS",
+    "VALUE_SCALES",
+    "INTERPOLATIONS",
+]
 
 CHANNEL_ORDERS = ("RGB", "BGR")
 #: 1.0: pixel values in [0, 1] (torchvision, timm); 255.0: [0, 255] (Caffe-trained weights such as BN-Inception).
@@ -65,8 +71,10 @@ class Preprocessing:
         except (TypeError, ValueError):
             scale = float("nan")
         if isinstance(self.value_scale, bool) or scale not in VALUE_SCALES:
-            raise ValueError(f"Preprocessing.value_scale must be 1.0 (values in [0, 1]) or 255.0 (values in [0, 255]), "
-                             f"got {self.value_scale!r}")
+            raise ValueError(
+                f"Preprocessing.value_scale must be 1.0 (values in [0, 1]) or 255.0 (values in [0, 255]), "
+                f"got {self.value_scale!r}"
+            )
         set_(self, "value_scale", scale)
         order = self.channel_order.upper() if isinstance(self.channel_order, str) else self.channel_order
         if order not in CHANNEL_ORDERS:
@@ -96,8 +104,9 @@ class Preprocessing:
         if len(size) == 3:  # timm's (channels, height, width)
             size = size[1:]
         if len(size) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size):
-            raise ValueError(f"Preprocessing.input_size must be a positive int, (height, width) or (3, height, width), "
-                             f"got {value!r}")
+            raise ValueError(
+                f"Preprocessing.input_size must be a positive int, (height, width) or (3, height, width), got {value!r}"
+            )
         return size
 
     @classmethod
@@ -117,8 +126,9 @@ class Preprocessing:
                 return cls(**value)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-        raise ValueError(f"{where} must be a dml_core.trunks.Preprocessing or a dict of its fields, "
-                         f"got {type(value).__name__}")
+        raise ValueError(
+            f"{where} must be a dml_core.trunks.Preprocessing or a dict of its fields, got {type(value).__name__}"
+        )
 
     def as_dict(self) -> dict:
         """Plain JSON-able values (lists for tuples), e.g. to record on a run; ``Preprocessing(**d)`` restores it."""
@@ -136,6 +146,12 @@ IMAGENET_PREPROCESSING = Preprocessing()
 #: pretrainedmodels' ``bninception`` "imagenet" settings (Caffe-trained weights ported by Y. Xiong): BGR, values in
 #: [0, 255], mean (104, 117, 128) in BGR order, std 1, 224-px crops; its ``utils.TransformImage`` resizes to
 #: 224/0.875 = 256 with bilinear resampling.  MLRC itself crops 227 px (docs/protocol.md §Preprocessing).
-BNINCEPTION_PREPROCESSING = Preprocessing(mean=(104.0, 117.0, 128.0), std=(1.0, 1.0, 1.0), value_scale=255.0,
-                                          channel_order="BGR", input_size=(224, 224), interpolation="bilinear",
-                                          crop_pct=0.875)
+BNINCEPTION_PREPROCESSING = Preprocessing(
+    mean=(104.0, 117.0, 128.0),
+    std=(1.0, 1.0, 1.0),
+    value_scale=255.0,
+    channel_order="BGR",
+    input_size=(224, 224),
+    interpolation="bilinear",
+    crop_pct=0.875,
+)

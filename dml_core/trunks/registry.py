@@ -23,14 +23,23 @@ from functools import cached_property
 
 from torch import nn
 
-from dml_core.plugins import (PluginDistribution, distribution_of_entry_point, distribution_of_module,
-                              installed_distribution)
+from dml_core.plugins import (
+    PluginDistribution,
+    distribution_of_entry_point,
+    distribution_of_module,
+    installed_distribution,
+)
 from dml_core.trunks import plugins
-from dml_core.trunks.builtin import (BUILTIN_TRUNKS, FEATURE_DIMS, build_builtin, builtin_preprocessing,
-                                     head_prefixes)
+from dml_core.trunks.builtin import BUILTIN_TRUNKS, FEATURE_DIMS, build_builtin, builtin_preprocessing, head_prefixes
 from dml_core.trunks.preprocessing import IMAGENET_PREPROCESSING, Preprocessing
-from dml_core.trunks.timm_trunk import (TIMM_PREFIX, _timm, build_timm_trunk, check_timm_name, timm_head_prefixes,
-                                        timm_preprocessing)
+from dml_core.trunks.timm_trunk import (
+    TIMM_PREFIX,
+    _timm,
+    build_timm_trunk,
+    check_timm_name,
+    timm_head_prefixes,
+    timm_preprocessing,
+)
 from dml_core.trunks.weights import load_trunk_weights, local_weights
 
 __all__ = ["TrunkSpec", "resolve_trunk", "check_trunk", "trunk_preprocessing", "list_trunks", "TRUNK_KINDS"]
@@ -96,7 +105,7 @@ def _builtin_spec(name: str) -> TrunkSpec:
 
 
 def _timm_spec(name: str) -> TrunkSpec:
-    model = name[len(TIMM_PREFIX):]
+    model = name[len(TIMM_PREFIX) :]
     check_timm_name(model, name)
 
     def factory(path, shown):
@@ -105,12 +114,14 @@ def _timm_spec(name: str) -> TrunkSpec:
             load_trunk_weights(trunk.model, path, name, ignore_prefixes=timm_head_prefixes(model), shown=shown)
         return trunk, trunk.feature_dim
 
-    return TrunkSpec(name, "timm", f"timm {_timm().__version__}", factory, timm_preprocessing(model),
-                     installed_distribution("timm"))
+    return TrunkSpec(
+        name, "timm", f"timm {_timm().__version__}", factory, timm_preprocessing(model), installed_distribution("timm")
+    )
 
 
-def _plugin_spec(name: str, kind: str, source: str, module: str, attr: str, what: str,
-                 distribution: PluginDistribution | None) -> TrunkSpec:
+def _plugin_spec(
+    name: str, kind: str, source: str, module: str, attr: str, what: str, distribution: PluginDistribution | None
+) -> TrunkSpec:
     obj = plugins.load_object(module, attr, name, what)
     ref = f"{module}:{attr}"
     plugins.check_signature(obj, ref, name)
@@ -150,11 +161,13 @@ def resolve_trunk(name: str) -> TrunkSpec:
         return _timm_spec(name)
     if ":" in name:
         if not plugins.IMPORT_PATH.fullmatch(name):
-            raise ValueError(f"trunk {name!r} is neither 'timm:<model name>' nor an import path "
-                             "'package.module:callable'")
+            raise ValueError(
+                f"trunk {name!r} is neither 'timm:<model name>' nor an import path 'package.module:callable'"
+            )
         module, attr = name.split(":", 1)
-        return _plugin_spec(name, "import", "import path", module, attr, f"import path {name!r}",
-                            distribution_of_module(module))
+        return _plugin_spec(
+            name, "import", "import path", module, attr, f"import path {name!r}", distribution_of_module(module)
+        )
     eps = plugins.entry_points_named(name, builtin=False)
     if not eps:
         raise _unknown(name)
@@ -163,8 +176,9 @@ def resolve_trunk(name: str) -> TrunkSpec:
     what = f"entry point {name!r} = {ep.value!r} of {dist!r}"
     if not ep.attr or not plugins.IMPORT_PATH.fullmatch(f"{ep.module}:{ep.attr}"):
         raise ValueError(f"trunk {name!r}: {what} must name 'package.module:callable'")
-    return _plugin_spec(name, "entry_point", f"entry point of {dist}", ep.module, ep.attr, what,
-                        distribution_of_entry_point(ep))
+    return _plugin_spec(
+        name, "entry_point", f"entry point of {dist}", ep.module, ep.attr, what, distribution_of_entry_point(ep)
+    )
 
 
 def check_trunk(name: str) -> TrunkSpec:

@@ -29,8 +29,14 @@ from torch import nn
 
 from dml_core.trunks.preprocessing import IMAGENET_PREPROCESSING, INTERPOLATIONS, Preprocessing
 
-__all__ = ["TIMM_PREFIX", "TimmTrunk", "check_timm_name", "build_timm_trunk", "timm_preprocessing",
-           "timm_head_prefixes"]
+__all__ = [
+    "TIMM_PREFIX",
+    "TimmTrunk",
+    "check_timm_name",
+    "build_timm_trunk",
+    "timm_preprocessing",
+    "timm_head_prefixes",
+]
 
 TIMM_PREFIX = "timm:"
 
@@ -50,14 +56,17 @@ def check_timm_name(model: str, trunk: str) -> None:
     timm = _timm()
     if not model or any(c in model for c in ":/\\"):
         # timm would treat "hf-hub:…" / "local-dir:…" as a source to fetch from; only registry names are offline
-        raise ValueError(f"trunk {trunk!r}: {model!r} is not a timm registry model name (sources such as hf-hub: "
-                         "are not supported: weights come from a local file via pretrained=)")
+        raise ValueError(
+            f"trunk {trunk!r}: {model!r} is not a timm registry model name (sources such as hf-hub: "
+            "are not supported: weights come from a local file via pretrained=)"
+        )
     if not timm.is_model(model):
         arch = model.split(".", 1)[0]
         close = difflib.get_close_matches(arch, timm.list_models(), n=5, cutoff=0.6)
         hint = f"; close names: {close}" if close else ""
-        raise ValueError(f"trunk {trunk!r}: timm has no model {arch!r} (timm.list_models('*pattern*') lists "
-                         f"them){hint}")
+        raise ValueError(
+            f"trunk {trunk!r}: timm has no model {arch!r} (timm.list_models('*pattern*') lists them){hint}"
+        )
     try:
         timm.models.get_pretrained_cfg(model)
     except RuntimeError as e:  # a tag that is not registered for the architecture
@@ -148,8 +157,10 @@ def _layout(model: nn.Module, features: torch.Tensor, trunk: str) -> tuple[str, 
             return "pooled", int(pooled.shape[1])
         if features.dim() == 3:
             return "tokens", 0
-    raise ValueError(f"trunk {trunk!r}: timm's forward_features gives shape {tuple(features.shape)}, neither a "
-                     "feature map (B, C, H, W) nor tokens (B, N, C) that its head pools")
+    raise ValueError(
+        f"trunk {trunk!r}: timm's forward_features gives shape {tuple(features.shape)}, neither a "
+        "feature map (B, C, H, W) nor tokens (B, N, C) that its head pools"
+    )
 
 
 def _create(timm, model: str, device: str | None, global_pool: str | None) -> tuple[nn.Module, str | None]:

@@ -71,8 +71,9 @@ def read_state_dict(path: str | os.PathLike, shown: str | os.PathLike | None = N
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt file, pickle of something else, missing safetensors package, ...
-        raise ValueError(f"pretrained weights file {shown} could not be read as a state_dict: "
-                         f"{type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"pretrained weights file {shown} could not be read as a state_dict: {type(e).__name__}: {e}"
+        ) from None
     if isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
         for key in _WRAPPER_KEYS:
             if isinstance(state.get(key), dict):
@@ -83,8 +84,14 @@ def read_state_dict(path: str | os.PathLike, shown: str | os.PathLike | None = N
     return state
 
 
-def load_trunk_weights(module: nn.Module, path: str | os.PathLike, trunk_name: str, *,
-                       ignore_prefixes: tuple[str, ...] = (), shown: str | os.PathLike | None = None) -> None:
+def load_trunk_weights(
+    module: nn.Module,
+    path: str | os.PathLike,
+    trunk_name: str,
+    *,
+    ignore_prefixes: tuple[str, ...] = (),
+    shown: str | os.PathLike | None = None,
+) -> None:
     """Load the state dict in ``path`` into ``module``: entries under ``ignore_prefixes`` (a classifier head the
     trunk does not have) are dropped, every other entry must match — names and shapes.  A mismatch is a
     ``ValueError`` naming the file, the trunk and the first missing / unexpected / mis-shaped entries."""
@@ -92,8 +99,11 @@ def load_trunk_weights(module: nn.Module, path: str | os.PathLike, trunk_name: s
     state = read_state_dict(path, shown)
     state = {k: v for k, v in state.items() if not k.startswith(ignore_prefixes)}
     own = module.state_dict()
-    wrong_shape = [f"{k} {tuple(v.shape)} (trunk: {tuple(own[k].shape)})" for k, v in state.items()
-                   if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape]
+    wrong_shape = [
+        f"{k} {tuple(v.shape)} (trunk: {tuple(own[k].shape)})"
+        for k, v in state.items()
+        if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape
+    ]
     missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in state if k not in own]
     if missing or unexpected or wrong_shape:

@@ -17,6 +17,22 @@ from pipelines.config.schema import (
 )
 from pipelines.config.uris import absolute_tracking_uri, check_tracking_uri, check_uri, redact_uri
 
-__all__ = ["ConfigError", "FieldError", "load_yaml", "read_yaml_file", "DATASET_KINDS", "SEED_MAX", "TRAIN_KEYS",
-           "DatasetSpec", "LossSpec", "SweepConfig", "load_config", "parse_config", "sweep_json_schema",
-           "absolute_tracking_uri", "check_tracking_uri", "check_uri", "redact_uri"]
+__all__ = [
+    "ConfigError",
+    "FieldError",
+    "load_yaml",
+    "read_yaml_file",
+    "DATASET_KINDS",
+    "SEED_MAX",
+    "TRAIN_KEYS",
+    "DatasetSpec",
+    "LossSpec",
+    "SweepConfig",
+    "load_config",
+    "parse_config",
+    "sweep_json_schema",
+    "absolute_tracking_uri",
+    "check_tracking_uri",
+    "check_uri",
+    "redact_uri",
+]

@@ -44,8 +44,10 @@ def _check_nodes(root: yaml.Node, source: str) -> None:
                     name = (k.tag, k.value)
                     sub = f"{path}.{k.value}" if path else str(k.value)
                     if k.tag != "tag:yaml.org,2002:str":
-                        raise ConfigError(sub, f"keys must be strings; YAML reads {k.value!r} as "
-                                               f"{k.tag.rsplit(':', 1)[-1]} (quote it)")
+                        raise ConfigError(
+                            sub,
+                            f"keys must be strings; YAML reads {k.value!r} as {k.tag.rsplit(':', 1)[-1]} (quote it)",
+                        )
                     if name in seen:
                         raise ConfigError(sub, f"duplicate key (lines {seen[name] + 1} and {k.start_mark.line + 1})")
                     seen[name] = k.start_mark.line
@@ -58,8 +60,7 @@ def _check_nodes(root: yaml.Node, source: str) -> None:
         active.discard(key)
         sizes[key] = total
         if total > MAX_YAML_NODES:
-            raise ConfigError(source, f"the document (its YAML aliases expanded) has more than {MAX_YAML_NODES} "
-                                      "nodes")
+            raise ConfigError(source, f"the document (its YAML aliases expanded) has more than {MAX_YAML_NODES} nodes")
         return total
 
     walk(root, "")
@@ -91,8 +92,7 @@ def read_yaml_file(path: str | os.PathLike, what: str = "config file") -> Any:
         if not path.is_file():
             raise ConfigError(src, f"is a directory, not a {what}" if path.is_dir() else f"{what} not found")
         if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(src, f"{path.stat().st_size} bytes is too large for a {what} "
-                                   f"(limit {MAX_CONFIG_BYTES})")
+            raise ConfigError(src, f"{path.stat().st_size} bytes is too large for a {what} (limit {MAX_CONFIG_BYTES})")
         raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(src, f"cannot read: {e.strerror or e}") from None

@@ -23,7 +23,9 @@ __all__ = ["DEMO", "DEMO_FILE", "demo_config"]
 
 DEMO_FILE = "demo.yaml"
 #: The preset as written in ``pipelines/config/demo.yaml`` (sweep name ``demo``).
-DEMO: dict[str, Any] = yaml.safe_load(resources.files("pipelines.config").joinpath(DEMO_FILE).read_text(encoding="utf-8"))
+DEMO: dict[str, Any] = yaml.safe_load(
+    resources.files("pipelines.config").joinpath(DEMO_FILE).read_text(encoding="utf-8")
+)
 
 
 def demo_config(name: str | None = None, storage: str | None = None) -> dict[str, Any]:

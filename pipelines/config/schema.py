@@ -57,12 +57,25 @@ from pipelines.config.spaces import (
     read_space_file,
     spaces_dir,
 )
-from pipelines.config.uris import (absolute_tracking_uri, check_tracking_uri, check_uri, local_path, redact_uri,
-                                   shown)
+from pipelines.config.uris import absolute_tracking_uri, check_tracking_uri, check_uri, local_path, redact_uri, shown
 
-__all__ = ["SweepConfig", "DatasetSpec", "LossSpec", "ModelSpec", "ProtocolSpec", "ResourcesSpec", "TrackingSpec",
-           "TrainSpec", "RuntimeEnvSpec", "parse_config", "load_config", "sweep_json_schema", "DATASET_KINDS",
-           "TRAIN_KEYS", "SEED_MAX"]
+__all__ = [
+    "SweepConfig",
+    "DatasetSpec",
+    "LossSpec",
+    "ModelSpec",
+    "ProtocolSpec",
+    "ResourcesSpec",
+    "TrackingSpec",
+    "TrainSpec",
+    "RuntimeEnvSpec",
+    "parse_config",
+    "load_config",
+    "sweep_json_schema",
+    "DATASET_KINDS",
+    "TRAIN_KEYS",
+    "SEED_MAX",
+]
 
 #: Dataset kinds: generated data, the Omniglot zips, prepared parquet shards, an image folder, a CSV listing.
 DATASET_KINDS = ("synthetic", "omniglot", "parquet", "folder", "csv")
@@ -81,8 +94,14 @@ class _Strict(BaseModel):
     """Base of every config section: unknown keys rejected, no type coercion (``"5"`` is not 5, ``true`` is not
     1), no NaN/inf, immutable; a YAML ``null`` means "the default"."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False,
-                              hide_input_in_errors=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        allow_inf_nan=False,
+        hide_input_in_errors=True,
+        use_attribute_docstrings=True,
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -152,11 +171,14 @@ class SyntheticDataset(_DatasetBase):
 
     @model_validator(mode="after")
     def _fits_in_memory(self):
-        nbytes = self.num_classes * self.per_class * self.image_size ** 2 * 3
+        nbytes = self.num_classes * self.per_class * self.image_size**2 * 3
         if nbytes > MAX_SYNTHETIC_BYTES:
-            raise FieldError("num_classes", f"{self.num_classes} classes × {self.per_class} images of "
-                                            f"{self.image_size}² pixels need {nbytes / 2**30:.0f} GiB in memory "
-                                            f"(limit {MAX_SYNTHETIC_BYTES >> 30} GiB)")
+            raise FieldError(
+                "num_classes",
+                f"{self.num_classes} classes × {self.per_class} images of "
+                f"{self.image_size}² pixels need {nbytes / 2**30:.0f} GiB in memory "
+                f"(limit {MAX_SYNTHETIC_BYTES >> 30} GiB)",
+            )
         return self
 
 
@@ -213,8 +235,9 @@ class CsvDataset(_PathDataset):
         return _absolute(_local_or_s3(v))
 
 
-DatasetSpec = Annotated[Union[SyntheticDataset, OmniglotDataset, FolderDataset, ParquetDataset, CsvDataset],
-                        Field(discriminator="kind")]
+DatasetSpec = Annotated[
+    Union[SyntheticDataset, OmniglotDataset, FolderDataset, ParquetDataset, CsvDataset], Field(discriminator="kind")
+]
 
 
 # --------------------------------------------------------------------------------------------------- losses
@@ -245,8 +268,10 @@ class LossSpec(_Strict):
     @classmethod
     def _space_shape(cls, v: Any) -> Any:
         if v is not None and not isinstance(v, (dict, str)):
-            raise ValueError(f"expected a search space (a mapping with space / fixed / paper_defaults) or the path of "
-                             f"such a YAML file, got {shown(v)}")
+            raise ValueError(
+                f"expected a search space (a mapping with space / fixed / paper_defaults) or the path of "
+                f"such a YAML file, got {shown(v)}"
+            )
         return v
 
     @model_validator(mode="after")
@@ -281,8 +306,9 @@ class LossSpec(_Strict):
             if k == LOSS_LR and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
                 raise FieldError(f"params.{k}", f"{shown(v)} must be a positive number")
             if p is not None and not p.contains(v):
-                raise FieldError(f"params.{k}", f"{shown(v)} is outside the search space of {self.name!r} "
-                                                f"({p.describe()})")
+                raise FieldError(
+                    f"params.{k}", f"{shown(v)} is outside the search space of {self.name!r} ({p.describe()})"
+                )
         self._space = space
         return self
 
@@ -304,7 +330,7 @@ class LossSpec(_Strict):
 
 def _detail(e: Exception, source: str) -> str:
     text = " ".join(str(e).split())
-    return text[len(source) + 2:] if text.startswith(source + ": ") else text
+    return text[len(source) + 2 :] if text.startswith(source + ": ") else text
 
 
 def _resolve_loss(name: str) -> None:
@@ -319,8 +345,11 @@ def _resolve_loss(name: str) -> None:
         raise FieldError("name", " ".join(str(e).split())) from None
     except ValueError:
         known = list_losses() + [f"{w}:<base>" for w in list_wrappers()]
-        raise FieldError("name", f"unknown loss {shown(name)} (known: {', '.join(known)}; or an installed "
-                                 "plugin's name, or an import path 'package.module:attribute')") from None
+        raise FieldError(
+            "name",
+            f"unknown loss {shown(name)} (known: {', '.join(known)}; or an installed "
+            "plugin's name, or an import path 'package.module:attribute')",
+        ) from None
 
 
 class AllLosses(_Strict):
@@ -343,8 +372,10 @@ def _expand_all(value: Any, spaces: dict[str, SearchSpace]) -> Any:
     unknown = [x for x in spec.exclude if x not in spaces]
     if unknown:
         i = spec.exclude.index(unknown[0])
-        raise ConfigError(f"losses.exclude[{i}]", f"{shown(unknown[0])} is not one of the built-in losses "
-                                                   f"({', '.join(sorted(spaces))})")
+        raise ConfigError(
+            f"losses.exclude[{i}]",
+            f"{shown(unknown[0])} is not one of the built-in losses ({', '.join(sorted(spaces))})",
+        )
     return [n for n in sorted(spaces) if n not in spec.exclude]
 
 
@@ -515,13 +546,18 @@ class ResourcesSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self):
         if self.fold_executor == "warm" and self.workers_per_fold != 1:
-            raise FieldError("fold_executor", f"'warm' runs single-worker folds; workers_per_fold is "
-                                              f"{self.workers_per_fold} (use 'train' or 'auto')")
+            raise FieldError(
+                "fold_executor",
+                f"'warm' runs single-worker folds; workers_per_fold is {self.workers_per_fold} (use 'train' or 'auto')",
+            )
         need = self.workers_per_fold * self.cpus_per_worker
         if self.num_cpus is not None and self.num_cpus < need:
-            raise FieldError("num_cpus", f"{self.num_cpus} CPUs cannot hold one fold's {self.workers_per_fold} "
-                                         f"workers × {self.cpus_per_worker} CPUs = {need:g} (its placement group "
-                                         "would wait forever)")
+            raise FieldError(
+                "num_cpus",
+                f"{self.num_cpus} CPUs cannot hold one fold's {self.workers_per_fold} "
+                f"workers × {self.cpus_per_worker} CPUs = {need:g} (its placement group "
+                "would wait forever)",
+            )
         return self
 
 
@@ -570,8 +606,11 @@ class RuntimeEnvSpec(_Strict):
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
                 raise FieldError(f".{k}", "is not an environment variable name")
             if _SECRET_ENV.search(k):
-                raise FieldError(f".{k}", "looks like a credential; credentials never travel in a runtime_env (Ray "
-                                          "logs it in plain text): give the workers their own credentials")
+                raise FieldError(
+                    f".{k}",
+                    "looks like a credential; credentials never travel in a runtime_env (Ray "
+                    "logs it in plain text): give the workers their own credentials",
+                )
         return v
 
     def ray_runtime_env(self) -> dict[str, Any]:
@@ -628,8 +667,10 @@ class TrackingSpec(_Strict):
         if v is not None and not v.strip():
             raise ValueError("must not be empty")
         if v is not None and re.search(r"[\x00-\x1f\x7f]", v):
-            raise ValueError(f"{shown(v)} contains a control character (a newline or tab breaks the printed "
-                             "commands and the MLflow UI)")
+            raise ValueError(
+                f"{shown(v)} contains a control character (a newline or tab breaks the printed "
+                "commands and the MLflow UI)"
+            )
         return v
 
 
@@ -699,8 +740,10 @@ class SweepConfig(_Strict):
         base = p.seed if p.seed is not None else self.seed
         top = base + 1000 * p.reproductions + p.folds - 1  # pipelines.execution.trial.reproduction_seed + fold index
         if top > SEED_MAX:
-            raise FieldError("protocol.seed" if p.seed is not None else "seed",
-                             f"{base} is too large: reproduction and fold seeds reach {top} > 2**32-1 = {SEED_MAX}")
+            raise FieldError(
+                "protocol.seed" if p.seed is not None else "seed",
+                f"{base} is too large: reproduction and fold seeds reach {top} > 2**32-1 = {SEED_MAX}",
+            )
         return self
 
     # ------------------------------------------------------------------ derived values
@@ -737,7 +780,6 @@ class SweepConfig(_Strict):
         return self.tracking.experiment or self.name
 
 
-
 def sweep_json_schema() -> dict[str, Any]:
     """The JSON Schema of a sweep config (published as ``docs/sweep-config.schema.json``)."""
     schema = SweepConfig.model_json_schema()
@@ -745,7 +787,8 @@ def sweep_json_schema() -> dict[str, Any]:
     # A loss may be a bare name, and the list may be `all` / {all, exclude} (before-validators pydantic cannot see).
     schema["properties"]["losses"] = {
         "description": schema["properties"]["losses"].get("description", ""),
-        "anyOf": [{"type": "array", "items": items, "minItems": 1}, {"const": "all"}, {"$ref": "#/$defs/AllLosses"}]}
+        "anyOf": [{"type": "array", "items": items, "minItems": 1}, {"const": "all"}, {"$ref": "#/$defs/AllLosses"}],
+    }
     schema.setdefault("$defs", {})["AllLosses"] = AllLosses.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     return schema
@@ -765,8 +808,11 @@ def _where(loc: tuple) -> str:
         inside = i >= 1 and loc[i - 1] in ("params", "env_vars")  # a user's own key, kept as it is
         if isinstance(part, int) and not inside:
             out += f"[{part}]"
-        elif isinstance(part, str) and not inside and (not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part)
-                                                       or part in _UNION_LABELS):
+        elif (
+            isinstance(part, str)
+            and not inside
+            and (not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part) or part in _UNION_LABELS)
+        ):
             continue  # a union member's label (``str``, ``dict[str,any]``, ``function-after[...]``)
         elif part in DATASET_KINDS and i >= 2 and loc[i - 2] == "datasets" and isinstance(loc[i - 1], int):
             continue
@@ -807,9 +853,13 @@ def _to_config_error(e: ValidationError, prefix: tuple = ()) -> ConfigError:
     elif kind == "too_short" and loc in (("datasets",), ("losses",)):
         problem = f"needs at least one {'dataset' if loc[0] == 'datasets' else 'loss'}"
     else:
-        problem = err["msg"] + (f", got {shown(value)}" if kind.endswith("_type") or kind in (
-            "finite_number", "literal_error", "greater_than", "greater_than_equal", "less_than",
-            "less_than_equal") else "")
+        problem = err["msg"] + (
+            f", got {shown(value)}"
+            if kind.endswith("_type")
+            or kind
+            in ("finite_number", "literal_error", "greater_than", "greater_than_equal", "less_than", "less_than_equal")
+            else ""
+        )
     if len(errors) > 1:
         problem += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return ConfigError(where or "config", redact_uri(problem))
@@ -845,8 +895,9 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
     except RecursionError:
         raise ConfigError(source or "config", "nested too deeply") from None
     datasets = [d if d.name else d.model_copy(update={"name": d.kind}) for d in cfg.datasets]
-    datasets = [d.model_copy(update={"seed": cfg.seed}) if d.kind == "synthetic" and d.seed is None else d
-                for d in datasets]
+    datasets = [
+        d.model_copy(update={"seed": cfg.seed}) if d.kind == "synthetic" and d.seed is None else d for d in datasets
+    ]
     update: dict[str, Any] = {"datasets": datasets}
     if cfg.protocol.seed is None:
         update["protocol"] = cfg.protocol.model_copy(update={"seed": cfg.seed})

@@ -29,8 +29,19 @@ from typing import Any, Iterator
 from pipelines.config.errors import ConfigError
 from pipelines.config.loader import load_yaml
 
-__all__ = ["Param", "SearchSpace", "SpaceError", "spaces_dir", "builtin_spaces", "folder_spaces", "all_spaces",
-           "load_space", "parse_space", "read_space_file", "LOSS_LR"]
+__all__ = [
+    "Param",
+    "SearchSpace",
+    "SpaceError",
+    "spaces_dir",
+    "builtin_spaces",
+    "folder_spaces",
+    "all_spaces",
+    "load_space",
+    "parse_space",
+    "read_space_file",
+    "LOSS_LR",
+]
 
 #: The learning rate of the loss's own parameters: a TrainConfig field, never a build_loss argument.
 LOSS_LR = "loss_lr"
@@ -128,8 +139,9 @@ def builtin_spaces() -> dict[str, SearchSpace]:
 @functools.lru_cache(maxsize=1)
 def _builtin_spaces() -> dict[str, SearchSpace]:
     out: dict[str, SearchSpace] = {}
-    files = sorted((f for f in resources.files("tune_spaces").iterdir() if f.name.endswith(".yaml")),
-                   key=lambda f: f.name)
+    files = sorted(
+        (f for f in resources.files("tune_spaces").iterdir() if f.name.endswith(".yaml")), key=lambda f: f.name
+    )
     for f in files:
         space = _parse_doc(_read(f, f.name), f.name, f if isinstance(f, Path) else Path(f.name))
         if space.loss in out:
@@ -265,8 +277,10 @@ def load_space(loss: str, directory: str | Path | None = None) -> SearchSpace:
         return shipped
     builtin = builtin_spaces()
     if loss not in builtin:
-        raise SpaceError(f"no search space for loss {loss!r}: give one inline (losses[].space), in a tune_spaces "
-                         f"folder, or ship one with its plugin (built-in spaces: {', '.join(sorted(builtin))})")
+        raise SpaceError(
+            f"no search space for loss {loss!r}: give one inline (losses[].space), in a tune_spaces "
+            f"folder, or ship one with its plugin (built-in spaces: {', '.join(sorted(builtin))})"
+        )
     return builtin[loss]
 
 

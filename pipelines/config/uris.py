@@ -10,14 +10,25 @@ from urllib.parse import urlsplit
 
 from pipelines.config.errors import ConfigError
 
-__all__ = ["redact_uri", "shown", "check_uri", "check_tracking_uri", "absolute_tracking_uri", "local_path",
-           "check_ray_address", "TRACKING_SCHEMES"]
+__all__ = [
+    "redact_uri",
+    "shown",
+    "check_uri",
+    "check_tracking_uri",
+    "absolute_tracking_uri",
+    "local_path",
+    "check_ray_address",
+    "TRACKING_SCHEMES",
+]
 
 TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql")
 _USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
 #: Query parameters that carry a secret (``?token=...``, presigned ``X-Amz-Signature=...``): their values are redacted.
-_SECRET_QUERY_RE = re.compile(r"([?&;](?:[A-Za-z0-9_.-]*(?:token|key|secret|password|passwd|pwd|sig|signature|auth|"
-                              r"credential)[A-Za-z0-9_.-]*)=)[^&;#\s'\"]+", re.IGNORECASE)
+_SECRET_QUERY_RE = re.compile(
+    r"([?&;](?:[A-Za-z0-9_.-]*(?:token|key|secret|password|passwd|pwd|sig|signature|auth|"
+    r"credential)[A-Za-z0-9_.-]*)=)[^&;#\s'\"]+",
+    re.IGNORECASE,
+)
 #: Something that looks like a URI scheme followed by too few slashes (``s3:/bucket``): a typo, not a local path.
 _BROKEN_SCHEME_RE = re.compile(r"^(s3|gs|gcs|az|abfs|hdfs|https?|file|sqlite|postgresql):/?(?!/)", re.IGNORECASE)
 
@@ -55,9 +66,12 @@ def check_uri(uri: str, where: str, *, allow_s3: bool = True) -> str:
     if not m:
         broken = _BROKEN_SCHEME_RE.match(uri)
         if broken:  # "s3:/bucket/x", "s3:bucket": a mistyped URI would otherwise become a folder named "s3:"
-            raise ConfigError(where, f"{shown(uri)} looks like a {broken.group(1)}:// URI with a missing '/' "
-                                     f"(write {broken.group(1).lower()}://...; a local path cannot start with "
-                                     f"'{broken.group(1)}:')")
+            raise ConfigError(
+                where,
+                f"{shown(uri)} looks like a {broken.group(1)}:// URI with a missing '/' "
+                f"(write {broken.group(1).lower()}://...; a local path cannot start with "
+                f"'{broken.group(1)}:')",
+            )
         return uri
     scheme, rest = m.group(1).lower(), m.group(2)
     if scheme == "s3" and allow_s3:
@@ -79,15 +93,20 @@ def check_tracking_uri(uri: str, where: str = "tracking.uri") -> str:
     text = shown(uri)
     m = re.match(r"^([A-Za-z][A-Za-z0-9]*)(\+[A-Za-z0-9_]+)?://(.*)$", uri or "")
     if not m:
-        raise ConfigError(where, f"{text} is not a URI (expected one of "
-                                 f"{', '.join(s + '://' for s in TRACKING_SCHEMES)})")
+        raise ConfigError(
+            where, f"{text} is not a URI (expected one of {', '.join(s + '://' for s in TRACKING_SCHEMES)})"
+        )
     scheme, driver, rest = m.group(1).lower(), (m.group(2) or "")[1:].lower(), m.group(3)
     if scheme == "file":
-        raise ConfigError(where, f"{text}: file:// tracking stores are not supported by MLflow 3; "
-                                 "use sqlite:///path/mlflow.db (or an http:// server)")
+        raise ConfigError(
+            where,
+            f"{text}: file:// tracking stores are not supported by MLflow 3; "
+            "use sqlite:///path/mlflow.db (or an http:// server)",
+        )
     if scheme not in TRACKING_SCHEMES:
-        raise ConfigError(where, f"unsupported scheme {scheme!r} in {text} (expected one of "
-                                 f"{', '.join(TRACKING_SCHEMES)})")
+        raise ConfigError(
+            where, f"unsupported scheme {scheme!r} in {text} (expected one of {', '.join(TRACKING_SCHEMES)})"
+        )
     if driver and scheme != "postgresql":
         raise ConfigError(where, f"{text}: a '+driver' suffix is only meaningful for postgresql")
     if driver and driver not in ("psycopg2", "psycopg"):
@@ -114,10 +133,10 @@ def absolute_tracking_uri(uri: str) -> str:
     """Make a ``sqlite:///relative.db`` URI absolute (workers must never resolve relative paths: ray #18387), and
     pin ``postgresql://`` to the installed driver (SQLAlchemy 2.1 maps the bare scheme to psycopg 3)."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+        return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).resolve())
     if uri.startswith("postgresql://"):
         if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
-            return "postgresql+psycopg2://" + uri[len("postgresql://"):]
+            return "postgresql+psycopg2://" + uri[len("postgresql://") :]
     return uri
 
 
@@ -135,14 +154,18 @@ def check_ray_address(address: str, where: str) -> str:
         return address
     if "@" in address:
         host = address.rpartition("@")[2]  # never echo what stands before the '@'
-        raise ConfigError(where, f"'…@{host}': credentials do not belong in a Ray address (a Ray cluster "
-                                 "authenticates by its network; use a port-forward or VPN)")
+        raise ConfigError(
+            where,
+            f"'…@{host}': credentials do not belong in a Ray address (a Ray cluster "
+            "authenticates by its network; use a port-forward or VPN)",
+        )
     m = _RAY_ADDRESS_RE.match(address)
     if not m or not 0 < int(m.group(3)) < 65536:
-        raise ConfigError(where, f"{shown(address)} is not a Ray address (expected auto, host:port or "
-                                 "ray://host:port)")
+        raise ConfigError(where, f"{shown(address)} is not a Ray address (expected auto, host:port or ray://host:port)")
     if m.group(1):
         if importlib.util.find_spec("grpc") is None:
-            raise ConfigError(where, f"{shown(address)}: ray:// addresses go through Ray Client, which needs "
-                                     "pip install 'ray[client]'")
+            raise ConfigError(
+                where,
+                f"{shown(address)}: ray:// addresses go through Ray Client, which needs pip install 'ray[client]'",
+            )
     return address

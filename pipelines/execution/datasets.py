@@ -26,9 +26,17 @@ except ImportError:  # pragma: no cover
     _S3_ERRORS = ()
 #: What a dataset reader raises for a bad file (readers are meant to raise ValueError/OSError naming the file;
 #: the rest are wrapped too, so that a user's broken data is never a traceback).
-_READ_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError, zipfile.BadZipFile,
-                *_S3_ERRORS)
-
+_READ_ERRORS = (
+    OSError,
+    ValueError,
+    KeyError,
+    TypeError,
+    IndexError,
+    AttributeError,
+    EOFError,
+    zipfile.BadZipFile,
+    *_S3_ERRORS,
+)
 
 
 @dataclass
@@ -64,7 +72,8 @@ def _bad_zip(root: str) -> str | None:
 
 
 def load_table(spec: DatasetSpec, where: str):
-    """The dataset's rows (:mod:`dml_core.data` and :mod:`dml_core.datasets` readers), its first ``spec.classes`` classes if set."""
+    """The dataset's rows (:mod:`dml_core.data` and :mod:`dml_core.datasets` readers), its first ``spec.classes``
+    classes if set."""
     try:
         if spec.kind == "synthetic":
             table = data.synthetic(spec.num_classes, spec.per_class, spec.image_size, spec.seed)
@@ -90,8 +99,10 @@ def load_table(spec: DatasetSpec, where: str):
             detail = _bad_zip(spec.path) or detail
         elif _S3_ERRORS and isinstance(e, _S3_ERRORS):
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
-            detail = (f"S3 at {endpoint} is not reachable or refuses access ({detail}); set AWS_ENDPOINT_URL and "
-                      "credentials for a non-AWS server")
+            detail = (
+                f"S3 at {endpoint} is not reachable or refuses access ({detail}); set AWS_ENDPOINT_URL and "
+                "credentials for a non-AWS server"
+            )
         raise ConfigError(field_name, f"cannot read the {spec.kind} dataset: {detail}") from None
     if spec.classes is not None:
         classes = np.unique(table.labels)
@@ -109,5 +120,3 @@ def check_image_rows(uri: str, where: str) -> None:
         check_rows(uri)
     except DataError as e:
         raise ConfigError(f"{where}.path", one_line(e)) from None
-
-

@@ -1,7 +1,7 @@
 """One cross-validation fold: :func:`run_fold`, shared by both ways a fold runs on Ray.
 
-docs/protocol.md §Training a fold: each fold trains an independent model on the fold's train classes, evaluates on its val classes
-(compared to self), and keeps the checkpoint with the best val MAP@R (early stopping §1.5).  That is
+docs/protocol.md §Training a fold: each fold trains an independent model on the fold's train classes, evaluates on its
+val classes (compared to self), and keeps the checkpoint with the best val MAP@R (early stopping §1.5).  That is
 :func:`dml_core.train.train_fold`; :func:`run_fold` wires it to the sweep:
 
 * rank 0 logs every evaluation to the fold's MLflow run (``val.<metric>``, step = iteration) through an explicit run
@@ -10,17 +10,17 @@ docs/protocol.md §Training a fold: each fold trains an independent model on the
   span, process id, node id) and — for reproductions — the test-set embeddings of the best model
   (``test_embeddings.npy``/``test_labels.npy``, for the concatenated evaluation) and the model state (``model.pt``).
 
-The two executors (chosen by :func:`pipelines.execution.trial.fold_executor`) only differ in how the process is obtained and
-where the result directory goes:
+The two executors (chosen by :func:`pipelines.execution.trial.fold_executor`) only differ in how the process is obtained
+and where the result directory goes:
 
-* **warm** (:mod:`pipelines.execution.warm_folds`, single-worker folds): a Ray task on a reused worker process; the directory
-  is copied to the sweep's storage;
+* **warm** (:mod:`pipelines.execution.warm_folds`, single-worker folds): a Ray task on a reused worker process; the
+  directory is copied to the sweep's storage;
 * **train** (:func:`fold_worker` here, ``workers_per_fold > 1`` or forced): a Ray Train ``TorchTrainer`` job.
   ``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs); ``train_fold`` detects it, wraps
   the model in DDP and draws its rank's slice of every m-per-class batch from
   :class:`~dml_core.samplers.MPerClassBatchSampler`.  We never call ``ray.train.torch.prepare_data_loader``: it
-  would replace the m-per-class sampler by a ``DistributedSampler`` (Ray Train's ``prepare_data_loader`` would).  The directory is
-  rank 0's Ray Train checkpoint.
+  would replace the m-per-class sampler by a ``DistributedSampler`` (Ray Train's ``prepare_data_loader`` would).  The
+  directory is rank 0's Ray Train checkpoint.
 
 Both keep the same resume story: a fold whose result directory exists (it finished before the sweep was killed) is
 not trained again.
@@ -62,8 +62,16 @@ from dml_core.models import build_model
 from dml_core.train import TrainConfig, embed, train_fold
 from pipelines.names import HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
 
-__all__ = ["run_fold", "fold_worker", "worker_env", "CHECKPOINT_DIR", "checkpoint_uri_of", "clear_checkpoints", "evaluation_metrics",
-           "logged_evaluations"]
+__all__ = [
+    "run_fold",
+    "fold_worker",
+    "worker_env",
+    "CHECKPOINT_DIR",
+    "checkpoint_uri_of",
+    "clear_checkpoints",
+    "evaluation_metrics",
+    "logged_evaluations",
+]
 
 #: A fold's mid-fold checkpoints: ``<fold_storage>/<run name>/ckpt/`` (next to the warm executor's ``result/``).
 CHECKPOINT_DIR = "ckpt"
@@ -102,6 +110,7 @@ def clear_checkpoints(uri: str | None) -> None:
         CheckpointDir(uri).clear()
     except Exception as e:  # noqa: BLE001 - stale checkpoints cost space, not correctness
         print(f"fold: could not delete the checkpoints in {uri}: {e}", file=sys.stderr)
+
 
 #: The dataset table of the last fold this process ran, by object-ref id: a reused (warm) worker fetches and
 #: deserialises it once per study, not once per fold.
@@ -202,8 +211,14 @@ class _Checkpoints:
             self.resumed_from.append(start)
             self.redone_iterations += max(reached) - start
         try:
-            self.store.write_json(ATTEMPTS_FILE, {"attempts": self.attempt, "resumed_from": self.resumed_from,
-                                                  "redone_iterations": self.redone_iterations})
+            self.store.write_json(
+                ATTEMPTS_FILE,
+                {
+                    "attempts": self.attempt,
+                    "resumed_from": self.resumed_from,
+                    "redone_iterations": self.redone_iterations,
+                },
+            )
         except Exception as e:  # noqa: BLE001
             self._warn("storing the fold's attempt count", e)
 
@@ -220,8 +235,9 @@ class _Checkpoints:
             self._warn("storing the progress mark", e)
 
 
-def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, out_dir: Path,
-             node_id: str = "") -> dict[str, Any]:
+def run_fold(
+    cfg: dict[str, Any], *, rank: int, world_size: int, device: str, out_dir: Path, node_id: str = ""
+) -> dict[str, Any]:
     """Train and evaluate one fold (keys of ``cfg``: see :func:`pipelines.execution.trial._fold_config`).
 
     Every rank calls it; rank 0 writes the result directory ``out_dir``.  Returns the small summary every rank
@@ -243,15 +259,20 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
     val_set = ImageDataset(table.subset(fold["val_classes"]), eval_transform(cfg["image_size"], prep))
 
     num_classes = len(fold["train_classes"])
-    loss = build_loss(cfg["loss"], num_classes=num_classes, embedding_dim=cfg["model"]["embedding_dim"],
-                      **cfg["loss_params"])
+    loss = build_loss(
+        cfg["loss"], num_classes=num_classes, embedding_dim=cfg["model"]["embedding_dim"], **cfg["loss_params"]
+    )
     config = TrainConfig(**cfg["train"], device=device)
 
     tracker = None
     fold_run_id = cfg["fold_run_id"]
     label = cfg["label"]
-    ckpt = _Checkpoints(cfg.get("checkpoint_uri"), enabled=bool(cfg.get("mid_fold_resume", True)),
-                        label=f"[{label}] fold {fold['index']}", rank=rank)
+    ckpt = _Checkpoints(
+        cfg.get("checkpoint_uri"),
+        enabled=bool(cfg.get("mid_fold_resume", True)),
+        label=f"[{label}] fold {fold['index']}",
+        rank=rank,
+    )
     resume_state = ckpt.resume_state()  # every rank: the state rank 0's pointer names, or None
     logged: set[int] = set()  # iterations the fold run already holds an evaluation for
     if rank == 0:
@@ -267,12 +288,20 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
             # This fold is being run again after its process died (an OOM kill, a lost node; Ray retried the task
             # or restarted the worker group) and mid-fold resume is off: the fold starts from scratch, so it gets a
             # fresh run and the half-logged one is soft-deleted.
-            fold_run_id, _ = tracker.get_or_create(cfg["fold_run_tags"], parent=cfg["parent_run_id"],
-                                                   run_name=f"fold {fold['index']}", reuse_unfinished=False)
+            fold_run_id, _ = tracker.get_or_create(
+                cfg["fold_run_tags"],
+                parent=cfg["parent_run_id"],
+                run_name=f"fold {fold['index']}",
+                reuse_unfinished=False,
+            )
             tracker.set_tags(fold_run_id, {**cfg.get("fold_run_extra_tags", {}), "restarted": "true"})
             logged = set()
-        tags: dict[str, Any] = {"pid": os.getpid(), "node_id": node_id, "device": device,
-                                "preprocessing": prep.describe()}
+        tags: dict[str, Any] = {
+            "pid": os.getpid(),
+            "node_id": node_id,
+            "device": device,
+            "preprocessing": prep.describe(),
+        }
         if device.startswith("cuda"):
             tags["gpu_name"] = torch.cuda.get_device_name(torch.device(device))
 
@@ -281,8 +310,11 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         ckpt.start(resume_state, last_logged)
         if ckpt.restarts:
             tags.update(resumes=ckpt.restarts, resumed_from=ckpt.resumed_from[-1])
-            print(f"[{label}] fold {fold['index']}: restart {ckpt.restarts}, continuing from iteration "
-                  f"{ckpt.resumed_from[-1]}", flush=True)
+            print(
+                f"[{label}] fold {fold['index']}: restart {ckpt.restarts}, continuing from iteration "
+                f"{ckpt.resumed_from[-1]}",
+                flush=True,
+            )
         tracker.set_tags(fold_run_id, tags)
 
     def log_record(record: dict[str, Any]) -> None:
@@ -303,14 +335,25 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         if record["iteration"] not in logged:
             log_record(record)
         m = record["metrics"]
-        print(f"[{label}] fold {fold['index']} it {record['iteration']:>6} epoch {record['epoch']:>4} "
-              f"val MAP@R {m.get('map_at_r', float('nan')):.4f} P@1 {m.get('precision_at_1', float('nan')):.4f}"
-              f"{'  (best)' if record['is_best'] else ''}", flush=True)
+        print(
+            f"[{label}] fold {fold['index']} it {record['iteration']:>6} epoch {record['epoch']:>4} "
+            f"val MAP@R {m.get('map_at_r', float('nan')):.4f} P@1 {m.get('precision_at_1', float('nan')):.4f}"
+            f"{'  (best)' if record['is_best'] else ''}",
+            flush=True,
+        )
 
     time_train_start = time.time()
-    result = train_fold(model, loss, train_set, val_set, config, on_eval=on_eval,
-                        on_checkpoint=ckpt.save if ckpt.enabled else None, resume_state=resume_state,
-                        on_epoch=ckpt.progress if ckpt.uri else None)
+    result = train_fold(
+        model,
+        loss,
+        train_set,
+        val_set,
+        config,
+        on_eval=on_eval,
+        on_checkpoint=ckpt.save if ckpt.enabled else None,
+        resume_state=resume_state,
+        on_epoch=ckpt.progress if ckpt.uri else None,
+    )
     time_end = time.time()
 
     outcome: dict[str, Any] = {
@@ -335,8 +378,12 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
         "resumed_from": ckpt.resumed_from,
         "redone_iterations": ckpt.redone_iterations,
         "history": [
-            {"epoch": r["epoch"], "iteration": r["iteration"], "train_loss": r.get("train_loss"),
-             "metrics": _finite({k: v for k, v in r["metrics"].items() if k in HEADLINE_METRICS})}
+            {
+                "epoch": r["epoch"],
+                "iteration": r["iteration"],
+                "train_loss": r.get("train_loss"),
+                "metrics": _finite({k: v for k, v in r["metrics"].items() if k in HEADLINE_METRICS}),
+            }
             for r in result.history
         ],
     }
@@ -346,18 +393,21 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
     if cfg["evaluate_test"] and result.status == "ok":
         model.load_state_dict(result.best_state["model"])
         test_set = ImageDataset(table.subset(cfg["test_classes"]), eval_transform(cfg["image_size"], prep))
-        emb, labels = embed(model, test_set, batch_size=config.eval_batch_size, device=device,
-                            num_workers=config.num_workers)
+        emb, labels = embed(
+            model, test_set, batch_size=config.eval_batch_size, device=device, num_workers=config.num_workers
+        )
         if rank == 0:
             test_emb, test_labels = emb.numpy().astype(np.float32), labels.numpy()
-            # "separated" (docs/protocol.md §Test evaluation): this fold model alone on all test classes, compared to self.
+            # "separated" (docs/protocol.md §Test evaluation): this fold model alone on all test classes,
+            # compared to self.
             outcome["test_metrics"] = _finite(retrieval_metrics(test_emb, test_labels))
 
     if rank == 0:
         if ckpt.restarts:
             try:
-                tracker.log_metrics(fold_run_id, {"restarts": ckpt.restarts,
-                                                  "redone_iterations": ckpt.redone_iterations})
+                tracker.log_metrics(
+                    fold_run_id, {"restarts": ckpt.restarts, "redone_iterations": ckpt.redone_iterations}
+                )
             except Exception as e:  # noqa: BLE001 - the outcome holds them too
                 print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
         (out_dir / OUTCOME_FILE).write_text(json.dumps(outcome))
@@ -365,12 +415,26 @@ def run_fold(cfg: dict[str, Any], *, rank: int, world_size: int, device: str, ou
             np.save(out_dir / TEST_EMBEDDINGS, test_emb)
             np.save(out_dir / TEST_LABELS, test_labels)
         if cfg["save_model"] and result.status == "ok":
-            torch.save({"model": result.best_state["model"], "loss": result.best_state["loss"],
-                        "model_kwargs": cfg["model"], "loss_name": cfg["loss"], "loss_params": cfg["loss_params"],
-                        "num_classes": num_classes, "fold": fold}, out_dir / MODEL_FILE)
-    return {"status": outcome["status"], "fold": fold["index"], "train_seconds": outcome["train_seconds"],
-            "time_start": time_start, "time_end": time_end,
-            **{f"val_{k}": v for k, v in outcome["best_metrics"].items()}}
+            torch.save(
+                {
+                    "model": result.best_state["model"],
+                    "loss": result.best_state["loss"],
+                    "model_kwargs": cfg["model"],
+                    "loss_name": cfg["loss"],
+                    "loss_params": cfg["loss_params"],
+                    "num_classes": num_classes,
+                    "fold": fold,
+                },
+                out_dir / MODEL_FILE,
+            )
+    return {
+        "status": outcome["status"],
+        "fold": fold["index"],
+        "train_seconds": outcome["train_seconds"],
+        "time_start": time_start,
+        "time_end": time_end,
+        **{f"val_{k}": v for k, v in outcome["best_metrics"].items()},
+    }
 
 
 def fold_worker(cfg: dict[str, Any]) -> None:
@@ -396,8 +460,14 @@ def fold_worker(cfg: dict[str, Any]) -> None:
     if not cfg.get("checkpoint_uri"):
         cfg = {**cfg, "checkpoint_uri": checkpoint_uri_of(_train_run_dir(ctx))}
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run_fold(cfg, rank=rank, world_size=ctx.get_world_size(), device=device, out_dir=Path(tmp),
-                           node_id=ray.get_runtime_context().get_node_id())
+        summary = run_fold(
+            cfg,
+            rank=rank,
+            world_size=ctx.get_world_size(),
+            device=device,
+            out_dir=Path(tmp),
+            node_id=ray.get_runtime_context().get_node_id(),
+        )
         if rank != 0:
             ray.train.report(summary)
         else:

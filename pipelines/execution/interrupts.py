@@ -4,10 +4,11 @@
   SIGINT or SIGTERM prints what happens and how to resume, then raises
   :class:`SweepInterrupted` (a ``KeyboardInterrupt``) in the driver, which leaves the running ``Tuner.fit()`` at
   once.  Ray Tune's own handler is switched off (``TUNE_DISABLE_SIGINT_HANDLER=1`` in
-  :data:`pipelines.execution.ray_runtime.RAY_ENV`): it would only end the current Tuner, quietly, and the sweep would go on
-  with the next one.  Nothing is lost: Tune snapshots its experiment state every ``TUNE_GLOBAL_CHECKPOINT_S``
-  seconds and finished folds keep their results (a warm fold's ``result/`` directory or a Ray Train checkpoint), so ``--resume`` continues as after a killed
-  driver (unfinished trials rerun under their trial ids).  A second Ctrl-C interrupts the clean-up too.
+  :data:`pipelines.execution.ray_runtime.RAY_ENV`): it would only end the current Tuner, quietly, and the sweep would go
+  on with the next one.  Nothing is lost: Tune snapshots its experiment state every ``TUNE_GLOBAL_CHECKPOINT_S``
+  seconds and finished folds keep their results (a warm fold's ``result/`` directory or a Ray Train checkpoint), so
+  ``--resume`` continues as after a killed driver (unfinished trials rerun under their trial ids).  A second Ctrl-C
+  interrupts the clean-up too.
 * **Runs left RUNNING** (:func:`close_open_runs`): after Ray is down, every run of the sweep (or of one study) still
   RUNNING is closed — ``KILLED`` with tags ``status=interrupted`` / ``reason`` for an interruption, ``FAILED`` with the
   real reason otherwise.  ``--resume`` replaces killed fold runs (``Tracker.get_or_create(reuse_unfinished=False)``),
@@ -27,8 +28,19 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["SweepInterrupted", "INTERRUPTED", "STOP_SIGNALS", "stop_on_sigint", "install_startup_handlers",
-           "exit_status", "resume_command", "close_open_runs", "reopen_interrupted", "failure_reason", "error_text"]
+__all__ = [
+    "SweepInterrupted",
+    "INTERRUPTED",
+    "STOP_SIGNALS",
+    "stop_on_sigint",
+    "install_startup_handlers",
+    "exit_status",
+    "resume_command",
+    "close_open_runs",
+    "reopen_interrupted",
+    "failure_reason",
+    "error_text",
+]
 
 INTERRUPTED = "interrupted"
 
@@ -86,8 +98,9 @@ def stop_on_sigint(message: str, out=None) -> Iterator[None]:
 
     def restore() -> None:
         for sig, h in previous.items():
-            signal.signal(sig, h if callable(h) else (signal.default_int_handler if sig == signal.SIGINT
-                                                      else signal.SIG_DFL))
+            signal.signal(
+                sig, h if callable(h) else (signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+            )
 
     def handler(signum, frame):
         restore()
@@ -130,8 +143,10 @@ def reopen_interrupted(tracker, sweep: str) -> int:
     # MLflow: see close_open_runs
     from pipelines.tracking.runs import search_all
 
-    flt = (f"tags.sweep = '{_q(sweep)}' and tags.stage = 'study' and attributes.status = 'KILLED' "
-           f"and tags.status = '{INTERRUPTED}'")
+    flt = (
+        f"tags.sweep = '{_q(sweep)}' and tags.stage = 'study' and attributes.status = 'KILLED' "
+        f"and tags.status = '{INTERRUPTED}'"
+    )
     runs = [r for r in search_all(tracker.client, tracker.experiment_id, flt) if r.data.tags.get("done") != "true"]
     for run in runs:
         tracker.client.update_run(run.info.run_id, status="RUNNING")

@@ -43,10 +43,13 @@ def check_locations(cfg: SweepConfig) -> None:
     storage_field = "storage" if not cfg.storage_is_s3 else "storage (its local folder ./runs)"
     check_dir_writable(cfg.local_dir(), storage_field, "sweep folder")
     uri = cfg.tracking_uri()
-    uri_field = "tracking.uri" if cfg.tracking.uri else (
-        "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "storage")
+    uri_field = (
+        "tracking.uri"
+        if cfg.tracking.uri
+        else ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "storage")
+    )
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+        db = Path(uri[len("sqlite:///") :])
         try:
             exists = db.exists()
         except OSError as e:
@@ -63,7 +66,8 @@ def check_locations(cfg: SweepConfig) -> None:
     elif uri.startswith("postgresql"):
         driver = uri.split("://", 1)[0].partition("+")[2] or "psycopg"
         if importlib.util.find_spec(driver) is None:
-            raise ConfigError(uri_field, f"{redact_uri(uri)}: the PostgreSQL driver {driver!r} is not installed "
-                                         "(use postgresql+psycopg2:// with psycopg2)")
-
-
+            raise ConfigError(
+                uri_field,
+                f"{redact_uri(uri)}: the PostgreSQL driver {driver!r} is not installed "
+                "(use postgresql+psycopg2:// with psycopg2)",
+            )

@@ -1,9 +1,9 @@
 """Everything that can fail before Ray starts: load each dataset, cut its folds, build each loss once.
 
 :func:`preflight` turns a validated :class:`~pipelines.config.SweepConfig` into one :class:`StudyPlan` per
-(dataset, loss) — the unit the sweep optimises (docs/protocol.md §Search: one Bayesian optimisation per loss per dataset).
-Failures are :class:`~pipelines.config.ConfigError` naming the field: storage or a sqlite tracking DB that cannot
-be written (``storage``, ``tracking.uri``), a missing or unreadable dataset (``datasets[i].path``, naming the
+(dataset, loss) — the unit the sweep optimises (docs/protocol.md §Search: one Bayesian optimisation per loss per
+dataset).  Failures are :class:`~pipelines.config.ConfigError` naming the field: storage or a sqlite tracking DB that
+cannot be written (``storage``, ``tracking.uri``), a missing or unreadable dataset (``datasets[i].path``, naming the
 file), an image row whose header does not parse (``datasets[i].path``), too few classes for the folds × batch
 (``datasets[i]``), a loss that cannot be built with its parameters (``losses[j].params``), a batch that does not
 split across the DDP workers (``resources.workers_per_fold``), a ``model.pretrained`` file that is not a state
@@ -15,14 +15,10 @@ No Ray, no MLflow here (the resources are checked against Ray's by :mod:`pipelin
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import warnings
-import zipfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,13 +27,14 @@ import torch
 from dml_core.models import build_model
 from dml_core.splits import FoldManifest
 from dml_core.train import TrainConfig
-from pipelines.config.schema import TRAIN_KEYS, ConfigError, DatasetSpec, LossSpec, SweepConfig, redact_uri
+from pipelines.config.schema import TRAIN_KEYS, ConfigError, LossSpec, SweepConfig
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.datasets import DatasetData, check_image_rows, load_table, one_line
 from pipelines.execution.locations import check_locations
 from pipelines.names import study_key
 
 __all__ = ["StudyPlan", "preflight", "batch_of", "check_pretrained"]
+
 
 @dataclass
 class StudyPlan:
@@ -64,8 +61,10 @@ def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
     from dml_core.losses import MLRC_BATCH, loss_info
 
     spec = loss_info(loss.name).batch if cfg.protocol.recipe == "paper" else MLRC_BATCH
-    return (int(cfg.protocol.train.get("classes_per_batch", spec.classes_per_batch)),
-            int(cfg.protocol.train.get("m", spec.m)))
+    return (
+        int(cfg.protocol.train.get("classes_per_batch", spec.classes_per_batch)),
+        int(cfg.protocol.train.get("m", spec.m)),
+    )
 
 
 def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes: int) -> None:
@@ -88,8 +87,9 @@ def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes
             text = " ".join(str(e).split()) or type(e).__name__
             if not isinstance(e, (ValueError, TypeError)):
                 text = f"{type(e).__name__}: {text}"
-            raise ConfigError(_param_field(loss, where, text),
-                              f"loss {loss.name!r} rejects its parameters ({label}): {text}") from None
+            raise ConfigError(
+                _param_field(loss, where, text), f"loss {loss.name!r} rejects its parameters ({label}): {text}"
+            ) from None
 
 
 def _param_field(loss: LossSpec, where: str, message: str) -> str:
@@ -118,13 +118,19 @@ def _check_model_fits(model_kwargs: dict, image_size: int, where: str, seen: set
         try:
             out = model(torch.rand(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0)))
         except (ValueError, RuntimeError) as e:  # torch: "Output size is too small", a kernel larger than the input
-            raise ConfigError(field, f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling cannot embed "
-                                     f"the images at {where}.image_size {image_size}: "
-                                     f"{' '.join(str(e).split())[:300]}") from None
+            raise ConfigError(
+                field,
+                f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling cannot embed "
+                f"the images at {where}.image_size {image_size}: "
+                f"{' '.join(str(e).split())[:300]}",
+            ) from None
     if not torch.isfinite(out).all():
-        raise ConfigError(field, f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling gives non-finite "
-                                 f"embeddings at {where}.image_size {image_size}: every metric would be at chance "
-                                 "level")
+        raise ConfigError(
+            field,
+            f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling gives non-finite "
+            f"embeddings at {where}.image_size {image_size}: every metric would be at chance "
+            "level",
+        )
 
 
 def _check_classes(table, manifest, m: int, where: str) -> None:
@@ -132,17 +138,23 @@ def _check_classes(table, manifest, m: int, where: str) -> None:
     config error; train classes with fewer images than ``m`` (batches then repeat images) are a warning."""
     for fold in manifest.folds:
         if len(fold.val_classes) < 2:
-            raise ConfigError("protocol.folds", f"{where}: fold {fold.index} validates on {len(fold.val_classes)} "
-                                                "class: its MAP@R is 1.0 whatever the model (fewer folds, or more "
-                                                "classes)")
+            raise ConfigError(
+                "protocol.folds",
+                f"{where}: fold {fold.index} validates on {len(fold.val_classes)} "
+                "class: its MAP@R is 1.0 whatever the model (fewer folds, or more "
+                "classes)",
+            )
     labels = np.asarray(table.labels)
     classes, counts = np.unique(labels, return_counts=True)
     train = set().union(*(set(f.train_classes) for f in manifest.folds))
     small = [int(c) for c, n in zip(classes, counts) if int(c) in train and n < m]
     if small:
-        print(f"warning: {where}: {len(small)} training classes have fewer than m = {m} images (e.g. class "
-              f"{small[0]}); their batches repeat images (docs/reliability.md, bad input)", file=sys.stderr,
-              flush=True)
+        print(
+            f"warning: {where}: {len(small)} training classes have fewer than m = {m} images (e.g. class "
+            f"{small[0]}); their batches repeat images (docs/reliability.md, bad input)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 _PROTOCOL_TRAIN_FIELDS = ("iters_per_epoch", "max_epochs", "eval_every", "patience")
@@ -182,9 +194,13 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
     except ValueError as e:
         raise ConfigError("losses", " ".join(str(e).split())) from None
     try:
-        TrainConfig(**cfg.protocol.train, iters_per_epoch=cfg.protocol.iters_per_epoch,
-                    max_epochs=cfg.protocol.max_epochs, eval_every=cfg.protocol.eval_every,
-                    patience=cfg.protocol.patience)
+        TrainConfig(
+            **cfg.protocol.train,
+            iters_per_epoch=cfg.protocol.iters_per_epoch,
+            max_epochs=cfg.protocol.max_epochs,
+            eval_every=cfg.protocol.eval_every,
+            patience=cfg.protocol.patience,
+        )
     except (TypeError, ValueError) as e:
         raise ConfigError(_train_config_field(str(e)), one_line(e)) from None
     check_pretrained(cfg)
@@ -209,7 +225,10 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
             with warnings.catch_warnings():  # single-class folds: _check_classes says it once, as a config error
                 warnings.filterwarnings("ignore", message=".*single val class.*")
                 manifest = FoldManifest.from_labels(
-                    table.labels, cfg.protocol.folds, cfg.protocol.fold_layout, min_val_samples=2,
+                    table.labels,
+                    cfg.protocol.folds,
+                    cfg.protocol.fold_layout,
+                    min_val_samples=2,
                     min_train_classes=need[0],
                 )
         except ValueError as e:
@@ -237,8 +256,16 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
             cpb, m = batches[ls.name]
             model_kwargs = cfg.model.kwargs(loss_info(ls.name).model if cfg.protocol.recipe == "paper" else MLRC_MODEL)
             _check_model_fits(model_kwargs, d.spec.image_size, f"datasets[{d.index}]", checked_models)
-            plans.append(StudyPlan(
-                dataset=d, loss=ls, loss_index=j, classes_per_batch=cpb, m=m, model_kwargs=model_kwargs,
-                searched=ls.searched(), fixed=ls.fixed(),
-            ))
+            plans.append(
+                StudyPlan(
+                    dataset=d,
+                    loss=ls,
+                    loss_index=j,
+                    classes_per_batch=cpb,
+                    m=m,
+                    model_kwargs=model_kwargs,
+                    searched=ls.searched(),
+                    fixed=ls.fixed(),
+                )
+            )
     return plans

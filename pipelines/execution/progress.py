@@ -1,8 +1,8 @@
 """Concise live progress: one line per trial start / finish / failure, one line per finished study.
 
 Ray Tune's own status table is switched off (``verbose=0``): with four folds × N workers per trial it is mostly
-resource bookkeeping.  Per-evaluation lines come from rank 0 of each fold (``pipelines.execution.fold``) through Ray's log
-forwarding.  The callback runs in the sweep driver (Tune's controller) and is pickled with the experiment state,
+resource bookkeeping.  Per-evaluation lines come from rank 0 of each fold (``pipelines.execution.fold``) through Ray's
+log forwarding.  The callback runs in the sweep driver (Tune's controller) and is pickled with the experiment state,
 so it must stay small and hold no open handles.
 """
 
@@ -74,8 +74,10 @@ class TrialProgress(Callback):
         status = r.get("status", "?")
         why = f" ({r.get('reason')})" if status != "ok" and r.get("reason") else ""
         best = f", best {self.best:.4f}" if self.best is not None else ""
-        self._print(f"{self.kind} {self.done}/{self.total} {trial.trial_id}: val MAP@R {obj:.4f}{sem_s} [{status}{why}]"
-                    f"{best}{extra} — {format_duration(time.time() - self.t0)} elapsed")
+        self._print(
+            f"{self.kind} {self.done}/{self.total} {trial.trial_id}: val MAP@R {obj:.4f}{sem_s} [{status}{why}]"
+            f"{best}{extra} — {format_duration(time.time() - self.t0)} elapsed"
+        )
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info):
         self.done += 1

@@ -49,9 +49,23 @@ from pipelines.execution.resources import WORKER_GIB, memory_gib
 from pipelines.tracking.outage import apply_retry_env
 from pipelines.tracking.server import check_mlflow_server
 
-__all__ = ["RAY_ENV", "S3_ENV", "AWS_SECRET_ENV", "s3_compat_env", "check_storage_reachable",
-           "check_tracking_reachable", "default_num_cpus", "init_ray", "start_ray", "stop_ray",
-           "warn_multi_node", "redact_uri", "scrub", "TRIAL_DRIVER_RESOURCE", "trial_bundle"]
+__all__ = [
+    "RAY_ENV",
+    "S3_ENV",
+    "AWS_SECRET_ENV",
+    "s3_compat_env",
+    "check_storage_reachable",
+    "check_tracking_reachable",
+    "default_num_cpus",
+    "init_ray",
+    "start_ray",
+    "stop_ray",
+    "warn_multi_node",
+    "redact_uri",
+    "scrub",
+    "TRIAL_DRIVER_RESOURCE",
+    "trial_bundle",
+]
 
 #: Set before Ray is imported/started: Train V2, quiet start-up, no usage stats, all worker lines shown.
 RAY_ENV = {
@@ -64,8 +78,8 @@ RAY_ENV = {
     "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_AIR_NEW_OUTPUT": "0",
     "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "60",
-    # Ctrl-C is the sweep's (pipelines.execution.interrupts): Tune's handler would end only the current Tuner, quietly, and let
-    # the sweep go on with the next one.
+    # Ctrl-C is the sweep's (pipelines.execution.interrupts): Tune's handler would end only the current Tuner, quietly,
+    # and let the sweep go on with the next one.
     "TUNE_DISABLE_SIGINT_HANDLER": "1",
     # the driver downloads fold models to register them: no progress bar per artifact in the sweep's output
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
@@ -73,15 +87,26 @@ RAY_ENV = {
 
 #: S3 settings the driver hands to its Ray workers.  Credentials are not among them: local workers inherit the
 #: driver's environment, and a remote cluster's nodes use their own (instance roles, pod secrets).
-S3_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "MLFLOW_S3_ENDPOINT_URL",
-          "AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
+S3_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "MLFLOW_S3_ENDPOINT_URL",
+    "AWS_REQUEST_CHECKSUM_CALCULATION",
+    "AWS_RESPONSE_CHECKSUM_VALIDATION",
+)
 
 
 #: What Ray Tune copies into every trainable's runtime_env (ray/tune/execution/class_cache.py): kept out of the
 #: environment while Ray runs (see the module docstring).
 AWS_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-_CREDENTIAL_FILE_KEYS = {"AWS_ACCESS_KEY_ID": "aws_access_key_id", "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
-                         "AWS_SESSION_TOKEN": "aws_session_token", "AWS_SECURITY_TOKEN": "aws_security_token"}
+_CREDENTIAL_FILE_KEYS = {
+    "AWS_ACCESS_KEY_ID": "aws_access_key_id",
+    "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
+    "AWS_SESSION_TOKEN": "aws_session_token",
+    "AWS_SECURITY_TOKEN": "aws_security_token",
+}
 #: Ray's switch that makes a local node use the loopback address (ray/_private/ray_constants.py).
 _LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -124,8 +149,11 @@ def check_storage_reachable(cfg: SweepConfig) -> None:
     try:
         boto3.client("s3").head_bucket(Bucket=bucket)
     except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
-        raise ConfigError("storage", f"S3 bucket {bucket!r} at {endpoint} is not reachable ({e}); set "
-                                     "AWS_ENDPOINT_URL and credentials for a non-AWS server") from None
+        raise ConfigError(
+            "storage",
+            f"S3 bucket {bucket!r} at {endpoint} is not reachable ({e}); set "
+            "AWS_ENDPOINT_URL and credentials for a non-AWS server",
+        ) from None
 
 
 def check_tracking_reachable(uri: str) -> None:
@@ -148,9 +176,12 @@ def _check_postgres(uri: str) -> None:
     try:
         engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": 10}, poolclass=sqlalchemy.pool.NullPool)
     except ModuleNotFoundError as e:
-        raise ConfigError("tracking.uri", f"{shown}: the PostgreSQL driver is not installed ({e}); install "
-                                          "psycopg (pip install 'psycopg[binary]') or name psycopg2 in the URI: "
-                                          "postgresql+psycopg2://...") from None
+        raise ConfigError(
+            "tracking.uri",
+            f"{shown}: the PostgreSQL driver is not installed ({e}); install "
+            "psycopg (pip install 'psycopg[binary]') or name psycopg2 in the URI: "
+            "postgresql+psycopg2://...",
+        ) from None
     except Exception as e:  # noqa: BLE001 - SQLAlchemy's URL/argument errors: one line, the field named
         raise ConfigError("tracking.uri", scrub(f"{shown}: {e}", uri)) from None
     try:
@@ -259,12 +290,17 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
     :func:`default_num_cpus`); this process and every worker get MLflow HTTP retries that outlast
     ``tracking.outage_timeout_s`` (:mod:`pipelines.tracking.outage`)."""
     retries = apply_retry_env(cfg.tracking.outage_timeout_s, _UNDO)
-    return init_ray(address, num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg), env=retries,
-                    user_env=cfg.runtime_env.ray_runtime_env())
+    return init_ray(
+        address,
+        num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg),
+        env=retries,
+        user_env=cfg.runtime_env.ray_runtime_env(),
+    )
 
 
-def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None = None,
-             user_env: dict[str, Any] | None = None) -> bool:
+def init_ray(
+    address: str | None, *, num_cpus: int, env: dict[str, str] | None = None, user_env: dict[str, Any] | None = None
+) -> bool:
     """Start (or connect to) Ray for any ``dmlrc`` command (sweep, reeval); returns whether we started it (and so
     must shut it down with :func:`stop_ray`, which is also what undoes the credential and loopback settings below —
     call it either way).  ``num_cpus`` only applies to a Ray started here; ``env`` goes to every worker too.
@@ -289,25 +325,35 @@ def init_ray(address: str | None, *, num_cpus: int, env: dict[str, str] | None =
         # Workers, Train controllers and their placement-group cleaners log at INFO/WARNING a lot (the cleaners
         # poll the State API, which needs the dashboard we do not start); our progress lines are prints.
         logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
-        runtime_env={**{k: v for k, v in (user_env or {}).items() if k != "env_vars"},
-                     "env_vars": {**(user_env or {}).get("env_vars", {}), **worker_env(),
-                                  **{k: os.environ[k] for k in RAY_ENV},
-                                  **{k: os.environ[k] for k in S3_ENV if k in os.environ}, **(env or {})}},
+        runtime_env={
+            **{k: v for k, v in (user_env or {}).items() if k != "env_vars"},
+            "env_vars": {
+                **(user_env or {}).get("env_vars", {}),
+                **worker_env(),
+                **{k: os.environ[k] for k in RAY_ENV},
+                **{k: os.environ[k] for k in S3_ENV if k in os.environ},
+                **(env or {}),
+            },
+        },
     )
     if address:
         try:
             ray.init(address=address, **kwargs)
         except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
             where = "--address" if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
-            raise ConfigError(where, f"no Ray cluster answers at {redact_uri(address)} "
-                                     f"({' '.join(str(e).split())[:300]})") from None
+            raise ConfigError(
+                where, f"no Ray cluster answers at {redact_uri(address)} ({' '.join(str(e).split())[:300]})"
+            ) from None
     else:
         # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
         kwargs["resources"] = {TRIAL_DRIVER_RESOURCE: _TRIAL_DRIVER_SLOTS}
-        if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo") and \
-                "GLOO_SOCKET_IFNAME" not in os.environ:
+        if (
+            sys.platform.startswith("linux")
+            and os.path.exists("/sys/class/net/lo")
+            and "GLOO_SOCKET_IFNAME" not in os.environ
+        ):
             # The folds' gloo (CPU DDP) connections between workers of one machine: over loopback only.
             kwargs["runtime_env"]["env_vars"]["GLOO_SOCKET_IFNAME"] = "lo"
         for attempt in range(3):
@@ -334,16 +380,30 @@ def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
     if len(nodes) < 2:
         return
     if TRIAL_DRIVER_RESOURCE not in ray.cluster_resources():
-        print(f"note: no node declares the custom resource {TRIAL_DRIVER_RESOURCE!r}, so trial drivers (0.01 CPU each) "
-              "may land on any node, lose a fold slot there, and die with it; declare it on the head "
-              f"(ray start --head --resources '{{\"{TRIAL_DRIVER_RESOURCE}\": {_TRIAL_DRIVER_SLOTS}}}')"
-              + ("" if cfg.resources.trial_retries else
-                 ", or set resources.trial_retries >= 1 so that Tune reruns a trial whose node died (its folds "
-                 "resume from their checkpoints)"),
-              file=out, flush=True)
+        print(
+            f"note: no node declares the custom resource {TRIAL_DRIVER_RESOURCE!r}, so trial drivers (0.01 CPU each) "
+            "may land on any node, lose a fold slot there, and die with it; declare it on the head "
+            f"(ray start --head --resources '{{\"{TRIAL_DRIVER_RESOURCE}\": {_TRIAL_DRIVER_SLOTS}}}')"
+            + (
+                ""
+                if cfg.resources.trial_retries
+                else ", or set resources.trial_retries >= 1 so that Tune reruns a trial whose node died (its folds "
+                "resume from their checkpoints)"
+            ),
+            file=out,
+            flush=True,
+        )
     if not cfg.storage_is_s3:
-        print(f"warning: storage: {cfg.ray_storage()} is a local path on a {len(nodes)}-node cluster; it must be a "
-              "shared mount (NFS) on every node, else use s3://", file=out, flush=True)
+        print(
+            f"warning: storage: {cfg.ray_storage()} is a local path on a {len(nodes)}-node cluster; it must be a "
+            "shared mount (NFS) on every node, else use s3://",
+            file=out,
+            flush=True,
+        )
     if not uri.startswith(("http://", "https://", "postgresql")):
-        print(f"warning: tracking.uri: {redact_uri(uri)} on a {len(nodes)}-node cluster; fold workers on other nodes log to "
-              "MLflow too — use an MLflow server (http(s)://)", file=out, flush=True)
+        print(
+            f"warning: tracking.uri: {redact_uri(uri)} on a {len(nodes)}-node cluster; "
+            "fold workers on other nodes log to MLflow too — use an MLflow server (http(s)://)",
+            file=out,
+            flush=True,
+        )

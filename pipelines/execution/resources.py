@@ -23,8 +23,11 @@ def _gpu_error(cfg: SweepConfig, gpus: float, cpus: float | None, where: str) ->
     need = r.workers_per_fold * r.gpus_per_worker
     if r.use_gpu and gpus < need:
         has = f"{gpus:g} GPUs" + (f" and {cpus:g} CPUs" if cpus is not None else "")
-        raise ConfigError("resources.use_gpu", f"one fold needs {r.workers_per_fold} workers × gpus_per_worker "
-                                               f"{r.gpus_per_worker:g} = {need:g} GPUs; {where} has {has}")
+        raise ConfigError(
+            "resources.use_gpu",
+            f"one fold needs {r.workers_per_fold} workers × gpus_per_worker "
+            f"{r.gpus_per_worker:g} = {need:g} GPUs; {where} has {has}",
+        )
 
 
 def check_local_gpus(cfg: SweepConfig, address: str | None = None) -> None:
@@ -52,10 +55,12 @@ def check_local_workers(cfg: SweepConfig, address: str | None = None, memory: fl
     cores = os.cpu_count() or 1
     w = cfg.resources.workers_per_fold
     if w * WORKER_GIB > 0.8 * memory:
-        raise ConfigError("resources.workers_per_fold",
-                          f"{w} DDP workers per fold cannot run on this machine's local Ray ({memory:.0f} GiB of "
-                          f"memory, {cores} cores; each worker process needs about {WORKER_GIB:g} GiB): lower it, or "
-                          "run on a cluster with --address")
+        raise ConfigError(
+            "resources.workers_per_fold",
+            f"{w} DDP workers per fold cannot run on this machine's local Ray ({memory:.0f} GiB of "
+            f"memory, {cores} cores; each worker process needs about {WORKER_GIB:g} GiB): lower it, or "
+            "run on a cluster with --address",
+        )
 
 
 def check_cluster_resources(cfg: SweepConfig, resources: Mapping[str, float] | None = None) -> None:
@@ -72,8 +77,8 @@ def check_cluster_resources(cfg: SweepConfig, resources: Mapping[str, float] | N
     _gpu_error(cfg, gpus, cpus, "the Ray cluster")
     need = r.workers_per_fold * r.cpus_per_worker
     if cpus < need:
-        raise ConfigError("resources.cpus_per_worker",
-                          f"one fold needs {r.workers_per_fold} workers × {r.cpus_per_worker:g} CPUs = {need:g}; "
-                          f"the Ray cluster has {cpus:g} CPUs and {gpus:g} GPUs")
-
-
+        raise ConfigError(
+            "resources.cpus_per_worker",
+            f"one fold needs {r.workers_per_fold} workers × {r.cpus_per_worker:g} CPUs = {need:g}; "
+            f"the Ray cluster has {cpus:g} CPUs and {gpus:g} GPUs",
+        )

@@ -1,10 +1,11 @@
-"""The Bayesian optimisation of one study (docs/protocol.md §Search, §Best trial): the searcher and the choice of the best trial.
+"""The Bayesian optimisation of one study (docs/protocol.md §Search, §Best trial): the searcher and the choice of the
+best trial.
 
 * :func:`make_searcher` — Ray Tune's ``OptunaSearch`` with ``optuna.samplers.GPSampler`` (a GP with an
   expected-improvement-type acquisition, the closest Optuna analogue of MLRC's Ax GPEI) after ``startup_trials``
   random trials (MLRC: 5 Sobol trials), seeded; ``TPESampler`` selectable.
-* :func:`best_result` — the trial with the highest *observed* mean (docs/protocol.md §Best trial: a SQL max over raw values, not the
-  GP's prediction); ties go to the earlier trial.
+* :func:`best_result` — the trial with the highest *observed* mean (docs/protocol.md §Best trial: a SQL max over raw
+  values, not the GP's prediction); ties go to the earlier trial.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from typing import Any
 from pipelines.names import OBJECTIVE
 
 __all__ = ["optuna_space", "make_searcher", "best_result", "grid_rows"]
-
-
 
 
 def optuna_space(searched: dict) -> dict:
@@ -53,7 +52,8 @@ def make_searcher(plan, cfg):
 
 
 def best_result(results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Highest observed objective among trials that finished ``ok`` (docs/protocol.md §Best trial); earliest trial wins ties."""
+    """Highest observed objective among trials that finished ``ok`` (docs/protocol.md §Best trial); earliest trial wins
+    ties."""
     ok = [r for r in results if r.get("status") == "ok" and isinstance(r.get(OBJECTIVE), (int, float))]
     if not ok:
         return None
@@ -69,5 +69,3 @@ def grid_rows(grid) -> list[dict[str, Any]]:
         m["error"] = r.error
         rows.append(m)
     return rows
-
-

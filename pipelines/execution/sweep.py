@@ -1,8 +1,9 @@
 """The reality-check sweep: per (dataset, loss) study, Bayesian optimisation → best config → reproductions → CIs.
 
 This module is the study loop; the parts it calls each live in their own module: Ray start-up, the searcher and
-best-trial choice (:mod:`pipelines.execution.search`), one trial (:mod:`pipelines.execution.trial`), one fold (:mod:`pipelines.execution.fold`,
-:mod:`pipelines.execution.warm_folds`), the intervals and tables (:mod:`pipelines.results.study_results`).
+best-trial choice (:mod:`pipelines.execution.search`), one trial (:mod:`pipelines.execution.trial`), one fold
+(:mod:`pipelines.execution.fold`, :mod:`pipelines.execution.warm_folds`), the intervals and tables
+(:mod:`pipelines.results.study_results`).
 
 For each study (docs/protocol.md):
 
@@ -10,30 +11,32 @@ For each study (docs/protocol.md):
    ``OptunaSearch`` (:func:`pipelines.execution.search.make_searcher`).  ``protocol.trials`` trials (MLRC: 50), at most
    ``max_concurrent_trials`` at a time.  Objective: mean over the folds of best-checkpoint val MAP@R (SEM
    recorded), docs/protocol.md §Objective.
-2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.execution.search.best_result`, docs/protocol.md §Best trial).
+2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.execution.search.best_result`,
+   docs/protocol.md §Best trial).
 3. **Reproductions** — a second ``Tuner`` runs ``reproductions`` retrainings of the best config (grid over the
-   reproduction index; each a full 4-fold trial with seed ``pipelines.execution.trial.reproduction_seed(seed, i)``), each tested
-   on the test classes, separated and concatenated (docs/protocol.md §Test evaluation).
+   reproduction index; each a full 4-fold trial with seed ``pipelines.execution.trial.reproduction_seed(seed, i)``),
+   each tested on the test classes, separated and concatenated (docs/protocol.md §Test evaluation).
 4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.stats.confidence_interval``), written to the
    study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints).
 
 Resources: a trial is a driver reserving one unit of ``dmlrc_trial_driver`` on the driver's node, or 0.01 CPU
-where no node declares it (:data:`pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE`; its Tune actor is reused from trial to trial, which saves a
-process start and its imports per trial — the trainable keeps no state); each of its four folds reserves
-``cpus_per_worker`` CPUs (and a GPU with ``use_gpu``) per worker, as a warm Ray task or a Ray Train worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default
-enough for ``max_concurrent_trials`` × folds × workers — on a 2-core machine that oversubscribes the cores, which
-is fine for tiny models and is what lets the four folds overlap.
+where no node declares it (:data:`pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE`; its Tune actor is reused from
+trial to trial, which saves a process start and its imports per trial — the trainable keeps no state); each of its four
+folds reserves ``cpus_per_worker`` CPUs (and a GPU with ``use_gpu``) per worker, as a warm Ray task or a Ray Train
+worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default enough for ``max_concurrent_trials`` × folds ×
+workers — on a 2-core machine that oversubscribes the cores, which is fine for tiny models and is what lets the four
+folds overlap.
 
 Studies in parallel: every study runs in its own thread of the driver (:meth:`_Sweep.run_all`), each with its own
 searcher, its two Tuners and its own trial concurrency, at most ``max_concurrent_studies`` at a time
 (:func:`max_concurrent_studies`).  Their folds meet in Ray's one queue (a fold is a Ray task or a Train job reserving
-its own resources; a trial reserves no fold resource), so a cluster smaller than the demand only queues folds.  Why threads
-and not one Ray task per study driver: ``docs/architecture.md`` ("Studies in parallel").  Ctrl-C: Python delivers the
-signal to the main thread only; the study threads get the same ``SweepInterrupted`` raised into them
+its own resources; a trial reserves no fold resource), so a cluster smaller than the demand only queues folds.  Why
+threads and not one Ray task per study driver: ``docs/architecture.md`` ("Studies in parallel").  Ctrl-C: Python
+delivers the signal to the main thread only; the study threads get the same ``SweepInterrupted`` raised into them
 (:func:`_raise_in_thread`), so each ``Tuner.fit()`` leaves exactly as the single one of a sequential sweep did.
 
-Cost: every fold run records what it held and for how long (``cost.*``, :func:`pipelines.execution.trial.fold_cost`); trials
-and reproductions sum their folds; the study run sums its trials and reproductions (:func:`study_cost`), diverged
+Cost: every fold run records what it held and for how long (``cost.*``, :func:`pipelines.execution.trial.fold_cost`);
+trials and reproductions sum their folds; the study run sums its trials and reproductions (:func:`study_cost`), diverged
 trials' share also as ``cost.diverged.*``.
 
 Resume: every Tuner lives at a fixed path under the sweep's storage, so ``--resume`` restores it
@@ -56,24 +59,38 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config.schema import ConfigError, SweepConfig
+from pipelines.execution.interrupts import (
+    INTERRUPTED,
+    SweepInterrupted,
+    close_open_runs,
+    failure_reason,
+    install_startup_handlers,
+    reopen_interrupted,
+    resume_command,
+    stop_on_sigint,
+)
 from pipelines.execution.preflight import StudyPlan, preflight
-from pipelines.execution.worker_check import check_user_code_on_workers
-from pipelines.names import study_dirname
-from pipelines.tracking.model_registry import on_study_end, on_study_start
-from pipelines.tracking.ui import experiment_url, set_experiment_kind
-from pipelines.results.visuals import log_study_visuals
-from pipelines.execution.ray_runtime import (check_storage_reachable, check_tracking_reachable, redact_uri, scrub,
-                                             start_ray, stop_ray, trial_bundle, warn_multi_node)
+from pipelines.execution.ray_runtime import (
+    check_storage_reachable,
+    check_tracking_reachable,
+    redact_uri,
+    scrub,
+    start_ray,
+    stop_ray,
+    trial_bundle,
+    warn_multi_node,
+)
 from pipelines.execution.resources import check_cluster_resources
 from pipelines.execution.search import best_result, grid_rows, make_searcher
-from pipelines.execution.interrupts import (INTERRUPTED, SweepInterrupted, close_open_runs, failure_reason,
-                                            install_startup_handlers, reopen_interrupted, resume_command,
-                                            stop_on_sigint)
-from pipelines.results.study_results import COST_KEYS, StudySummary, ci_report, confidence_intervals, fmt_ci
 from pipelines.execution.trial import StudyContext, run_trial
-from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION
+from pipelines.execution.worker_check import check_user_code_on_workers
+from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION, study_dirname
+from pipelines.results.study_results import COST_KEYS, StudySummary, ci_report, confidence_intervals, fmt_ci
+from pipelines.results.visuals import log_study_visuals
+from pipelines.tracking.model_registry import on_study_end, on_study_start
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
 from pipelines.tracking.runs import PARENT, Tracker, git_commit
+from pipelines.tracking.ui import experiment_url, set_experiment_kind
 
 __all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies", "study_cost"]
 
@@ -97,8 +114,10 @@ class SweepOutcome:
         """How to look at the runs; the link opens the experiment on MLflow 3's training-runs view."""
         if self.tracking_uri.startswith(("http://", "https://")):
             return f"open {experiment_url(self.tracking_uri, self.experiment_id)}"
-        return (f"mlflow ui --backend-store-uri {self.tracking_uri}  then open "
-                f"{experiment_url('http://127.0.0.1:5000', self.experiment_id)}")
+        return (
+            f"mlflow ui --backend-store-uri {self.tracking_uri}  then open "
+            f"{experiment_url('http://127.0.0.1:5000', self.experiment_id)}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -121,16 +140,21 @@ def _check_resume(cfg: SweepConfig, resume: bool) -> None:
         return
     if not resume:
         raise ConfigError(
-            "name", f"a sweep named {cfg.name!r} already exists in {cfg.local_dir()}; pass --resume to continue it, "
-                    "or choose another name")
+            "name",
+            f"a sweep named {cfg.name!r} already exists in {cfg.local_dir()}; pass --resume to continue it, "
+            "or choose another name",
+        )
     old = json.loads(stored.read_text())
     new = json.loads(json.dumps(cfg.model_dump(mode="json")))
     for key in sorted(set(old) | set(new)):
         if key in ("resources", "tune_spaces", "runtime_env"):
             continue  # may change between restarts (a bigger cluster, a moved checkout, a fixed plugin)
         if old.get(key) != new.get(key):
-            raise ConfigError(key, f"differs from the sweep being resumed (stored in {stored}); "
-                                   "Tuner.restore cannot change what is searched")
+            raise ConfigError(
+                key,
+                f"differs from the sweep being resumed (stored in {stored}); "
+                "Tuner.restore cannot change what is searched",
+            )
 
 
 def max_concurrent_studies(cfg: SweepConfig, address: str | None, resources: dict[str, float], n_studies: int) -> int:
@@ -171,15 +195,21 @@ def retire_lost_trials(tracker, study_run_id: str, known: set[str]) -> int:
     trial under a new id in its place (a seeded searcher: the same values).  Such a run (and its fold runs) would
     stay RUNNING and double the trial in the MLflow tree: it is ended KILLED, tagged with the reason, and hidden.
     Returns how many trials it retired."""
+
     def is_known(tid: str | None) -> bool:  # a row's id is the trial id, or its directory name that holds it
         return bool(tid) and any(tid == k or f"_{tid}_" in k for k in known)
 
-    lost = [r for r in tracker.find({PARENT: study_run_id, "stage": "trial"})
-            if r.info.status == "RUNNING" and not is_known(r.data.tags.get("trial_id"))]
+    lost = [
+        r
+        for r in tracker.find({PARENT: study_run_id, "stage": "trial"})
+        if r.info.status == "RUNNING" and not is_known(r.data.tags.get("trial_id"))
+    ]
     for run in lost:
-        reason = (f"trial {run.data.tags.get('trial_id')} started after the last Tune snapshot that reached storage "
-                  "before the sweep driver died; the resumed search did not know it and asked its searcher for a "
-                  "trial in its place (a seeded searcher: the same values under a new trial id)")
+        reason = (
+            f"trial {run.data.tags.get('trial_id')} started after the last Tune snapshot that reached storage "
+            "before the sweep driver died; the resumed search did not know it and asked its searcher for a "
+            "trial in its place (a seeded searcher: the same values under a new trial id)"
+        )
         for fold in tracker.find({PARENT: run.info.run_id, "stage": "fold"}):
             tracker.retire(fold, reason)
         tracker.retire(run, reason)
@@ -282,8 +312,11 @@ class _Sweep:
             _raise_in_thread(ident, SweepInterrupted)
         _, left = wait([f for f in futures if not f.cancelled()], timeout=_STUDY_STOP_WAIT_S)
         if left:
-            print(f"warning: {len(left)} studies still stopping after {_STUDY_STOP_WAIT_S:.0f} s; shutting Ray down",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: {len(left)} studies still stopping after {_STUDY_STOP_WAIT_S:.0f} s; shutting Ray down",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _check_tracking(self) -> None:
         """Stop the sweep (as Ctrl-C does: state kept) once MLflow has been unreachable for the configured time."""
@@ -291,7 +324,8 @@ class _Sweep:
             raise TrackingUnavailable(
                 f"MLflow at {redact_uri(self.tracker.uri)} unreachable for {self.watch.down_for():.0f} s "
                 f"(tracking.outage_timeout_s: {self.watch.timeout_s:g}); the sweep stopped, its state is kept in "
-                f"{self.cfg.ray_storage()}; once MLflow answers again, resume with: {resume_command(self.cfg)}")
+                f"{self.cfg.ray_storage()}; once MLflow answers again, resume with: {resume_command(self.cfg)}"
+            )
 
     def _check_stopping(self) -> None:
         if self.stopping.is_set():
@@ -315,35 +349,62 @@ class _Sweep:
             **{k: v for k, v in cfg.protocol.train.items() if k not in ("classes_per_batch", "m")},
         }
         return StudyContext(
-            sweep=cfg.name, study=plan.key, dataset=plan.dataset.spec.name, loss=plan.loss.name,
-            tracking_uri=self.tracker.uri, experiment_id=self.tracker.experiment_id, study_run_id=study_run_id,
-            fold_storage=self.study_storage(plan) + "/folds", table_ref=[table_ref],
-            manifest_json=plan.dataset.manifest.to_json(), model_kwargs=plan.model_kwargs,
-            fixed_params=plan.fixed, train=train, image_size=plan.dataset.spec.image_size,
-            workers_per_fold=cfg.resources.workers_per_fold, use_gpu=cfg.resources.use_gpu,
-            cpus_per_worker=cfg.resources.cpus_per_worker, base_seed=cfg.protocol.seed,
-            gpus_per_worker=cfg.resources.gpus_per_worker, fold_retries=cfg.resources.fold_retries,
+            sweep=cfg.name,
+            study=plan.key,
+            dataset=plan.dataset.spec.name,
+            loss=plan.loss.name,
+            tracking_uri=self.tracker.uri,
+            experiment_id=self.tracker.experiment_id,
+            study_run_id=study_run_id,
+            fold_storage=self.study_storage(plan) + "/folds",
+            table_ref=[table_ref],
+            manifest_json=plan.dataset.manifest.to_json(),
+            model_kwargs=plan.model_kwargs,
+            fixed_params=plan.fixed,
+            train=train,
+            image_size=plan.dataset.spec.image_size,
+            workers_per_fold=cfg.resources.workers_per_fold,
+            use_gpu=cfg.resources.use_gpu,
+            cpus_per_worker=cfg.resources.cpus_per_worker,
+            base_seed=cfg.protocol.seed,
+            gpus_per_worker=cfg.resources.gpus_per_worker,
+            fold_retries=cfg.resources.fold_retries,
             fold_executor=cfg.resources.fold_executor,
             mid_fold_resume=cfg.resources.mid_fold_resume,
         )
 
     def _open_study_run(self, plan: StudyPlan) -> str:
         t = self.tracker
-        run_id, created = t.get_or_create({"sweep": self.cfg.name, "study": plan.key, "stage": "study"},
-                                          run_name=plan.key)
+        run_id, created = t.get_or_create(
+            {"sweep": self.cfg.name, "study": plan.key, "stage": "study"}, run_name=plan.key
+        )
         if created:
-            t.set_tags(run_id, {"loss": plan.loss.name, "dataset": plan.dataset.spec.name,
-                                "protocol": self.cfg.protocol.name, "fold_layout": self.cfg.protocol.fold_layout,
-                                "git_commit": git_commit(), "folds_hash": plan.dataset.manifest.content_hash,
-                                "sampler": self.cfg.protocol.sampler})
-            t.log_params(run_id, {
-                **{f"space.{k}": p.describe() for k, p in plan.searched.items()},
-                **{f"fixed.{k}": v for k, v in plan.fixed.items()},
-                "classes_per_batch": plan.classes_per_batch, "m": plan.m,
-                "trials": self.cfg.protocol.trials, "startup_trials": self.cfg.protocol.startup_trials,
-                "reproductions": self.cfg.protocol.reproductions, "workers_per_fold": self.cfg.resources.workers_per_fold,
-                **{f"model.{k}": v for k, v in plan.model_kwargs.items()},
-            })
+            t.set_tags(
+                run_id,
+                {
+                    "loss": plan.loss.name,
+                    "dataset": plan.dataset.spec.name,
+                    "protocol": self.cfg.protocol.name,
+                    "fold_layout": self.cfg.protocol.fold_layout,
+                    "git_commit": git_commit(),
+                    "folds_hash": plan.dataset.manifest.content_hash,
+                    "sampler": self.cfg.protocol.sampler,
+                },
+            )
+            t.log_params(
+                run_id,
+                {
+                    **{f"space.{k}": p.describe() for k, p in plan.searched.items()},
+                    **{f"fixed.{k}": v for k, v in plan.fixed.items()},
+                    "classes_per_batch": plan.classes_per_batch,
+                    "m": plan.m,
+                    "trials": self.cfg.protocol.trials,
+                    "startup_trials": self.cfg.protocol.startup_trials,
+                    "reproductions": self.cfg.protocol.reproductions,
+                    "workers_per_fold": self.cfg.resources.workers_per_fold,
+                    **{f"model.{k}": v for k, v in plan.model_kwargs.items()},
+                },
+            )
             t.log_text(run_id, plan.dataset.manifest.to_json(), "folds.json")
             t.log_json(run_id, self.cfg.model_dump(mode="json"), "sweep_config.json")
         return run_id
@@ -355,8 +416,9 @@ class _Sweep:
         path = self.study_storage(plan) + "/" + name
         if tune.Tuner.can_restore(path):
             self.say(f"[{plan.key}] resuming {name} from {path}")
-            return tune.Tuner.restore(path, trainable=trainable, resume_unfinished=True, resume_errored=False,
-                                      restart_errored=False)
+            return tune.Tuner.restore(
+                path, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
+            )
         return make(path)
 
     def run_study(self, plan: StudyPlan) -> StudySummary:
@@ -387,16 +449,30 @@ class _Sweep:
 
         # 1. search --------------------------------------------------------------------------------------
         def new_search(path):
-            self.say(f"[{plan.key}] search: {trials} trials, {cfg.protocol.startup_trials} random start-up, "
-                     f"sampler {cfg.protocol.sampler}, ≤ {cfg.resources.max_concurrent_trials} concurrent")
+            self.say(
+                f"[{plan.key}] search: {trials} trials, {cfg.protocol.startup_trials} random start-up, "
+                f"sampler {cfg.protocol.sampler}, ≤ {cfg.resources.max_concurrent_trials} concurrent"
+            )
             tune_cfg = tune.TuneConfig(
                 search_alg=make_searcher(plan, cfg) if plan.searched else None,
-                metric=OBJECTIVE, mode="max", num_samples=trials,
-                max_concurrent_trials=cfg.resources.max_concurrent_trials, reuse_actors=True)
-            return tune.Tuner(trainable, param_space={}, tune_config=tune_cfg, run_config=tune.RunConfig(
-                name="search", storage_path=storage, verbose=0,
-                callbacks=[TrialProgress(plan.key, trials)],
-                failure_config=tune.FailureConfig(max_failures=cfg.resources.trial_retries)))
+                metric=OBJECTIVE,
+                mode="max",
+                num_samples=trials,
+                max_concurrent_trials=cfg.resources.max_concurrent_trials,
+                reuse_actors=True,
+            )
+            return tune.Tuner(
+                trainable,
+                param_space={},
+                tune_config=tune_cfg,
+                run_config=tune.RunConfig(
+                    name="search",
+                    storage_path=storage,
+                    verbose=0,
+                    callbacks=[TrialProgress(plan.key, trials)],
+                    failure_config=tune.FailureConfig(max_failures=cfg.resources.trial_retries),
+                ),
+            )
 
         grid = self._tuner(plan, "search", trainable, new_search).fit()
         self._check_stopping()
@@ -412,27 +488,41 @@ class _Sweep:
         summary.best_trial, summary.best_params = best["trial_id"], params
         summary.best_val = (best[OBJECTIVE], best.get("val_map_at_r_sem", float("nan")))
         t.log_params(run_id, {f"best.{k}": v for k, v in params.items()})
-        t.log_metrics(run_id, {"best.val.map_at_r.mean": summary.best_val[0],
-                               "best.val.map_at_r.sem": summary.best_val[1],
-                               "trials.ok": sum(r.get("status") == "ok" for r in rows),
-                               "trials.diverged": sum(r.get("status") == "diverged" for r in rows),
-                               "trials.failed": sum(r.get("error") is not None for r in rows)})
+        t.log_metrics(
+            run_id,
+            {
+                "best.val.map_at_r.mean": summary.best_val[0],
+                "best.val.map_at_r.sem": summary.best_val[1],
+                "trials.ok": sum(r.get("status") == "ok" for r in rows),
+                "trials.diverged": sum(r.get("status") == "diverged" for r in rows),
+                "trials.failed": sum(r.get("error") is not None for r in rows),
+            },
+        )
         t.set_tags(run_id, {"best_trial_id": best["trial_id"], "best_run_id": best.get("mlflow_run_id", "")})
 
         # 2. reproductions ----------------------------------------------------------------------------------
         n = cfg.protocol.reproductions
 
         def new_reps(path):
-            self.say(f"[{plan.key}] best trial {best['trial_id']} (val MAP@R {best[OBJECTIVE]:.4f}); "
-                     f"{n} reproductions")
-            return tune.Tuner(trainable, param_space={REPRODUCTION: tune.grid_search(list(range(n))), PARAMS: params},
-                              tune_config=tune.TuneConfig(num_samples=1, metric=OBJECTIVE, mode="max",
-                                                          max_concurrent_trials=cfg.resources.max_concurrent_trials,
-                                                          reuse_actors=True),
-                              run_config=tune.RunConfig(name="reproductions", storage_path=storage, verbose=0,
-                                                        callbacks=[TrialProgress(plan.key, n, "reproduction")],
-                                                        failure_config=tune.FailureConfig(
-                                                            max_failures=cfg.resources.trial_retries)))
+            self.say(f"[{plan.key}] best trial {best['trial_id']} (val MAP@R {best[OBJECTIVE]:.4f}); {n} reproductions")
+            return tune.Tuner(
+                trainable,
+                param_space={REPRODUCTION: tune.grid_search(list(range(n))), PARAMS: params},
+                tune_config=tune.TuneConfig(
+                    num_samples=1,
+                    metric=OBJECTIVE,
+                    mode="max",
+                    max_concurrent_trials=cfg.resources.max_concurrent_trials,
+                    reuse_actors=True,
+                ),
+                run_config=tune.RunConfig(
+                    name="reproductions",
+                    storage_path=storage,
+                    verbose=0,
+                    callbacks=[TrialProgress(plan.key, n, "reproduction")],
+                    failure_config=tune.FailureConfig(max_failures=cfg.resources.trial_retries),
+                ),
+            )
 
         rep_rows = grid_rows(self._tuner(plan, "reproductions", trainable, new_reps).fit())
         self._check_stopping()
@@ -449,8 +539,9 @@ class _Sweep:
         metrics = {"test.n_reproductions": len(reps)}
         for mode, d in summary.ci.items():
             for k, (m, lo, hi) in d.items():
-                metrics.update({f"test.{mode}.{k}.mean": m, f"test.{mode}.{k}.ci_low": lo,
-                                f"test.{mode}.{k}.ci_high": hi})
+                metrics.update(
+                    {f"test.{mode}.{k}.mean": m, f"test.{mode}.{k}.ci_low": lo, f"test.{mode}.{k}.ci_high": hi}
+                )
         t.log_metrics(run_id, metrics)
         md, doc = ci_report(summary, reps)
         t.log_text(run_id, md, "ci_report.md")
@@ -459,24 +550,35 @@ class _Sweep:
             self._log_models(run_id, reps[0])
             log_study_visuals(t, run_id, plan, reps)  # gallery, per-class metrics, embedding map
             # the reproductions as MLflow pyfunc models, one registered version per study
-            on_study_end(t, study_run_id=run_id, experiment=cfg.experiment_name(), sweep=cfg.name, plan=plan,
-                         reps=reps, ci=summary.ci, say=self.say)
+            on_study_end(
+                t,
+                study_run_id=run_id,
+                experiment=cfg.experiment_name(),
+                sweep=cfg.name,
+                plan=plan,
+                reps=reps,
+                ci=summary.ci,
+                say=self.say,
+            )
         summary.seconds = time.time() - t0
         t.set_tags(run_id, {"done": "true", "status": "ok", "seconds": round(summary.seconds, 1)})
         t.finish(run_id, "FINISHED")
         c, s_ = summary.ci["concat"].get("map_at_r"), summary.ci["separated"].get("map_at_r")
-        self.say(f"[{plan.key}] done in {format_duration(summary.seconds)}: best val MAP@R {summary.best_val[0]:.4f} "
-                 f"(trial {summary.best_trial}); test MAP@R concat {fmt_ci(c)}, separated {fmt_ci(s_)} "
-                 f"({len(reps)} reproductions)")
+        self.say(
+            f"[{plan.key}] done in {format_duration(summary.seconds)}: best val MAP@R {summary.best_val[0]:.4f} "
+            f"(trial {summary.best_trial}); test MAP@R concat {fmt_ci(c)}, separated {fmt_ci(s_)} "
+            f"({len(reps)} reproductions)"
+        )
         return summary
 
     def _log_cost(self, summary: StudySummary, rows: list[dict[str, Any]]) -> None:
         cost = study_cost(rows)
         self.tracker.log_metrics(summary.run_id, cost)
-        summary.cost = {k[len("cost."):]: v for k, v in cost.items()}
+        summary.cost = {k[len("cost.") :]: v for k, v in cost.items()}
 
     def _log_models(self, run_id: str, rep: dict[str, Any]) -> None:
-        """Reproduction ``rep``'s fold models (written by rank 0 into its result directory or Ray Train checkpoint) → ``models/``."""
+        """Reproduction ``rep``'s fold models (written by rank 0 into its result directory or Ray Train checkpoint) →
+        ``models/``."""
         # Ray: see _register_study_trainable
         import ray.train
 
@@ -504,14 +606,16 @@ class _Sweep:
         if "best.val.map_at_r.mean" in m:
             summary.best_val = (m["best.val.map_at_r.mean"], m.get("best.val.map_at_r.sem", float("nan")))
         summary.n_reproductions = int(m.get("test.n_reproductions", 0))
-        summary.cost = {k[len("cost."):]: v for k, v in m.items() if k.startswith("cost.")}
+        summary.cost = {k[len("cost.") :]: v for k, v in m.items() if k.startswith("cost.")}
         for key, v in m.items():
             parts = key.split(".")
             if len(parts) == 4 and parts[0] == "test" and parts[3] == "mean":
                 mode, metric = parts[1], parts[2]
                 summary.ci.setdefault(mode, {})[metric] = (
-                    v, m.get(f"test.{mode}.{metric}.ci_low", float("nan")),
-                    m.get(f"test.{mode}.{metric}.ci_high", float("nan")))
+                    v,
+                    m.get(f"test.{mode}.{metric}.ci_low", float("nan")),
+                    m.get(f"test.{mode}.{metric}.ci_high", float("nan")),
+                )
         return summary
 
 
@@ -522,8 +626,8 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything starts.
 
     Ctrl-C stops it within seconds, closes the runs it leaves (``KILLED``, reason ``interrupted``) and raises
-    :class:`pipelines.execution.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed study's
-    leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.execution.interrupts`).
+    :class:`pipelines.execution.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed
+    study's leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.execution.interrupts`).
     """
     out = out or sys.stdout
     t0 = time.time()
@@ -539,8 +643,11 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
 
     tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
     if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
-        raise ConfigError("name", f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
-                                  f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name")
+        raise ConfigError(
+            "name",
+            f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
+            f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name",
+        )
     set_experiment_kind(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
 
     watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
@@ -565,8 +672,12 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         import ray
 
         limit = max_concurrent_studies(cfg, address, ray.cluster_resources(), len(plans))
-        print(f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}), ≤ {limit} at once; "
-              f"MLflow {shown} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}", file=out, flush=True)
+        print(
+            f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}), ≤ {limit} at once; "
+            f"MLflow {shown} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}",
+            file=out,
+            flush=True,
+        )
         message = f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}"
         with stop_on_sigint(message, out):
             sweep = _Sweep(cfg, plans, tracker, out, watch)
@@ -583,8 +694,11 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
                 else:
                     close_open_runs(tracker, cfg.name, reason=scrub(f"{type(e).__name__}: {e}", uri))
             except Exception as close_error:  # noqa: BLE001 - e.g. the tracking store is what failed: report e
-                print(f"warning: could not close the sweep's MLflow runs ({type(close_error).__name__})", file=out,
-                      flush=True)
+                print(
+                    f"warning: could not close the sweep's MLflow runs ({type(close_error).__name__})",
+                    file=out,
+                    flush=True,
+                )
         raise
     finally:
         watch.stop()
@@ -592,5 +706,4 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     for s in studies:
         if s.status != "ok":
             close_open_runs(tracker, cfg.name, study=s.study, reason=f"study failed: {s.reason}")
-    return SweepOutcome(cfg.name, local, shown, cfg.experiment_name(), tracker.experiment_id, studies,
-                        time.time() - t0)
+    return SweepOutcome(cfg.name, local, shown, cfg.experiment_name(), tracker.experiment_id, studies, time.time() - t0)

@@ -7,15 +7,15 @@ builds ``TorchTrainer``\\ s).  Per trial it
    reproduction the ``stage=reproduction`` run (tags ``reproduction``, ``seed``), and one ``stage=fold`` child per fold;
 2. runs the 4 folds concurrently through one of two executors (:func:`fold_executor`), both around the same
    :func:`pipelines.execution.fold.run_fold`: **warm** — single-worker folds as Ray tasks on reused worker processes
-   (:mod:`pipelines.execution.warm_folds`); **train** — one Ray Train ``TorchTrainer`` per fold, started from 4 threads (DDP
-   folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The trial itself
+   (:mod:`pipelines.execution.warm_folds`); **train** — one Ray Train ``TorchTrainer`` per fold, started from 4 threads
+   (DDP folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The trial itself
    reserves only the driver resource (see :mod:`pipelines.execution.sweep`);
-3. reduces the folds (docs/protocol.md §Objective): objective = mean over folds of each fold's best-checkpoint val MAP@R, with its SEM
-   (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score 0 and the trial
-   run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
-4. for a reproduction, evaluates the best fold models on the test classes (docs/protocol.md §Test evaluation): *separated* = each fold model
-   alone, metrics averaged over folds; *concatenated* = each fold's embedding L2-normalised, concatenated (4 × d)
-   and normalised again (``retrieval_metrics(normalize=True)``);
+3. reduces the folds (docs/protocol.md §Objective): objective = mean over folds of each fold's best-checkpoint val
+   MAP@R, with its SEM (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score
+   0 and the trial run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
+4. for a reproduction, evaluates the best fold models on the test classes (docs/protocol.md §Test evaluation):
+   *separated* = each fold model alone, metrics averaged over folds; *concatenated* = each fold's embedding
+   L2-normalised, concatenated (4 × d) and normalised again (``retrieval_metrics(normalize=True)``);
 5. reports once to Tune.
 
 Why not ``ray.tune.integration.ray_train.TuneReportCallback``: it forwards every Train report through one
@@ -29,7 +29,6 @@ fold mean can land *after* it, making an intermediate value the trial's last res
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,17 +41,24 @@ import numpy as np
 from dml_core.splits import FoldManifest
 from dml_core.stats import fold_summary
 from dml_core.storage import open_storage
-from pipelines.execution.fold import (evaluation_metrics, fold_worker, logged_evaluations)
 from pipelines.config.spaces import LOSS_LR
-from pipelines.names import HEADLINE_METRICS, OBJECTIVE, OUTCOME_FILE, PARAMS, REPRODUCTION, TEST_EMBEDDINGS, TEST_LABELS
-from pipelines.results.embeddings import reproduction_test_metrics
+from pipelines.execution.fold import evaluation_metrics, fold_worker, logged_evaluations
 from pipelines.execution.interrupts import error_text
+from pipelines.names import (
+    HEADLINE_METRICS,
+    OBJECTIVE,
+    OUTCOME_FILE,
+    PARAMS,
+    REPRODUCTION,
+    TEST_EMBEDDINGS,
+    TEST_LABELS,
+)
+from pipelines.results.embeddings import reproduction_test_metrics
 from pipelines.results.visuals import details_to_bytes
 from pipelines.tracking.datasets import log_fold_dataset_input
 from pipelines.tracking.runs import PARENT, Tracker
 
 __all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "reproduction_seed"]
-
 
 
 def reproduction_seed(base_seed: int, i: int) -> int:
@@ -103,16 +109,27 @@ def fold_cost(outcome: dict[str, Any], cpus_per_worker: float, gpus_per_worker: 
     ``redone_iterations`` (iterations trained twice)."""
     wall = max(0.0, float(outcome["time_end"]) - float(outcome["time_start"]))
     workers = int(outcome.get("world_size") or 1)
-    return {"wall_seconds": wall, "cpu_seconds": wall * cpus_per_worker * workers,
-            "gpu_seconds": wall * gpus_per_worker * workers,
-            "restarts": float(outcome.get("restarts", 0) or 0),
-            "resumes": float(len(outcome.get("resumed_from", []) or [])),
-            "redone_iterations": float(outcome.get("redone_iterations", 0) or 0)}
+    return {
+        "wall_seconds": wall,
+        "cpu_seconds": wall * cpus_per_worker * workers,
+        "gpu_seconds": wall * gpus_per_worker * workers,
+        "restarts": float(outcome.get("restarts", 0) or 0),
+        "resumes": float(len(outcome.get("resumed_from", []) or [])),
+        "redone_iterations": float(outcome.get("redone_iterations", 0) or 0),
+    }
 
 
-def _fold_config(ctx: StudyContext, fold, hparams: dict[str, Any], seed: int, fold_run_id: str,
-                 reproduction: bool, manifest, parent_run_id: str, extra_tags: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
+def _fold_config(
+    ctx: StudyContext,
+    fold,
+    hparams: dict[str, Any],
+    seed: int,
+    fold_run_id: str,
+    reproduction: bool,
+    manifest,
+    parent_run_id: str,
+    extra_tags: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
     train = dict(ctx.train, seed=seed + fold.index)
@@ -159,14 +176,18 @@ def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
     trainer = TorchTrainer(
         fold_worker,
         train_loop_config=cfg,
-        scaling_config=ray.train.ScalingConfig(num_workers=ctx.workers_per_fold, use_gpu=ctx.use_gpu,
-                                               resources_per_worker=resources),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=ctx.workers_per_fold, use_gpu=ctx.use_gpu, resources_per_worker=resources
+        ),
         # (storage_path, name) must be stable across restarts (trial id, never a timestamp) so that a fold that
         # finished before a kill is restored rather than retrained (ray_mlflow_notes §5.4).
-        run_config=ray.train.RunConfig(name=name, storage_path=ctx.fold_storage,
-                                       failure_config=ray.train.FailureConfig(max_failures=ctx.fold_retries),
-                                       # Train logs every worker-group start and report at INFO; progress is ours.
-                                       logging_config=ray.train.LoggingConfig(log_level="WARNING")),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=ctx.fold_storage,
+            failure_config=ray.train.FailureConfig(max_failures=ctx.fold_retries),
+            # Train logs every worker-group start and report at INFO; progress is ours.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        ),
     )
     ckpt = trainer.fit().checkpoint
     if ckpt is None:
@@ -174,8 +195,9 @@ def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
     return checkpoint_uri(ckpt)
 
 
-def _run_folds(ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
-               ) -> tuple[dict[int, str], dict[int, tuple[float, float]], dict[int, BaseException]]:
+def _run_folds(
+    ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
+) -> tuple[dict[int, str], dict[int, tuple[float, float]], dict[int, BaseException]]:
     """Run every fold concurrently; ``(result URIs, (submit, done) wall times, errors)`` by fold index."""
     # Ray: see _fit_train
     import ray
@@ -189,8 +211,16 @@ def _run_folds(ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
         from pipelines.execution.warm_folds import result_uri, warm_fold_ref
 
         gpus = ctx.gpus_per_worker if ctx.use_gpu else 0.0
-        refs = {k: warm_fold_ref(cfg, result_uri(ctx.fold_storage, f"{prefix}-fold{k}"), cpus=ctx.cpus_per_worker,
-                                 gpus=gpus, retries=ctx.fold_retries) for k, cfg in cfgs.items()}
+        refs = {
+            k: warm_fold_ref(
+                cfg,
+                result_uri(ctx.fold_storage, f"{prefix}-fold{k}"),
+                cpus=ctx.cpus_per_worker,
+                gpus=gpus,
+                retries=ctx.fold_retries,
+            )
+            for k, cfg in cfgs.items()
+        }
         pending = {ref: k for k, ref in refs.items()}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
@@ -242,7 +272,8 @@ def checkpoint_uri(ckpt) -> str:
 
 
 def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trial's objective from its folds (docs/protocol.md §Objective): mean ± SEM of best val metrics; 0 if a fold diverged."""
+    """The trial's objective from its folds (docs/protocol.md §Objective): mean ± SEM of best val metrics; 0 if a fold
+    diverged."""
     diverged = [o for o in outcomes if o["status"] != "ok"]
     out: dict[str, Any] = {}
     if diverged:
@@ -274,13 +305,28 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
 
     base = {"sweep": ctx.sweep, "study": ctx.study}
     if reproduction:
-        run_id, _ = tracker.get_or_create({**base, "stage": "reproduction", "reproduction": int(rep)},
-                                          parent=ctx.study_run_id, run_name=f"{ctx.study} reproduction {rep}")
+        run_id, _ = tracker.get_or_create(
+            {**base, "stage": "reproduction", "reproduction": int(rep)},
+            parent=ctx.study_run_id,
+            run_name=f"{ctx.study} reproduction {rep}",
+        )
     else:
-        run_id, _ = tracker.get_or_create({**base, "stage": "trial", "trial_id": trial_id},
-                                          parent=ctx.study_run_id, run_name=f"{ctx.study} {trial_id}")
-    tracker.set_tags(run_id, {"loss": ctx.loss, "dataset": ctx.dataset, "trial_id": trial_id, "seed": seed,
-                              "status": "running", "driver_node_id": ray.get_runtime_context().get_node_id()})
+        run_id, _ = tracker.get_or_create(
+            {**base, "stage": "trial", "trial_id": trial_id},
+            parent=ctx.study_run_id,
+            run_name=f"{ctx.study} {trial_id}",
+        )
+    tracker.set_tags(
+        run_id,
+        {
+            "loss": ctx.loss,
+            "dataset": ctx.dataset,
+            "trial_id": trial_id,
+            "seed": seed,
+            "status": "running",
+            "driver_node_id": ray.get_runtime_context().get_node_id(),
+        },
+    )
     tracker.log_params(run_id, hparams)
 
     fold_runs = {}
@@ -288,17 +334,22 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     for fold in manifest.folds:
         # With mid-fold resume a fold left unfinished (sweep killed, --resume) continues in its own run, from its
         # checkpoint; without it the fold starts over, so its partial run is hidden and a fresh one made.
-        fid, _ = tracker.get_or_create(_fold_tags(ctx, fold.index), parent=run_id,
-                                       run_name=f"fold {fold.index}", reuse_unfinished=ctx.mid_fold_resume)
+        fid, _ = tracker.get_or_create(
+            _fold_tags(ctx, fold.index),
+            parent=run_id,
+            run_name=f"fold {fold.index}",
+            reuse_unfinished=ctx.mid_fold_resume,
+        )
         tracker.set_tags(fid, extra)
         log_fold_dataset_input(tracker, fid, ctx.study_run_id)  # the study's dataset as the run's MLflow input
         fold_runs[fold.index] = fid
 
     prefix = f"rep{int(rep)}" if reproduction else trial_id
     t0 = time.time()
-    cfgs = {fold.index: _fold_config(ctx, fold, hparams, seed, fold_runs[fold.index], reproduction, manifest, run_id,
-                                     extra)
-            for fold in manifest.folds}
+    cfgs = {
+        fold.index: _fold_config(ctx, fold, hparams, seed, fold_runs[fold.index], reproduction, manifest, run_id, extra)
+        for fold in manifest.folds
+    }
     uris, fit_spans, errors = _run_folds(ctx, prefix, cfgs)
 
     # A fold run again after its process died logs to a replacement run (see run_fold): look the live ones up again.
@@ -315,8 +366,9 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
                 tracker.finish(fid, "FAILED")
         tracker.set_tags(run_id, {"status": "failed", "reason": reason[:4000]})
         tracker.finish(run_id, "FAILED")
-        raise RuntimeError(f"{ctx.study} {'reproduction ' + str(rep) if reproduction else trial_id}: {reason}") \
-            from errors[k]
+        raise RuntimeError(
+            f"{ctx.study} {'reproduction ' + str(rep) if reproduction else trial_id}: {reason}"
+        ) from errors[k]
 
     outcomes, embeddings, labels = [], [], []
     cost: dict[str, float] = {}
@@ -345,19 +397,21 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     tracker.finish(run_id, "FINISHED")
 
     report = {k.replace(".", "_"): v for k, v in metrics.items()}
-    report.update({
-        OBJECTIVE: summary["val.map_at_r.mean"],
-        "status": summary["status"],
-        "reason": summary["reason"],
-        "mlflow_run_id": run_id,
-        "fold_values": [o["best_metrics"].get("map_at_r", 0.0) if o["status"] == "ok" else 0.0 for o in outcomes],
-        "fold_spans": [[o["time_start"], o["time_end"]] for o in outcomes],
-        "fold_fit_spans": [list(fit_spans[f.index]) for f in manifest.folds],
-        "fold_train_seconds": [o["train_seconds"] for o in outcomes],
-        "fold_checkpoints": [uris[f.index] for f in manifest.folds],
-        "trial_seconds": time.time() - t0,
-        "seed": seed,
-    })
+    report.update(
+        {
+            OBJECTIVE: summary["val.map_at_r.mean"],
+            "status": summary["status"],
+            "reason": summary["reason"],
+            "mlflow_run_id": run_id,
+            "fold_values": [o["best_metrics"].get("map_at_r", 0.0) if o["status"] == "ok" else 0.0 for o in outcomes],
+            "fold_spans": [[o["time_start"], o["time_end"]] for o in outcomes],
+            "fold_fit_spans": [list(fit_spans[f.index]) for f in manifest.folds],
+            "fold_train_seconds": [o["train_seconds"] for o in outcomes],
+            "fold_checkpoints": [uris[f.index] for f in manifest.folds],
+            "trial_seconds": time.time() - t0,
+            "seed": seed,
+        }
+    )
     if reproduction:
         report[REPRODUCTION] = int(rep)
         report["concat_details"] = details_uri
@@ -371,8 +425,14 @@ def _store_details(ctx: StudyContext, prefix: str, details) -> str:
     return folder + "/details.npz"
 
 
-def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpoint: str,
-                     fit_span: tuple[float, float], cost: dict[str, float]) -> None:
+def _finish_fold_run(
+    tracker,
+    fold_run_id: str,
+    outcome: dict[str, Any],
+    checkpoint: str,
+    fit_span: tuple[float, float],
+    cost: dict[str, float],
+) -> None:
     """Summary of a fold run, and the evaluations of its history that rank 0 could not log live (MLflow down while
     it trained, a restart): each one once, at its iteration."""
     run = tracker.run(fold_run_id)
@@ -386,14 +446,30 @@ def _finish_fold_run(tracker, fold_run_id: str, outcome: dict[str, Any], checkpo
     summary.update({f"test.{k}": v for k, v in outcome.get("test_metrics", {}).items()})
     # Wall-clock marks (s since the epoch) for the overhead benchmark: fold submitted (fit() called) → fold function
     # starts → train_fold starts → fold function ends → the trial has its result.
-    summary.update({"best_epoch": outcome["best_epoch"], "train_seconds": outcome["train_seconds"],
-                    "time.fit_start": fit_span[0], "time.start": outcome["time_start"],
-                    "time.train_start": outcome.get("time_train_start", outcome["time_start"]),
-                    "time.end": outcome["time_end"], "time.fit_end": fit_span[1],
-                    "iterations": outcome["iterations"], "process.rss_peak_mb": outcome.get("rss_peak_mb")})
+    summary.update(
+        {
+            "best_epoch": outcome["best_epoch"],
+            "train_seconds": outcome["train_seconds"],
+            "time.fit_start": fit_span[0],
+            "time.start": outcome["time_start"],
+            "time.train_start": outcome.get("time_train_start", outcome["time_start"]),
+            "time.end": outcome["time_end"],
+            "time.fit_end": fit_span[1],
+            "iterations": outcome["iterations"],
+            "process.rss_peak_mb": outcome.get("rss_peak_mb"),
+        }
+    )
     summary.update({f"cost.{k}": v for k, v in cost.items()})  # what the fold held and for how long (fold_cost)
     tracker.log_metrics(fold_run_id, summary)
-    tracker.set_tags(fold_run_id, {"status": outcome["status"], "reason": outcome["reason"][:4000],
-                                   "checkpoint": checkpoint, "world_size": outcome["world_size"],
-                                   "pid": outcome.get("pid", ""), "node_id": outcome.get("node_id", "")})
+    tracker.set_tags(
+        fold_run_id,
+        {
+            "status": outcome["status"],
+            "reason": outcome["reason"][:4000],
+            "checkpoint": checkpoint,
+            "world_size": outcome["world_size"],
+            "pid": outcome.get("pid", ""),
+            "node_id": outcome.get("node_id", ""),
+        },
+    )
     tracker.finish(fold_run_id, "FINISHED")

@@ -75,8 +75,9 @@ def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
         torch.cuda.set_device(gpu)
         device = f"cuda:{gpu}"
     with tempfile.TemporaryDirectory() as tmp:
-        run_fold(cfg, rank=0, world_size=1, device=device, out_dir=Path(tmp),
-                 node_id=ray.get_runtime_context().get_node_id())
+        run_fold(
+            cfg, rank=0, world_size=1, device=device, out_dir=Path(tmp), node_id=ray.get_runtime_context().get_node_id()
+        )
         _upload(Path(tmp), uri)  # raises on failure: a fold's result must be stored
     clear_checkpoints(cfg["checkpoint_uri"])  # the result is stored: the mid-fold states are not needed any more
     if cfg["use_gpu"]:
@@ -95,9 +96,13 @@ def warm_fold_ref(cfg: dict[str, Any], uri: str, *, cpus: float, gpus: float, re
         # max_calls=0: the worker process is kept for the next fold (Ray's default for GPU tasks is a fresh one).
         _REMOTE = ray.remote(max_calls=0)(_warm_fold)
     # "DEFAULT": a fold is not a child of the trial's tiny placement group (Tune's trial bundle is the driver resource).
-    options: dict[str, Any] = {"num_cpus": cpus, "max_retries": retries, "retry_exceptions": False,
-                               "scheduling_strategy": "DEFAULT",
-                               "name": f"fold:{cfg['label']}:{cfg['fold']['index']}"}
+    options: dict[str, Any] = {
+        "num_cpus": cpus,
+        "max_retries": retries,
+        "retry_exceptions": False,
+        "scheduling_strategy": "DEFAULT",
+        "name": f"fold:{cfg['label']}:{cfg['fold']['index']}",
+    }
     if gpus:
         options["num_gpus"] = gpus
         options["runtime_env"] = {"env_vars": {NOSET_CUDA: "1"}}

@@ -17,8 +17,9 @@ __all__ = ["check_user_code_on_workers", "build_in_worker"]
 TIMEOUT_S = 600.0
 
 
-def build_in_worker(losses: list[tuple[str, dict[str, Any]]], trunk: str, num_classes: int, embedding_dim: int
-                    ) -> tuple[str, str] | None:
+def build_in_worker(
+    losses: list[tuple[str, dict[str, Any]]], trunk: str, num_classes: int, embedding_dim: int
+) -> tuple[str, str] | None:
     """The body of the worker task: ``(field, problem)`` of the first loss or trunk that fails, else ``None``."""
     # the loss zoo takes seconds to import: the sweep imports this module before the config is checked
     from dml_core.losses import build_loss
@@ -39,11 +40,14 @@ def check_user_code_on_workers(cfg: SweepConfig, num_classes: int) -> None:
     """Run :func:`build_in_worker` as one Ray task (call after ``ray.init``).  Only plugin losses and trunks need it:
     built-in ones ship with this package."""
     import ray  # the caller has started Ray; this module is imported before that
+
     # the loss zoo: see build_in_worker
     from dml_core.losses import loss_info
 
-    losses = [(ls.name, {k: v for k, v in {**ls.search_space.defaults(), **ls.params}.items() if k != LOSS_LR})
-              for ls in cfg.losses]
+    losses = [
+        (ls.name, {k: v for k, v in {**ls.search_space.defaults(), **ls.params}.items() if k != LOSS_LR})
+        for ls in cfg.losses
+    ]
     plugin = [loss_info(name).origin != "builtin" for name, _ in losses]
     trunk_plugin = resolve_trunk(cfg.model.trunk).kind in ("import", "entry_point")
     if not any(plugin) and not trunk_plugin:
@@ -55,12 +59,19 @@ def check_user_code_on_workers(cfg: SweepConfig, num_classes: int) -> None:
         found = ray.get(ref, timeout=TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         ray.cancel(ref, force=True)
-        raise ConfigError("runtime_env", f"no Ray worker could import the sweep's code within {TIMEOUT_S:.0f} s "
-                                         "(runtime_env set-up still running or failing)") from None
+        raise ConfigError(
+            "runtime_env",
+            f"no Ray worker could import the sweep's code within {TIMEOUT_S:.0f} s "
+            "(runtime_env set-up still running or failing)",
+        ) from None
     except ray.exceptions.RuntimeEnvSetupError as e:
-        raise ConfigError("runtime_env", "Ray could not set it up on a worker: "
-                                         + " ".join(str(e).split())[-500:]) from None
+        raise ConfigError(
+            "runtime_env", "Ray could not set it up on a worker: " + " ".join(str(e).split())[-500:]
+        ) from None
     if found is not None:
         field, problem = found
-        raise ConfigError(field, f"imports on the driver but not on the Ray workers: {problem} (ship it with "
-                                 "runtime_env: py_modules / working_dir / pip, or install it on every node)")
+        raise ConfigError(
+            field,
+            f"imports on the driver but not on the Ray workers: {problem} (ship it with "
+            "runtime_env: py_modules / working_dir / pip, or install it on every node)",
+        )

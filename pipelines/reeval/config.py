@@ -40,16 +40,41 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from pipelines.config.errors import ConfigError, FieldError
 from pipelines.config.loader import read_yaml_file
-from pipelines.config.uris import (absolute_tracking_uri, check_ray_address, check_tracking_uri, check_uri, local_path,
-                                   redact_uri, shown)
+from pipelines.config.uris import (
+    absolute_tracking_uri,
+    check_ray_address,
+    check_tracking_uri,
+    check_uri,
+    local_path,
+    redact_uri,
+    shown,
+)
 from pipelines.names import ALIAS, HEADLINE_METRICS
 
-__all__ = ["ReevalConfig", "ReevalSpec", "ModelRef", "load_reeval_config", "parse_reeval_config",
-           "reeval_json_schema", "KNOWN_METRICS"]
+__all__ = [
+    "ReevalConfig",
+    "ReevalSpec",
+    "ModelRef",
+    "load_reeval_config",
+    "parse_reeval_config",
+    "reeval_json_schema",
+    "KNOWN_METRICS",
+]
 
 #: The metrics a re-evaluation can compare (keys of ``dml_core.metrics.retrieval_metrics``).
-KNOWN_METRICS = ("map_at_r", "r_precision", "precision_at_1", "recall_at_1", "recall_at_2", "recall_at_4",
-                 "recall_at_8", "ndcg_at_2", "ndcg_at_4", "ndcg_at_8", "nmi")
+KNOWN_METRICS = (
+    "map_at_r",
+    "r_precision",
+    "precision_at_1",
+    "recall_at_1",
+    "recall_at_2",
+    "recall_at_4",
+    "recall_at_8",
+    "ndcg_at_2",
+    "ndcg_at_4",
+    "ndcg_at_8",
+    "nmi",
+)
 
 
 @dataclass
@@ -73,8 +98,14 @@ class _Strict(BaseModel):
     """Unknown keys rejected, no type coercion (``"5"`` is not 5, ``true`` is not 1), no NaN/inf, immutable; a YAML
     ``null`` means "the default" — the sweep config's rules."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False,
-                              hide_input_in_errors=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        allow_inf_nan=False,
+        hide_input_in_errors=True,
+        use_attribute_docstrings=True,
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -137,11 +168,13 @@ class ModelRef(_Strict):
     """A registered model version (``name``, at alias ``reality-check`` unless ``alias`` or ``version``), or every
     registered model of a sweep experiment (``experiment``, each at alias ``reality-check``)."""
 
-    model_config = ConfigDict(json_schema_extra={
-        "oneOf": [{"required": ["name"]}, {"required": ["experiment"]}],
-        "not": {"required": ["alias", "version"]},
-        "dependentRequired": {"alias": ["name"], "version": ["name"]},
-    })
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [{"required": ["name"]}, {"required": ["experiment"]}],
+            "not": {"required": ["alias", "version"]},
+            "dependentRequired": {"alias": ["name"], "version": ["name"]},
+        }
+    )
 
     name: Name | None = None
     """Registered model name (``dmlrc.<experiment>.<dataset>.<loss>``)."""
@@ -164,8 +197,9 @@ class ModelRef(_Strict):
     @classmethod
     def _version(cls, v: Any) -> Any:
         # One message for both spellings (1 or "1") instead of one per member of the union.
-        if isinstance(v, bool) or not (isinstance(v, int) and v >= 1
-                                       or isinstance(v, str) and re.fullmatch(r"[1-9][0-9]{0,17}", v)):
+        if isinstance(v, bool) or not (
+            isinstance(v, int) and v >= 1 or isinstance(v, str) and re.fullmatch(r"[1-9][0-9]{0,17}", v)
+        ):
             raise ValueError(f"must be a model version number (1, 2, ...), got {shown(v)}")
         return v
 
@@ -176,8 +210,7 @@ class ModelRef(_Strict):
         if self.experiment is not None:
             for key in ("alias", "version"):
                 if getattr(self, key) is not None:
-                    raise FieldError(key, f"only with `name` (an experiment's models are compared at alias "
-                                          f"{ALIAS!r})")
+                    raise FieldError(key, f"only with `name` (an experiment's models are compared at alias {ALIAS!r})")
             if "'" in self.experiment:  # it is quoted inside MLflow's search filter
                 raise FieldError("experiment", f"{shown(self.experiment)} contains a quote")
         return self
@@ -221,8 +254,7 @@ class ReevalSpec(_Strict):
         env = os.environ.get("MLFLOW_TRACKING_URI")
         if not env:
             raise ConfigError("tracking_uri", "missing (set it or $MLFLOW_TRACKING_URI)")
-        return absolute_tracking_uri(check_tracking_uri(env, "MLFLOW_TRACKING_URI (environment, used as "
-                                                             "tracking_uri)"))
+        return absolute_tracking_uri(check_tracking_uri(env, "MLFLOW_TRACKING_URI (environment, used as tracking_uri)"))
 
     @field_validator("metrics")
     @classmethod
@@ -277,8 +309,9 @@ def _known(loc: tuple) -> str:
 def _to_config_error(e: ValidationError) -> ConfigError:
     """The first pydantic error (an unknown top-level key first) as one ``<field>: <problem>``, plus how many more
     there are."""
-    errors = sorted(e.errors(include_url=False), key=lambda err: not (err["type"] == "extra_forbidden"
-                                                                       and len(err["loc"]) == 1))
+    errors = sorted(
+        e.errors(include_url=False), key=lambda err: not (err["type"] == "extra_forbidden" and len(err["loc"]) == 1)
+    )
     err = errors[0]
     loc, kind, ctx, value = tuple(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
     raised = ctx.get("error")
@@ -301,9 +334,20 @@ def _to_config_error(e: ValidationError) -> ConfigError:
     elif len(loc) == 1 and loc[0] in _FIELD_PROBLEMS:
         problem = _FIELD_PROBLEMS[loc[0]].replace("{value}", shown(value))
     else:
-        problem = err["msg"] + (f", got {shown(value)}" if kind.endswith("_type") or kind in (
-            "finite_number", "string_pattern_mismatch", "greater_than", "greater_than_equal", "less_than",
-            "less_than_equal") else "")
+        problem = err["msg"] + (
+            f", got {shown(value)}"
+            if kind.endswith("_type")
+            or kind
+            in (
+                "finite_number",
+                "string_pattern_mismatch",
+                "greater_than",
+                "greater_than_equal",
+                "less_than",
+                "less_than_equal",
+            )
+            else ""
+        )
     if len(errors) > 1:
         problem += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return ConfigError(where or "config", redact_uri(problem))
@@ -323,10 +367,18 @@ def parse_reeval_config(doc: Any, *, source: str = "config", schedule: str = "re
         raise _to_config_error(e) from None
     except RecursionError:
         raise ConfigError(source, "nested too deeply") from None
-    return ReevalConfig(schedule=spec.schedule or schedule, tracking_uri=spec.tracking_uri,
-                        models=[m.model_dump(exclude_none=True) for m in spec.models], datasets=dict(spec.datasets),
-                        metrics=tuple(spec.metrics), tolerance=spec.tolerance, ray_address=spec.ray_address,
-                        use_gpu=spec.use_gpu, batch_size=spec.batch_size, out=spec.out)
+    return ReevalConfig(
+        schedule=spec.schedule or schedule,
+        tracking_uri=spec.tracking_uri,
+        models=[m.model_dump(exclude_none=True) for m in spec.models],
+        datasets=dict(spec.datasets),
+        metrics=tuple(spec.metrics),
+        tolerance=spec.tolerance,
+        ray_address=spec.ray_address,
+        use_gpu=spec.use_gpu,
+        batch_size=spec.batch_size,
+        out=spec.out,
+    )
 
 
 def load_reeval_config(path: str | os.PathLike) -> ReevalConfig:

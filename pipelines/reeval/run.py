@@ -9,8 +9,9 @@ Per model version (:func:`evaluate_version`): the test classes come from the stu
 ``map_batches`` with actors that hold every reproduction's pyfunc model, one actor per GPU with ``use_gpu``) and
 returns only the embeddings to the driver; the metrics are the sweep's own test step
 (``retrieval_metrics`` per fold model → ``pipelines.execution.trial.reproduction_test_metrics``, concatenated with
-``pipelines.execution.trial.concatenated_embeddings``), the intervals ``pipelines.results.study_results.confidence_intervals``
-(95 % Student-t across reproductions, docs/protocol.md §Test evaluation).
+``pipelines.execution.trial.concatenated_embeddings``), the intervals
+``pipelines.results.study_results.confidence_intervals`` (95 % Student-t across reproductions,
+docs/protocol.md §Test evaluation).
 
 Regression rule (per compared metric, concatenated and separated).  The re-evaluated models are the registered
 models themselves, so reproduction ``i`` now and at registration share the seed: the comparison is **paired**.
@@ -52,8 +53,14 @@ from pipelines.reeval.config import ReevalConfig, load_reeval_config
 from pipelines.results.embeddings import reproduction_test_metrics, split_folds
 from pipelines.results.study_results import confidence_intervals
 
-__all__ = ["ReevalConfig", "load_reeval_config", "run_reeval", "add_reeval_parser", "regression_verdict",
-           "manifest_digest"]
+__all__ = [
+    "ReevalConfig",
+    "load_reeval_config",
+    "run_reeval",
+    "add_reeval_parser",
+    "regression_verdict",
+    "manifest_digest",
+]
 
 # ------------------------------------------------------------------------------------------------ resolution
 
@@ -76,7 +83,8 @@ class Target:
 
 
 def manifest_digest(manifest: dict) -> str:
-    """sha256 of the canonical JSON of a parquet manifest (the digest ``pipelines.tracking.model_registry`` registers)."""
+    """sha256 of the canonical JSON of a parquet manifest (the digest ``pipelines.tracking.model_registry``
+    registers)."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -112,16 +120,21 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - MLflow's "not found" errors differ between stores
-            what = f"{m.get('name')} {'version ' + str(m['version']) if 'version' in m else 'alias ' + m.get('alias', ALIAS)}"
-            raise ConfigError(f"{where}.name", f"no registered model version {what} "
-                                               f"({str(e).splitlines()[0][:200]})") from None
+            what = (
+                f"{m.get('name')} "
+                f"{'version ' + str(m['version']) if 'version' in m else 'alias ' + m.get('alias', ALIAS)}"
+            )
+            raise ConfigError(
+                f"{where}.name", f"no registered model version {what} ({str(e).splitlines()[0][:200]})"
+            ) from None
     targets, manifests = [], {}
     for where, mv in found:
         tags = dict(mv.tags)
         ds = tags.get("dataset")
         if ds not in cfg.datasets:
-            raise ConfigError("datasets", f"{mv.name} version {mv.version} was trained on dataset {ds!r}; "
-                                          f"add `{ds}: <parquet URI>`")
+            raise ConfigError(
+                "datasets", f"{mv.name} version {mv.version} was trained on dataset {ds!r}; add `{ds}: <parquet URI>`"
+            )
         uri = cfg.datasets[ds]
         if uri not in manifests:
             try:
@@ -130,18 +143,23 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
                 raise ConfigError(f"datasets.{ds}", f"{str(e).splitlines()[0][:300]}") from None
         manifest = manifests[uri]
         try:
-            folds = FoldManifest.from_json(Path(client.download_artifacts(tags["study_run_id"], "folds.json"))
-                                           .read_text())
+            folds = FoldManifest.from_json(
+                Path(client.download_artifacts(tags["study_run_id"], "folds.json")).read_text()
+            )
             reps = json.loads(tags["reproductions"])
         except Exception as e:  # noqa: BLE001 - a version without what we registered is not re-evaluable
-            raise ConfigError(where, f"{mv.name} version {mv.version} lacks its study's folds.json / "
-                                     f"reproductions tag ({str(e).splitlines()[0][:200]})") from None
+            raise ConfigError(
+                where,
+                f"{mv.name} version {mv.version} lacks its study's folds.json / "
+                f"reproductions tag ({str(e).splitlines()[0][:200]})",
+            ) from None
         have = {int(c["label"]) for c in manifest["classes"]}
         missing = sorted(set(int(c) for c in folds.test_classes) - have)
         if missing:
             raise ConfigError(f"datasets.{ds}", f"lacks test classes {missing[:10]} of {mv.name} version {mv.version}")
-        targets.append(Target(mv.name, str(mv.version), tags, uri, manifest, [int(c) for c in folds.test_classes],
-                              reps))
+        targets.append(
+            Target(mv.name, str(mv.version), tags, uri, manifest, [int(c) for c in folds.test_classes], reps)
+        )
     return targets
 
 
@@ -172,8 +190,9 @@ class _Embedder:
         x = self.preprocess(images, self.image_size, self.preprocessing)
         out = {"label": np.asarray(batch["label"], dtype=np.int64)}
         for i, m in enumerate(self.models):
-            out[f"rep{i}"] = np.asarray(m.predict(x, params={"output": "folds", "batch_size": self.batch_size}),
-                                        dtype=np.float32)
+            out[f"rep{i}"] = np.asarray(
+                m.predict(x, params={"output": "folds", "batch_size": self.batch_size}), dtype=np.float32
+            )
         return out
 
 
@@ -192,7 +211,7 @@ def _filesystem(uri: str):
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         kwargs["region"] = region
-    return pafs.S3FileSystem(**kwargs), uri[len("s3://"):].rstrip("/")
+    return pafs.S3FileSystem(**kwargs), uri[len("s3://") :].rstrip("/")
 
 
 def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.ndarray, float]:
@@ -215,10 +234,14 @@ def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.nd
     actors = max(1, n_gpu) if cfg.use_gpu else max(1, min(2, int(ray.cluster_resources().get("CPU", 1)) // 2))
     uris = [r["model_uri"] for r in t.reproductions]
     t0 = time.time()
-    ds = ds.map_batches(_Embedder, fn_constructor_args=(cfg.tracking_uri, uris, int(t.tags.get("image_size", 227)),
-                                                        cfg.batch_size),
-                        batch_size=cfg.batch_size, concurrency=actors, num_gpus=1 if cfg.use_gpu else 0,
-                        batch_format="numpy")
+    ds = ds.map_batches(
+        _Embedder,
+        fn_constructor_args=(cfg.tracking_uri, uris, int(t.tags.get("image_size", 227)), cfg.batch_size),
+        batch_size=cfg.batch_size,
+        concurrency=actors,
+        num_gpus=1 if cfg.use_gpu else 0,
+        batch_format="numpy",
+    )
     labels, reps = [], [[] for _ in uris]
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
         labels.append(batch["label"])
@@ -234,7 +257,8 @@ def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.nd
 
 
 def reproduction_metrics(folds_output: np.ndarray, labels: np.ndarray, n_folds: int) -> dict[str, float]:
-    """The sweep's test step on one reproduction's embeddings: separated + concatenated (``pipelines.execution.trial``)."""
+    """The sweep's test step on one reproduction's embeddings: separated + concatenated
+    (``pipelines.execution.trial``)."""
     # faiss: see resolve_versions
     from dml_core.metrics import retrieval_metrics
 
@@ -245,9 +269,15 @@ def reproduction_metrics(folds_output: np.ndarray, labels: np.ndarray, n_folds: 
     return metrics
 
 
-def regression_verdict(registered: list[float], now: list[float], *, tolerance: float,
-                       registered_ci: tuple[float, float] | None = None,
-                       now_ci: tuple[float, float] | None = None, paired: bool = True) -> tuple[bool, str]:
+def regression_verdict(
+    registered: list[float],
+    now: list[float],
+    *,
+    tolerance: float,
+    registered_ci: tuple[float, float] | None = None,
+    now_ci: tuple[float, float] | None = None,
+    paired: bool = True,
+) -> tuple[bool, str]:
     """``(regressed, why)`` for one metric — the rule in this module's docstring."""
     # scipy: see resolve_versions
     from dml_core.stats import confidence_interval
@@ -261,10 +291,18 @@ def regression_verdict(registered: list[float], now: list[float], *, tolerance: 
         if len(d) < 2 or not math.isfinite(hi):
             return True, f"drop {drop:.4f} > tolerance {tolerance} (1 pair: tolerance alone)"
         if hi < 0:
-            return True, f"drop {drop:.4f} > tolerance {tolerance}; paired 95 % CI of the change [{lo:.4f}, {hi:.4f}] < 0"
+            return (
+                True,
+                f"drop {drop:.4f} > tolerance {tolerance}; paired 95 % CI of the change [{lo:.4f}, {hi:.4f}] < 0",
+            )
         return False, f"drop {drop:.4f} within the paired 95 % CI of the change [{lo:.4f}, {hi:.4f}]"
-    if registered_ci and now_ci and math.isfinite(now_ci[1]) and math.isfinite(registered_ci[0]) \
-            and now_ci[1] >= registered_ci[0]:
+    if (
+        registered_ci
+        and now_ci
+        and math.isfinite(now_ci[1])
+        and math.isfinite(registered_ci[0])
+        and now_ci[1] >= registered_ci[0]
+    ):
         return False, f"drop {drop:.4f}: intervals overlap"
     return True, f"drop {drop:.4f} > tolerance {tolerance}, intervals apart"
 
@@ -294,15 +332,20 @@ def evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
         try:
             spec = mlflow.pyfunc.load_model(r["model_uri"]).unwrap_python_model().spec
         except Exception as e:  # noqa: BLE001
-            return VersionResult(t, "failed", f"{t.label}: reproduction {r['reproduction']} model {r['model_uri']} "
-                                              f"cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                                 seconds=time.time() - t0)
+            return VersionResult(
+                t,
+                "failed",
+                f"{t.label}: reproduction {r['reproduction']} model {r['model_uri']} "
+                f"cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                seconds=time.time() - t0,
+            )
     outputs, labels, embed_s = embed_version(t, cfg)
     rows = []
     for r, out in zip(t.reproductions, outputs):
         m = reproduction_metrics(out, labels, int(spec["folds"]))
-        rows.append({REPRODUCTION: r["reproduction"], "seed": r["seed"],
-                     **{k.replace(".", "_"): v for k, v in m.items()}})
+        rows.append(
+            {REPRODUCTION: r["reproduction"], "seed": r["seed"], **{k.replace(".", "_"): v for k, v in m.items()}}
+        )
     ci = confidence_intervals(rows)
     verdicts, regressed = {}, False
     for mode in MODES:
@@ -313,23 +356,40 @@ def evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
             if any(v is None for v in old + new):
                 continue
             reg_ci = (float(t.tags.get(f"{key}.ci_low", "nan")), float(t.tags.get(f"{key}.ci_high", "nan")))
-            bad, why = regression_verdict(old, new, tolerance=cfg.tolerance, registered_ci=reg_ci,
-                                          now_ci=ci[mode][metric][1:],
-                                          paired=[r["seed"] for r in t.reproductions] == [row["seed"] for row in rows])
-            verdicts[key] = {"registered": float(np.mean(old)), "now": float(np.mean(new)), "regressed": bad,
-                             "why": why, "registered_values": old, "now_values": new}
+            bad, why = regression_verdict(
+                old,
+                new,
+                tolerance=cfg.tolerance,
+                registered_ci=reg_ci,
+                now_ci=ci[mode][metric][1:],
+                paired=[r["seed"] for r in t.reproductions] == [row["seed"] for row in rows],
+            )
+            verdicts[key] = {
+                "registered": float(np.mean(old)),
+                "now": float(np.mean(new)),
+                "regressed": bad,
+                "why": why,
+                "registered_values": old,
+                "now_values": new,
+            }
             regressed |= bad
-    return VersionResult(t, "regressed" if regressed else "ok", ci=ci, verdicts=verdicts,
-                         seconds=time.time() - t0, embed_seconds=embed_s, images=len(labels),
-                         message="; ".join(f"{k}: {v['why']}" for k, v in verdicts.items() if v["regressed"]))
+    return VersionResult(
+        t,
+        "regressed" if regressed else "ok",
+        ci=ci,
+        verdicts=verdicts,
+        seconds=time.time() - t0,
+        embed_seconds=embed_s,
+        images=len(labels),
+        message="; ".join(f"{k}: {v['why']}" for k, v in verdicts.items() if v["regressed"]),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ output
 
 
 def results_table(results: list[VersionResult], metrics) -> tuple[list[str], list[list[str]]]:
-    head = ["model", "version", "dataset digest", "status"] + [
-        f"{mode} {m}" for mode in MODES for m in metrics]
+    head = ["model", "version", "dataset digest", "status"] + [f"{mode} {m}" for mode in MODES for m in metrics]
     rows = []
     for r in results:
         row = [r.target.name, r.target.version, manifest_digest(r.target.manifest)[:12], r.status]
@@ -346,17 +406,27 @@ def write_outputs(results: list[VersionResult], cfg: ReevalConfig) -> dict[str, 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     head, rows = results_table(results, cfg.metrics)
-    md = ["# dmlrc reeval: " + cfg.schedule, "", f"tolerance {cfg.tolerance}; values ×100, registered → now "
-          "(mean over reproductions)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    md = [
+        "# dmlrc reeval: " + cfg.schedule,
+        "",
+        f"tolerance {cfg.tolerance}; values ×100, registered → now (mean over reproductions)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     md += [""] + [f"- {r.target.label}: **{r.status}** {r.message}" for r in results if r.message]
     paths = {"md": out / "reeval.md", "html": out / "reeval.html", "png": out / "reeval.png"}
     paths["md"].write_text("\n".join(md) + "\n")
     cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-    paths["html"].write_text(f"<html><body><h1>dmlrc reeval: {html.escape(cfg.schedule)}</h1><table border=1>"
-                             f"<tr>{''.join(f'<th>{html.escape(h)}</th>' for h in head)}</tr>{cells}</table>"
-                             + "".join(f"<p>{html.escape(r.target.label)}: {r.status} {html.escape(r.message)}</p>"
-                                       for r in results if r.message) + "</body></html>\n")
+    paths["html"].write_text(
+        f"<html><body><h1>dmlrc reeval: {html.escape(cfg.schedule)}</h1><table border=1>"
+        f"<tr>{''.join(f'<th>{html.escape(h)}</th>' for h in head)}</tr>{cells}</table>"
+        + "".join(
+            f"<p>{html.escape(r.target.label)}: {r.status} {html.escape(r.message)}</p>" for r in results if r.message
+        )
+        + "</body></html>\n"
+    )
     # matplotlib (slow to import) only for the chart; the Agg backend must be chosen before pyplot is imported
     import matplotlib
 
@@ -381,32 +451,60 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
     # MLflow: see resolve_versions
     from mlflow.entities import LoggedModelInput
     from mlflow.tracking import MlflowClient
+
+    # imports MLflow too
     from pipelines.tracking.datasets import log_dataset_input
 
     c = MlflowClient(cfg.tracking_uri)
     t = r.target
     exp = c.get_run(t.tags["study_run_id"]).info.experiment_id
     digest = manifest_digest(t.manifest)
-    run = c.create_run(exp, run_name=f"reeval {t.name} v{t.version}", tags={
-        "stage": "reeval", "model_name": t.name, "model_version": t.version, "dataset_digest": digest,
-        "registered_dataset_digest": t.tags.get("dataset_digest", ""), "git_commit": commit,
-        "schedule": cfg.schedule, "status": r.status, "reason": r.message[:4000], "study": t.tags.get("study", ""),
-        "dataset": t.tags.get("dataset", ""), "loss": t.tags.get("loss", "")})
+    run = c.create_run(
+        exp,
+        run_name=f"reeval {t.name} v{t.version}",
+        tags={
+            "stage": "reeval",
+            "model_name": t.name,
+            "model_version": t.version,
+            "dataset_digest": digest,
+            "registered_dataset_digest": t.tags.get("dataset_digest", ""),
+            "git_commit": commit,
+            "schedule": cfg.schedule,
+            "status": r.status,
+            "reason": r.message[:4000],
+            "study": t.tags.get("study", ""),
+            "dataset": t.tags.get("dataset", ""),
+            "loss": t.tags.get("loss", ""),
+        },
+    )
     rid = run.info.run_id
     r.run_id = rid
     with_ids = [x.get("model_id") for x in t.reproductions if x.get("model_id")]
     if with_ids:
         c.log_inputs(rid, models=[LoggedModelInput(m) for m in with_ids])
-    log_dataset_input(c, rid, {"name": t.tags.get("dataset", "dataset"), "digest": digest[:32], "sha256": digest,
-                               "uri": t.dataset_uri, "kind": "parquet",
-                               "profile": {"num_images": t.manifest["num_images"]}}, "test")
+    log_dataset_input(
+        c,
+        rid,
+        {
+            "name": t.tags.get("dataset", "dataset"),
+            "digest": digest[:32],
+            "sha256": digest,
+            "uri": t.dataset_uri,
+            "kind": "parquet",
+            "profile": {"num_images": t.manifest["num_images"]},
+        },
+        "test",
+    )
     c.log_param(rid, "tolerance", cfg.tolerance)
     # MLflow: see resolve_versions
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    metrics = [Metric("reeval.images", r.images, now, 0), Metric("reeval.seconds", r.seconds, now, 0),
-               Metric("reeval.embed_seconds", r.embed_seconds, now, 0)]
+    metrics = [
+        Metric("reeval.images", r.images, now, 0),
+        Metric("reeval.seconds", r.seconds, now, 0),
+        Metric("reeval.embed_seconds", r.embed_seconds, now, 0),
+    ]
     for mode, d in r.ci.items():
         for k, (m, lo, hi) in d.items():
             for part, v in (("mean", m), ("ci_low", lo), ("ci_high", hi)):
@@ -425,8 +523,8 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
 
 
 def _start_ray(cfg: ReevalConfig) -> bool:
-    """The sweep's Ray start-up (:func:`pipelines.execution.ray_runtime.init_ray`: loopback only, credentials kept out of
-    Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
+    """The sweep's Ray start-up (:func:`pipelines.execution.ray_runtime.init_ray`: loopback only, credentials kept out
+    of Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
     started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1))
     install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: a CronJob's SIGTERM stays ours
     # Ray: see embed_version
@@ -445,8 +543,11 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
     # Resolving reads each version's folds.json from MLflow: no download progress bars in a scheduled job's log.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     targets = resolve_versions(cfg)
-    print(f"reeval {cfg.schedule!r}: {len(targets)} model versions: "
-          + ", ".join(t.label for t in targets), file=out, flush=True)
+    print(
+        f"reeval {cfg.schedule!r}: {len(targets)} model versions: " + ", ".join(t.label for t in targets),
+        file=out,
+        flush=True,
+    )
     started = _start_ray(cfg)
     results = []
     try:
@@ -454,11 +555,23 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
             try:
                 r = evaluate_version(t, cfg)
             except Exception as e:  # noqa: BLE001 - one version failing never stops the others
-                r = VersionResult(t, "failed", f"{t.label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:400] if str(e).strip() else ''}")
+                r = VersionResult(
+                    t,
+                    "failed",
+                    f"{t.label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:400] if str(e).strip() else ''}",
+                )
             results.append(r)
-            print(f"  {t.label}: {r.status.upper()}"
-                  + (f" ({r.images} images embedded in {r.embed_seconds:.1f} s, {r.seconds:.1f} s total)"
-                     if r.images else "") + (f" — {r.message}" if r.message else ""), file=out, flush=True)
+            print(
+                f"  {t.label}: {r.status.upper()}"
+                + (
+                    f" ({r.images} images embedded in {r.embed_seconds:.1f} s, {r.seconds:.1f} s total)"
+                    if r.images
+                    else ""
+                )
+                + (f" — {r.message}" if r.message else ""),
+                file=out,
+                flush=True,
+            )
     finally:
         stop_ray(started)  # also puts back what init_ray moved out of the environment
     paths = write_outputs(results, cfg)
@@ -479,7 +592,10 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
 
 
 def add_reeval_parser(subparsers) -> None:
-    p = subparsers.add_parser("reeval", help="re-evaluate registered models on the current test data "
-                                             "(exit 0 ok, 3 regression, 1 failure, 2 bad config)")
+    p = subparsers.add_parser(
+        "reeval",
+        help="re-evaluate registered models on the current test data "
+        "(exit 0 ok, 3 regression, 1 failure, 2 bad config)",
+    )
     p.add_argument("config", help="reeval config YAML (see infra/reeval/ and docs/architecture.md)")
     p.set_defaults(func=lambda args: run_reeval(load_reeval_config(args.config)))

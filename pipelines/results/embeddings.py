@@ -1,5 +1,6 @@
-"""The reality check's evaluation of a reproduction's fold models (docs/protocol.md §Test evaluation): "concatenated" — each fold model's
-embedding L2-normalised, then concatenated — and "separated" — the mean of the fold models' own metrics."""
+"""The reality check's evaluation of a reproduction's fold models (docs/protocol.md §Test evaluation): "concatenated" —
+each fold model's embedding L2-normalised, then concatenated — and "separated" — the mean of the fold models' own
+metrics."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def split_folds(folds_output: np.ndarray, n_folds: int) -> list[np.ndarray]:
     return np.split(np.asarray(folds_output), n_folds, axis=1)
 
 
-def reproduction_test_metrics(outcomes: list[dict[str, Any]], embeddings: list[np.ndarray], labels: list[np.ndarray]
-                              ) -> tuple[dict[str, float], Any]:
+def reproduction_test_metrics(
+    outcomes: list[dict[str, Any]], embeddings: list[np.ndarray], labels: list[np.ndarray]
+) -> tuple[dict[str, float], Any]:
     """``test.separated.<metric>`` (mean over fold models) and ``test.concat.<metric>`` (concatenated embedding),
     with the concatenated search's ``RetrievalDetails`` (neighbours, per-query and per-class values)."""
     from dml_core.metrics import retrieval_details  # faiss: loaded where metrics are computed, not by the pyfunc model

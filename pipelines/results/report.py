@@ -6,8 +6,8 @@ Written as markdown, CSV, HTML and a PNG bar chart with CI whiskers, and logged 
 ``stage=report`` run.  Where two losses were reproduced on the same folds and seeds, a paired t-test
 on the reproduction runs gives a p-value per pair (``dml_core.stats.paired_t_test``).
 
-Where the study runs carry the visuals of :mod:`pipelines.results.visuals`, the HTML gets one page (section) per dataset:
-the losses' retrieval galleries side by side on the same queries, their embedding maps and their worst classes
+Where the study runs carry the visuals of :mod:`pipelines.results.visuals`, the HTML gets one page (section) per
+dataset: the losses' retrieval galleries side by side on the same queries, their embedding maps and their worst classes
 (with the classes they are confused with); the markdown lists the worst classes.  Images are embedded as data URIs,
 so the HTML stays one file that works offline.
 
@@ -37,11 +37,10 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 
 from dml_core.stats import paired_t_test
-from pipelines.tracking.runs import search_all
 from pipelines.names import HEADLINE_METRICS, METRIC_LABELS, MODES
+from pipelines.tracking.runs import search_all
 
 __all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons"]
-
 
 
 @dataclass
@@ -73,16 +72,22 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         known = sorted(e.name for e in client.search_experiments())
-        raise ValueError(f"--experiment: no MLflow experiment named {experiment!r} (have: {', '.join(known) or 'none'})")
+        raise ValueError(
+            f"--experiment: no MLflow experiment named {experiment!r} (have: {', '.join(known) or 'none'})"
+        )
     studies: dict[tuple[str, str], Study] = {}
     for run in sorted(search_all(client, exp.experiment_id, "tags.stage = 'study'"), key=lambda r: -r.info.start_time):
         tags = run.data.tags
         key = (tags.get("dataset", "?"), tags.get("loss", "?"))
         if key in studies or not any(k.startswith("test.") for k in run.data.metrics):
             continue
-        studies[key] = Study(run.info.run_id, key[0], key[1], dict(run.data.metrics),
-                             best_params={k[len("best."):]: v for k, v in sorted(run.data.params.items())
-                                          if k.startswith("best.")})
+        studies[key] = Study(
+            run.info.run_id,
+            key[0],
+            key[1],
+            dict(run.data.metrics),
+            best_params={k[len("best.") :]: v for k, v in sorted(run.data.params.items()) if k.startswith("best.")},
+        )
     by_id = {s.run_id: s for s in studies.values()}
     for run in search_all(client, exp.experiment_id, "tags.stage = 'reproduction'"):
         study = by_id.get(run.data.tags.get("mlflow.parentRunId", ""))
@@ -94,8 +99,12 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
     return sorted(studies.values(), key=lambda s: (s.dataset, s.loss))
 
 
-_VISUALS = {"gallery": "visuals/gallery.json", "per_class": "visuals/per_class.json",
-            "gallery_png": "visuals/gallery.png", "map_png": "visuals/embedding_map.png"}
+_VISUALS = {
+    "gallery": "visuals/gallery.json",
+    "per_class": "visuals/per_class.json",
+    "gallery_png": "visuals/gallery.png",
+    "map_png": "visuals/embedding_map.png",
+}
 
 
 def collect_visuals(client: MlflowClient, studies: list[Study]) -> None:
@@ -163,8 +172,16 @@ def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str =
             xb = [b.reproductions[i][key] for i in common]
             t, p = paired_t_test(xa, xb)
             out.append(
-                {"dataset": dataset, "loss_a": a.loss, "loss_b": b.loss, "metric": key, "n": len(common),
-                 "mean_diff": sum(x - y for x, y in zip(xa, xb)) / len(common), "t": t, "p": p}
+                {
+                    "dataset": dataset,
+                    "loss_a": a.loss,
+                    "loss_b": b.loss,
+                    "metric": key,
+                    "n": len(common),
+                    "mean_diff": sum(x - y for x, y in zip(xa, xb)) / len(common),
+                    "t": t,
+                    "p": p,
+                }
             )
     return out
 
@@ -192,7 +209,7 @@ def _cost_rows(studies: list[Study]) -> tuple[list[str], list[list[str]]]:
 
 
 def _cost_json(s: Study) -> dict[str, float]:
-    out = {k[len("cost."):]: v for k, v in s.metrics.items() if k.startswith("cost.")}
+    out = {k[len("cost.") :]: v for k, v in s.metrics.items() if k.startswith("cost.")}
     if out:
         out.update(cpu_hours=_hours(s, "cpu"), gpu_hours=_hours(s, "gpu"))
     return out
@@ -203,22 +220,39 @@ def _params(s: Study) -> str:
 
 
 def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
-    lines = ["# Reality-check report", "", "Values are ×100, mean ± half-width of the 95 % t-interval across reproductions.", ""]
+    lines = [
+        "# Reality-check report",
+        "",
+        "Values are ×100, mean ± half-width of the 95 % t-interval across reproductions.",
+        "",
+    ]
     for mode in MODES:
         header, rows = _rows(studies, mode)
-        title = "Concatenated (fold embeddings L2-normalised, concatenated)" if mode == "concat" else "Separated (mean over fold models)"
+        title = (
+            "Concatenated (fold embeddings L2-normalised, concatenated)"
+            if mode == "concat"
+            else "Separated (mean over fold models)"
+        )
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
     if any("cost.cpu_seconds" in s.metrics for s in studies):
         header, rows = _cost_rows(studies)
-        lines += ["## Cost (all folds of the study's trials and reproductions)", "",
-                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += [
+            "## Cost (all folds of the study's trials and reproductions)",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+        ]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
     if comparisons:
-        lines += ["## Paired t-tests (same folds and seeds)", "", "| dataset | loss A | loss B | metric | n | mean(A−B) | t | p |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Paired t-tests (same folds and seeds)",
+            "",
+            "| dataset | loss A | loss B | metric | n | mean(A−B) | t | p |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for c in comparisons:
             lines.append(
                 f"| {c['dataset']} | {c['loss_a']} | {c['loss_b']} | {c['metric']} | {c['n']} | "
@@ -231,12 +265,19 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
         lines.append("")
     with_pc = [s for s in studies if _worst(s, 1)]
     if with_pc:
-        lines += ["## Worst test classes (reproduction 0, concatenated embedding)", "",
-                  "Per-class MAP@R ×100; in brackets how often the class's queries retrieved another class within R.",
-                  ""]
+        lines += [
+            "## Worst test classes (reproduction 0, concatenated embedding)",
+            "",
+            "Per-class MAP@R ×100; in brackets how often the class's queries retrieved another class within R.",
+            "",
+        ]
         for s in with_pc:
-            lines.append(f"- **{s.dataset} / {s.loss}**: " + "; ".join(
-                f"{c['class_name']} {100 * c['map_at_r']:.1f} (confused with {_confused(c)})" for c in _worst(s, 5)))
+            lines.append(
+                f"- **{s.dataset} / {s.loss}**: "
+                + "; ".join(
+                    f"{c['class_name']} {100 * c['map_at_r']:.1f} (confused with {_confused(c)})" for c in _worst(s, 5)
+                )
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -255,38 +296,55 @@ def _dataset_page(dataset: str, studies: list[Study]) -> list[str]:
     queries = {s.loss: [q["test_index"] for q in s.visuals.get("gallery", {}).get("queries", [])] for s in shown}
     same = len({tuple(v) for v in queries.values()}) == 1
     g = next((s.visuals["gallery"] for s in shown if "gallery" in s.visuals), {})
-    out.append(f"<h3>Retrieval galleries</h3><p>The same {len(g.get('queries', []))} test queries (seed "
-               f"{g.get('seed')}) for every loss, one per row: the query (blue) then its top-{g.get('k')} references "
-               "among the other test images, <span style='color:#1a9850'>✓ green = same class</span>, "
-               "<span style='color:#d73027'>✗ red = another class</span>; captions are the class names. "
-               "Embedding: reproduction 0, fold embeddings concatenated (docs/protocol.md §Test evaluation).</p>")
+    out.append(
+        f"<h3>Retrieval galleries</h3><p>The same {len(g.get('queries', []))} test queries (seed "
+        f"{g.get('seed')}) for every loss, one per row: the query (blue) then its top-{g.get('k')} references "
+        "among the other test images, <span style='color:#1a9850'>✓ green = same class</span>, "
+        "<span style='color:#d73027'>✗ red = another class</span>; captions are the class names. "
+        "Embedding: reproduction 0, fold embeddings concatenated (docs/protocol.md §Test evaluation).</p>"
+    )
     if not same:
-        out.append("<p class='warn'>Warning: these studies' galleries use different queries (different test sets "
-                   "or settings); rows do not correspond.</p>")
+        out.append(
+            "<p class='warn'>Warning: these studies' galleries use different queries (different test sets "
+            "or settings); rows do not correspond.</p>"
+        )
     out.append("<div class='row'>")
     for s in shown:
         if "gallery_png" in s.visuals:
-            out.append(f"<figure><figcaption><b>{esc(s.loss)}</b> — MAP@R {_fmt(*s.cell('concat', 'map_at_r'))}"
-                       f"</figcaption><img class='gallery' alt='retrieval gallery of {esc(s.loss)}' "
-                       f"src='{_data_uri(s.visuals['gallery_png'])}'></figure>")
-    out.append("</div><h3>Embedding maps</h3><p>PCA of the test embeddings of the same sampled classes for every "
-               "loss, coloured by class.</p><div class='row'>")
+            out.append(
+                f"<figure><figcaption><b>{esc(s.loss)}</b> — MAP@R {_fmt(*s.cell('concat', 'map_at_r'))}"
+                f"</figcaption><img class='gallery' alt='retrieval gallery of {esc(s.loss)}' "
+                f"src='{_data_uri(s.visuals['gallery_png'])}'></figure>"
+            )
+    out.append(
+        "</div><h3>Embedding maps</h3><p>PCA of the test embeddings of the same sampled classes for every "
+        "loss, coloured by class.</p><div class='row'>"
+    )
     for s in shown:
         if "map_png" in s.visuals:
-            out.append(f"<figure><figcaption><b>{esc(s.loss)}</b></figcaption><img class='map' alt='embedding map of "
-                       f"{esc(s.loss)}' src='{_data_uri(s.visuals['map_png'])}'></figure>")
-    out.append("</div><h3>Worst classes</h3><p>Per-class metrics ×100 (the class's queries averaged); "
-               "'confused with': the other classes among its queries' first R neighbours, with counts.</p>"
-               "<div class='row'>")
+            out.append(
+                f"<figure><figcaption><b>{esc(s.loss)}</b></figcaption><img class='map' alt='embedding map of "
+                f"{esc(s.loss)}' src='{_data_uri(s.visuals['map_png'])}'></figure>"
+            )
+    out.append(
+        "</div><h3>Worst classes</h3><p>Per-class metrics ×100 (the class's queries averaged); "
+        "'confused with': the other classes among its queries' first R neighbours, with counts.</p>"
+        "<div class='row'>"
+    )
     for s in shown:
         worst = _worst(s, 10)
         if not worst:
             continue
-        out.append(f"<figure><figcaption><b>{esc(s.loss)}</b></figcaption><table><tr><th>class</th><th>queries</th>"
-                   "<th>MAP@R</th><th>RP</th><th>P@1</th><th>confused with</th></tr>")
-        out += [f"<tr><td>{esc(c['class_name'])}</td><td>{c['queries']}</td><td>{100 * c['map_at_r']:.1f}</td>"
-                f"<td>{100 * c['r_precision']:.1f}</td><td>{100 * c['precision_at_1']:.1f}</td>"
-                f"<td>{esc(_confused(c))}</td></tr>" for c in worst]
+        out.append(
+            f"<figure><figcaption><b>{esc(s.loss)}</b></figcaption><table><tr><th>class</th><th>queries</th>"
+            "<th>MAP@R</th><th>RP</th><th>P@1</th><th>confused with</th></tr>"
+        )
+        out += [
+            f"<tr><td>{esc(c['class_name'])}</td><td>{c['queries']}</td><td>{100 * c['map_at_r']:.1f}</td>"
+            f"<td>{100 * c['r_precision']:.1f}</td><td>{100 * c['precision_at_1']:.1f}</td>"
+            f"<td>{esc(_confused(c))}</td></tr>"
+            for c in worst
+        ]
         out.append("</table></figure>")
     out.append("</div></section>")
     return out
@@ -297,20 +355,27 @@ def _anchor(dataset: str) -> str:
 
 
 def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
-    parts = ["<!doctype html><meta charset='utf-8'><title>Reality-check report</title>",
-             "<style>body{font-family:sans-serif}td,th{padding:2px 8px;border:1px solid #ccc}"
-             "table{border-collapse:collapse}.row{display:flex;gap:16px;overflow-x:auto;align-items:flex-start}"
-             "figure{margin:0;flex:0 0 auto}img.gallery{width:720px}img.map{width:560px}.warn{color:#d73027}"
-             "nav a{margin-right:12px}</style>",
-             "<h1>Reality-check report</h1>"]
+    parts = [
+        "<!doctype html><meta charset='utf-8'><title>Reality-check report</title>",
+        "<style>body{font-family:sans-serif}td,th{padding:2px 8px;border:1px solid #ccc}"
+        "table{border-collapse:collapse}.row{display:flex;gap:16px;overflow-x:auto;align-items:flex-start}"
+        "figure{margin:0;flex:0 0 auto}img.gallery{width:720px}img.map{width:560px}.warn{color:#d73027}"
+        "nav a{margin-right:12px}</style>",
+        "<h1>Reality-check report</h1>",
+    ]
     datasets = sorted({s.dataset for s in studies})
     if any(s.visuals for s in studies):
-        parts.append("<nav>Dataset pages: " + " ".join(
-            f"<a href='#{html.escape(_anchor(d))}'>{html.escape(d)}</a>" for d in datasets) + "</nav>")
+        parts.append(
+            "<nav>Dataset pages: "
+            + " ".join(f"<a href='#{html.escape(_anchor(d))}'>{html.escape(d)}</a>" for d in datasets)
+            + "</nav>"
+        )
     parts.append("<p>×100, mean ± half-width of the 95 % t-interval across reproductions.</p>")
     for mode in MODES:
         header, rows = _rows(studies, mode)
-        parts.append(f"<h2>{html.escape(mode)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+        parts.append(
+            f"<h2>{html.escape(mode)}</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"
+        )
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
     if any("cost.cpu_seconds" in s.metrics for s in studies):
@@ -320,11 +385,16 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
         parts.append("</table>")
     if any(s.best_params for s in studies):
         parts.append("<h2>Winning hyperparameters</h2><table><tr><th>dataset</th><th>loss</th><th>best trial</th></tr>")
-        parts += [f"<tr><td>{html.escape(s.dataset)}</td><td>{html.escape(s.loss)}</td><td>{html.escape(_params(s))}</td></tr>"
-                  for s in studies]
+        parts += [
+            f"<tr><td>{html.escape(s.dataset)}</td><td>{html.escape(s.loss)}</td><td>{html.escape(_params(s))}</td></tr>"
+            for s in studies
+        ]
         parts.append("</table>")
     if comparisons:
-        parts.append("<h2>Paired t-tests</h2><table><tr><th>dataset</th><th>A</th><th>B</th><th>metric</th><th>n</th><th>t</th><th>p</th></tr>")
+        parts.append(
+            "<h2>Paired t-tests</h2><table><tr><th>dataset</th><th>A</th><th>B</th>"
+            "<th>metric</th><th>n</th><th>t</th><th>p</th></tr>"
+        )
         parts += [
             f"<tr><td>{html.escape(c['dataset'])}</td><td>{html.escape(c['loss_a'])}</td><td>{html.escape(c['loss_b'])}</td>"
             f"<td>{c['metric']}</td><td>{c['n']}</td><td>{c['t']:.3f}</td><td>{c['p']:.4f}</td></tr>"
@@ -357,7 +427,9 @@ def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> No
 
     datasets, losses = _grid(studies)
     index = {(s.dataset, s.loss): s for s in studies}
-    fig, axes = plt.subplots(1, len(MODES) * len(datasets), figsize=(4 + 2.5 * len(losses) * len(datasets), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(MODES) * len(datasets), figsize=(4 + 2.5 * len(losses) * len(datasets), 4), squeeze=False
+    )
     for ax, (mode, d) in zip(axes[0], itertools.product(MODES, datasets)):
         cells = [index[(d, l)].cell(mode, metric) if (d, l) in index else (math.nan,) * 3 for l in losses]
         means = np.array([c[0] for c in cells]) * 100
@@ -371,12 +443,16 @@ def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> No
     plt.close(fig)
 
 
-def write_report(tracking_uri: str, experiment: str, out_dir: str | Path, *, log_to_mlflow: bool = True) -> dict[str, Path]:
+def write_report(
+    tracking_uri: str, experiment: str, out_dir: str | Path, *, log_to_mlflow: bool = True
+) -> dict[str, Path]:
     """Write report.{md,csv,html,json,png} into ``out_dir`` and (optionally) log them as a ``stage=report`` run."""
     client = MlflowClient(tracking_uri=tracking_uri)
     studies = collect_studies(client, experiment)
     if not studies:
-        raise ValueError(f"--experiment {experiment!r}: no finished study runs (tag stage=study with test.* metrics) yet")
+        raise ValueError(
+            f"--experiment {experiment!r}: no finished study runs (tag stage=study with test.* metrics) yet"
+        )
     comparisons = paired_comparisons(studies)
     collect_visuals(client, studies)
     out = Path(out_dir)
@@ -385,14 +461,29 @@ def write_report(tracking_uri: str, experiment: str, out_dir: str | Path, *, log
     paths["md"].write_text(render_markdown(studies, comparisons))
     paths["html"].write_text(_render_html(studies, comparisons))
     _write_csv(studies, paths["csv"])
-    paths["json"].write_text(json.dumps(
-        {"experiment": experiment,
-         "studies": [{"dataset": s.dataset, "loss": s.loss, "run_id": s.run_id,
-                      "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
-                      "n_reproductions": len(s.reproductions), "best_params": s.best_params,
-                      "cost": _cost_json(s),
-                      **({"worst_classes": _worst(s, 10)} if _worst(s, 1) else {})} for s in studies],
-         "paired_tests": comparisons}, indent=2, default=float))
+    paths["json"].write_text(
+        json.dumps(
+            {
+                "experiment": experiment,
+                "studies": [
+                    {
+                        "dataset": s.dataset,
+                        "loss": s.loss,
+                        "run_id": s.run_id,
+                        "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
+                        "n_reproductions": len(s.reproductions),
+                        "best_params": s.best_params,
+                        "cost": _cost_json(s),
+                        **({"worst_classes": _worst(s, 10)} if _worst(s, 1) else {}),
+                    }
+                    for s in studies
+                ],
+                "paired_tests": comparisons,
+            },
+            indent=2,
+            default=float,
+        )
+    )
     _bar_chart(studies, paths["png"])
     if log_to_mlflow:
         exp_id = client.get_experiment_by_name(experiment).experiment_id

@@ -1,9 +1,9 @@
-"""What a finished study reports: its summary, the 95 % confidence intervals across reproductions (docs/protocol.md §Test evaluation) and
-the tables printed at the end of a sweep.
+"""What a finished study reports: its summary, the 95 % confidence intervals across reproductions
+(docs/protocol.md §Test evaluation) and the tables printed at the end of a sweep.
 
 Cost: ``cost`` holds the study run's ``cost.*`` metrics (without the prefix): resource-seconds summed over every fold
-of its trials and reproductions (:func:`pipelines.execution.trial.fold_cost`); the end-of-sweep table shows them as CPU-hours
-and GPU-hours.
+of its trials and reproductions (:func:`pipelines.execution.trial.fold_cost`); the end-of-sweep table shows them as
+CPU-hours and GPU-hours.
 
 Intervals: Student-t across reproductions (``dml_core.stats.confidence_interval``), for the *concatenated* and the
 *separated* evaluation of the test classes.
@@ -18,9 +18,19 @@ from typing import Any
 from dml_core.stats import confidence_interval
 from pipelines.names import MODES, REPRODUCTION
 
-__all__ = ["StudySummary", "COST_KEYS", "cost_hours", "confidence_intervals", "ci_report", "ci_table", "params_table", "fmt_ci"]
+__all__ = [
+    "StudySummary",
+    "COST_KEYS",
+    "cost_hours",
+    "confidence_intervals",
+    "ci_report",
+    "ci_table",
+    "params_table",
+    "fmt_ci",
+]
 
-#: What a fold run records as ``cost.<key>`` and trials, reproductions and studies sum (pipelines.execution.trial.fold_cost).
+#: What a fold run records as ``cost.<key>`` and trials, reproductions and studies sum
+#: (pipelines.execution.trial.fold_cost).
 COST_KEYS = ("wall_seconds", "cpu_seconds", "gpu_seconds", "restarts", "resumes", "redone_iterations")
 
 
@@ -43,15 +53,17 @@ class StudySummary:
     cost: dict[str, float] = field(default_factory=dict)
 
 
-
-
 def confidence_intervals(reps: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """mode → metric → (mean, ci_low, ci_high) across reproductions (docs/protocol.md §Intervals: t-interval across runs)."""
+    """mode → metric → (mean, ci_low, ci_high) across reproductions (docs/protocol.md §Intervals: t-interval across
+    runs)."""
     out: dict[str, dict[str, tuple[float, float, float]]] = {}
     for mode in MODES:
         prefix = f"test_{mode}_"
-        keys = sorted(set.intersection(*(
-            {k[len(prefix):] for k in r if k.startswith(prefix)} for r in reps))) if reps else []
+        keys = (
+            sorted(set.intersection(*({k[len(prefix) :] for k in r if k.startswith(prefix)} for r in reps)))
+            if reps
+            else []
+        )
         out[mode] = {k: confidence_interval([r[prefix + k] for r in reps]) for k in keys}
     return out
 
@@ -59,23 +71,43 @@ def confidence_intervals(reps: list[dict[str, Any]]) -> dict[str, dict[str, tupl
 def ci_report(summary: StudySummary, reps: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """The study's CI report as markdown and JSON."""
     doc = {
-        "study": summary.study, "dataset": summary.dataset, "loss": summary.loss, "level": 0.95,
+        "study": summary.study,
+        "dataset": summary.dataset,
+        "loss": summary.loss,
+        "level": 0.95,
         "interval": "Student-t across reproductions: scipy.stats.t.interval(0.95, n-1, mean, sem)",
-        "best_trial": summary.best_trial, "best_params": summary.best_params,
+        "best_trial": summary.best_trial,
+        "best_params": summary.best_params,
         "best_val_map_at_r": {"mean": summary.best_val[0], "sem": summary.best_val[1]} if summary.best_val else None,
         "n_reproductions": len(reps),
-        "reproductions": [{"reproduction": r[REPRODUCTION], "seed": r.get("seed"),
-                           **{k: v for k, v in r.items() if k.startswith("test_")}} for r in reps],
-        "metrics": {mode: {k: {"mean": m, "ci_low": lo, "ci_high": hi} for k, (m, lo, hi) in d.items()}
-                    for mode, d in summary.ci.items()},
+        "reproductions": [
+            {
+                "reproduction": r[REPRODUCTION],
+                "seed": r.get("seed"),
+                **{k: v for k, v in r.items() if k.startswith("test_")},
+            }
+            for r in reps
+        ],
+        "metrics": {
+            mode: {k: {"mean": m, "ci_low": lo, "ci_high": hi} for k, (m, lo, hi) in d.items()}
+            for mode, d in summary.ci.items()
+        },
     }
-    lines = [f"# {summary.study}: test-set results", "",
-             f"Best configuration: trial {summary.best_trial} — "
-             + ", ".join(f"`{k}={v}`" for k, v in summary.best_params.items()), "",
-             f"{len(reps)} reproductions; values ×100, mean ± half-width of the 95 % Student-t interval [low, high].",
-             "", "| metric | concatenated | separated |", "|---|---|---|"]
-    metrics = sorted(set(summary.ci.get("concat", {})) | set(summary.ci.get("separated", {})),
-                     key=lambda k: (k not in ("precision_at_1", "r_precision", "map_at_r"), k))
+    lines = [
+        f"# {summary.study}: test-set results",
+        "",
+        f"Best configuration: trial {summary.best_trial} — "
+        + ", ".join(f"`{k}={v}`" for k, v in summary.best_params.items()),
+        "",
+        f"{len(reps)} reproductions; values ×100, mean ± half-width of the 95 % Student-t interval [low, high].",
+        "",
+        "| metric | concatenated | separated |",
+        "|---|---|---|",
+    ]
+    metrics = sorted(
+        set(summary.ci.get("concat", {})) | set(summary.ci.get("separated", {})),
+        key=lambda k: (k not in ("precision_at_1", "r_precision", "map_at_r"), k),
+    )
     for k in metrics:
         cells = []
         for mode in MODES:
@@ -103,8 +135,9 @@ def cost_hours(cost: dict[str, float], kind: str) -> str:
 def ci_table(studies: list[StudySummary]) -> str:
     """The end-of-sweep table: one row per study, P@1 / RP / MAP@R concatenated and separated (×100, ± CI
     half-width), and what the study cost (CPU-hours, GPU-hours over all its folds)."""
-    head = ["dataset", "loss"] + [f"{mode} {lab}" for mode in MODES for lab in ("P@1", "RP", "MAP@R")] + \
-        ["CPU-h", "GPU-h"]
+    head = (
+        ["dataset", "loss"] + [f"{mode} {lab}" for mode in MODES for lab in ("P@1", "RP", "MAP@R")] + ["CPU-h", "GPU-h"]
+    )
     rows = []
     for s in studies:
         row = [s.dataset, s.loss]
@@ -122,8 +155,6 @@ def ci_table(studies: list[StudySummary]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
-
-
 
 
 def params_table(studies: list[StudySummary]) -> str:

@@ -17,7 +17,8 @@ def untrained_test_metrics(plan, seed: int) -> dict[str, float]:
     torch.manual_seed(seed)
     model = build_model(**plan.model_kwargs)
     data = plan.dataset
-    test = ImageDataset(data.table.subset(list(data.manifest.test_classes)),
-                        eval_transform(data.spec.image_size, model.preprocessing))
+    test = ImageDataset(
+        data.table.subset(list(data.manifest.test_classes)), eval_transform(data.spec.image_size, model.preprocessing)
+    )
     emb, labels = embed(model, test, batch_size=256)
     return retrieval_metrics(emb, labels)

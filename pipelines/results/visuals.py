@@ -2,7 +2,8 @@
 
 At the end of a study (after its CIs are logged) :func:`log_study_visuals` takes reproduction 0's test-set
 embeddings — the four fold models' embeddings, L2-normalised and concatenated, i.e. exactly the embedding behind the
-"concatenated" column of the CI table (docs/protocol.md §Test evaluation) — and logs to the study run, under ``visuals/``:
+"concatenated" column of the CI table (docs/protocol.md §Test evaluation) — and logs to the study run, under
+``visuals/``:
 
 * ``gallery.png`` / ``gallery.json`` — a fixed sample of test queries (one per sampled class, drawn from the test
   labels and a seed only, so every loss of a dataset shows the *same* queries), each followed by its top-k
@@ -11,8 +12,8 @@ embeddings — the four fold models' embeddings, L2-normalised and concatenated,
   flags, so ``dmlrc report`` can put the losses side by side from MLflow alone.
 * ``per_class.csv`` / ``per_class.json`` — MAP@R, R-Precision and P@1 per test class, computed by
   ``dml_core.metrics.retrieval_details`` (the same code path as the global metrics; the query-weighted class means
-  are the global values, docs/protocol.md §Metrics averages queries), plus the classes each class's queries retrieve instead
-  (wrong neighbours within the first R, R = the query's class size − 1).
+  are the global values, docs/protocol.md §Metrics averages queries), plus the classes each class's queries retrieve
+  instead (wrong neighbours within the first R, R = the query's class size − 1).
 * ``embedding_map.png`` — PCA (2-D, numpy SVD: no extra dependency) of a seeded sample of test classes, coloured
   by class; the same classes for every loss of a dataset.
 
@@ -43,8 +44,18 @@ from dml_core.storage import open_storage
 from pipelines.names import HEADLINE_METRICS, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.results.embeddings import concatenated_embeddings
 
-__all__ = ["ARTIFACT_DIR", "VisualSettings", "StudyVisuals", "table_rows", "gallery_queries", "map_sample",
-           "confusions", "build_visuals", "log_study_visuals", "reproduction_embeddings"]
+__all__ = [
+    "ARTIFACT_DIR",
+    "VisualSettings",
+    "StudyVisuals",
+    "table_rows",
+    "gallery_queries",
+    "map_sample",
+    "confusions",
+    "build_visuals",
+    "log_study_visuals",
+    "reproduction_embeddings",
+]
 
 ARTIFACT_DIR = "visuals"
 HIT, MISS, QUERY = "#1a9850", "#d73027", "#2b6cb0"
@@ -77,8 +88,15 @@ class StudyVisuals:
         w = csv.writer(buf)
         w.writerow(["label", "class_name", "queries", *HEADLINE_METRICS, "confused_with"])
         for c in self.per_class["classes"]:
-            w.writerow([c["label"], c["class_name"], c["queries"], *(c[m] for m in HEADLINE_METRICS),
-                        "; ".join(f"{x['class_name']} ({x['count']})" for x in c["confused_with"])])
+            w.writerow(
+                [
+                    c["label"],
+                    c["class_name"],
+                    c["queries"],
+                    *(c[m] for m in HEADLINE_METRICS),
+                    "; ".join(f"{x['class_name']} ({x['count']})" for x in c["confused_with"]),
+                ]
+            )
         return buf.getvalue()
 
 
@@ -116,8 +134,9 @@ def map_sample(labels: np.ndarray, n_classes: int, max_points: int, seed: int) -
 # --------------------------------------------------------------------------------------------------- kNN read-outs
 
 
-def confusions(labels: np.ndarray, knn: np.ndarray, r: np.ndarray, top: int, block: int = 1 << 16
-               ) -> dict[int, list[tuple[int, int]]]:
+def confusions(
+    labels: np.ndarray, knn: np.ndarray, r: np.ndarray, top: int, block: int = 1 << 16
+) -> dict[int, list[tuple[int, int]]]:
     """For each query class: the other classes among its queries' first-R neighbours, most frequent first.
 
     ``knn`` (N × depth) are the leave-one-out neighbour indices (self excluded), ``r`` (N,) each query's R.  Blocks
@@ -129,9 +148,9 @@ def confusions(labels: np.ndarray, knn: np.ndarray, r: np.ndarray, top: int, blo
     pairs: dict[int, int] = {}
     depth = knn.shape[1]
     for a in range(0, len(labels), block):
-        nb = knn[a:a + block]
-        valid = (nb >= 0) & (np.arange(depth)[None, :] < r[a:a + block, None])
-        qc = np.broadcast_to(code[a:a + block, None], nb.shape)
+        nb = knn[a : a + block]
+        valid = (nb >= 0) & (np.arange(depth)[None, :] < r[a : a + block, None])
+        qc = np.broadcast_to(code[a : a + block, None], nb.shape)
         nc = code[np.where(nb >= 0, nb, 0)]
         wrong = valid & (nc != qc)
         ids, cnt = np.unique(qc[wrong] * c + nc[wrong], return_counts=True)
@@ -157,10 +176,18 @@ def details_to_bytes(details) -> bytes:
     """A ``RetrievalDetails`` as one ``.npz`` (arrays + JSON; no pickle), so the reproduction that ran the
     concatenated test search hands its neighbours to the study's visuals instead of a second search."""
     buf = io.BytesIO()
-    meta = {"metrics": details.metrics, "per_class": {str(k): v for k, v in details.per_class.items()},
-            "per_query": sorted(details.per_query)}
-    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), knn_indices=details.knn_indices,
-             knn_similarity=details.knn_similarity, **{f"q_{k}": v for k, v in details.per_query.items()})
+    meta = {
+        "metrics": details.metrics,
+        "per_class": {str(k): v for k, v in details.per_class.items()},
+        "per_query": sorted(details.per_query),
+    }
+    np.savez(
+        buf,
+        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+        knn_indices=details.knn_indices,
+        knn_similarity=details.knn_similarity,
+        **{f"q_{k}": v for k, v in details.per_query.items()},
+    )
     return buf.getvalue()
 
 
@@ -171,17 +198,22 @@ def details_from_bytes(data: bytes):
 
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         meta = json.loads(z["meta"].tobytes().decode())
-        return RetrievalDetails(metrics=meta["metrics"], knn_indices=z["knn_indices"],
-                                knn_similarity=z["knn_similarity"],
-                                per_query={k: z[f"q_{k}"] for k in meta["per_query"]},
-                                per_class={int(k): v for k, v in meta["per_class"].items()})
+        return RetrievalDetails(
+            metrics=meta["metrics"],
+            knn_indices=z["knn_indices"],
+            knn_similarity=z["knn_similarity"],
+            per_query={k: z[f"q_{k}"] for k in meta["per_query"]},
+            per_class={int(k): v for k, v in meta["per_class"].items()},
+        )
 
 
 def _per_class_rows(details) -> list[dict[str, Any]]:
     """The per-class table of ``retrieval_details`` as rows (label, queries, MAP@R, RP, P@1)."""
     # Classes of a single image have no leave-one-out query (PML excludes them) and no entry.
-    return [{"label": int(label), "queries": int(v["count"]), **{m: float(v[m]) for m in HEADLINE_METRICS}}
-            for label, v in sorted(details.per_class.items())]
+    return [
+        {"label": int(label), "queries": int(v["count"]), **{m: float(v[m]) for m in HEADLINE_METRICS}}
+        for label, v in sorted(details.per_class.items())
+    ]
 
 
 # --------------------------------------------------------------------------------------------------- drawing
@@ -198,13 +230,13 @@ def _thumb(image, size: int) -> np.ndarray:
     out = np.full((size, size, 3), 255, np.uint8)
     a = np.asarray(im)
     y, x = (size - a.shape[0]) // 2, (size - a.shape[1]) // 2
-    out[y:y + a.shape[0], x:x + a.shape[1]] = a
+    out[y : y + a.shape[0], x : x + a.shape[1]] = a
     return out
 
 
 def _short(name: str, n: int = 16) -> str:
     """The end of a long class name (``alphabet/character``, ``..._0016``: the distinctive part is last)."""
-    return name if len(name) <= n else "…" + name[-(n - 1):]
+    return name if len(name) <= n else "…" + name[-(n - 1) :]
 
 
 def _png(fig, quantize: bool = False) -> bytes:
@@ -232,23 +264,34 @@ def draw_gallery(gallery: dict[str, Any], images: dict[int, np.ndarray], title: 
     import matplotlib.pyplot as plt  # after use("Agg"), as said above
 
     qs, k = gallery["queries"], gallery["k"]
-    fig, axes = plt.subplots(max(1, len(qs)), k + 1, figsize=(1.15 * (k + 1), 1.45 * max(1, len(qs)) + 0.5),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        max(1, len(qs)), k + 1, figsize=(1.15 * (k + 1), 1.45 * max(1, len(qs)) + 0.5), squeeze=False
+    )
     for ax in axes.ravel():
         ax.set_xticks([]), ax.set_yticks([])
         for s in ax.spines.values():
             s.set_visible(False)
     for row, q in zip(axes, qs):
-        tiles = [(q, QUERY, "query")] + [(nb, HIT if nb["hit"] else MISS, "✓" if nb["hit"] else "✗")
-                                         for nb in q["neighbours"]]
+        tiles = [(q, QUERY, "query")] + [
+            (nb, HIT if nb["hit"] else MISS, "✓" if nb["hit"] else "✗") for nb in q["neighbours"]
+        ]
         for ax, (item, colour, mark) in zip(row, tiles):
             ax.imshow(images[item["table_row"]])
             for s in ax.spines.values():
                 s.set_visible(True), s.set_color(colour), s.set_linewidth(3.5)
             ax.set_title(_short(item["class_name"], 15), fontsize=6.5, color=colour, pad=2)
-            ax.text(0.03, 0.97, mark, transform=ax.transAxes, ha="left", va="top",
-                    fontsize=7 if mark == "query" else 10, color="white", fontweight="bold",
-                    bbox=dict(boxstyle="square,pad=0.1", fc=colour, ec="none"))
+            ax.text(
+                0.03,
+                0.97,
+                mark,
+                transform=ax.transAxes,
+                ha="left",
+                va="top",
+                fontsize=7 if mark == "query" else 10,
+                color="white",
+                fontweight="bold",
+                bbox=dict(boxstyle="square,pad=0.1", fc=colour, ec="none"),
+            )
         if "map_at_r" in q:
             row[0].set_xlabel(f"AP@R {q['map_at_r']:.2f}", fontsize=6.5, labelpad=1)
     fig.suptitle(title, fontsize=9)
@@ -261,7 +304,7 @@ def pca_2d(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(x, dtype=np.float64)
     x = x - x.mean(axis=0)
     _, s, vt = np.linalg.svd(x, full_matrices=False)
-    var = s ** 2
+    var = s**2
     ratio = var[:2] / max(var.sum(), 1e-30)
     # Sign convention (largest-magnitude loading positive) so the picture does not flip between runs.
     comps = vt[:2] * np.sign(vt[:2][np.arange(min(2, len(vt))), np.abs(vt[:2]).argmax(axis=1)])[:, None]
@@ -279,8 +322,15 @@ def draw_map(xy: np.ndarray, labels: np.ndarray, names: dict[int, str], ratio: n
     cmap = plt.get_cmap("tab20")
     for i, c in enumerate(np.unique(labels)):
         sel = labels == c
-        ax.scatter(xy[sel, 0], xy[sel, 1], s=10, color=cmap(i % 20), label=_short(names.get(int(c), str(c)), 22),
-                   alpha=0.85, linewidths=0)
+        ax.scatter(
+            xy[sel, 0],
+            xy[sel, 1],
+            s=10,
+            color=cmap(i % 20),
+            label=_short(names.get(int(c), str(c)), 22),
+            alpha=0.85,
+            linewidths=0,
+        )
     ax.set_xlabel(f"PC 1 ({100 * ratio[0]:.1f} % of variance)")
     ax.set_ylabel(f"PC 2 ({100 * ratio[1]:.1f} %)" if len(ratio) > 1 else "PC 2")
     ax.set_title(title, fontsize=9)
@@ -292,8 +342,16 @@ def draw_map(xy: np.ndarray, labels: np.ndarray, names: dict[int, str], ratio: n
 # --------------------------------------------------------------------------------------------------- assembly
 
 
-def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.ndarray, *,
-                  settings: VisualSettings = VisualSettings(), title: str = "", details=None) -> StudyVisuals:
+def build_visuals(
+    embeddings: np.ndarray,
+    labels: np.ndarray,
+    table,
+    rows: np.ndarray,
+    *,
+    settings: VisualSettings = VisualSettings(),
+    title: str = "",
+    details=None,
+) -> StudyVisuals:
     """The visuals of one embedded test set.
 
     ``embeddings``/``labels``: test-set rows (in ``table.subset(test_classes)`` order); ``rows[i]`` = table row of
@@ -322,14 +380,34 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
             t = int(knn[q, j])
             if t < 0:
                 break
-            nbs.append({"test_index": t, "table_row": int(rows[t]), "label": int(labels[t]),
-                        "class_name": names[int(labels[t])], "hit": bool(labels[t] == labels[q]),
-                        **({"similarity": float(sims[q, j])} if sims is not None else {})})
+            nbs.append(
+                {
+                    "test_index": t,
+                    "table_row": int(rows[t]),
+                    "label": int(labels[t]),
+                    "class_name": names[int(labels[t])],
+                    "hit": bool(labels[t] == labels[q]),
+                    **({"similarity": float(sims[q, j])} if sims is not None else {}),
+                }
+            )
         pq = {m: float(details.per_query[m][q]) for m in HEADLINE_METRICS if m in details.per_query}
-        queries.append({"test_index": q, "table_row": int(rows[q]), "label": int(labels[q]),
-                        "class_name": names[int(labels[q])], "neighbours": nbs, **pq})
-    gallery = {"seed": s.seed, "k": k, "n_test": int(len(labels)), "queries": queries,
-               "embedding": "reproduction 0, concatenated fold embeddings (docs/protocol.md §Test evaluation)"}
+        queries.append(
+            {
+                "test_index": q,
+                "table_row": int(rows[q]),
+                "label": int(labels[q]),
+                "class_name": names[int(labels[q])],
+                "neighbours": nbs,
+                **pq,
+            }
+        )
+    gallery = {
+        "seed": s.seed,
+        "k": k,
+        "n_test": int(len(labels)),
+        "queries": queries,
+        "embedding": "reproduction 0, concatenated fold embeddings (docs/protocol.md §Test evaluation)",
+    }
     needed = {q["table_row"] for q in queries} | {nb["table_row"] for q in queries for nb in q["neighbours"]}
     images = {i: _thumb(table.images[i], s.thumb) for i in sorted(needed)}
     gallery_png = draw_gallery(gallery, images, title)
@@ -343,9 +421,12 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
         c["class_name"] = names[c["label"]]
         c["confused_with"] = [{"label": o, "class_name": names[o], "count": n} for o, n in conf.get(c["label"], [])]
     classes.sort(key=lambda c: (c["map_at_r"], c["label"]))
-    per_class = {"global": {m: float(details.metrics[m]) for m in HEADLINE_METRICS}, "classes": classes,
-                 "worst": [c["label"] for c in classes[:s.worst]],
-                 "confusion_window": "wrong neighbours within each query's first R (R = class size - 1)"}
+    per_class = {
+        "global": {m: float(details.metrics[m]) for m in HEADLINE_METRICS},
+        "classes": classes,
+        "worst": [c["label"] for c in classes[: s.worst]],
+        "confusion_window": "wrong neighbours within each query's first R (R = class size - 1)",
+    }
 
     # embedding map ----------------------------------------------------------------------------------------------
     mrows = map_sample(labels, s.map_classes, s.map_points, s.seed)
@@ -358,8 +439,9 @@ def build_visuals(embeddings: np.ndarray, labels: np.ndarray, table, rows: np.nd
 
 
 def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated test embeddings (docs/protocol.md §Test evaluation, :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a
-    reproduction, from its folds' Ray Train checkpoints (local paths or ``s3://`` URIs)."""
+    """Concatenated test embeddings (docs/protocol.md §Test evaluation,
+    :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a reproduction, from its folds' Ray Train
+    checkpoints (local paths or ``s3://`` URIs)."""
     # Ray: not at module level; the CLI imports this module (via the sweep) before the config is checked
     import ray.train
 
@@ -376,8 +458,9 @@ def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray
     return concatenated_embeddings(parts), labels
 
 
-def log_study_visuals(tracker, run_id: str, plan, reps: list[dict[str, Any]], *,
-                      settings: VisualSettings = VisualSettings()) -> float | None:
+def log_study_visuals(
+    tracker, run_id: str, plan, reps: list[dict[str, Any]], *, settings: VisualSettings = VisualSettings()
+) -> float | None:
     """Build reproduction 0's visuals and log them to the study run under ``visuals/``; returns the seconds taken.
 
     A visual is a reading aid: if it cannot be built the study still succeeds; the run gets a ``visuals.error``
@@ -391,12 +474,21 @@ def log_study_visuals(tracker, run_id: str, plan, reps: list[dict[str, Any]], *,
         if reps[0].get("concat_details"):  # the reproduction's own concatenated search: no second search
             folder, _, name = reps[0]["concat_details"].rpartition("/")
             details = details_from_bytes(open_storage(folder).get_bytes(name))
-        v = build_visuals(emb, labels, table, rows, settings=settings, details=details,
-                          title=f"{plan.key} — reproduction 0, concatenated embedding")
+        v = build_visuals(
+            emb,
+            labels,
+            table,
+            rows,
+            settings=settings,
+            details=details,
+            title=f"{plan.key} — reproduction 0, concatenated embedding",
+        )
         logged = reps[0].get("test_concat_map_at_r")
         if logged is not None and not math.isclose(v.per_class["global"]["map_at_r"], logged, abs_tol=1e-6):
-            raise ValueError(f"MAP@R of the visuals' kNN {v.per_class['global']['map_at_r']} differs from the "
-                             f"reproduction's logged test.concat.map_at_r {logged}")
+            raise ValueError(
+                f"MAP@R of the visuals' kNN {v.per_class['global']['map_at_r']} differs from the "
+                f"reproduction's logged test.concat.map_at_r {logged}"
+            )
         tracker.log_bytes(run_id, v.gallery_png, f"{ARTIFACT_DIR}/gallery.png")
         tracker.log_json(run_id, v.gallery, f"{ARTIFACT_DIR}/gallery.json")
         tracker.log_text(run_id, v.per_class_csv(), f"{ARTIFACT_DIR}/per_class.csv")

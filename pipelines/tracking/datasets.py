@@ -32,11 +32,19 @@ def dataset_info(spec, table) -> dict[str, Any]:
         manifest = table.manifest
         full = _sha256_json(manifest)
         uri = spec.path
-        profile = {"num_images": manifest["num_images"], "num_classes": len(manifest["classes"]),
-                   "shards": len(manifest["shards"])}
+        profile = {
+            "num_images": manifest["num_images"],
+            "num_classes": len(manifest["classes"]),
+            "shards": len(manifest["shards"]),
+        }
     elif spec.kind == "synthetic":
-        params = {"generator": "dml_core.data.synthetic", "num_classes": spec.num_classes,
-                  "per_class": spec.per_class, "image_size": spec.image_size, "seed": spec.seed}
+        params = {
+            "generator": "dml_core.data.synthetic",
+            "num_classes": spec.num_classes,
+            "per_class": spec.per_class,
+            "image_size": spec.image_size,
+            "seed": spec.seed,
+        }
         full = _sha256_json(params)
         uri = "synthetic:" + json.dumps(params, sort_keys=True)
         profile = params
@@ -48,8 +56,7 @@ def dataset_info(spec, table) -> dict[str, Any]:
         profile = {"num_images": len(table), "num_classes": int(len(np.unique(table.labels)))}
     if spec.classes:
         profile["classes"] = spec.classes
-    return {"name": spec.name, "digest": full[:32], "sha256": full, "uri": uri, "kind": spec.kind,
-            "profile": profile}
+    return {"name": spec.name, "digest": full[:32], "sha256": full, "uri": uri, "kind": spec.kind, "profile": profile}
 
 
 def _dataset_entity(info: dict[str, Any]):
@@ -61,8 +68,14 @@ def _dataset_entity(info: dict[str, Any]):
             source = resolve_dataset_source(info["uri"])
 
     ent = MetaDataset(source, name=info["name"], digest=info["digest"])._to_mlflow_entity()
-    return Dataset(name=ent.name, digest=ent.digest, source_type=ent.source_type, source=ent.source,
-                   schema=ent.schema, profile=json.dumps({**info["profile"], "sha256": info["sha256"]}))
+    return Dataset(
+        name=ent.name,
+        digest=ent.digest,
+        source_type=ent.source_type,
+        source=ent.source,
+        schema=ent.schema,
+        profile=json.dumps({**info["profile"], "sha256": info["sha256"]}),
+    )
 
 
 #: Serialises this process's dataset logging: MLflow's SQL store looks a dataset up, then inserts it, so studies that
@@ -73,8 +86,9 @@ _DATASET_LOCK = threading.Lock()
 def log_dataset_input(client, run_id: str, info: dict[str, Any], context: str) -> None:
     """Log ``info`` as a dataset input of ``run_id`` (idempotent: MLflow dedups by (name, digest, context))."""
     with _DATASET_LOCK:
-        client.log_inputs(run_id, datasets=[DatasetInput(_dataset_entity(info),
-                                                         tags=[InputTag("mlflow.data.context", context)])])
+        client.log_inputs(
+            run_id, datasets=[DatasetInput(_dataset_entity(info), tags=[InputTag("mlflow.data.context", context)])]
+        )
     client.set_tag(run_id, "dataset_digest", info["sha256"])
 
 
@@ -88,7 +102,6 @@ def log_fold_dataset_input(tracker, fold_run_id: str, study_run_id: str) -> None
         _STUDY_DATASETS[study_run_id] = [d.dataset for d in (run.inputs.dataset_inputs if run.inputs else [])]
     datasets = _STUDY_DATASETS[study_run_id]
     if datasets:
-        tracker.client.log_inputs(fold_run_id, datasets=[
-            DatasetInput(d, tags=[InputTag("mlflow.data.context", "train")]) for d in datasets])
-
-
+        tracker.client.log_inputs(
+            fold_run_id, datasets=[DatasetInput(d, tags=[InputTag("mlflow.data.context", "train")]) for d in datasets]
+        )

@@ -15,13 +15,11 @@ At the end of every study (:func:`register_study`, called by the sweep):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import json
 import os
 import re
 import tempfile
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -38,14 +36,38 @@ from pipelines.tracking import pyfunc_model
 from pipelines.tracking.datasets import dataset_info, log_dataset_input
 from pipelines.tracking.ui import NOTE_TAG, experiment_note, study_note
 
-__all__ = ["registered_model_name", "register_study", "log_reproduction_model", "on_study_start", "on_study_end",
-           "model_requirements", "this_distribution", "VERSION_TAGS", "DISTRIBUTION"]
+__all__ = [
+    "registered_model_name",
+    "register_study",
+    "log_reproduction_model",
+    "on_study_start",
+    "on_study_end",
+    "model_requirements",
+    "this_distribution",
+    "VERSION_TAGS",
+    "DISTRIBUTION",
+]
 
 #: Tags every registered version carries (besides the metric tags ``test.<mode>.<metric>.{mean,ci_low,ci_high}``).
 #: This project's distribution name (pyproject.toml): what a registered model requires.
 DISTRIBUTION = "dml-reality-check"
-VERSION_TAGS = ("sweep", "experiment", "study", "dataset", "loss", "study_run_id", "git_commit", "folds_hash",
-                "dataset_digest", "dataset_uri", "seed", "seeds", "n_reproductions", "image_size", "reproductions")
+VERSION_TAGS = (
+    "sweep",
+    "experiment",
+    "study",
+    "dataset",
+    "loss",
+    "study_run_id",
+    "git_commit",
+    "folds_hash",
+    "dataset_digest",
+    "dataset_uri",
+    "seed",
+    "seeds",
+    "n_reproductions",
+    "image_size",
+    "reproductions",
+)
 
 
 def registered_model_name(experiment: str, dataset: str, loss: str) -> str:
@@ -58,7 +80,8 @@ def registered_model_name(experiment: str, dataset: str, loss: str) -> str:
 
 
 def _read_fold_checkpoint(uri: str) -> dict[str, Any]:
-    """``model.pt`` of a reproduction fold's result (a warm fold's ``result/`` directory or a Ray Train checkpoint; local path or s3://), weights-only."""
+    """``model.pt`` of a reproduction fold's result (a warm fold's ``result/`` directory or a Ray Train checkpoint;
+    local path or s3://), weights-only."""
     # Ray: not at module level; the CLI imports this module (via the sweep) before the config is checked
     import ray.train
 
@@ -73,11 +96,13 @@ def _signature(image_size: int, out_dim: int):
     return ModelSignature(
         inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, image_size, image_size), "images")]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, out_dim), "embeddings")]),
-        params=ParamSchema([ParamSpec("output", "string", "concatenated"), ParamSpec("batch_size", "long", 256)]))
+        params=ParamSchema([ParamSpec("output", "string", "concatenated"), ParamSpec("batch_size", "long", 256)]),
+    )
 
 
-def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: list[str], image_size: int,
-                           seed: int | None, *, tracker_uri: str) -> tuple[str, str]:
+def log_reproduction_model(
+    run_id: str, reproduction: int, fold_checkpoints: list[str], image_size: int, seed: int | None, *, tracker_uri: str
+) -> tuple[str, str]:
     """Log reproduction ``reproduction``'s fold models as a pyfunc model on ``run_id`` (tracking store
     ``tracker_uri``); return its ``models:/`` URI and model id."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,10 +114,16 @@ def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: lis
             artifacts[pyfunc_model.fold_artifact(k)] = str(tmp / f"fold_{k}.pt")
             # The fold state dicts hold every weight: a registered model never reads the trunk's pretrained file.
             spec = spec or {"model_kwargs": {**ckpt["model_kwargs"], "pretrained": None}, "loss": ckpt.get("loss_name")}
-        spec.update({"folds": len(fold_checkpoints), "image_size": int(image_size),
-                     "embedding_dim": int(spec["model_kwargs"].get("embedding_dim", 128)), "seed": seed,
-                     "reproduction": reproduction,
-                     "preprocessing": trunk_preprocessing(spec["model_kwargs"]["trunk"]).as_dict()})
+        spec.update(
+            {
+                "folds": len(fold_checkpoints),
+                "image_size": int(image_size),
+                "embedding_dim": int(spec["model_kwargs"].get("embedding_dim", 128)),
+                "seed": seed,
+                "reproduction": reproduction,
+                "preprocessing": trunk_preprocessing(spec["model_kwargs"]["trunk"]).as_dict(),
+            }
+        )
         (tmp / pyfunc_model.EMBEDDER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True))
         artifacts["embedder"] = str(tmp / pyfunc_model.EMBEDDER_FILE)
         with _fluent_tracking(tracker_uri), mlflow.start_run(run_id=run_id), warnings.catch_warnings():
@@ -100,10 +131,13 @@ def log_reproduction_model(run_id: str, reproduction: int, fold_checkpoints: lis
             # examples are for other kinds of models
             warnings.filterwarnings("ignore", message=".*(type hints|input example).*", category=UserWarning)
             info = mlflow.pyfunc.log_model(
-                name=f"reproduction_{reproduction}", python_model=pyfunc_model.__file__, artifacts=artifacts,
+                name=f"reproduction_{reproduction}",
+                python_model=pyfunc_model.__file__,
+                artifacts=artifacts,
                 signature=_signature(image_size, spec["folds"] * spec["embedding_dim"]),
                 pip_requirements=model_requirements(spec.get("loss"), spec["model_kwargs"]["trunk"]),
-                tags={"reproduction": str(reproduction), "seed": str(seed)})
+                tags={"reproduction": str(reproduction), "seed": str(seed)},
+            )
     return info.model_uri, info.model_id
 
 
@@ -162,20 +196,39 @@ def _metric_tags(ci: dict[str, dict[str, tuple[float, float, float]]]) -> dict[s
     return tags
 
 
-def register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps: list[dict[str, Any]],
-                   ci: dict, say: Callable[[str], None] = print) -> str | None:
+def register_study(
+    tracker,
+    *,
+    study_run_id: str,
+    experiment: str,
+    sweep: str,
+    plan,
+    reps: list[dict[str, Any]],
+    ci: dict,
+    say: Callable[[str], None] = print,
+) -> str | None:
     """Log every reproduction's pyfunc model on the study run and register the study as one model version.
 
     ``reps``: the reproductions' Tune results (``fold_checkpoints``, ``seed``, ``__reproduction__``, ``test_*``).
     Returns ``"<name>/<version>"`` (None when no reproduction has fold checkpoints).
     """
     with _fluent_tracking(tracker.uri):  # MLflow resolves the logged models' URIs through the fluent store
-        return _register_study(tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan,
-                               reps=reps, ci=ci, say=say)
+        return _register_study(
+            tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan, reps=reps, ci=ci, say=say
+        )
 
 
-def _register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps: list[dict[str, Any]],
-                    ci: dict, say: Callable[[str], None]) -> str | None:
+def _register_study(
+    tracker,
+    *,
+    study_run_id: str,
+    experiment: str,
+    sweep: str,
+    plan,
+    reps: list[dict[str, Any]],
+    ci: dict,
+    say: Callable[[str], None],
+) -> str | None:
     client = tracker.client
     run = client.get_run(study_run_id)
     tags = run.data.tags
@@ -186,35 +239,64 @@ def _register_study(tracker, *, study_run_id: str, experiment: str, sweep: str, 
         if not rep.get("fold_checkpoints"):
             continue
         i = int(rep[REPRODUCTION])
-        uri, model_id = log_reproduction_model(study_run_id, i, rep["fold_checkpoints"], spec.image_size, rep.get("seed"),
-                                               tracker_uri=tracker.uri)
-        entries.append({"reproduction": i, "seed": rep.get("seed"), "model_uri": uri, "model_id": model_id,
-                        "metrics": {k.replace("_", ".", 2): float(v) for k, v in rep.items()
-                                    if k.startswith("test_") and isinstance(v, (int, float))}})
+        uri, model_id = log_reproduction_model(
+            study_run_id, i, rep["fold_checkpoints"], spec.image_size, rep.get("seed"), tracker_uri=tracker.uri
+        )
+        entries.append(
+            {
+                "reproduction": i,
+                "seed": rep.get("seed"),
+                "model_uri": uri,
+                "model_id": model_id,
+                "metrics": {
+                    k.replace("_", ".", 2): float(v)
+                    for k, v in rep.items()
+                    if k.startswith("test_") and isinstance(v, (int, float))
+                },
+            }
+        )
     if not entries:
         return None
     name = registered_model_name(experiment, spec.name, plan.loss.name)
     try:
-        client.create_registered_model(name, tags={"experiment": experiment, "dataset": spec.name,
-                                                   "loss": plan.loss.name},
-                                       description=f"Reality-check models of {plan.key} in experiment {experiment!r}: "
-                                                   "one version per sweep (dmlrc sweep), re-evaluated by dmlrc reeval.")
+        client.create_registered_model(
+            name,
+            tags={"experiment": experiment, "dataset": spec.name, "loss": plan.loss.name},
+            description=f"Reality-check models of {plan.key} in experiment {experiment!r}: "
+            "one version per sweep (dmlrc sweep), re-evaluated by dmlrc reeval.",
+        )
     except Exception as e:  # noqa: BLE001 - it exists already (the error type differs between stores)
         if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
             raise
-    vtags = {"sweep": sweep, "experiment": experiment, "study": plan.key, "dataset": spec.name,
-             "loss": plan.loss.name, "study_run_id": study_run_id, "git_commit": tags.get("git_commit", "unknown"),
-             "folds_hash": tags.get("folds_hash", ""), "dataset_digest": info["sha256"], "dataset_uri": info["uri"],
-             "seed": str(entries[0]["seed"]), "seeds": ",".join(str(e["seed"]) for e in entries),
-             "n_reproductions": str(len(entries)), "image_size": str(spec.image_size),
-             "reproductions": json.dumps(entries, sort_keys=True), **_metric_tags(ci)}
-    mv = client.create_model_version(name, source=entries[0]["model_uri"], run_id=study_run_id, tags=vtags,
-                                     model_id=entries[0]["model_id"],
-                                     description=study_note(plan.key, ci, len(entries)))
+    vtags = {
+        "sweep": sweep,
+        "experiment": experiment,
+        "study": plan.key,
+        "dataset": spec.name,
+        "loss": plan.loss.name,
+        "study_run_id": study_run_id,
+        "git_commit": tags.get("git_commit", "unknown"),
+        "folds_hash": tags.get("folds_hash", ""),
+        "dataset_digest": info["sha256"],
+        "dataset_uri": info["uri"],
+        "seed": str(entries[0]["seed"]),
+        "seeds": ",".join(str(e["seed"]) for e in entries),
+        "n_reproductions": str(len(entries)),
+        "image_size": str(spec.image_size),
+        "reproductions": json.dumps(entries, sort_keys=True),
+        **_metric_tags(ci),
+    }
+    mv = client.create_model_version(
+        name,
+        source=entries[0]["model_uri"],
+        run_id=study_run_id,
+        tags=vtags,
+        model_id=entries[0]["model_id"],
+        description=study_note(plan.key, ci, len(entries)),
+    )
     client.set_registered_model_alias(name, ALIAS, mv.version)
     client.set_tag(study_run_id, "registered_model", f"{name}/{mv.version}")
-    say(f"[{plan.key}] registered {len(entries)} reproduction models as {name} version {mv.version} "
-        f"(alias {ALIAS!r})")
+    say(f"[{plan.key}] registered {len(entries)} reproduction models as {name} version {mv.version} (alias {ALIAS!r})")
     return f"{name}/{mv.version}"
 
 
@@ -222,17 +304,20 @@ def on_study_start(tracker, study_run_id: str, plan) -> None:
     """Hook at a study's start: the dataset input of the study run.  (The experiment kind is set once per sweep,
     before its studies start: concurrent studies setting the same experiment tag race in MLflow's SQL store —
     a unique-key violation on PostgreSQL.)"""
-    log_dataset_input(tracker.client, study_run_id, dataset_info(plan.dataset.spec, plan.dataset.table),
-                      "trainval+test")
+    log_dataset_input(
+        tracker.client, study_run_id, dataset_info(plan.dataset.spec, plan.dataset.table), "trainval+test"
+    )
 
 
-def on_study_end(tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps, ci,
-                 say: Callable[[str], None] = print) -> str | None:
+def on_study_end(
+    tracker, *, study_run_id: str, experiment: str, sweep: str, plan, reps, ci, say: Callable[[str], None] = print
+) -> str | None:
     """Hook at a study's end: the description tables (run, experiment) and the registered models."""
     tracker.set_tags(study_run_id, {NOTE_TAG: study_note(plan.key, ci, len(reps))})
     try:
-        ref = register_study(tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan,
-                             reps=reps, ci=ci, say=say)
+        ref = register_study(
+            tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan, reps=reps, ci=ci, say=say
+        )
     except Exception as e:  # noqa: BLE001 - the study's results are logged; a registry problem must not undo them
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
         say(f"[{plan.key}] WARNING: models not registered ({reason})")

@@ -9,13 +9,13 @@ A sweep runs for days; its MLflow server may restart (an upgrade, a crashed pod)
   waits in its logging call and trains on when the server is back.  A value the user set in the environment wins.
 * **A watch on the driver** (:class:`TrackingWatch`) asks the server's ``/health`` (a PostgreSQL store: a TCP
   connect) every few seconds.  Unreachable for ``tracking.outage_timeout_s`` in a row, the sweep stops as on Ctrl-C
-  (:meth:`pipelines.execution.sweep._Sweep.run_all`): Tune's experiment state and the folds' checkpoints stay in the sweep's
-  storage, Ray is shut down, and the CLI prints one line (``tracking error: …``, exit status 3) with the resume
+  (:meth:`pipelines.execution.sweep._Sweep.run_all`): Tune's experiment state and the folds' checkpoints stay in the
+  sweep's storage, Ray is shut down, and the CLI prints one line (``tracking error: …``, exit status 3) with the resume
   command.  The runs it could not close stay RUNNING, which is what ``--resume`` reuses.
 * **``--resume``** then completes the logging: unfinished trials rerun under their trial ids, folds with a stored
-  result are not trained again, and every fold run gets the evaluations it misses (``pipelines.execution.fold.logged_evaluations``
-  says which it holds) from its checkpoint (``pipelines.execution.fold.run_fold``) or its stored result
-  (``pipelines.execution.trial._finish_fold_run``).
+  result are not trained again, and every fold run gets the evaluations it misses
+  (``pipelines.execution.fold.logged_evaluations`` says which it holds) from its checkpoint
+  (``pipelines.execution.fold.run_fold``) or its stored result (``pipelines.execution.trial._finish_fold_run``).
 
 A sqlite store is a local file: it has no outage to watch.
 """
@@ -63,7 +63,8 @@ class TrackingUnavailable(Exception):
 
 
 def _probe_target(uri: str) -> tuple[str, str | tuple[str, int]] | None:
-    """``("http", health URL)``, ``("tcp", (host, port))`` for a PostgreSQL store, or None (sqlite: nothing to watch)."""
+    """``("http", health URL)``, ``("tcp", (host, port))`` for a PostgreSQL store, or None (sqlite: nothing to
+    watch)."""
     if uri.startswith(("http://", "https://")):
         # it imports pipelines.config (torch, pydantic): pipelines.cli imports this module before parsing its arguments
         from pipelines.tracking.server import health_url

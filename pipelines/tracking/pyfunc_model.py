@@ -1,4 +1,5 @@
-"""The MLflow pyfunc model of one reproduction: its 4 fold models and how they combine (docs/protocol.md §Test evaluation).
+"""The MLflow pyfunc model of one reproduction: its 4 fold models and how they combine
+(docs/protocol.md §Test evaluation).
 
 This file is an MLflow *model from code*: :mod:`pipelines.tracking.model_registry` logs it with
 ``mlflow.pyfunc.log_model(python_model=<this file>, artifacts=...)``, MLflow copies the file into the model and
@@ -84,8 +85,10 @@ class FoldEnsembleEmbedder(_Base):
         parts = []
         with torch.inference_mode():
             for model in self.models:
-                chunks = [model(torch.from_numpy(x[i:i + batch]).to(self.device)).float().cpu().numpy()
-                          for i in range(0, len(x), batch)]
+                chunks = [
+                    model(torch.from_numpy(x[i : i + batch]).to(self.device)).float().cpu().numpy()
+                    for i in range(0, len(x), batch)
+                ]
                 d = int(self.spec["embedding_dim"])
                 parts.append(np.concatenate(chunks) if chunks else np.zeros((0, d), np.float32))
         if output == "folds":

@@ -37,8 +37,13 @@ def git_commit() -> str:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -98,8 +103,14 @@ class Tracker:
         runs = search_all(self.client, self.experiment_id, flt)
         return sorted(runs, key=lambda r: r.info.start_time)
 
-    def get_or_create(self, tags: dict[str, Any], *, parent: str | None = None, run_name: str | None = None,
-                      reuse_unfinished: bool = True) -> tuple[str, bool]:
+    def get_or_create(
+        self,
+        tags: dict[str, Any],
+        *,
+        parent: str | None = None,
+        run_name: str | None = None,
+        reuse_unfinished: bool = True,
+    ) -> tuple[str, bool]:
         """``(run_id, created)`` for the run identified by ``tags``.
 
         With ``reuse_unfinished=False`` a run left RUNNING by a killed process is ended as KILLED and deleted (soft
@@ -144,10 +155,13 @@ class Tracker:
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         """Finite values only (MLflow stores NaN, but a NaN CI bound is better left absent than plotted)."""
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, int(step)) for k, v in metrics.items()
-                 if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v))]
+        items = [
+            Metric(k, float(v), now, int(step))
+            for k, v in metrics.items()
+            if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v))
+        ]
         for i in range(0, len(items), _MAX_BATCH):
-            self._retry(self.client.log_batch, run_id, metrics=items[i:i + _MAX_BATCH])
+            self._retry(self.client.log_batch, run_id, metrics=items[i : i + _MAX_BATCH])
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         """Params are write-once in MLflow; re-logging on resume skips keys already present with the same value."""

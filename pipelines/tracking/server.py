@@ -27,7 +27,8 @@ def check_mlflow_server(uri: str, field_name: str) -> None:
         with urllib.request.urlopen(health_url(uri), timeout=10) as r:
             r.read()
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise ConfigError(field_name, f"MLflow server {redact_uri(uri)} is not reachable "
-                                      f"({redact_uri(' '.join(str(e).split()) or type(e).__name__)})") from None
-
-
+        raise ConfigError(
+            field_name,
+            f"MLflow server {redact_uri(uri)} is not reachable "
+            f"({redact_uri(' '.join(str(e).split()) or type(e).__name__)})",
+        ) from None

@@ -34,8 +34,12 @@ def set_experiment_kind(client, experiment_id: str) -> None:
 
 def study_note(study: str, ci: dict, n: int) -> str:
     """The study run's description: its headline test metrics, shown on the run page without any set-up."""
-    lines = [f"**{study}** — test metrics ×100 over {n} reproductions (mean, 95 % t-interval)", "",
-             "| metric | concatenated | separated |", "|---|---|---|"]
+    lines = [
+        f"**{study}** — test metrics ×100 over {n} reproductions (mean, 95 % t-interval)",
+        "",
+        "| metric | concatenated | separated |",
+        "|---|---|---|",
+    ]
     for metric in HEADLINE_METRICS:
         cells = []
         for mode in MODES:
@@ -53,17 +57,23 @@ def study_note(study: str, ci: dict, n: int) -> str:
 def experiment_note(tracker) -> str:
     """The experiment's description: one row per study run with test metrics (shown above the runs table)."""
     runs = search_all(tracker.client, tracker.experiment_id, "tags.stage = 'study'")
-    lines = ["Reality-check studies — test metrics ×100, mean over reproductions (95 % t-intervals on each study "
-             "run's page). Models: Models tab / registered models `dmlrc.<experiment>.<dataset>.<loss>`.", "",
-             "| sweep | study | " + " | ".join(f"concat {m}" for m in HEADLINE_METRICS) + " | registered model |",
-             "|---|---|" + "---|" * (len(HEADLINE_METRICS) + 1)]
+    lines = [
+        "Reality-check studies — test metrics ×100, mean over reproductions (95 % t-intervals on each study "
+        "run's page). Models: Models tab / registered models `dmlrc.<experiment>.<dataset>.<loss>`.",
+        "",
+        "| sweep | study | " + " | ".join(f"concat {m}" for m in HEADLINE_METRICS) + " | registered model |",
+        "|---|---|" + "---|" * (len(HEADLINE_METRICS) + 1),
+    ]
     for r in sorted(runs, key=lambda r: (r.data.tags.get("sweep", ""), r.data.tags.get("study", ""))):
         m = r.data.metrics
         if "test.concat.map_at_r.mean" not in m:
             continue
-        cells = [f"{100 * m[f'test.concat.{k}.mean']:.2f}" if f"test.concat.{k}.mean" in m else "–" for k in HEADLINE_METRICS]
-        lines.append(f"| {r.data.tags.get('sweep', '')} | {r.data.tags.get('study', '')} | " + " | ".join(cells)
-                     + f" | {r.data.tags.get('registered_model', '–')} |")
+        cells = [
+            f"{100 * m[f'test.concat.{k}.mean']:.2f}" if f"test.concat.{k}.mean" in m else "–" for k in HEADLINE_METRICS
+        ]
+        lines.append(
+            f"| {r.data.tags.get('sweep', '')} | {r.data.tags.get('study', '')} | "
+            + " | ".join(cells)
+            + f" | {r.data.tags.get('registered_model', '–')} |"
+        )
     return "\n".join(lines) + "\n"
-
-

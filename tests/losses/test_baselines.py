@@ -69,7 +69,11 @@ def test_learnable_parameter_shapes():
 # equality with the PML class called directly (MLRC's implementation)
 # ---------------------------------------------------------------------------------------------
 PML_CASES = {
-    "contrastive": (dict(pos_margin=0.1, neg_margin=0.8), lambda: pml.ContrastiveLoss(pos_margin=0.1, neg_margin=0.8), None),
+    "contrastive": (
+        dict(pos_margin=0.1, neg_margin=0.8),
+        lambda: pml.ContrastiveLoss(pos_margin=0.1, neg_margin=0.8),
+        None,
+    ),
     "triplet": (dict(margin=0.1), lambda: pml.TripletMarginLoss(margin=0.1), None),
     "ntxent": (dict(temperature=0.1), lambda: pml.NTXentLoss(temperature=0.1), None),
     "multi_similarity": (
@@ -93,8 +97,16 @@ PML_CASES = {
         lambda: pml.NormalizedSoftmaxLoss(num_classes=C, embedding_size=D, temperature=0.1),
         None,
     ),
-    "cosface": (dict(margin=0.3, scale=20.0), lambda: pml.CosFaceLoss(num_classes=C, embedding_size=D, margin=0.3, scale=20.0), None),
-    "arcface": (dict(margin=25.0, scale=20.0), lambda: pml.ArcFaceLoss(num_classes=C, embedding_size=D, margin=25.0, scale=20.0), None),
+    "cosface": (
+        dict(margin=0.3, scale=20.0),
+        lambda: pml.CosFaceLoss(num_classes=C, embedding_size=D, margin=0.3, scale=20.0),
+        None,
+    ),
+    "arcface": (
+        dict(margin=25.0, scale=20.0),
+        lambda: pml.ArcFaceLoss(num_classes=C, embedding_size=D, margin=25.0, scale=20.0),
+        None,
+    ),
 }
 
 
@@ -262,7 +274,9 @@ def test_bad_parameters_and_inputs_name_the_field():
         build_loss("triplet", **KW, reduction="sum")
     with pytest.raises(ValueError, match="loss 'triplet': squared must be true or false"):
         build_loss("triplet", **KW, squared="yes")
-    with pytest.raises(ValueError, match=r"loss 'multi_similarity': epsilon must be a finite number >= 0 \(or null for no miner\)"):
+    with pytest.raises(
+        ValueError, match=r"loss 'multi_similarity': epsilon must be a finite number >= 0 \(or null for no miner\)"
+    ):
         build_loss("multi_similarity", **KW, epsilon=-0.1)
     with pytest.raises(ValueError, match="loss 'cosface': scale must be a finite number > 0, got -1.0"):
         build_loss("cosface", **KW, scale=-1.0)

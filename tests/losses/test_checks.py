@@ -29,7 +29,11 @@ torch.set_num_threads(1)
         ({"ge": 0, "allow_inf": True}, -math.inf, r"^loss 'l': x must be a number >= 0, got -inf$"),
         ({"ge": 0, "le": 1}, 1.5, r"^loss 'l': x must be a number in \[0, 1\], got 1.5$"),
         ({"gt": 0, "le": 1}, 0, r"^loss 'l': x must be a number in \(0, 1\], got 0$"),
-        ({"ge": 0, "null": "no miner"}, -1, r"^loss 'l': x must be a finite number >= 0 \(or null for no miner\), got -1$"),
+        (
+            {"ge": 0, "null": "no miner"},
+            -1,
+            r"^loss 'l': x must be a finite number >= 0 \(or null for no miner\), got -1$",
+        ),
     ],
 )
 def test_number_rejects_with_one_requirement_text(kwargs, value, message):
@@ -88,11 +92,26 @@ def test_check_batch_returns_compute_dtypes():
 @pytest.mark.parametrize(
     "embeddings,labels,kwargs,message",
     [
-        (torch.randn(3), torch.zeros(3, dtype=torch.long), {}, r"embeddings must be a \(batch, dim\) tensor, got \(3,\)"),
+        (
+            torch.randn(3),
+            torch.zeros(3, dtype=torch.long),
+            {},
+            r"embeddings must be a \(batch, dim\) tensor, got \(3,\)",
+        ),
         ([[0.0]], torch.zeros(1, dtype=torch.long), {"embedding_dim": 1}, r"a \(batch, 1\) tensor, got list"),
         (torch.ones(3, 2, dtype=torch.long), torch.zeros(3, dtype=torch.long), {}, "floating point, got torch.int64"),
-        (torch.randn(3, 6), torch.zeros(3, dtype=torch.long), {"embedding_dim": 8}, "dimension 6, expected embedding_dim=8"),
-        (torch.randn(3, 2), torch.zeros(2, dtype=torch.long), {}, r"labels must be a \(3,\) tensor matching embeddings"),
+        (
+            torch.randn(3, 6),
+            torch.zeros(3, dtype=torch.long),
+            {"embedding_dim": 8},
+            "dimension 6, expected embedding_dim=8",
+        ),
+        (
+            torch.randn(3, 2),
+            torch.zeros(2, dtype=torch.long),
+            {},
+            r"labels must be a \(3,\) tensor matching embeddings",
+        ),
         (torch.randn(3, 2), [0, 1, 2], {}, r"labels must be a \(3,\) tensor matching embeddings, got list"),
         (torch.randn(3, 2), torch.zeros(3), {}, "labels must be integer class ids, got torch.float32"),
         (torch.randn(3, 2), torch.zeros(3, dtype=torch.bool), {}, "labels must be integer class ids, got torch.bool"),
@@ -123,7 +142,9 @@ def test_every_loss_names_itself_and_the_field(name):
     x, y = _batch()
     with pytest.raises(ValueError, match=rf"^loss '{name}': labels must be integer class ids, got torch.float32$"):
         loss(x, y.float())
-    with pytest.raises(ValueError, match=rf"^loss '{name}': embeddings must be a \(batch, (8|dim)\) tensor, got \(8,\)$"):
+    with pytest.raises(
+        ValueError, match=rf"^loss '{name}': embeddings must be a \(batch, (8|dim)\) tensor, got \(8,\)$"
+    ):
         loss(x[:, 0], y)
 
 

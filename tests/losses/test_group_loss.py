@@ -88,7 +88,10 @@ def test_degenerate_batches_do_not_produce_nan():
     loss = _loss(C=4, D=5, num_iterations=3, anchors_per_class=1)
     cases = {
         "one sample": (torch.randn(1, 5, dtype=torch.float64), torch.tensor([2])),
-        "constant embedding": (torch.cat([torch.full((1, 5), 3.0), torch.randn(3, 5)]).double(), torch.tensor([0, 1, 1, 0])),
+        "constant embedding": (
+            torch.cat([torch.full((1, 5), 3.0), torch.randn(3, 5)]).double(),
+            torch.tensor([0, 1, 1, 0]),
+        ),
         "all equal embeddings": (torch.ones(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 3])),
     }
     for what, (z, y) in cases.items():
@@ -258,7 +261,10 @@ def test_metadata():
     assert info.loss_weight_decay == 1e-6
     loss = build_loss("group_loss", num_classes=7, embedding_dim=3)
     assert loss.anchors_per_class == info.batch.anchors_per_class
-    assert {n: tuple(p.shape) for n, p in loss.named_parameters()} == {"classifier.weight": (7, 3), "classifier.bias": (7,)}
+    assert {n: tuple(p.shape) for n, p in loss.named_parameters()} == {
+        "classifier.weight": (7, 3),
+        "classifier.bias": (7,),
+    }
 
 
 def test_bad_inputs_name_the_field():

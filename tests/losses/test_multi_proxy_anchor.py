@@ -203,9 +203,14 @@ def test_gradient_signs_bounds_and_closed_forms():
     # Eq. 14 (MPA-DW): per-sample positive softplus + negatives' softmax-like share
     s_pos = S0[pos]
     ln_row = torch.exp(alpha * (S0 + delta)) * neg
-    eq14 = torch.where(
-        pos, (-alpha / (torch.exp(alpha * (s_pos - delta)) + 1))[:, None].expand(B, C), alpha * ln_row / (1 + ln_row.sum(1, keepdim=True))
-    ) / B
+    eq14 = (
+        torch.where(
+            pos,
+            (-alpha / (torch.exp(alpha * (s_pos - delta)) + 1))[:, None].expand(B, C),
+            alpha * ln_row / (1 + ln_row.sum(1, keepdim=True)),
+        )
+        / B
+    )
     assert torch.allclose(grads["dw"], eq14, atol=1e-8, rtol=0)
     assert (B * grads["dw"].abs().sum(1) < 2 * alpha).all()
 

@@ -216,10 +216,13 @@ def test_protocol_constants_have_one_home_and_keep_their_old_names():
 def test_train_imports_without_the_loss_zoo():
     """dml_core.train takes its constant from dml_core.protocol; the registry (and with it the loss zoo) is imported
     only when a loss built by build_loss is trained."""
-    code = ("import sys\nimport dml_core.train as t\nprint('dml_core.losses' in sys.modules)\n"
-            "import dml_core.losses.registry as r\nprint(r.MLRC_LOSS_WEIGHT_DECAY is t.MLRC_LOSS_WEIGHT_DECAY)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                         check=False)
+    code = (
+        "import sys\nimport dml_core.train as t\nprint('dml_core.losses' in sys.modules)\n"
+        "import dml_core.losses.registry as r\nprint(r.MLRC_LOSS_WEIGHT_DECAY is t.MLRC_LOSS_WEIGHT_DECAY)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True"]
 
@@ -282,8 +285,18 @@ def test_a_learnable_plugin_loss_trains_its_parameters(labmod):
     torch.manual_seed(0)
     model = EmbeddingModel(trunk="tiny", embedding_dim=8)
     loss = build_loss("labmod:PlainProxy", num_classes=8, embedding_dim=8)
-    cfg = TrainConfig(classes_per_batch=4, m=2, iters_per_epoch=2, max_epochs=2, eval_every=1, patience=None,
-                      eval_batch_size=16, seed=0, device="cpu", loss_lr=0.05)
+    cfg = TrainConfig(
+        classes_per_batch=4,
+        m=2,
+        iters_per_epoch=2,
+        max_epochs=2,
+        eval_every=1,
+        patience=None,
+        eval_batch_size=16,
+        seed=0,
+        device="cpu",
+        loss_lr=0.05,
+    )
     groups = {g["name"]: g for g in _optimizer(model, loss, cfg).param_groups}
     assert [p is loss.proxies for p in groups["loss"]["params"]] == [True]
     assert groups["loss"]["lr"] == 0.05 and groups["loss"]["weight_decay"] == protocol.MLRC_LOSS_WEIGHT_DECAY
@@ -335,8 +348,10 @@ def test_entry_point_loss(labmod, monkeypatch):
     lab.dist("lab-plugins", "0.1", {"circle": "labmod:Circle", "proxy": "labmod:PlainProxy"}, files=("labmod.py",))
     sys.modules.pop("labmod", None)
 
-    assert list_plugin_losses() == {"circle": (PluginDistribution("lab-plugins", "0.1"),),
-                                    "proxy": (PluginDistribution("lab-plugins", "0.1"),)}
+    assert list_plugin_losses() == {
+        "circle": (PluginDistribution("lab-plugins", "0.1"),),
+        "proxy": (PluginDistribution("lab-plugins", "0.1"),),
+    }
     assert "labmod" not in sys.modules, "listing must not import plugin modules"
     assert "circle" not in list_losses()
     check_plugin_losses()  # nothing ambiguous
@@ -366,14 +381,17 @@ def test_an_entry_point_exported_by_two_distributions_is_refused(labmod):
     lab = labmod
     lab.dist("alpha-losses", "0.1", {"circle": "labmod:Circle"})
     lab.dist("beta-losses", "0.2", {"circle": "labmod:PlainProxy"})
-    assert set(list_plugin_losses()["circle"]) == {PluginDistribution("alpha-losses", "0.1"),
-                                                   PluginDistribution("beta-losses", "0.2")}
+    assert set(list_plugin_losses()["circle"]) == {
+        PluginDistribution("alpha-losses", "0.1"),
+        PluginDistribution("beta-losses", "0.2"),
+    }
     for call in (lambda: resolve_loss("circle"), lambda: build_loss("sec:circle", **KW), check_plugin_losses):
         with pytest.raises(LossPluginError) as e:
             call()
         message = str(e.value)
-        assert message.startswith("loss 'circle': entry point of group 'dml_reality_check.losses' exported by more "
-                                  "than one distribution: ")
+        assert message.startswith(
+            "loss 'circle': entry point of group 'dml_reality_check.losses' exported by more than one distribution: "
+        )
         assert "alpha-losses 0.1 ('labmod:Circle')" in message and "beta-losses 0.2 ('labmod:PlainProxy')" in message
         assert message.endswith("uninstall one, or name the loss by its import path")
 
@@ -381,9 +399,12 @@ def test_an_entry_point_exported_by_two_distributions_is_refused(labmod):
 def test_an_entry_point_named_like_a_built_in_is_reported(labmod):
     labmod.dist("lab-plugins", "0.1", {"triplet": "labmod:Circle"})
     assert resolve_loss("triplet").origin == "builtin"  # the built-in always wins
-    with pytest.raises(LossPluginError, match=r"^loss 'triplet': entry point of lab-plugins 0\.1 \('labmod:Circle', "
-                       r"group 'dml_reality_check\.losses'\) has the name of a built-in loss of \S+, which always "
-                       r"wins; rename the entry point or name the plugin's loss by its import path$"):
+    with pytest.raises(
+        LossPluginError,
+        match=r"^loss 'triplet': entry point of lab-plugins 0\.1 \('labmod:Circle', "
+        r"group 'dml_reality_check\.losses'\) has the name of a built-in loss of \S+, which always "
+        r"wins; rename the entry point or name the plugin's loss by its import path$",
+    ):
         check_plugin_losses()
 
 
@@ -392,10 +413,15 @@ def test_entry_point_errors_name_the_distribution(lab):
     lab.dist("lab-broken", "0.3", {"broken": "labbroken:Loss", "bare": "labbroken"})
     with pytest.raises(LossPluginError) as e:
         resolve_loss("broken")
-    assert str(e.value) == (f"loss 'broken' (entry point 'labbroken:Loss' of lab-broken 0.3): cannot import module "
-                            f"'labbroken': ImportError: needs CUDA 13 ({lab.root / 'labbroken.py'}:2)")
-    with pytest.raises(LossPluginError, match=r"^loss 'bare' \(entry point 'labbroken' of lab-broken 0\.3\): names a "
-                       r"module, not a loss factory; the value must be 'module:attribute'$"):
+    assert str(e.value) == (
+        f"loss 'broken' (entry point 'labbroken:Loss' of lab-broken 0.3): cannot import module "
+        f"'labbroken': ImportError: needs CUDA 13 ({lab.root / 'labbroken.py'}:2)"
+    )
+    with pytest.raises(
+        LossPluginError,
+        match=r"^loss 'bare' \(entry point 'labbroken' of lab-broken 0\.3\): names a "
+        r"module, not a loss factory; the value must be 'module:attribute'$",
+    ):
         resolve_loss("bare")
 
 
@@ -423,7 +449,9 @@ def test_shipped_space_as_a_mapping(labmod):
 def test_shipped_space_as_a_package_resource(labmod):
     lab = labmod
     lab.module("labmod_spaces/__init__.py", "")
-    lab.module("labmod_spaces/spaces/proxy.yaml", """
+    lab.module(
+        "labmod_spaces/spaces/proxy.yaml",
+        """
         # a plugin's own space file
         loss: labmod:ShippedProxy
         space:
@@ -431,7 +459,8 @@ def test_shipped_space_as_a_package_resource(labmod):
           loss_lr: {low: 1.0e-6, high: 1.0, log: true}
         paper_defaults:
           scale: 9.0
-    """)
+    """,
+    )
     assert plugin_space("labmod:ShippedProxy") == {
         "loss": "labmod:ShippedProxy",
         "space": {"scale": {"low": 1.0, "high": 30.0, "log": True}, "loss_lr": {"low": 1e-6, "high": 1.0, "log": True}},
@@ -452,14 +481,20 @@ def test_shipped_space_errors(labmod, content, message):
     lab.module("labmod_spaces/__init__.py", "")
     if content is not None:
         lab.module("labmod_spaces/spaces/proxy.yaml", content)
-    with pytest.raises(LossPluginError, match=r"^loss 'labmod:ShippedProxy': search space "
-                                              r"'labmod_spaces:spaces/proxy\.yaml': " + message):
+    with pytest.raises(
+        LossPluginError,
+        match=r"^loss 'labmod:ShippedProxy': search space "
+        r"'labmod_spaces:spaces/proxy\.yaml': " + message,
+    ):
         plugin_space("labmod:ShippedProxy")
 
 
 def test_shipped_space_in_a_package_that_does_not_import(labmod):
-    with pytest.raises(LossPluginError, match=r"^loss 'labmod:ShippedProxy': search space 'labmod_spaces:spaces/"
-                       r"proxy\.yaml': cannot read it: ModuleNotFoundError: No module named 'labmod_spaces'$"):
+    with pytest.raises(
+        LossPluginError,
+        match=r"^loss 'labmod:ShippedProxy': search space 'labmod_spaces:spaces/"
+        r"proxy\.yaml': cannot read it: ModuleNotFoundError: No module named 'labmod_spaces'$",
+    ):
         plugin_space("labmod:ShippedProxy")
 
 
@@ -486,14 +521,16 @@ def test_loss_metadata_rejects_bad_declarations(kwargs, error, message):
 def test_a_module_that_raises_on_import_shows_the_plugins_exception_and_line(lab):
     path = lab.module("labraise.py", "import math\n\nvalue = math.sqrt(-1)\n")
     assert _one_line_error("labraise:Loss") == (
-        f"loss 'labraise:Loss': cannot import module 'labraise': ValueError: math domain error ({path}:3)")
+        f"loss 'labraise:Loss': cannot import module 'labraise': ValueError: math domain error ({path}:3)"
+    )
 
 
 def test_a_plugin_with_a_missing_dependency_shows_its_import_line(lab):
     path = lab.module("labdep.py", "import torch\nimport not_installed_dep_for_dmlrc_tests\n")
     assert _one_line_error("labdep:Loss") == (
         f"loss 'labdep:Loss': cannot import module 'labdep': ModuleNotFoundError: No module named "
-        f"'not_installed_dep_for_dmlrc_tests' ({path}:2)")
+        f"'not_installed_dep_for_dmlrc_tests' ({path}:2)"
+    )
 
 
 def test_a_plugin_with_a_syntax_error(lab):
@@ -504,25 +541,31 @@ def test_a_plugin_with_a_syntax_error(lab):
 
 
 def test_a_bad_loss_metadata_in_a_plugin_points_at_the_plugins_line(lab):
-    path = lab.module("labmeta.py", """
+    path = lab.module(
+        "labmeta.py",
+        """
         from dml_core.losses import loss_metadata
 
         @loss_metadata(learnable="yes")
         def loss(*, num_classes, embedding_dim):
             pass
-    """)
+    """,
+    )
     assert _one_line_error("labmeta:loss") == (
         "loss 'labmeta:loss': cannot import module 'labmeta': TypeError: loss_metadata: learnable must be true, "
-        f"false or None, got 'yes' ({path}:3)")
+        f"false or None, got 'yes' ({path}:3)"
+    )
 
 
 def test_a_module_that_is_not_there(lab):
     assert _one_line_error("labmissing_xyz:Loss") == (
         "loss 'labmissing_xyz:Loss': cannot import module 'labmissing_xyz' (ModuleNotFoundError: No module named "
-        "'labmissing_xyz'): not installed or not on sys.path, and 'labmissing_xyz' is not a loss wrapper (l2_reg, sec)")
+        "'labmissing_xyz'): not installed or not on sys.path, and 'labmissing_xyz' is not a loss wrapper (l2_reg, sec)"
+    )
     assert _one_line_error("sec:labmissing_xyz.sub:Loss") == (
         "loss 'sec:labmissing_xyz.sub:Loss': cannot import module 'labmissing_xyz.sub' (ModuleNotFoundError: No "
-        "module named 'labmissing_xyz'): not installed or not on sys.path")
+        "module named 'labmissing_xyz'): not installed or not on sys.path"
+    )
 
 
 @pytest.mark.parametrize(
@@ -530,16 +573,36 @@ def test_a_module_that_is_not_there(lab):
     [
         ("labmod:Nope", "'labmod' has no attribute 'Nope'"),
         ("labmod:Circle.nope", "'labmod:Circle' has no attribute 'nope'"),
-        ("labmod:CONSTANT", ("'labmod:CONSTANT' is not callable (int); a loss factory is a function or nn.Module "
-                             "class called as factory(num_classes=..., embedding_dim=..., **hyperparameters)")),
-        ("labmod:no_sizes", ("labmod:no_sizes(margin=0.5) does not take num_classes and embedding_dim as keyword "
-                             "arguments; a loss factory is called as factory(num_classes=..., embedding_dim=..., "
-                             "**hyperparameters)")),
-        ("labmod:positional_only", ("labmod:positional_only(num_classes, embedding_dim, /) does not take "
-                                    "num_classes and embedding_dim as keyword arguments")),
+        (
+            "labmod:CONSTANT",
+            (
+                "'labmod:CONSTANT' is not callable (int); a loss factory is a function or nn.Module "
+                "class called as factory(num_classes=..., embedding_dim=..., **hyperparameters)"
+            ),
+        ),
+        (
+            "labmod:no_sizes",
+            (
+                "labmod:no_sizes(margin=0.5) does not take num_classes and embedding_dim as keyword "
+                "arguments; a loss factory is called as factory(num_classes=..., embedding_dim=..., "
+                "**hyperparameters)"
+            ),
+        ),
+        (
+            "labmod:positional_only",
+            (
+                "labmod:positional_only(num_classes, embedding_dim, /) does not take "
+                "num_classes and embedding_dim as keyword arguments"
+            ),
+        ),
         ("labmod:NoArgs", "labmod:NoArgs() does not take num_classes and embedding_dim as keyword arguments"),
-        ("labmod:", ("'labmod:' is not an import path 'module:attribute' (e.g. 'mylab.losses:CircleLoss'), and "
-                     "'labmod' is not a loss wrapper (l2_reg, sec)")),
+        (
+            "labmod:",
+            (
+                "'labmod:' is not an import path 'module:attribute' (e.g. 'mylab.losses:CircleLoss'), and "
+                "'labmod' is not a loss wrapper (l2_reg, sec)"
+            ),
+        ),
         ("lab-mod:Loss", "'lab-mod:Loss' is not an import path 'module:attribute'"),
         ("labmod:a:b", "'labmod:a:b' is not an import path 'module:attribute'"),
     ],
@@ -553,10 +616,13 @@ def test_bad_import_paths(labmod, name, message):
 
 def test_bad_hyperparameters_and_factories(labmod):
     assert _one_line_error("labmod:PlainProxy", temperature=1.0, margin=2) == (
-        "loss 'labmod:PlainProxy': unknown parameter(s) margin, temperature; accepted: scale")
+        "loss 'labmod:PlainProxy': unknown parameter(s) margin, temperature; accepted: scale"
+    )
     assert _one_line_error("sec:labmod:pair_loss", scale=1) == (
-        "loss 'labmod:pair_loss': unknown parameter(s) scale; accepted: margin")
+        "loss 'labmod:pair_loss': unknown parameter(s) scale; accepted: margin"
+    )
     assert _one_line_error("labmod:needs_margin") == "loss 'labmod:needs_margin': missing a required argument: 'margin'"
     build_loss("labmod:needs_margin", **KW, margin=0.1)
     assert _one_line_error("labmod:not_a_module") == (
-        "loss 'labmod:not_a_module': the factory returned a function, not a torch.nn.Module")
+        "loss 'labmod:not_a_module': the factory returned a function, not a torch.nn.Module"
+    )

@@ -241,5 +241,9 @@ def test_metadata_and_proxy_initialisation():
     assert base.own_optimizer and base.model == ModelRecipe(pooling="avg", layer_norm=False)
     assert base.loss_weight_decay == 1e-4  # MLRC's loss optimiser (docs/protocol.md §Optimisers)
     torch.manual_seed(0)
-    assert build_loss("proxynca_pp", num_classes=500, embedding_dim=64).proxies.std().item() == pytest.approx(1 / 8, rel=0.02)
-    assert build_loss("proxynca", num_classes=500, embedding_dim=64).proxies.std().item() == pytest.approx(1.0, rel=0.02)
+    assert build_loss("proxynca_pp", num_classes=500, embedding_dim=64).proxies.std().item() == pytest.approx(
+        1 / 8, rel=0.02
+    )
+    assert build_loss("proxynca", num_classes=500, embedding_dim=64).proxies.std().item() == pytest.approx(
+        1.0, rel=0.02
+    )

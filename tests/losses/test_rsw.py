@@ -348,4 +348,6 @@ def test_metadata_and_proxy_initialisation():
     torch.manual_seed(0)
     loss = build_loss("rsw", num_classes=400, embedding_dim=256)
     assert [n for n, _ in loss.named_parameters()] == ["proxies"]
-    assert loss.proxies.std().item() == pytest.approx(math.sqrt(2 / 400), rel=0.02)  # N(0, 2/C), the official code's init
+    assert loss.proxies.std().item() == pytest.approx(
+        math.sqrt(2 / 400), rel=0.02
+    )  # N(0, 2/C), the official code's init

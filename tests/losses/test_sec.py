@@ -283,7 +283,8 @@ LABELS4 = torch.tensor([0, 0, 1, 1])
 def test_vanilla_triplet_sec_reading_hand_computed():
     # D = ||f̂_a − f̂_b||² = 2 − 2cos.  With m = 1 the active triplets (a, p, n) are
     # (1,0,2): 2cos40 − 2cos60 + 1,  (2,3,0): 2cos100 − 2cos110 + 1,  (2,3,1): 2cos40 − 2cos110 + 1;
-    # the other 5 of the B(K−1)(B−K) = 8 triplets are ≤ 0.  SEC code: mean over all 8 (Eq. 2, docs/losses/sec.md §Base losses).
+    # the other 5 of the B(K−1)(B−K) = 8 triplets are ≤ 0.  SEC code: mean over all 8
+    # (Eq. 2, docs/losses/sec.md §Base losses).
     active = [
         2 * _cos(40) - 2 * _cos(60) + 1,
         2 * _cos(100) - 2 * _cos(110) + 1,
@@ -394,13 +395,14 @@ def _ms_official_reference(f, labels, alpha, beta, lam, eps):
 def test_multi_similarity_sec_reading_hand_computed_and_official_loop():
     f = _unit2d(ANGLES, NORMS)
     # S_01 = cos60, S_12 = cos40, S_02 = cos100, S_23 = cos110, S_03 = cos210 = S_13 = cos150.
-    # Anchor 0: no negative with S + 0.1 > 0.5 -> skipped.  Anchor 3: S_30 = S_31 = cos150, cos150 + 0.1 < cos110 -> skipped.
-    # Anchor 1: P' = {cos60}, N' = {cos40}.  Anchor 2: P' = {cos110}, N' = {cos100, cos40}.
+    # Anchor 0: no negative with S + 0.1 > 0.5 -> skipped.  Anchor 3: S_30 = S_31 = cos150, cos150 + 0.1 < cos110 ->
+    # skipped.  Anchor 1: P' = {cos60}, N' = {cos40}.  Anchor 2: P' = {cos110}, N' = {cos100, cos40}.
     a, b, lam = 2.0, 40.0, 0.5
     l1 = math.log1p(math.exp(-a * (_cos(60) - lam))) / a + math.log1p(math.exp(b * (_cos(40) - lam))) / b
-    l2 = math.log1p(math.exp(-a * (_cos(110) - lam))) / a + math.log1p(
-        math.exp(b * (_cos(100) - lam)) + math.exp(b * (_cos(40) - lam))
-    ) / b
+    l2 = (
+        math.log1p(math.exp(-a * (_cos(110) - lam))) / a
+        + math.log1p(math.exp(b * (_cos(100) - lam)) + math.exp(b * (_cos(40) - lam))) / b
+    )
     ms = MultiSimilarity(**KW, alpha=a, beta=b, base=lam, epsilon=0.1)
     assert ms(f, LABELS4).item() == pytest.approx((l1 + l2) / 4, rel=1e-9)
     # random batches (K = 5 as in the paper): PML loss + miner == the official loop
