@@ -24,9 +24,9 @@ demo: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# Unit tests only (no Ray / servers).
+# Unit tests only (no Ray, no servers): the inner loop.  Two pytest-xdist workers, tests handed out one by one.
 test-fast: lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n 2
 
 # ruff: lint and format, settings in pyproject.toml (`ruff format .` and `ruff check --fix .` repair most findings).
 lint: $(STAMP)
