@@ -19,9 +19,19 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import zipfile
 from pathlib import Path, PurePosixPath
 
-__all__ = ["LocalStorage", "S3Storage", "open_storage", "is_s3_uri", "split_s3_uri", "S3_MAX_ATTEMPTS"]
+__all__ = [
+    "LocalStorage",
+    "S3Storage",
+    "open_storage",
+    "is_s3_uri",
+    "split_s3_uri",
+    "S3_MAX_ATTEMPTS",
+    "read_errors",
+    "s3_errors",
+]
 
 #: botocore "standard" retry mode: attempts per request (first try included) and timeouts in seconds.
 S3_MAX_ATTEMPTS = 6
@@ -191,6 +201,33 @@ class S3Storage:
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:  # at most 1000 per page, DeleteObjects' own limit
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+def read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a user's data can raise for a bad file, folder or bucket: the readers raise ``ValueError`` or
+    ``OSError`` naming the file, the rest (a truncated zip, a missing column, botocore's errors when S3 answers
+    no) is caught too, so that broken data is one line naming it, never a traceback."""
+    errors: tuple[type[BaseException], ...] = (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        EOFError,
+        zipfile.BadZipFile,
+    )
+    return (*errors, *s3_errors())
+
+
+def s3_errors() -> tuple[type[BaseException], ...]:
+    """botocore's errors (an S3 endpoint that refuses, a missing bucket or key), imported only when asked for."""
+    try:
+        # botocore only when a read failed: local folders never load it
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:  # pragma: no cover - boto3 is a dependency
+        return ()
+    return BotoCoreError, ClientError
 
 
 def open_storage(uri: str | os.PathLike, endpoint_url: str | None = None) -> LocalStorage | S3Storage:

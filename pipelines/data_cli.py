@@ -19,6 +19,7 @@ import sys
 import zipfile
 
 from dml_core.datasets import DATASETS, KINDS, prepare, reader
+from dml_core.storage import read_errors
 
 __all__ = ["add_data_parser", "run_data"]
 
@@ -89,32 +90,13 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     return data
 
 
-def _data_errors() -> tuple[type[BaseException], ...]:
-    try:
-        # botocore only once a command failed: pipelines.cli imports this module to build its parser
-        from botocore.exceptions import BotoCoreError, ClientError
-    except ImportError:  # pragma: no cover
-        return ()
-    return BotoCoreError, ClientError
-
-
 def run_data(args: argparse.Namespace) -> int:
     """`dmlrc data ...`; a bad source, destination or shard is one line ``data error: <file>[: row N]: <problem>``
     on stderr and exit status 2 (the readers name the file; where an error does not, the argument is named)."""
     # pipelines.config loads the config schema (torch, pydantic): pipelines.cli imports this module to build its parser
     from pipelines.config import redact_uri
 
-    errors = (
-        OSError,
-        ValueError,
-        KeyError,
-        TypeError,
-        IndexError,
-        AttributeError,
-        EOFError,
-        zipfile.BadZipFile,
-        *_data_errors(),
-    )
+    errors = read_errors()
     try:
         return _run_data(args)
     except MemoryError:

@@ -31,7 +31,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -57,6 +56,7 @@ from pipelines.config.spaces import (
     read_space_file,
     spaces_dir,
 )
+from pipelines.config.strict import StrictModel
 from pipelines.config.uris import absolute_tracking_uri, check_tracking_uri, check_uri, local_path, redact_uri, shown
 
 __all__ = [
@@ -88,27 +88,6 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _TC = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 #: Environment variables that hold credentials: never in a runtime_env (Ray logs runtime_envs in plain text).
 _SECRET_ENV = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|PRIVATE_KEY|ACCESS_KEY)", re.I)
-
-
-class _Strict(BaseModel):
-    """Base of every config section: unknown keys rejected, no type coercion (``"5"`` is not 5, ``true`` is not
-    1), no NaN/inf, immutable; a YAML ``null`` means "the default"."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
-        frozen=True,
-        allow_inf_nan=False,
-        hide_input_in_errors=True,
-        use_attribute_docstrings=True,
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
 
 def _check_name(v: str) -> str:
@@ -151,7 +130,7 @@ Uri = Annotated[str, Field(min_length=1, max_length=4096), PlainSerializer(redac
 # --------------------------------------------------------------------------------------------------- datasets
 
 
-class _DatasetBase(_Strict):
+class _DatasetBase(StrictModel):
     name: Name | None = None
     """The MLflow ``dataset`` tag (default: the kind)."""
     classes: int | None = Field(None, ge=2, le=10**7)
@@ -243,7 +222,7 @@ DatasetSpec = Annotated[
 # --------------------------------------------------------------------------------------------------- losses
 
 
-class LossSpec(_Strict):
+class LossSpec(StrictModel):
     """A loss to study; a bare string is its name.  Its search space is, first found: ``space`` here, the user's
     ``tune_spaces`` folder, the space its plugin ships, the built-in one."""
 
@@ -352,7 +331,7 @@ def _resolve_loss(name: str) -> None:
         ) from None
 
 
-class AllLosses(_Strict):
+class AllLosses(StrictModel):
     """``losses: {all: true, exclude: [...]}``: every built-in loss that has a search space, minus ``exclude``."""
 
     all: Literal[True]
@@ -387,7 +366,7 @@ def _set_keys(train: TrainSpec) -> dict[str, Any]:
     return train.model_dump(exclude_unset=True)
 
 
-class TrainSpec(_Strict):
+class TrainSpec(StrictModel):
     """``protocol.train``: further :class:`dml_core.train.TrainConfig` fields (defaults are TrainConfig's)."""
 
     classes_per_batch: int | None = Field(None, ge=2, le=100_000)
@@ -415,7 +394,7 @@ class TrainSpec(_Strict):
 TRAIN_KEYS = tuple(TrainSpec.model_fields)
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     """``dml_core.models.build_model`` arguments.  ``pooling``/``layer_norm`` null = the protocol's (or, with
     ``recipe: paper``, the loss paper's) recipe."""
 
@@ -469,7 +448,7 @@ class ModelSpec(_Strict):
 # --------------------------------------------------------------------------------------------------- protocol
 
 
-class ProtocolSpec(_Strict):
+class ProtocolSpec(StrictModel):
     """The reality check's protocol (docs/protocol.md).
 
     ``eval_every`` and ``patience`` are in epochs of ``iters_per_epoch`` iterations (the reality check on CUB: 2 / 9).
@@ -512,7 +491,7 @@ class ProtocolSpec(_Strict):
 # --------------------------------------------------------------------------------------------------- resources
 
 
-class ResourcesSpec(_Strict):
+class ResourcesSpec(StrictModel):
     """Ray resources.  ``num_cpus``: logical CPUs of a *local* Ray (null = enough for ``max_concurrent_trials``
     trials × folds × workers; oversubscribing physical cores is fine for tiny models)."""
 
@@ -561,7 +540,7 @@ class ResourcesSpec(_Strict):
         return self
 
 
-class RuntimeEnvSpec(_Strict):
+class RuntimeEnvSpec(StrictModel):
     """Ray's ``runtime_env`` for every process of the sweep (trial drivers, warm fold workers, Ray Train workers), on
     the embedded local Ray and on a cluster: how a user's own loss, trunk or dataset code reaches them.  The driver
     imports the same code (``py_modules`` and ``working_dir`` are put on its ``sys.path``).  Credentials never travel
@@ -649,7 +628,7 @@ class RuntimeEnvSpec(_Strict):
 # --------------------------------------------------------------------------------------------------- tracking
 
 
-class TrackingSpec(_Strict):
+class TrackingSpec(StrictModel):
     """MLflow: ``uri`` null = ``$MLFLOW_TRACKING_URI`` if set, else a sqlite DB inside the sweep's local directory;
     ``experiment`` null = the sweep name."""
 
@@ -677,7 +656,7 @@ class TrackingSpec(_Strict):
 # --------------------------------------------------------------------------------------------------- the sweep
 
 
-class SweepConfig(_Strict):
+class SweepConfig(StrictModel):
     """A sweep config file (``dmlrc sweep CONFIG.yaml``); see configs/*.yaml for commented examples."""
 
     model_config = ConfigDict(title="dmlrc sweep config")

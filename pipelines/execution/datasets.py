@@ -14,29 +14,14 @@ import numpy as np
 from dml_core import data
 from dml_core.datasets import read_csv_dataset, read_image_folder
 from dml_core.shards import DataError, check_rows
+from dml_core.storage import read_errors, s3_errors
 from pipelines.config import ConfigError, DatasetSpec, redact_uri
 
 __all__ = ["DatasetData", "load_table", "check_image_rows", "one_line"]
 
-try:  # boto3 is how dml_core.storage reaches S3; without it there is no s3:// dataset to fail on
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    _S3_ERRORS: tuple[type[BaseException], ...] = (BotoCoreError, ClientError)
-except ImportError:  # pragma: no cover
-    _S3_ERRORS = ()
-#: What a dataset reader raises for a bad file (readers are meant to raise ValueError/OSError naming the file;
-#: the rest are wrapped too, so that a user's broken data is never a traceback).
-_READ_ERRORS = (
-    OSError,
-    ValueError,
-    KeyError,
-    TypeError,
-    IndexError,
-    AttributeError,
-    EOFError,
-    zipfile.BadZipFile,
-    *_S3_ERRORS,
-)
+#: What a dataset reader raises for a bad file (dml_core.storage.read_errors): one line, never a traceback.
+_READ_ERRORS = read_errors()
+_S3_ERRORS = s3_errors()
 
 
 @dataclass

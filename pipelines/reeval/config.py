@@ -36,10 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipelines.config.errors import ConfigError, FieldError
 from pipelines.config.loader import read_yaml_file
+from pipelines.config.strict import StrictModel
 from pipelines.config.uris import (
     absolute_tracking_uri,
     check_ray_address,
@@ -94,27 +95,6 @@ class ReevalConfig:
     out: str = "reeval"
 
 
-class _Strict(BaseModel):
-    """Unknown keys rejected, no type coercion (``"5"`` is not 5, ``true`` is not 1), no NaN/inf, immutable; a YAML
-    ``null`` means "the default" — the sweep config's rules."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
-        frozen=True,
-        allow_inf_nan=False,
-        hide_input_in_errors=True,
-        use_attribute_docstrings=True,
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
 def _printable(v: str) -> str:
     if re.search(r"[\x00-\x1f\x7f]", v):
         raise ValueError(f"{shown(v)} contains a control character")
@@ -164,7 +144,7 @@ Version = Annotated[int, Field(ge=1)] | Annotated[str, Field(pattern=r"^[1-9][0-
 Metric = Literal[KNOWN_METRICS]  # type: ignore[valid-type]  # a Literal over the tuple's values
 
 
-class ModelRef(_Strict):
+class ModelRef(StrictModel):
     """A registered model version (``name``, at alias ``reality-check`` unless ``alias`` or ``version``), or every
     registered model of a sweep experiment (``experiment``, each at alias ``reality-check``)."""
 
@@ -216,7 +196,7 @@ class ModelRef(_Strict):
         return self
 
 
-class ReevalSpec(_Strict):
+class ReevalSpec(StrictModel):
     """A re-evaluation config file (``dmlrc reeval CONFIG.yaml``); see infra/reeval/reeval.yaml."""
 
     model_config = ConfigDict(title="dmlrc reeval config")
