@@ -48,7 +48,9 @@ def _error(doc) -> ConfigError:
         "examples/circle-vs-contrastive.yaml",
     ],
 )
-def test_shipped_presets_parse(path):
+def test_shipped_presets_parse(path, monkeypatch):
+    # a preset with runtime_env.py_modules puts the module's folder on this process's sys.path: undone after the test
+    monkeypatch.setattr(sys, "path", list(sys.path))
     cfg = load_config(ROOT / path)
     name = Path(path).stem
     assert cfg.name == name

@@ -19,8 +19,9 @@ import pytest
 from tests.test_resume import sweep_started
 from tests.test_security import ray_tmpdir, sweep_env, tiny_sweep_config
 
-#: Seconds from the signal to exit: Ray shutdown and closing the runs included, on a busy 2-core machine.
-STOP_WITHIN_S = 45
+#: Seconds from the signal to exit, Ray shutdown and closing the runs included: a hang guard, not a speed target.
+#: Alone on 2 cores a sweep stops in seconds; beside the other pytest worker's 3-node cluster it has taken over 45 s.
+STOP_WITHIN_S = 120
 
 
 def _processes_under(ray_tmp: str) -> list[str]:

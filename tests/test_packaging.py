@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -31,10 +32,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "examples" / "plugin"
 
 
+#: Never copied into a build: what a checkout accumulates besides its sources.
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache", "runs", "mlruns"
+)
+
+
 def _wheel(src: Path, out: Path) -> Path:
-    """``pip wheel`` of a project folder with this environment's setuptools (no network, no build isolation)."""
+    """``pip wheel`` of a project folder with this environment's setuptools (no network, no build isolation), built
+    from a copy: setuptools writes ``build/`` and ``*.egg-info`` into the folder it builds, and an egg-info left in
+    ``examples/plugin/src`` would make the example plugin an installed distribution for any process with that folder
+    on its path (a config's ``runtime_env.py_modules`` puts it there)."""
+    copy = out / "src" / src.name
+    shutil.copytree(src, copy, ignore=_NOT_SOURCES)
     r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(copy)],
         capture_output=True,
         text=True,
         timeout=600,
