@@ -6,7 +6,10 @@ note, pyfunc models, registered version) from fold checkpoints of untrained mode
 
 * the experiment page opens on the training-runs view (the study run is listed), not on the GenAI overview;
 * the study run's page shows its dataset and its registered model;
-* the registered model's page lists its version with ``reeval.status``.
+* the registered model's page lists its version with ``reeval.status``;
+* a zoo-sized experiment (24 study runs, each with trial runs under it) opens, through the sweep's printed link, on
+  the studies view: the study runs only, best test MAP@R first, the headline test metrics shown as columns without
+  the user adding any.
 
 Screenshots (``*.png``) are saved under the test's temp dir.
 """
@@ -51,7 +54,7 @@ def _fake_study(tmp: Path, uri: str, experiment: str):
     from pipelines.config.schema import SyntheticDataset
     from pipelines.tracking.model_registry import on_study_end, on_study_start
     from pipelines.tracking.runs import Tracker
-    from pipelines.tracking.ui import set_experiment_kind
+    from pipelines.tracking.ui import set_experiment_ui
 
     kwargs = {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False}
     ckpts = []
@@ -64,7 +67,7 @@ def _fake_study(tmp: Path, uri: str, experiment: str):
         )
         ckpts.append(str(d))
     t = Tracker.open(uri, experiment)
-    set_experiment_kind(t.client, t.experiment_id)  # what run_sweep does once
+    set_experiment_ui(t.client, t.experiment_id)  # what run_sweep does once
     run_id, _ = t.get_or_create(
         {"sweep": "ui", "study": "shapes/contrastive", "stage": "study"}, run_name="shapes/contrastive"
     )
@@ -113,3 +116,68 @@ def test_ui_opens_on_runs_and_shows_dataset_model_and_reeval_status(tmp_path):
     with mlflow_server(tmp_path / "server") as uri:
         exp_id, run_id, name = _fake_study(tmp_path, uri, "ui-experiment")
         check_ui(uri, exp_id, run_id, name, tmp_path)
+
+
+def _zoo_experiment(uri: str, n_studies: int) -> tuple[str, list[tuple[str, float]]]:
+    """``n_studies`` study runs as a sweep writes them (tags, headline test metrics, two trial runs nested under each),
+    the experiment prepared by the sweep's own :func:`set_experiment_ui`; returns the experiment id and
+    (study, test MAP@R) pairs.  The MAP@R values are shuffled against the creation order, so that a view sorted by
+    creation time (the UI's default) cannot pass for one sorted by the metric."""
+    import random
+
+    from pipelines.tracking.runs import Tracker
+    from pipelines.tracking.ui import set_experiment_ui
+
+    t = Tracker.open(uri, "zoo-ui")
+    set_experiment_ui(t.client, t.experiment_id)
+    values = [round(0.20 + 0.01 * i, 2) for i in range(n_studies)]
+    random.Random(0).shuffle(values)
+    studies = []
+    for i, v in enumerate(values):
+        study = f"omniglot/loss{i:02d}"
+        run_id, _ = t.get_or_create({"sweep": "zoo", "study": study, "stage": "study"}, run_name=study)
+        t.log_metrics(
+            run_id,
+            {
+                "test.concat.map_at_r.mean": v,
+                "test.concat.r_precision.mean": v + 0.1,
+                "test.concat.precision_at_1.mean": v + 0.3,
+            },
+        )
+        for k in range(2):
+            trial_id, _ = t.get_or_create(
+                {"sweep": "zoo", "study": study, "stage": "trial", "trial_id": f"t{k}"},
+                run_name=f"trial {k}",
+                parent=run_id,
+            )
+            t.log_metrics(trial_id, {"val_map_at_r_mean": v / 2})
+            t.finish(trial_id)
+        t.finish(run_id)
+        studies.append((study, v))
+    return t.experiment_id, studies
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_runs_view_of_a_zoo_sized_sweep_ranks_studies_by_test_map_at_r(tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium not installed (Debian package `chromium`)")
+    from pipelines.tracking.ui import experiment_url
+    from tests.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path / "server") as uri:
+        exp_id, studies = _zoo_experiment(uri, 24)
+        dom = render(experiment_url(uri, exp_id), tmp_path / "studies_view.png")
+    assert "Detect Issues" not in dom, "experiment opened on the GenAI overview"
+    assert "share key" not in dom, "the UI could not load the studies view"
+    # the headline metric columns are there without column set-up, and the values of the best study are shown
+    for m in ("map_at_r", "r_precision", "precision_at_1"):
+        assert f"test.concat.{m}.mean" in dom, f"no test.concat.{m}.mean column in the runs view"
+    best_study, best = max(studies, key=lambda s: s[1])
+    assert f">{best}<" in dom and f">{round(best + 0.3, 2)}<" in dom, "the best study's test metrics are not shown"
+    # study runs only (no trial rows), every one listed, best test MAP@R first
+    assert "trial 0" not in dom, "trial runs listed in the studies view"
+    positions = {s: dom.find(s + "<") for s, _ in studies}
+    assert all(p >= 0 for p in positions.values()), [s for s, p in positions.items() if p < 0]
+    shown = sorted(positions, key=positions.get)
+    assert shown == [s for s, _ in sorted(studies, key=lambda s: -s[1])], "studies not ordered by test MAP@R"

@@ -183,6 +183,9 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name(experiment)
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    assert json.loads(exp.tags["mlflow.sharedViewState.dmlrc-studies"])["orderByKey"] == (
+        "metrics.`test.concat.map_at_r.mean`"
+    ), "the sweep did not store the studies view its printed link opens"
     study = search_all(c, exp.experiment_id, "tags.stage = 'study'")
     assert len(study) == 1
     study = study[0]
@@ -254,6 +257,10 @@ def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unp
     exp_id, run_id, name = _fake_study(tmp_path, uri, "unit")
     c = MlflowClient(uri)
     assert c.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    from pipelines.tracking.ui import studies_view_state
+
+    view = json.loads(c.get_experiment(exp_id).tags["mlflow.sharedViewState.dmlrc-studies"])
+    assert view == studies_view_state() and view["selectedColumns"][0] == "metrics.`test.concat.map_at_r.mean`"
     run = c.get_run(run_id)
     assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["shapes"]
     assert "map_at_r" in run.data.tags["mlflow.note.content"]

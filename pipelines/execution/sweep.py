@@ -90,7 +90,7 @@ from pipelines.results.visuals import log_study_visuals
 from pipelines.tracking.model_registry import on_study_end, on_study_start
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
 from pipelines.tracking.runs import PARENT, Tracker, git_commit
-from pipelines.tracking.ui import experiment_url, set_experiment_kind
+from pipelines.tracking.ui import experiment_url, set_experiment_ui
 
 __all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies", "study_cost"]
 
@@ -648,7 +648,7 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
             f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
             f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name",
         )
-    set_experiment_kind(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
+    set_experiment_ui(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
 
     watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
     try:

@@ -1,35 +1,73 @@
 """What the MLflow UI shows a user: the experiment opened on its training-runs view, links that keep it there, and the
 study and experiment descriptions (headline test tables shown without any column set-up).
 
-:func:`set_experiment_kind` tags the experiment ``mlflow.experimentKind = custom_model_development`` (the value MLflow
-3.17's UI reads, else it may open a new experiment on the GenAI overview); the study run's description
-(``mlflow.note.content``) is its headline test table.
+:func:`set_experiment_ui` tags the experiment ``mlflow.experimentKind = custom_model_development`` (the value MLflow
+3.17's UI reads, else it may open a new experiment on the GenAI overview) and stores the *studies view*: a shared
+view state (MLflow's "Share" button stores the same, as the experiment tag ``mlflow.sharedViewState.<key>``) that
+lists the study runs only, sorted by test MAP@R (best first), with the headline test metrics as the first columns.
+:func:`experiment_url` opens it (``viewStateShareKey``), so a sweep of 20+ studies reads as a ranking without the user
+adding columns.  The study run's description (``mlflow.note.content``) is its headline test table.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
 from pipelines.names import HEADLINE_METRICS, MODES
 from pipelines.tracking.runs import search_all
 
-__all__ = ["experiment_url", "set_experiment_kind", "study_note", "experiment_note", "NOTE_TAG"]
+__all__ = ["experiment_url", "set_experiment_ui", "studies_view_state", "study_note", "experiment_note", "NOTE_TAG"]
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 NOTE_TAG = "mlflow.note.content"
+#: The studies view's share key and the experiment tag MLflow's UI reads it from (``mlflow.sharedViewState.<key>``).
+STUDIES_VIEW_KEY = "dmlrc-studies"
+SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+
+
+def _metric_column(key: str) -> str:
+    return f"metrics.`{key}`"  # the UI's column id: <type>.`<key>`
+
+
+def studies_view_state() -> dict:
+    """The studies view: study runs only, best test MAP@R (concatenated) first, the headline test metrics as the first
+    columns (then the registered model).  Keys are those of MLflow's runs-view state: search facets (``searchFilter``,
+    ``orderByKey``, ``orderByAsc``) and UI state (``selectedColumns``, ``columnOrder``, ``columnWidths``)."""
+    rank_by = "map_at_r"
+    order = [rank_by] + [m for m in HEADLINE_METRICS if m != rank_by]
+    metrics = [_metric_column(f"test.concat.{m}.mean") for m in order]
+    columns = metrics + ["attributes.`Models`"]
+    return {
+        "searchFilter": "tags.stage = 'study'",
+        "orderByKey": metrics[0],
+        "orderByAsc": False,
+        "selectedColumns": columns,
+        "columnOrder": columns,
+        "columnWidths": {c: 150 for c in metrics},  # three fit beside the run names in a 1500-px window
+    }
 
 
 def experiment_url(tracking_uri: str, experiment_id: str) -> str:
-    """The experiment's page on its training-runs view.  MLflow 3.17's UI keeps a per-browser GenAI / Model training
-    switch (localStorage ``mlflow.workflowType``, GenAI by default) that the experiment kind tag does not override;
-    the ``workflowType=machine_learning`` query parameter does, so this is the link to print and share."""
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
+    """The experiment's studies view (:func:`studies_view_state`) on the training-runs tab.  MLflow 3.17's UI keeps a
+    per-browser GenAI / Model training switch (localStorage ``mlflow.workflowType``, GenAI by default) that the
+    experiment kind tag does not override; the ``workflowType=machine_learning`` query parameter does.  The share key
+    is only read on the ``/runs`` route (``/experiments/<id>`` redirects there without it)."""
+    return (
+        f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs"
+        f"?viewStateShareKey={STUDIES_VIEW_KEY}&workflowType=machine_learning"
+    )
 
 
-def set_experiment_kind(client, experiment_id: str) -> None:
-    """Open the experiment on the training-runs view in MLflow 3's UI (not the GenAI overview)."""
+def set_experiment_ui(client, experiment_id: str) -> None:
+    """Open the experiment on the training-runs view in MLflow 3's UI (not the GenAI overview) and store the studies
+    view that :func:`experiment_url` opens."""
     client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    client.set_experiment_tag(
+        experiment_id, SHARED_VIEW_TAG_PREFIX + STUDIES_VIEW_KEY, json.dumps(studies_view_state())
+    )
 
 
 def study_note(study: str, ci: dict, n: int) -> str:
