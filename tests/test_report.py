@@ -17,10 +17,10 @@ from pipelines.results.report import collect_studies, write_report
 REPRO = {"contrastive": [0.30, 0.32, 0.31, 0.29], "mpa": [0.35, 0.36, 0.37, 0.34]}
 
 
-def _populate(uri: str, experiment: str) -> None:
+def _populate(uri: str, experiment: str, repro: dict[str, list[float]] = REPRO) -> None:
     client = MlflowClient(tracking_uri=uri)
     exp_id = client.create_experiment(experiment)
-    for loss, values in REPRO.items():
+    for loss, values in repro.items():
         study = client.create_run(exp_id, tags={"stage": "study", "loss": loss, "dataset": "synthetic"}).info.run_id
         client.log_param(study, f"best.margin_{loss}", "0.25")  # the winning trial's hyperparameters (sweep.py)
         client.log_param(study, "space.margin", "uniform(0, 1)")
@@ -83,7 +83,51 @@ def test_report_tables_chart_and_paired_test(tmp_path):
     exp = client.get_experiment_by_name("sweep-x")
     (logged,) = client.search_runs([exp.experiment_id], "tags.stage = 'report'")
     names = {a.path for a in client.list_artifacts(logged.info.run_id, "report")}
-    assert names == {f"report/report.{e}" for e in ("md", "csv", "html", "json", "png")}
+    assert names == {f"report/report.{e}" for e in ("md", "csv", "html", "json", "png")} | {"report/paired_tests.csv"}
+    (pair,) = list(csv.DictReader(paths["paired_csv"].open()))
+    assert (pair["loss_a"], pair["loss_b"]) == ("contrastive", "mpa") and float(pair["p"]) == pytest.approx(p)
+
+
+def test_report_of_many_losses_reads_as_a_ranking(tmp_path):
+    """24 losses (a zoo): tables ranked by test MAP@R, each loss tested against the best and against contrastive
+    (not all 276 pairs in the markdown), a chart whose height, not width, grows with the losses."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    means = {f"loss{i:02d}": 0.20 + 0.01 * i for i in range(23)} | {"contrastive": 0.30}
+    repro = {loss: list(m + rng.normal(0, 0.002, 3)) for loss, m in means.items()}
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _populate(uri, "zoo", repro)
+    paths = write_report(uri, "zoo", tmp_path / "out", log_to_mlflow=False)
+    md = paths["md"].read_text()
+
+    table = md.split("## Concatenated")[1].split("##")[0]
+    ranked = [
+        line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "loss |" not in line
+    ]
+    assert ranked == sorted(means, key=lambda loss: -np.mean(repro[loss])), "rows not ranked by test MAP@R"
+    assert md.index("**synthetic / loss22**") < md.index("**synthetic / loss00**"), "hyperparameters not ranked"
+
+    report = json.loads(paths["json"].read_text())
+    assert len(report["paired_tests"]) == 24 * 23 // 2
+    summary = report["paired_summary"]
+    vs_best = [c for c in summary if c["kind"] == "best"]
+    vs_base = [c for c in summary if c["kind"] == "baseline"]
+    assert {c["reference"] for c in vs_best} == {"loss22"} and len(vs_best) == 23
+    assert {c["reference"] for c in vs_base} == {"contrastive"} and len(vs_base) == 23
+    # signs: loss − reference
+    (c,) = [c for c in vs_base if c["loss"] == "loss22"]
+    assert c["mean_diff"] == pytest.approx(np.mean(repro["loss22"]) - np.mean(repro["contrastive"]))
+    assert c["p"] < 0.05 and "| loss22 | +" in md
+    assert "### synthetic: against loss22 (the best loss)" in md
+    assert "### synthetic: against contrastive (the baseline)" in md
+    paired = md.split("## Paired t-tests")[1].split("\n## ")[0]
+    rows = [line for line in paired.splitlines() if line.startswith("| ") and not line.startswith("| loss |")]
+    assert len(rows) == 2 * 23, "the markdown should test each loss against the best and the baseline only"
+    assert len(list(csv.DictReader(paths["paired_csv"].open()))) == 24 * 23 // 2
+
+    width, height = Image.open(paths["png"]).size
+    assert height > 600 and width < 1500, (width, height)
 
 
 def test_unknown_experiment_is_named(tmp_path):

@@ -27,6 +27,7 @@ import io
 import itertools
 import json
 import math
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ from dml_core.stats import paired_t_test
 from pipelines.names import HEADLINE_METRICS, METRIC_LABELS, MODES
 from pipelines.tracking.runs import search_all
 
-__all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons"]
+__all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons", "paired_summary"]
 
 
 @dataclass
@@ -138,7 +139,23 @@ def _fmt(mean: float, low: float, high: float) -> str:
 
 
 def _grid(studies: list[Study]) -> tuple[list[str], list[str]]:
-    return sorted({s.dataset for s in studies}), sorted({s.loss for s in studies})
+    """Datasets by name; losses ranked by their mean concatenated test MAP@R over the datasets (best first, ties and
+    losses without the metric by name), so that a sweep of many losses reads as a ranking."""
+    scores: dict[str, list[float]] = {}
+    for s in studies:
+        v = s.cell("concat", "map_at_r")[0]
+        scores.setdefault(s.loss, [])
+        if math.isfinite(v):
+            scores[s.loss].append(v)
+    rank = {loss: -float(np.mean(v)) if v else math.inf for loss, v in scores.items()}
+    return sorted({s.dataset for s in studies}), sorted(scores, key=lambda loss: (rank[loss], loss))
+
+
+def _ranked(studies: list[Study]) -> list[Study]:
+    """``studies`` by dataset, then in the losses' ranking (:func:`_grid`)."""
+    _, losses = _grid(studies)
+    order = {loss: i for i, loss in enumerate(losses)}
+    return sorted(studies, key=lambda s: (s.dataset, order[s.loss]))
 
 
 def _rows(studies: list[Study], mode: str) -> tuple[list[str], list[list[str]]]:
@@ -184,6 +201,84 @@ def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str =
                 }
             )
     return out
+
+
+#: The reality check's reference loss: every loss is also compared with it.
+BASELINE = "contrastive"
+
+
+def paired_summary(
+    studies: list[Study], comparisons: list[dict[str, Any]], baseline: str = BASELINE
+) -> list[dict[str, Any]]:
+    """Per dataset, each loss against the dataset's best loss (highest mean concatenated test MAP@R) and against
+    ``baseline``: ``{dataset, loss, reference, mean_diff (loss − reference), p, n}`` — the two questions a table of
+    many losses is read for (which losses cannot be told apart from the best, which beat the baseline), instead of
+    every pair (all pairs stay in the JSON and in ``paired_tests.csv``)."""
+    index = {(c["dataset"], c["loss_a"], c["loss_b"]): c for c in comparisons}
+    out = []
+    for dataset in sorted({s.dataset for s in studies}):
+        group = [s for s in _ranked(studies) if s.dataset == dataset]
+        refs = [group[0].loss] + ([baseline] if any(s.loss == baseline for s in group) else [])
+        for ref in dict.fromkeys(refs):
+            for s in group:
+                if s.loss == ref:
+                    continue
+                c = index.get((dataset, s.loss, ref))
+                sign = 1
+                if c is None:
+                    c, sign = index.get((dataset, ref, s.loss)), -1
+                if c is None:
+                    continue
+                out.append(
+                    {
+                        "dataset": dataset,
+                        "loss": s.loss,
+                        "reference": ref,
+                        "kind": "best" if ref == group[0].loss else "baseline",
+                        "metric": c["metric"],
+                        "n": c["n"],
+                        "mean_diff": sign * c["mean_diff"],
+                        "t": sign * c["t"],
+                        "p": c["p"],
+                    }
+                )
+    return out
+
+
+def _verdict(c: dict[str, Any], alpha: float = 0.05) -> str:
+    if not (isinstance(c["p"], float) and math.isfinite(c["p"])) or c["p"] >= alpha:
+        return "not distinguishable"
+    return "better" if c["mean_diff"] > 0 else "worse"
+
+
+def _summary_lines(summary: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for (dataset, ref, kind), rows in itertools.groupby(
+        summary, key=lambda c: (c["dataset"], c["reference"], c["kind"])
+    ):
+        rows = list(rows)
+        what = "the best loss" if kind == "best" else "the baseline"
+        lines += [
+            f"### {dataset}: against {ref} ({what})",
+            "",
+            f"| loss | mean(loss − {ref}) | t | p | n | at p < 0.05 |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {c['loss']} | {100 * c['mean_diff']:+.2f} | {c['t']:.3f} | {c['p']:.4f} | {c['n']} | {_verdict(c)} |"
+            for c in rows
+        ]
+        lines.append("")
+    return lines
+
+
+def _write_paired_csv(comparisons: list[dict[str, Any]], path: Path) -> None:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["dataset", "loss_a", "loss_b", "metric", "n", "mean_diff", "t", "p"])
+    for c in comparisons:
+        w.writerow([c[k] for k in ("dataset", "loss_a", "loss_b", "metric", "n", "mean_diff", "t", "p")])
+    path.write_text(buf.getvalue())
 
 
 def _hours(s: Study, kind: str, part: str = "") -> float:
@@ -246,22 +341,20 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
         ]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
-    if comparisons:
+    summary = paired_summary(studies, comparisons)
+    if summary:
         lines += [
-            "## Paired t-tests (same folds and seeds)",
+            "## Paired t-tests (concatenated test MAP@R ×100, reproductions with the same seeds)",
             "",
-            "| dataset | loss A | loss B | metric | n | mean(A−B) | t | p |",
-            "|---|---|---|---|---|---|---|---|",
+            "Each loss against the best one and against the baseline; p uncorrected for the number of tests. With "
+            "few reproductions the test has little power: *not distinguishable* means no difference was shown, not "
+            "that there is none. Every pair: `paired_tests.csv`.",
+            "",
         ]
-        for c in comparisons:
-            lines.append(
-                f"| {c['dataset']} | {c['loss_a']} | {c['loss_b']} | {c['metric']} | {c['n']} | "
-                f"{100 * c['mean_diff']:+.2f} | {c['t']:.3f} | {c['p']:.4f} |"
-            )
-        lines.append("")
+        lines += _summary_lines(summary)
     if any(s.best_params for s in studies):
         lines += ["## Winning hyperparameters (best Bayesian-optimisation trial, retrained by the reproductions)", ""]
-        lines += [f"- **{s.dataset} / {s.loss}**: {_params(s)}" for s in studies]
+        lines += [f"- **{s.dataset} / {s.loss}**: {_params(s)}" for s in _ranked(studies)]
         lines.append("")
     with_pc = [s for s in studies if _worst(s, 1)]
     if with_pc:
@@ -271,7 +364,7 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
             "Per-class MAP@R ×100; in brackets how often the class's queries retrieved another class within R.",
             "",
         ]
-        for s in with_pc:
+        for s in _ranked(with_pc):
             lines.append(
                 f"- **{s.dataset} / {s.loss}**: "
                 + "; ".join(
@@ -358,7 +451,7 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
     parts = [
         "<!doctype html><meta charset='utf-8'><title>Reality-check report</title>",
         "<style>body{font-family:sans-serif}td,th{padding:2px 8px;border:1px solid #ccc}"
-        "table{border-collapse:collapse}.row{display:flex;gap:16px;overflow-x:auto;align-items:flex-start}"
+        "table{border-collapse:collapse}.row{display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start}"
         "figure{margin:0;flex:0 0 auto}img.gallery{width:720px}img.map{width:560px}.warn{color:#d73027}"
         "nav a{margin-right:12px}</style>",
         "<h1>Reality-check report</h1>",
@@ -387,23 +480,31 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
         parts.append("<h2>Winning hyperparameters</h2><table><tr><th>dataset</th><th>loss</th><th>best trial</th></tr>")
         parts += [
             f"<tr><td>{html.escape(s.dataset)}</td><td>{html.escape(s.loss)}</td><td>{html.escape(_params(s))}</td></tr>"
-            for s in studies
+            for s in _ranked(studies)
         ]
         parts.append("</table>")
-    if comparisons:
+    summary = paired_summary(studies, comparisons)
+    if summary:
         parts.append(
-            "<h2>Paired t-tests</h2><table><tr><th>dataset</th><th>A</th><th>B</th>"
-            "<th>metric</th><th>n</th><th>t</th><th>p</th></tr>"
+            "<h2>Paired t-tests</h2><p>Concatenated test MAP@R ×100 over reproductions with the same seeds; each "
+            "loss against the best one and against the baseline; p uncorrected. Every pair: paired_tests.csv.</p>"
         )
-        parts += [
-            f"<tr><td>{html.escape(c['dataset'])}</td><td>{html.escape(c['loss_a'])}</td><td>{html.escape(c['loss_b'])}</td>"
-            f"<td>{c['metric']}</td><td>{c['n']}</td><td>{c['t']:.3f}</td><td>{c['p']:.4f}</td></tr>"
-            for c in comparisons
-        ]
-        parts.append("</table>")
+        for (dataset, ref, _), rows in itertools.groupby(
+            summary, key=lambda c: (c["dataset"], c["reference"], c["kind"])
+        ):
+            parts.append(
+                f"<h3>{html.escape(dataset)}: against {html.escape(ref)}</h3><table><tr><th>loss</th>"
+                f"<th>mean(loss − {html.escape(ref)})</th><th>t</th><th>p</th><th>n</th><th>at p &lt; 0.05</th></tr>"
+            )
+            parts += [
+                f"<tr><td>{html.escape(c['loss'])}</td><td>{100 * c['mean_diff']:+.2f}</td><td>{c['t']:.3f}</td>"
+                f"<td>{c['p']:.4f}</td><td>{c['n']}</td><td>{_verdict(c)}</td></tr>"
+                for c in rows
+            ]
+            parts.append("</table>")
     if any(s.visuals for s in studies):
         for d in datasets:
-            parts += _dataset_page(d, [s for s in studies if s.dataset == d])
+            parts += _dataset_page(d, [s for s in _ranked(studies) if s.dataset == d])
     return "\n".join(parts)
 
 
@@ -425,19 +526,24 @@ def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after use("Agg"), as said above
 
+    # Horizontal bars, best loss on top: the figure grows in height with the number of losses, and the loss names
+    # stay horizontal and readable however many there are.
     datasets, losses = _grid(studies)
     index = {(s.dataset, s.loss): s for s in studies}
+    panels = len(MODES) * len(datasets)
     fig, axes = plt.subplots(
-        1, len(MODES) * len(datasets), figsize=(4 + 2.5 * len(losses) * len(datasets), 4), squeeze=False
+        1, panels, figsize=(1.5 + 4.5 * panels, 1.2 + 0.32 * len(losses)), squeeze=False, sharey=True
     )
+    y = np.arange(len(losses))[::-1]
     for ax, (mode, d) in zip(axes[0], itertools.product(MODES, datasets)):
         cells = [index[(d, l)].cell(mode, metric) if (d, l) in index else (math.nan,) * 3 for l in losses]
         means = np.array([c[0] for c in cells]) * 100
         err = np.array([[c[0] - c[1], c[2] - c[0]] for c in cells]).T * 100
-        ax.bar(range(len(losses)), means, yerr=np.nan_to_num(err), capsize=4, color="#4c72b0")
-        ax.set_xticks(range(len(losses)), losses, rotation=45, ha="right")
+        ax.barh(y, means, xerr=np.nan_to_num(err), capsize=3, color="#4c72b0")
+        ax.set_yticks(y, losses)
         ax.set_title(f"{d} · {mode}")
-        ax.set_ylabel(f"{METRIC_LABELS[metric]} (×100, 95 % CI)")
+        ax.set_xlabel(f"{METRIC_LABELS[metric]} (×100, 95 % CI)")
+        ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -446,7 +552,8 @@ def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> No
 def write_report(
     tracking_uri: str, experiment: str, out_dir: str | Path, *, log_to_mlflow: bool = True
 ) -> dict[str, Path]:
-    """Write report.{md,csv,html,json,png} into ``out_dir`` and (optionally) log them as a ``stage=report`` run."""
+    """Write report.{md,csv,html,json,png} and paired_tests.csv into ``out_dir`` and (optionally) log them as a
+    ``stage=report`` run."""
     client = MlflowClient(tracking_uri=tracking_uri)
     studies = collect_studies(client, experiment)
     if not studies:
@@ -458,9 +565,11 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {ext: out / f"report.{ext}" for ext in ("md", "csv", "html", "json", "png")}
+    paths["paired_csv"] = out / "paired_tests.csv"
     paths["md"].write_text(render_markdown(studies, comparisons))
     paths["html"].write_text(_render_html(studies, comparisons))
     _write_csv(studies, paths["csv"])
+    _write_paired_csv(comparisons, paths["paired_csv"])
     paths["json"].write_text(
         json.dumps(
             {
@@ -479,6 +588,7 @@ def write_report(
                     for s in studies
                 ],
                 "paired_tests": comparisons,
+                "paired_summary": paired_summary(studies, comparisons),
             },
             indent=2,
             default=float,
@@ -504,6 +614,8 @@ def add_report_parser(subparsers) -> None:
 
 
 def run_report(args) -> int:
+    # One progress bar per downloaded artifact would bury the table under two bars per study.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = args.tracking_uri or mlflow.get_tracking_uri()
     paths = write_report(uri, args.experiment, args.out, log_to_mlflow=not args.no_log)
     print(paths["md"].read_text())
