@@ -42,6 +42,15 @@ def _populate(uri: str, experiment: str, repro: dict[str, list[float]] = REPRO) 
             client.log_metric(study, f"test.{mode}.map_at_r.mean", mean)
             client.log_metric(study, f"test.{mode}.map_at_r.ci_low", low)
             client.log_metric(study, f"test.{mode}.map_at_r.ci_high", high)
+        # two fold runs as the sweep logs them: one still improving at its last epoch, one stopped by patience
+        for epoch, best in ((3, 3), (2, 1)):
+            f = client.create_run(
+                exp_id,
+                tags={"stage": "fold", "status": "ok", "study": f"synthetic/{loss}", "mlflow.parentRunId": study},
+            ).info.run_id
+            client.log_metric(f, "epoch", epoch)
+            client.log_metric(f, "best_epoch", best)
+            client.set_terminated(f)
         client.set_terminated(study)
     # An unfinished study (no test metrics) must not appear.
     client.create_run(exp_id, tags={"stage": "study", "loss": "rsw", "dataset": "synthetic"})
@@ -59,6 +68,8 @@ def test_report_tables_chart_and_paired_test(tmp_path):
     mean, low, high = confidence_interval(REPRO["mpa"])
     assert f"{100 * mean:.2f} ± {100 * (high - low) / 2:.2f}" in md
     assert "rsw" not in md
+    # how the folds' training ended, per loss (the epoch cap vs patience)
+    assert "| contrastive | – | 1/2 (50 %), 2.50 epochs |" in md
 
     rows = list(csv.DictReader(paths["csv"].open()))
     row = next(r for r in rows if r["loss"] == "contrastive" and r["mode"] == "concat" and r["metric"] == "map_at_r")

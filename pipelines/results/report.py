@@ -38,7 +38,7 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 
 from dml_core.stats import paired_t_test
-from pipelines.names import HEADLINE_METRICS, METRIC_LABELS, MODES
+from pipelines.names import HEADLINE_METRICS, METRIC_LABELS, MODES, study_key
 from pipelines.tracking.runs import search_all
 
 __all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons", "paired_summary"]
@@ -61,6 +61,11 @@ class Study:
     visuals: dict[str, Any] = field(default_factory=dict)
     #: the winning trial's hyperparameters (the study run's ``best.<name>`` params)
     best_params: dict[str, str] = field(default_factory=dict)
+    #: the ``sweep`` tag of the study run (fold runs are matched to it by ``sweep`` and ``study``)
+    sweep: str = ""
+    #: how its finished fold runs (trials' and reproductions') ended: ``folds``, ``improving`` (best validation at the
+    #: last evaluation: still improving when the epoch cap ended it), ``epochs`` (mean epochs trained)
+    training: dict[str, float] = field(default_factory=dict)
 
     def cell(self, mode: str, metric: str) -> tuple[float, float, float]:
         key = f"test.{mode}.{metric}"
@@ -88,6 +93,7 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
             key[1],
             dict(run.data.metrics),
             best_params={k[len("best.") :]: v for k, v in sorted(run.data.params.items()) if k.startswith("best.")},
+            sweep=tags.get("sweep", ""),
         )
     by_id = {s.run_id: s for s in studies.values()}
     for run in search_all(client, exp.experiment_id, "tags.stage = 'reproduction'"):
@@ -97,7 +103,36 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
         i = int(run.data.tags["reproduction"])
         study.reproductions[i] = {k: v for k, v in run.data.metrics.items() if k.startswith("test.")}
         study.seeds[i] = run.data.tags.get("seed", "")
+    _collect_training(client, exp.experiment_id, list(studies.values()))
     return sorted(studies.values(), key=lambda s: (s.dataset, s.loss))
+
+
+def _collect_training(client: MlflowClient, experiment_id: str, studies: list[Study]) -> None:
+    """Fill ``study.training`` from the finished fold runs: a fold whose best validation MAP@R came at its last
+    evaluation (``best_epoch == epoch``) was still improving when the epoch cap stopped it; the others were stopped
+    by ``patience`` (or peaked earlier)."""
+    by_key = {(s.sweep, study_key(s.dataset, s.loss)): s for s in studies}
+    folds: dict[int, list[tuple[float, float]]] = {}
+    for run in search_all(client, experiment_id, "tags.stage = 'fold' and tags.status = 'ok'"):
+        s = by_key.get((run.data.tags.get("sweep", ""), run.data.tags.get("study", "")))
+        m = run.data.metrics
+        if s is not None and "epoch" in m and "best_epoch" in m:
+            folds.setdefault(id(s), []).append((m["epoch"], m["best_epoch"]))
+    for s in studies:
+        rows = folds.get(id(s))
+        if rows:
+            s.training = {
+                "folds": len(rows),
+                "improving": sum(1 for epoch, best in rows if best >= epoch),
+                "epochs": float(np.mean([epoch for epoch, _ in rows])),
+            }
+
+
+def _training_cell(s: Study | None) -> str:
+    if s is None or not s.training:
+        return "–"
+    t = s.training
+    return f"{t['improving']}/{t['folds']} ({100 * t['improving'] / t['folds']:.0f} %), {t['epochs']:.2f} epochs"
 
 
 _VISUALS = {
@@ -296,11 +331,22 @@ def _cost_cell(s: Study | None) -> str:
 
 
 def _cost_rows(studies: list[Study]) -> tuple[list[str], list[list[str]]]:
-    """One row per loss, one cost column per dataset: CPU-hours / GPU-hours."""
+    """One row per loss; per dataset its cost (CPU-hours / GPU-hours) and, where fold runs were found, how many of
+    its folds were still improving when training ended (with the mean epochs trained)."""
     datasets, losses = _grid(studies)
     index = {(s.dataset, s.loss): s for s in studies}
-    header = ["loss"] + [f"{d} cost (CPU-h / GPU-h)" for d in datasets]
-    return header, [[loss] + [_cost_cell(index.get((d, loss))) for d in datasets] for loss in losses]
+    training = any(s.training for s in studies)
+    header = ["loss"]
+    for d in datasets:
+        header += [f"{d} cost (CPU-h / GPU-h)"] + ([f"{d} folds still improving at the end"] if training else [])
+    rows = []
+    for loss in losses:
+        row = [loss]
+        for d in datasets:
+            s = index.get((d, loss))
+            row += [_cost_cell(s)] + ([_training_cell(s)] if training else [])
+        rows.append(row)
+    return header, rows
 
 
 def _cost_json(s: Study) -> dict[str, float]:
@@ -331,10 +377,13 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
-    if any("cost.cpu_seconds" in s.metrics for s in studies):
+    if any("cost.cpu_seconds" in s.metrics or s.training for s in studies):
         header, rows = _cost_rows(studies)
         lines += [
             "## Cost (all folds of the study's trials and reproductions)",
+            "",
+            "A fold *still improving at the end* had its best validation MAP@R at its last evaluation: the epoch cap, "
+            "not `patience`, ended it, so more training would probably have helped.",
             "",
             "| " + " | ".join(header) + " |",
             "|" + "---|" * len(header),
@@ -471,7 +520,7 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
         )
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
-    if any("cost.cpu_seconds" in s.metrics for s in studies):
+    if any("cost.cpu_seconds" in s.metrics or s.training for s in studies):
         header, rows = _cost_rows(studies)
         parts.append("<h2>Cost</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
@@ -583,6 +632,7 @@ def write_report(
                         "n_reproductions": len(s.reproductions),
                         "best_params": s.best_params,
                         "cost": _cost_json(s),
+                        "training": s.training,
                         **({"worst_classes": _worst(s, 10)} if _worst(s, 1) else {}),
                     }
                     for s in studies
