@@ -356,8 +356,16 @@ def _cost_json(s: Study) -> dict[str, float]:
     return out
 
 
+def _short_value(v: str) -> str:
+    """A parameter as logged (MLflow params are strings) with floats cut to 4 significant digits for reading."""
+    try:
+        return v if float(v).is_integer() and "." not in v else f"{float(v):.4g}"
+    except ValueError:
+        return v
+
+
 def _params(s: Study) -> str:
-    return ", ".join(f"{k}={v}" for k, v in s.best_params.items()) or "(nothing searched)"
+    return ", ".join(f"{k}={_short_value(v)}" for k, v in s.best_params.items()) or "(nothing searched)"
 
 
 def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
