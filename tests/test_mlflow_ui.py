@@ -24,6 +24,9 @@ from types import SimpleNamespace
 import pytest
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium not installed (Debian package `chromium`)"
+)
 
 
 def render(url: str, png: Path, *, wait_ms: int = 20000) -> str:
@@ -108,9 +111,8 @@ def check_ui(uri: str, experiment_id: str, run_id: str, model_name: str, out: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@needs_chromium
 def test_ui_opens_on_runs_and_shows_dataset_model_and_reeval_status(tmp_path):
-    if CHROMIUM is None:
-        pytest.skip("headless Chromium not installed (Debian package `chromium`)")
     from tests.mlflow_server import mlflow_server
 
     with mlflow_server(tmp_path / "server") as uri:
@@ -159,9 +161,8 @@ def _zoo_experiment(uri: str, n_studies: int) -> tuple[str, list[tuple[str, floa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@needs_chromium
 def test_runs_view_of_a_zoo_sized_sweep_ranks_studies_by_test_map_at_r(tmp_path):
-    if CHROMIUM is None:
-        pytest.skip("headless Chromium not installed (Debian package `chromium`)")
     from pipelines.tracking.ui import experiment_url
     from tests.mlflow_server import mlflow_server
 
