@@ -49,11 +49,21 @@ TRIAL_DRIVER_RESOURCE = (
     "dmlrc_trial_driver"  # pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE (no pipelines import here)
 )
 
-__all__ = ["LocalCluster", "local_cluster", "ClusterUnavailable"]
+__all__ = ["LocalCluster", "local_cluster", "ClusterUnavailable", "vendored_psutil"]
 
 
 class ClusterUnavailable(RuntimeError):
     """PostgreSQL (or another service the cluster needs) is not there: callers skip."""
+
+
+def vendored_psutil():
+    """psutil as Ray vendors it (not a dependency of this project): importing ``ray`` first puts Ray's
+    ``thirdparty_files`` on ``sys.path``, in whatever order a test process imported things before."""
+    import importlib
+
+    import ray  # noqa: F401 - for its sys.path entry
+
+    return importlib.import_module("psutil")
 
 
 def _free_port() -> int:
@@ -74,8 +84,7 @@ class Node:
 
     def pids(self) -> list[int]:
         """The ``ray start`` process and every process below it (GCS, raylet, agents, workers), children first."""
-        import psutil
-        import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
+        psutil = vendored_psutil()
 
         try:
             root = psutil.Process(self.proc.pid)
@@ -84,8 +93,7 @@ class Node:
             return []
 
     def raylet_pid(self) -> int | None:
-        import psutil
-        import ray  # noqa: F401
+        psutil = vendored_psutil()
 
         for pid in self.pids():
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -214,8 +222,7 @@ def _stop_node(node: Node, grace: float = 15.0) -> None:
             node.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
-    import psutil
-    import ray  # noqa: F401
+    psutil = vendored_psutil()
 
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):

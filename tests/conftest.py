@@ -4,6 +4,31 @@ from __future__ import annotations
 
 import pytest
 
+#: The longest test modules, longest first (their seconds in ``make test``: tests/README.md).  ``make test`` hands
+#: whole modules to its two pytest-xdist workers in collection order (``--dist loadfile``); starting with the longest
+#: lets the short ones fill in at the end, so that both workers finish together.
+LONGEST_FIRST = (
+    "test_faults.py",
+    "test_faults_services.py",
+    "test_resume.py",
+    "test_sweep.py",
+    "test_reeval.py",
+    "test_faults_driver_host.py",
+    "test_security.py",
+    "test_interrupt.py",
+    "test_packaging.py",
+    "test_cluster.py",
+    "test_studies_sweep.py",
+    "test_postgres_tracking.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """The modules of :data:`LONGEST_FIRST` first, in that order; the rest after them as collected.  Tests within a
+    module keep their order (a module's fixtures and fault sequence depend on it)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
@@ -14,3 +39,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A head + two 2-CPU worker nodes, S3 and MLflow on PostgreSQL (``tests/cluster.py``), one per test module:
+    the fault modules (``tests/test_faults*.py``) each get their own, so that two pytest workers run them side by
+    side.  Skips without PostgreSQL."""
+    from tests.cluster import ClusterUnavailable, local_cluster
+
+    work = tmp_path_factory.mktemp("faults")
+    try:
+        cm = local_cluster(work, workers=2, worker_cpus=2)
+        c = cm.__enter__()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no PostgreSQL for the MLflow server: {e}")
+    try:
+        yield c
+    finally:
+        cm.__exit__(None, None, None)

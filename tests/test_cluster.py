@@ -4,7 +4,9 @@ PostgreSQL.  The head has no CPUs, each worker 2: a trial's four folds (1 CPU ea
 on one node, so they must land on both workers — read back from the fold runs' ``node_id`` tags.
 
 The sweep studies a user's own loss and trunk by import path (``examples/plugin``, never installed anywhere), shipped
-to the worker nodes by the config's ``runtime_env.py_modules``, next to ``contrastive``.
+to the worker nodes by the config's ``runtime_env.py_modules``, next to ``contrastive``, one study after the other
+(``max_concurrent_studies: 1``: the second study run starts after the first has ended; the default, studies at once,
+is ``tests/test_studies_sweep.py``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
             losses=("contrastive", "dmlrc_example.losses:CircleLoss"),
             trunk="dmlrc_example.trunks:wide_tiny",
             runtime_env={"py_modules": [str(plugin)]},
+            max_concurrent_studies=1,
         )
         out = subprocess.run(
             [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
@@ -109,6 +112,7 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
         log = out.stdout[-5000:] + out.stderr[-5000:]
         assert out.returncode == 0, log
         assert "warning:" not in out.stdout, log  # S3 storage and an MLflow server: nothing to warn about
+        assert "2 studies (synthetic/contrastive, synthetic/dmlrc_example.losses:CircleLoss), ≤ 1 at once" in out.stdout
 
         client = MlflowClient(c.tracking_uri)
         exp = client.get_experiment_by_name("multinode-experiment")
@@ -124,6 +128,10 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(tmp_path):
             mean, low, high = (m[f"test.concat.map_at_r.{k}"] for k in ("mean", "ci_low", "ci_high"))
             assert all(math.isfinite(v) for v in (mean, low, high)) and low <= mean <= high, (mean, low, high)
             assert study.data.tags.get("registered_model", "").startswith("dmlrc."), study.data.tags
+
+        # max_concurrent_studies: 1 — the second study started after the first had ended
+        spans = sorted((r.info.start_time, r.info.end_time) for r in studies.values())
+        assert spans[0][1] <= spans[1][0], spans
 
         # Folds ran on the worker nodes of *this* cluster, on at least two of them.
         fold_nodes = [r.data.tags.get("node_id") for r in runs if r.data.tags["stage"] == "fold"]

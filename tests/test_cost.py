@@ -1,5 +1,5 @@
 """Cost accounting, fast: a fold's resource-seconds, their sums, the tables that show them, and the
-default number of studies in flight.  The same on real runs: tests/test_parallel_studies.py."""
+default number of studies in flight.  The same on real runs: tests/test_studies_sweep.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""PostgreSQL as a *direct* MLflow tracking store (no MLflow server): ``postgresql://`` (SQLAlchemy 2.1's default
-driver is psycopg 3; without it the config pins the installed psycopg2) and ``postgresql+psycopg2://``, each in
-an end-to-end sweep on a fresh database of the PostgreSQL at 127.0.0.1:5432
-(``$DMLRC_TEST_PG`` overrides the admin URI; skipped when none answers).
+"""PostgreSQL as a *direct* MLflow tracking store (no MLflow server), on a fresh database of the PostgreSQL at
+127.0.0.1:5432 (``$DMLRC_TEST_PG`` overrides the admin URI; skipped when none answers): an end-to-end sweep with
+``postgresql://`` (SQLAlchemy 2.1's default driver is psycopg 3; without it the config pins the installed psycopg2),
+and ``postgresql+psycopg2://`` accepted by the config and written and read through by MLflow in-process (the sweep
+hands the URI to MLflow unchanged; one sweep is what the store's path through the product needs).
 
 The URI carries a password (the test server trusts local connections, so any password is accepted): it must not
 appear in what the sweep prints, in any MLflow param, tag or artifact, in the sweep folder or in Ray's session dir.
@@ -23,15 +24,15 @@ PASSWORD = "pw-never-printed-7f3a"
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("scheme", ["postgresql", "postgresql+psycopg2"])
-def test_sweep_with_postgresql_as_direct_tracking_store(tmp_path, scheme):
+def test_sweep_with_postgresql_as_direct_tracking_store(tmp_path):
     from mlflow.tracking import MlflowClient
 
     from pipelines.config.schema import ConfigError, check_tracking_uri
     from pipelines.tracking.runs import search_all
     from tests.mlflow_server import PostgresUnavailable, postgres_database
 
-    # both schemes are accepted tracking stores: a refusal is a failure, not a reason to skip
+    scheme = "postgresql"
+    # an accepted tracking store: a refusal is a failure, not a reason to skip
     try:
         check_tracking_uri(f"{scheme}://u@127.0.0.1:5432/db")
     except ConfigError as e:
@@ -83,4 +84,36 @@ def test_sweep_with_postgresql_as_direct_tracking_store(tmp_path, scheme):
         assert files_containing(Path(ray_tmp), [PASSWORD.encode()]) == []
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+        db.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_postgresql_psycopg2_is_an_accepted_direct_tracking_store(tmp_path):
+    """``postgresql+psycopg2://`` with a password: the config accepts it, and MLflow creates, logs to and reads back a
+    run on it (in this process: what a sweep does with the URI after the config check)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.config.schema import ConfigError, check_tracking_uri
+    from tests.mlflow_server import PostgresUnavailable, postgres_database
+
+    try:
+        check_tracking_uri("postgresql+psycopg2://u@127.0.0.1:5432/db")
+    except ConfigError as e:
+        pytest.fail(f"tracking.uri check refuses postgresql+psycopg2://: {e}")
+    try:
+        db = postgres_database()
+        admin_uri = db.__enter__()
+    except PostgresUnavailable as e:
+        pytest.skip(f"PostgreSQL not reachable: {e}")
+    try:
+        user, hostpart = admin_uri.split("://", 1)[1].split("@", 1)
+        uri = f"postgresql+psycopg2://{user}:{PASSWORD}@{hostpart}"
+        c = MlflowClient(uri)
+        exp = c.create_experiment("psycopg2-experiment")
+        run = c.create_run(exp, tags={"stage": "study"})
+        c.log_metric(run.info.run_id, "test.concat.map_at_r.mean", 0.25)
+        c.set_terminated(run.info.run_id)
+        back = MlflowClient(admin_uri).get_run(run.info.run_id)
+        assert back.data.metrics["test.concat.map_at_r.mean"] == 0.25 and back.info.status == "FINISHED"
+    finally:
         db.__exit__(None, None, None)

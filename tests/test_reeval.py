@@ -318,9 +318,21 @@ def _copy_as_second_version(uri: str, name: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_reeval_ok_regressed_failed_and_s3(tmp_path):
-    from tests.mlflow_server import mlflow_server
+    """A registered sweep against an ``mlflow server`` on a fresh PostgreSQL database (a shared deployment's
+    registry; sqlite when no PostgreSQL answers, said in the output), ``tests/test_registry.py``'s registration
+    checks on it, then ``dmlrc reeval`` four times.  Every other sweep against an ``mlflow server`` registers its
+    models on sqlite (``tests/test_sweep.py``, ``tests/test_studies_sweep.py``)."""
+    import contextlib
 
-    with mlflow_server(tmp_path / "server") as uri:
+    from tests.mlflow_server import PostgresUnavailable, mlflow_server, postgres_database
+
+    with contextlib.ExitStack() as stack:
+        try:
+            backend = stack.enter_context(postgres_database())
+        except PostgresUnavailable as e:
+            print(f"registry on sqlite: {e}")
+            backend = None
+        uri = stack.enter_context(mlflow_server(tmp_path / "server", backend_uri=backend))
         data, experiment = run_registered_sweep(tmp_path, uri)
         check_registered(uri, experiment, data)  # tests/test_registry.py's checks, on the same sweep
         reeval_checks(tmp_path, uri, data, experiment)

@@ -1,10 +1,9 @@
-"""Models in MLflow's format, registered: naming and dataset digests (fast); a tiny sweep against a
-real ``mlflow server`` that registers one version per study with its tags, and a pyfunc model that returns the fold
-models' embeddings (slow).
+"""Models in MLflow's format, registered: naming and dataset digests, a pyfunc model that returns the fold models'
+embeddings, studies logging one dataset at once.
 
-:func:`parquet_dataset`, :func:`run_registered_sweep` and :func:`check_registered` are shared with
-``tests/test_reeval.py``, whose sweep against an ``mlflow server`` on sqlite runs every registration check before it
-re-evaluates the models (one sweep for both); here the same checks run against a server on PostgreSQL.
+:func:`parquet_dataset`, :func:`run_registered_sweep` and :func:`check_registered` (one registered version per
+study with its tags, checked against a tiny real sweep) are run by ``tests/test_reeval.py``, whose sweep against an
+``mlflow server`` on PostgreSQL runs every registration check before it re-evaluates the models: one sweep for both.
 """
 
 from __future__ import annotations
@@ -286,29 +285,12 @@ def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unp
     assert model.metadata.get_input_schema().inputs[0].shape == (-1, 3, 16, 16)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_sweep_registers_one_version_per_study_with_its_tags_postgresql(tmp_path):
-    from tests.mlflow_server import PostgresUnavailable, mlflow_server, postgres_database
-
-    try:
-        pg = postgres_database()
-        pg_uri = pg.__enter__()
-    except PostgresUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        with mlflow_server(tmp_path / "server", backend_uri=pg_uri) as uri:
-            data, experiment = run_registered_sweep(tmp_path, uri)
-            check_registered(uri, experiment, data)
-    finally:
-        pg.__exit__(None, None, None)
-
-
 def test_studies_logging_the_same_new_dataset_at_once_do_not_collide(tmp_path):
     """Studies start in threads of one driver, and several train on the same dataset: each logs it as its study
     run's input at the same moment.  MLflow's SQL store looks the dataset up, then inserts it, so two inserts of a
     new (name, digest) could race to the table's unique key (`UNIQUE constraint failed: datasets...`, found by a
-    clean-clone `make test` in test_parallel_studies).  Each round uses a fresh experiment, so the dataset is new."""
+    clean-clone `make test` in a sweep of three studies at once).  Each round uses a fresh experiment, so the
+    dataset is new."""
     import threading
 
     from mlflow import MlflowClient

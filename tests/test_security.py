@@ -86,8 +86,9 @@ def files_containing(root: Path, needles: list[bytes]) -> list[str]:
 
 
 def _descendants(pid: int) -> set[int]:
-    import psutil
-    import ray  # noqa: F401 - puts Ray's vendored psutil on sys.path
+    from tests.cluster import vendored_psutil
+
+    psutil = vendored_psutil()
 
     try:
         return {p.pid for p in psutil.Process(pid).children(recursive=True)} | {pid}
@@ -97,7 +98,9 @@ def _descendants(pid: int) -> set[int]:
 
 def _listening(pids: set[int]) -> list[tuple[int, str, str, int]]:
     """(pid, process title, address, port) of every TCP socket in LISTEN state owned by one of ``pids``."""
-    import psutil
+    from tests.cluster import vendored_psutil
+
+    psutil = vendored_psutil()
 
     out = []
     for c in psutil.net_connections("inet"):

@@ -363,15 +363,15 @@ def _tune_result(storage: Path, name: str, study: str, trial_id: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_sweep_end_to_end_against_mlflow_server_sqlite(tmp_path):
-    """2 BO trials + 2 reproductions of one loss as DDP folds (Ray Train, 2 gloo workers each), against a real
-    ``mlflow server``.  Two k-fold folds per trial: the Ray Train path's properties do not depend on the number of
-    folds, and every Ray Train job costs a worker group's start-up; the reality check's 4 folds in the ``mlrc`` layout
-    run end to end in the PostgreSQL test below (warm folds, two trials at once).  One trial at a time: concurrent
-    2-worker Train folds are many processes starting at once on a 2-core machine."""
+    """One trial + 2 reproductions of one loss as DDP folds (Ray Train, 2 gloo workers each), against a real
+    ``mlflow server``.  Two k-fold folds per trial and one trial: the Ray Train path's properties depend neither on
+    the number of folds nor on the search, and every Ray Train job costs a worker group's start-up; the reality
+    check's 4 folds in the ``mlrc`` layout and a Bayesian search (a random start-up trial, then a GP trial, two at
+    once) run end to end in the PostgreSQL test below (warm folds)."""
     from tests.mlflow_server import mlflow_server
 
     with mlflow_server(tmp_path / "server") as uri:
-        cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=2, workers=2, concurrent=1, folds=2)
+        cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=1, workers=2, concurrent=1, folds=2)
         out = _run_cli(["sweep", str(cfg)], cwd=tmp_path)
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
         assert "mlflow ui" not in out.stdout and uri in out.stdout  # the server to browse
@@ -380,7 +380,7 @@ def test_sweep_end_to_end_against_mlflow_server_sqlite(tmp_path):
             uri,
             "e2e-experiment",
             losses=["contrastive"],
-            trials=2,
+            trials=1,
             workers=2,
             storage=tmp_path / "runs",
             name="e2e",

@@ -1,6 +1,15 @@
-"""Study visuals end to end (slow): a tiny two-loss sweep against a real ``mlflow server``; every study run carries
-its gallery, per-class metrics and embedding map; ``dmlrc report`` and the MLflow run page are opened in headless
-Chromium and screenshotted (under the test's temp dir; the path is printed)."""
+"""One tiny sweep of three studies against a real ``mlflow server`` (synthetic data, 1 trial, 2 reproductions, 2 kfold
+folds of 1 worker each), checked for what a sweep of several losses gives its user:
+
+* **studies at once**: ``max_concurrent_studies`` left to its default on a local Ray of 6 CPUs (a study needs 2 →
+  three at once): the study runs' time spans overlap, and every study finishes with its intervals
+  (``max_concurrent_studies: 1``, studies one after another, is checked on the multi-node sweep of
+  ``tests/test_cluster.py``);
+* **cost**: each study run's ``cost.*`` is the sum of its fold runs', and ``dmlrc report`` shows the cost column;
+* **visuals**: every study run carries its gallery, per-class metrics and embedding map, matching the dataset's
+  labels and the reproduction's metrics; ``dmlrc report`` and the MLflow run page are opened in headless Chromium and
+  screenshotted (under the test's temp dir; the path is printed).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +26,7 @@ import yaml
 
 pytestmark = pytest.mark.slow
 
-LOSSES = ["contrastive", "ntxent"]
+LOSSES = ["contrastive", "triplet", "ntxent"]
 VISUALS = {"gallery.png", "gallery.json", "per_class.csv", "per_class.json", "embedding_map.png", "embedding_map.json"}
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -30,6 +39,8 @@ def _config(tmp: Path, uri: str) -> Path:
         "losses": LOSSES,
         "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
         "protocol": {
+            "folds": 2,
+            "fold_layout": "kfold",
             "trials": 1,
             "startup_trials": 1,
             "reproductions": 2,
@@ -39,7 +50,8 @@ def _config(tmp: Path, uri: str) -> Path:
             "max_epochs": 2,
             "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
         },
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
+        # default max_concurrent_studies on a local Ray of 6 CPUs: 6 // (1 trial × 2 folds × 1 worker × 1 CPU) = 3
+        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "num_cpus": 6},
         "tracking": {"uri": uri, "experiment": "viz-experiment"},
         "storage": str(tmp / "runs"),
     }
@@ -65,7 +77,7 @@ def swept(tmp_path_factory):
             env=env,
         )
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
-        yield uri, tmp, cfg
+        yield uri, tmp, cfg, out.stdout
 
 
 def _studies(uri: str):
@@ -81,7 +93,7 @@ def test_every_study_has_visuals_that_match_its_labels_and_metrics(swept):
     from pipelines.config.schema import load_config
     from pipelines.execution.preflight import preflight
 
-    uri, tmp, cfg_path = swept
+    uri, tmp, cfg_path, _ = swept
     c, exp, studies = _studies(uri)
     assert sorted(s.data.tags["loss"] for s in studies) == sorted(LOSSES)
     plan = preflight(load_config(cfg_path))[0]
@@ -120,6 +132,97 @@ def test_every_study_has_visuals_that_match_its_labels_and_metrics(swept):
     assert len({tuple(v) for v in queries.values()}) == 1 and len(queries) == len(LOSSES)
 
 
+def _runs(uri: str, experiment: str) -> dict[str, list]:
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.tracking.runs import search_all
+
+    c = MlflowClient(uri)
+    runs = search_all(c, c.get_experiment_by_name(experiment).experiment_id, "")
+    by_stage: dict[str, list] = {}
+    for r in runs:
+        by_stage.setdefault(r.data.tags.get("stage"), []).append(r)
+    return by_stage
+
+
+def _spans(studies) -> list[tuple[int, int]]:
+    return sorted((r.info.start_time, r.info.end_time) for r in studies)
+
+
+def _check_studies_finished(by_stage, losses=tuple(LOSSES)) -> None:
+    studies = by_stage["study"]
+    assert sorted(r.data.tags["loss"] for r in studies) == sorted(losses)
+    for r in studies:
+        assert r.info.status == "FINISHED" and r.data.tags["status"] == "ok" and r.data.tags["done"] == "true"
+        m = r.data.metrics
+        for mode in ("concat", "separated"):
+            assert {f"test.{mode}.map_at_r.{k}" for k in ("mean", "ci_low", "ci_high")} <= set(m), sorted(m)
+            assert (
+                m[f"test.{mode}.map_at_r.ci_low"]
+                <= m[f"test.{mode}.map_at_r.mean"]
+                <= m[f"test.{mode}.map_at_r.ci_high"]
+            )
+
+
+def _check_cost(by_stage) -> None:
+    """study cost = Σ its trials' and reproductions' = Σ their fold runs' (cost.cpu_seconds = wall × 1 CPU × 1)."""
+    from pipelines.tracking.runs import PARENT
+
+    kids: dict[str, list] = {}
+    for runs in by_stage.values():
+        for r in runs:
+            kids.setdefault(r.data.tags.get(PARENT), []).append(r)
+    for study in by_stage["study"]:
+        m = study.data.metrics
+        parents = [r for r in kids[study.info.run_id] if r.data.tags["stage"] in ("trial", "reproduction")]
+        folds = [f for p in parents for f in kids[p.info.run_id]]
+        assert len(parents) == 3 and len(folds) == 6
+        for f in folds:
+            fm = f.data.metrics
+            assert fm["cost.wall_seconds"] == pytest.approx(fm["time.end"] - fm["time.start"])
+            assert fm["cost.cpu_seconds"] == pytest.approx(fm["cost.wall_seconds"])  # 1 worker × 1 CPU
+            assert fm["cost.gpu_seconds"] == 0.0 and fm["cost.restarts"] == 0.0
+            assert f.data.tags["node_id"]
+        for p in parents:
+            assert p.data.metrics["cost.cpu_seconds"] == pytest.approx(
+                sum(f.data.metrics["cost.cpu_seconds"] for f in kids[p.info.run_id])
+            )
+        assert m["cost.cpu_seconds"] > 0
+        assert m["cost.cpu_seconds"] == pytest.approx(sum(f.data.metrics["cost.cpu_seconds"] for f in folds))
+        assert m["cost.wall_seconds"] == pytest.approx(sum(f.data.metrics["cost.wall_seconds"] for f in folds))
+        assert m["cost.gpu_seconds"] == 0.0 and m["cost.diverged.cpu_seconds"] == 0.0
+
+
+@pytest.mark.timeout(900)
+def test_studies_run_at_once_by_default_with_their_cost(swept):
+    from pipelines.results.report import write_report
+
+    uri, tmp, _, stdout = swept
+    assert "3 studies (synthetic/contrastive, synthetic/triplet, synthetic/ntxent), ≤ 3 at once" in stdout
+    # progress stays per study; the final table is in the config's order and shows the cost
+    for loss in LOSSES:
+        assert f"[synthetic/{loss}] done in" in stdout
+    table = stdout[stdout.index("finished in") :]
+    assert [table.index(f"synthetic  {loss}") for loss in LOSSES] == sorted(
+        table.index(f"synthetic  {loss}") for loss in LOSSES
+    )
+    assert "CPU-h" in table and "GPU-h" in table
+    by_stage = _runs(uri, "viz-experiment")
+    _check_studies_finished(by_stage)
+    spans = _spans(by_stage["study"])
+    assert max(s for s, _ in spans) < min(e for _, e in spans), f"the studies did not overlap: {spans}"
+    _check_cost(by_stage)
+
+    paths = write_report(uri, "viz-experiment", tmp / "cost-report", log_to_mlflow=False)
+    md = paths["md"].read_text()
+    assert "## Cost" in md and "synthetic cost (CPU-h / GPU-h)" in md
+    assert "Cost</h2>" in paths["html"].read_text()
+    report = json.loads(paths["json"].read_text())
+    study = {s["run_id"]: s for s in report["studies"]}
+    for r in by_stage["study"]:
+        assert study[r.info.run_id]["cost"]["cpu_seconds"] == pytest.approx(r.data.metrics["cost.cpu_seconds"])
+
+
 def _screenshot(url: str, path: Path, size: str = "1500,2200") -> None:
     profile = path.parent / f".chromium-{path.stem}"
     cmd = [
@@ -146,7 +249,7 @@ def test_report_page_and_mlflow_run_page_in_headless_chromium(swept):
 
     from pipelines.results.report import write_report
 
-    uri, tmp, _ = swept
+    uri, tmp, _, _ = swept
     paths = write_report(uri, "viz-experiment", tmp / "report", log_to_mlflow=False)
     page = paths["html"].read_text()
     assert page.count("alt='retrieval gallery of") == len(LOSSES) and "different queries" not in page
