@@ -19,10 +19,10 @@ demo: $(STAMP)
 	$(VENV)/bin/dmlrc demo
 
 # Every test, slow integration tests (Ray, MLflow server, S3) included.  Two pytest workers (pytest-xdist), one test
-# file each at a time: the integration tests spend much of their time starting processes and servers and waiting on
-# them, which a second worker overlaps.
+# file each at a time, in collection order (--no-loadscope-reorder: tests/conftest.py puts the longest modules first;
+# xdist would otherwise start with the modules that hold the most tests, the quick parametrised ones).
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # Unit tests only (no Ray, no servers): the inner loop.  Two pytest-xdist workers, tests handed out one by one.
 test-fast: lint

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 #: The longest test modules, longest first (their seconds in ``make test``: tests/README.md).  ``make test`` hands
-#: whole modules to its two pytest-xdist workers in collection order (``--dist loadfile``); starting with the longest
-#: lets the short ones fill in at the end, so that both workers finish together.
+#: whole modules to its two pytest-xdist workers in collection order (``--dist loadfile --no-loadscope-reorder``);
+#: starting with the longest lets the short ones fill in at the end, so that both workers finish together.
 LONGEST_FIRST = (
     "test_faults.py",
     "test_faults_services.py",
