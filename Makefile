@@ -19,10 +19,9 @@ demo: $(STAMP)
 	$(VENV)/bin/dmlrc demo
 
 # Every test, slow integration tests (Ray, MLflow server, S3) included.  Two pytest workers (pytest-xdist), one test
-# file each at a time, in collection order (--no-loadscope-reorder: tests/conftest.py puts the longest modules first;
-# xdist would otherwise start with the modules that hold the most tests, the quick parametrised ones).
+# file each at a time (a module's cluster or sweep fixture is built once).
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Unit tests only (no Ray, no servers): the inner loop.  Two pytest-xdist workers, tests handed out one by one.
 test-fast: lint

@@ -4,31 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-#: The longest test modules, longest first (their seconds in ``make test``: tests/README.md).  ``make test`` hands
-#: whole modules to its two pytest-xdist workers in collection order (``--dist loadfile --no-loadscope-reorder``);
-#: starting with the longest lets the short ones fill in at the end, so that both workers finish together.
-LONGEST_FIRST = (
-    "test_faults.py",
-    "test_faults_services.py",
-    "test_resume.py",
-    "test_sweep.py",
-    "test_reeval.py",
-    "test_faults_driver_host.py",
-    "test_security.py",
-    "test_interrupt.py",
-    "test_packaging.py",
-    "test_cluster.py",
-    "test_studies_sweep.py",
-    "test_postgres_tracking.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    """The modules of :data:`LONGEST_FIRST` first, in that order; the rest after them as collected.  Tests within a
-    module keep their order (a module's fixtures and fault sequence depend on it)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
