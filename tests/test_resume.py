@@ -220,17 +220,17 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a failed assertion above: the driver still runs
             family = _descendants(proc.pid)
             proc.kill()
         log.close()
-    # The local Ray the driver started notices its death and exits; stop whatever is left, by pid.
-    t_end = time.time() + 60
-    while any(_alive(p) for p in family) and time.time() < t_end:
-        time.sleep(1)
-    for p in family:
-        if _alive(p):
-            os.kill(p, signal.SIGKILL)
+        # The local Ray the driver started notices its death and exits; stop whatever is left, by pid.
+        t_end = time.time() + 60
+        while any(_alive(p) for p in family) and time.time() < t_end:
+            time.sleep(1)
+        for p in family:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
 
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name("resume")
