@@ -22,21 +22,31 @@ from tests.test_security import files_containing, ray_tmpdir, sweep_env, tiny_sw
 PASSWORD = "pw-never-printed-7f3a"
 
 
+def _check_accepted(scheme: str) -> None:
+    """The scheme is an accepted tracking store: a refusal is a failure, not a reason to skip."""
+    from pipelines.config.schema import ConfigError, check_tracking_uri
+
+    try:
+        check_tracking_uri(f"{scheme}://u@127.0.0.1:5432/db")
+    except ConfigError as e:
+        pytest.fail(f"tracking.uri check refuses {scheme}://: {e}")
+
+
+def _with_password(admin_uri: str, scheme: str) -> tuple[str, str]:
+    """(``scheme://user:PASSWORD@host:port/db`` of the test database, its ``host:port/db``)."""
+    user, hostpart = admin_uri.split("://", 1)[1].split("@", 1)
+    return f"{scheme}://{user}:{PASSWORD}@{hostpart}", hostpart
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sweep_with_postgresql_as_direct_tracking_store(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from pipelines.config.schema import ConfigError, check_tracking_uri
     from pipelines.tracking.runs import search_all
     from tests.mlflow_server import PostgresUnavailable, postgres_database
 
-    scheme = "postgresql"
-    # an accepted tracking store: a refusal is a failure, not a reason to skip
-    try:
-        check_tracking_uri(f"{scheme}://u@127.0.0.1:5432/db")
-    except ConfigError as e:
-        pytest.fail(f"tracking.uri check refuses {scheme}://: {e}")
+    _check_accepted("postgresql")
     try:
         db = postgres_database()
         admin_uri = db.__enter__()
@@ -45,10 +55,8 @@ def test_sweep_with_postgresql_as_direct_tracking_store(tmp_path):
     ray_tmp = ray_tmpdir()
     try:
         # postgres_database() yields postgresql+psycopg2://user@host:port/db; put the scheme and a password in.
-        rest = admin_uri.split("://", 1)[1]
-        user, hostpart = rest.split("@", 1)
-        uri = f"{scheme}://{user}:{PASSWORD}@{hostpart}"
-        name = "pg" + scheme.replace("+", "")
+        uri, hostpart = _with_password(admin_uri, "postgresql")
+        name = "pgpostgresql"
         cfg = tiny_sweep_config(tmp_path, uri, name=name)
         out = subprocess.run(
             [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
@@ -93,21 +101,16 @@ def test_postgresql_psycopg2_is_an_accepted_direct_tracking_store(tmp_path):
     run on it (in this process: what a sweep does with the URI after the config check)."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.config.schema import ConfigError, check_tracking_uri
     from tests.mlflow_server import PostgresUnavailable, postgres_database
 
-    try:
-        check_tracking_uri("postgresql+psycopg2://u@127.0.0.1:5432/db")
-    except ConfigError as e:
-        pytest.fail(f"tracking.uri check refuses postgresql+psycopg2://: {e}")
+    _check_accepted("postgresql+psycopg2")
     try:
         db = postgres_database()
         admin_uri = db.__enter__()
     except PostgresUnavailable as e:
         pytest.skip(f"PostgreSQL not reachable: {e}")
     try:
-        user, hostpart = admin_uri.split("://", 1)[1].split("@", 1)
-        uri = f"postgresql+psycopg2://{user}:{PASSWORD}@{hostpart}"
+        uri, _ = _with_password(admin_uri, "postgresql+psycopg2")
         c = MlflowClient(uri)
         exp = c.create_experiment("psycopg2-experiment")
         run = c.create_run(exp, tags={"stage": "study"})
