@@ -37,6 +37,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.paced_trunk import PACED_TRUNK
+
 pytestmark = pytest.mark.slow
 
 ITERS, EPOCHS = 40, 5  # long enough epochs (no early stop) that a fold is still training after its 3rd evaluation
@@ -56,7 +58,8 @@ def _config(
     folds: int = 4,
     **resources,
 ) -> Path:
-    """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, batches of 8 × 4, no early stop.
+    """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, no early stop, the paced trunk
+    (:data:`PACED_TRUNK`: a fold's length is its steps' waiting, not their computing).
     ``folds``: 4 spread a trial over both worker nodes (2 CPUs each), which the node faults need; the faults whose
     place does not matter (S3, MLflow, a diverging trial, a corrupt shard) run 2, half the work."""
     from tests.test_cluster import cluster_sweep_config
@@ -71,6 +74,7 @@ def _config(
         iters_per_epoch=ITERS,
         max_epochs=epochs,
         fold_retries=2,
+        trunk=PACED_TRUNK,
         **resources,
     )
     doc = yaml.safe_load(path.read_text())
@@ -79,7 +83,6 @@ def _config(
     doc["model"]["embedding_dim"] = 16
     doc["protocol"]["patience"] = 50
     doc["protocol"]["folds"] = folds
-    doc["protocol"]["train"].update(classes_per_batch=8, m=4)
     path.write_text(yaml.safe_dump(doc))
     return path
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.paced_trunk import PACED_TRUNK
 from tests.test_resume import sweep_started
 from tests.test_security import ray_tmpdir, sweep_env, tiny_sweep_config
 
@@ -118,8 +119,9 @@ def test_sigterm_stops_the_sweep_closes_its_runs_leaves_no_process_and_resume_fi
     ray_tmp = ray_tmpdir()
     db = tmp_path / "mlflow.db"
     uri = f"sqlite:///{db}"
-    # Long enough folds that the signal lands mid-trial (each fold then takes several seconds).
-    cfg = tiny_sweep_config(tmp_path, uri, name="stopme", max_epochs=4, iters_per_epoch=40)
+    # Long enough folds that the signal lands mid-trial (each fold then takes several seconds, waiting: the paced
+    # trunk).
+    cfg = tiny_sweep_config(tmp_path, uri, name="stopme", max_epochs=4, iters_per_epoch=40, trunk=PACED_TRUNK)
     env = sweep_env(ray_tmp)
     proc = None
     try:

@@ -35,8 +35,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.paced_trunk import PACED_TRUNK
 from tests.test_sweep import _run_cli
 
+ROOT = Path(__file__).resolve().parents[1]
 #: Folds per trial: k-fold, two (see the module docstring).
 FOLDS = 2
 #: The process title Ray gives a process while it runs a fold, per executor.
@@ -143,9 +145,10 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         "seed": 5,
         "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
         "losses": ["contrastive"],
-        "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
-        # folds long enough (also warm ones, whose trials take seconds) that a fold is still training a while after
-        # its second evaluation and trial 2 still runs when the driver dies; no early stop
+        # the paced trunk (tests/paced_trunk.py): folds long enough (also warm ones, whose trials take seconds) that
+        # a fold is still training a while after its second evaluation and trial 2 still runs when the driver dies,
+        # their steps waiting rather than computing; no early stop
+        "model": {"trunk": PACED_TRUNK, "embedding_dim": 16, "freeze_bn": False},
         "protocol": {
             "folds": FOLDS,
             "fold_layout": "kfold",
@@ -156,7 +159,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             "eval_every": 1,
             "patience": 50,
             "max_epochs": 3,
-            "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3},
+            "train": {"classes_per_batch": 4, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3},
         },
         "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1, "fold_executor": executor},
         "storage": str(tmp_path / "runs"),
@@ -170,6 +173,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
     log_path = tmp_path / "first.log"
     log = open(log_path, "wb")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # the paced trunk
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
         cwd=tmp_path,
@@ -241,7 +245,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
     assert len(done_folds) == FOLDS
 
     # 3. --resume finishes the study.
-    out = _run_cli(["sweep", str(cfg), "--resume"], cwd=tmp_path)
+    out = _run_cli(["sweep", str(cfg), "--resume"], cwd=tmp_path, extra_env={"PYTHONPATH": env["PYTHONPATH"]})
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
     assert "resuming search" in out.stdout
     text = log_path.read_text(errors="replace") + out.stdout

@@ -1,8 +1,11 @@
 """Security of a sweep's own Ray: no credentials anywhere Ray or MLflow write, loopback-only sockets,
 no password in what is printed, and the cluster's resources checked before any trial starts.
 
-The slow tests run ``dmlrc sweep`` on a tiny config (2 class-disjoint folds, 1 trial, 2 reproductions) in a
-subprocess with its own Ray temp dir (``RAY_TMPDIR``), so that the whole Ray session directory can be searched.
+The slow tests share one ``dmlrc sweep`` of a tiny config (2 class-disjoint folds, 1 trial, 2 reproductions, DDP
+folds of 2 gloo workers) in a subprocess with its own Ray temp dir (``RAY_TMPDIR``), so that the whole Ray session
+directory can be searched, against a real ``mlflow server`` (sqlite) whose database is searched too.  The same sweep
+is the end-to-end test of the Ray Train executor: its MLflow tree is checked as tests/test_sweep.py checks the
+warm sweeps'.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_sweep_config(
-    tmp_path: Path, tracking_uri: str, *, name: str, max_epochs: int = 1, iters_per_epoch: int = 2, **resources
+    tmp_path: Path,
+    tracking_uri: str,
+    *,
+    name: str,
+    max_epochs: int = 1,
+    iters_per_epoch: int = 2,
+    trunk: str = "tiny",
+    **resources,
 ) -> Path:
     """The smallest real sweep: 1 loss, 2 kfold folds, 1 trial + 2 reproductions, 1 gloo worker per fold."""
     doc = {
@@ -35,7 +45,7 @@ def tiny_sweep_config(
         "seed": 1,
         "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 16, "per_class": 6, "image_size": 16}],
         "losses": ["contrastive"],
-        "model": {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
+        "model": {"trunk": trunk, "embedding_dim": 8, "freeze_bn": False},
         "protocol": {
             "folds": 2,
             "fold_layout": "kfold",
@@ -209,7 +219,11 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
 
 @pytest.fixture(scope="module")
 def sweep_with_credentials(tmp_path_factory):
-    """One tiny sweep with fake AWS credentials in its environment; its sockets sampled while it runs."""
+    """One tiny DDP sweep with fake AWS credentials in its environment, against an ``mlflow server`` whose files
+    live in the sweep's tmp dir; its sockets sampled while it runs."""
+    from tests.mlflow_server import mlflow_server
+    from tests.test_sweep import _sweep_config
+
     tmp = tmp_path_factory.mktemp("secure")
     ray_tmp = ray_tmpdir()
     secret = {
@@ -217,38 +231,68 @@ def sweep_with_credentials(tmp_path_factory):
         "AWS_SECRET_ACCESS_KEY": "fake-secret-" + secrets.token_hex(16),
         "AWS_SESSION_TOKEN": "fake-token-" + secrets.token_hex(16),
     }
-    # 2 workers per fold: the gloo connections between them are checked too
-    cfg = tiny_sweep_config(tmp, f"sqlite:///{tmp / 'mlflow.db'}", name="secure", workers_per_fold=2)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
-        cwd=tmp,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=sweep_env(ray_tmp, **secret),
-    )
-    sockets: set[tuple[int, str, str, int]] = set()
-    import threading
+    with mlflow_server(tmp / "server") as uri:
+        # 2 workers per fold (Ray Train): the gloo connections between them are checked too
+        cfg = _sweep_config(tmp, uri, losses=["contrastive"], trials=1, workers=2, concurrent=1, folds=2, name="secure")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
+            cwd=tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=sweep_env(ray_tmp, **secret),
+        )
+        sockets: set[tuple[int, str, str, int]] = set()
+        import threading
 
-    output: list[bytes] = []
-    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    deadline = time.time() + 900  # a hang guard, not a speed target: two pytest workers share the cores
-    while proc.poll() is None and time.time() < deadline:
-        sockets.update(_listening(_descendants(proc.pid)))
-        time.sleep(0.5)
-    if proc.poll() is None:
-        proc.kill()
-    rc = proc.wait(timeout=60)
-    reader.join(timeout=60)
-    yield {
-        "rc": rc,
-        "out": b"".join(output),
-        "tmp": tmp,
-        "ray_tmp": Path(ray_tmp),
-        "secret": secret,
-        "sockets": sockets,
-    }
+        output: list[bytes] = []
+        reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
+        reader.start()
+        deadline = time.time() + 900  # a hang guard, not a speed target: two pytest workers share the cores
+        while proc.poll() is None and time.time() < deadline:
+            sockets.update(_listening(_descendants(proc.pid)))
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        rc = proc.wait(timeout=60)
+        reader.join(timeout=60)
+        yield {
+            "rc": rc,
+            "out": b"".join(output),
+            "tmp": tmp,
+            "ray_tmp": Path(ray_tmp),
+            "secret": secret,
+            "sockets": sockets,
+            "uri": uri,
+        }
     shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(1080)
+def test_ddp_sweep_end_to_end_against_an_mlflow_server(sweep_with_credentials):
+    """One trial + 2 reproductions of one loss as DDP folds (Ray Train, 2 gloo workers each), against a real
+    ``mlflow server``: the whole MLflow tree, Tune's results = MLflow's metrics (tests/test_sweep.py's check).  Two
+    k-fold folds per trial and one trial: the Ray Train path's properties depend neither on the number of folds nor
+    on the search, and every Ray Train job costs a worker group's start-up; the reality check's 4 folds in the
+    ``mlrc`` layout and a Bayesian search run end to end in test_sweep.py's PostgreSQL sweep (warm folds)."""
+    from tests.test_sweep import _check_run_tree
+
+    s = sweep_with_credentials
+    out = s["out"].decode(errors="replace")
+    assert s["rc"] == 0, out[-5000:]
+    assert "mlflow ui" not in out and s["uri"] in out  # the server to browse
+    assert "[synthetic/contrastive] done in" in out
+    _check_run_tree(
+        s["uri"],
+        "secure-experiment",
+        losses=["contrastive"],
+        trials=1,
+        workers=2,
+        storage=s["tmp"] / "runs",
+        name="secure",
+        n_folds=2,
+    )
 
 
 @pytest.mark.slow

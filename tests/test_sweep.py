@@ -361,34 +361,6 @@ def _tune_result(storage: Path, name: str, study: str, trial_id: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.ddp
-def test_sweep_end_to_end_against_mlflow_server_sqlite(tmp_path):
-    """One trial + 2 reproductions of one loss as DDP folds (Ray Train, 2 gloo workers each), against a real
-    ``mlflow server``.  Two k-fold folds per trial and one trial: the Ray Train path's properties depend neither on
-    the number of folds nor on the search, and every Ray Train job costs a worker group's start-up; the reality
-    check's 4 folds in the ``mlrc`` layout and a Bayesian search (a random start-up trial, then a GP trial, two at
-    once) run end to end in the PostgreSQL test below (warm folds)."""
-    from tests.mlflow_server import mlflow_server
-
-    with mlflow_server(tmp_path / "server") as uri:
-        cfg = _sweep_config(tmp_path, uri, losses=["contrastive"], trials=1, workers=2, concurrent=1, folds=2)
-        out = _run_cli(["sweep", str(cfg)], cwd=tmp_path)
-        assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
-        assert "mlflow ui" not in out.stdout and uri in out.stdout  # the server to browse
-        assert "[synthetic/contrastive] done in" in out.stdout
-        _check_run_tree(
-            uri,
-            "e2e-experiment",
-            losses=["contrastive"],
-            trials=1,
-            workers=2,
-            storage=tmp_path / "runs",
-            name="e2e",
-            n_folds=2,
-        )
-
-
-@pytest.mark.slow
 def test_sweep_end_to_end_against_mlflow_server_postgresql(tmp_path):
     """The same tree through an ``mlflow server`` on a fresh PostgreSQL database (skipped without PostgreSQL), two
     trials at once (single-worker warm folds)."""
