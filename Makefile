@@ -19,9 +19,10 @@ demo: $(STAMP)
 	$(VENV)/bin/dmlrc demo
 
 # Every test, slow integration tests (Ray, MLflow server, S3) included.  Two pytest workers (pytest-xdist), one test
-# file each at a time (a module's cluster or sweep fixture is built once).
+# file each at a time (a module's cluster or sweep fixture is built once), in collection order: tests/conftest.py
+# puts the longest modules first.
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # Unit tests only (no Ray, no servers): the inner loop.  Two pytest-xdist workers, tests handed out one by one.
 test-fast: lint

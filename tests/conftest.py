@@ -4,6 +4,34 @@ from __future__ import annotations
 
 import pytest
 
+#: The longest test modules, first.  ``make test`` hands whole modules to its two pytest-xdist workers in collection
+#: order (``--dist loadfile --no-loadscope-reorder``; xdist would otherwise start with the modules that hold the most
+#: tests, the quick parametrised ones, and end with these).  Most of them wait rather than compute (servers, clusters,
+#: folds paced by tests/paced_trunk.py, outages): started first, their waiting overlaps the CPU-bound unit tests of
+#: the other worker instead of being the suite's tail.  Modules that wait alternate with ones that compute.
+LONGEST_FIRST = (
+    "test_resume.py",
+    "test_reeval.py",
+    "test_faults.py",
+    "test_security.py",
+    "test_faults_services.py",
+    "test_packaging.py",
+    "test_faults_driver_host.py",
+    "test_sweep.py",
+    "test_interrupt.py",
+    "test_cluster.py",
+    "test_studies_sweep.py",
+    "test_postgres_tracking.py",
+    "test_mlflow_ui.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """The modules of :data:`LONGEST_FIRST` first, in that order; the rest after them as collected.  Tests within a
+    module keep their order (a module's fixtures and fault sequence depend on it)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():

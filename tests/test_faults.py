@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.paced_trunk import PACED_TRUNK
+from tests.paced_trunk import PACE_FILE_ENV, PACED_TRUNK, pace_file
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +56,12 @@ def _config(
     reproductions: int,
     epochs: int = EPOCHS,
     folds: int = 4,
+    pace: Path | None = None,
     **resources,
 ) -> Path:
-    """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, no early stop, the paced trunk
-    (:data:`PACED_TRUNK`: a fold's length is its steps' waiting, not their computing).
+    """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, no early stop.  ``pace``: a pace file
+    (:func:`tests.paced_trunk.pace_file`): the paced trunk, whose steps wait while the file exists, so that a fold is
+    caught mid-training by waiting, not computing (the test deletes the file after its fault); else ``tiny``.
     ``folds``: 4 spread a trial over both worker nodes (2 CPUs each), which the node faults need; the faults whose
     place does not matter (S3, MLflow, a diverging trial, a corrupt shard) run 2, half the work."""
     from tests.test_cluster import cluster_sweep_config
@@ -74,7 +76,8 @@ def _config(
         iters_per_epoch=ITERS,
         max_epochs=epochs,
         fold_retries=2,
-        trunk=PACED_TRUNK,
+        trunk=PACED_TRUNK if pace else "tiny",
+        runtime_env={"env_vars": {PACE_FILE_ENV: str(pace)}} if pace else None,
         **resources,
     )
     doc = yaml.safe_load(path.read_text())
@@ -217,7 +220,10 @@ def _record(tmp_path: Path, row: dict) -> None:
 @pytest.mark.timeout(1200)
 def test_a_worker_node_killed_mid_fold_resumes_on_the_surviving_node(cluster, tmp_path):
     c = cluster
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("nodekill"), name="nodekill", trials=1, reproductions=2)
+    pace = pace_file(tmp_path)
+    cfg = _config(
+        tmp_path, c.tracking_uri, c.storage("nodekill"), name="nodekill", trials=1, reproductions=2, pace=pace
+    )
     log_path = tmp_path / "sweep.log"
     t0 = time.time()
     proc = _start(c, cfg, log_path)
@@ -225,8 +231,10 @@ def test_a_worker_node_killed_mid_fold_resumes_on_the_surviving_node(cluster, tm
         victim = _wait_for_fold(c, "nodekill-experiment", proc, log_path, node_id=c.node_ids[2], evals=3)
         killed = c.kill_node(2)
         t_fault = time.time()
+        pace.unlink()  # the rest at full speed
         text = _finish(proc, log_path, timeout=900)
     finally:
+        pace.unlink(missing_ok=True)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert killed and c.node_ids[2] not in c.alive_node_ids()
@@ -267,6 +275,7 @@ def test_the_same_node_loss_without_mid_fold_resume_trains_the_lost_folds_again(
         trials=1,
         reproductions=2,
         mid_fold_resume=False,
+        pace=(pace := pace_file(tmp_path)),
     )
     log_path = tmp_path / "sweep.log"
     t0 = time.time()
@@ -275,8 +284,10 @@ def test_the_same_node_loss_without_mid_fold_resume_trains_the_lost_folds_again(
         victim = _wait_for_fold(c, "noresume-experiment", proc, log_path, node_id=c.node_ids[2], evals=3)
         c.kill_node(2)
         t_fault = time.time()
+        pace.unlink()
         _finish(proc, log_path, timeout=900)
     finally:
+        pace.unlink(missing_ok=True)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     counts = _check_tree(c, "noresume-experiment", parents=3, resume=False)
@@ -303,7 +314,10 @@ def test_driver_killed_while_a_node_is_down_then_resume_completes(cluster, tmp_p
     if c.node_ids[2] in alive:  # run alone: take node 2 down first, as the test above leaves it
         c.kill_node(2)
     assert c.node_ids[1] in alive
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("driverkill"), name="driverkill", trials=2, reproductions=2)
+    pace = pace_file(tmp_path)
+    cfg = _config(
+        tmp_path, c.tracking_uri, c.storage("driverkill"), name="driverkill", trials=2, reproductions=2, pace=pace
+    )
     log_path = tmp_path / "sweep.log"
     t0 = time.time()
     proc = _start(c, cfg, log_path)
@@ -322,6 +336,7 @@ def test_driver_killed_while_a_node_is_down_then_resume_completes(cluster, tmp_p
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started on this machine
         proc.wait(timeout=60)
     finally:
+        pace.unlink(missing_ok=True)  # --resume at full speed
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     _, before = _runs(c, "driverkill-experiment")

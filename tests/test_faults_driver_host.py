@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.paced_trunk import pace_file
 from tests.test_faults import _check_tree, _config, _finish, _record, _runs, _start, _wait_for_fold
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,7 @@ def test_the_node_hosting_the_trials_driver_killed_mid_fold_the_trial_retries_on
             trials=1,
             reproductions=2,
             trial_retries=1,
+            pace=(pace := pace_file(tmp_path)),
         )
         log_path = tmp_path / "sweep.log"
         t0 = time.time()
@@ -50,8 +52,10 @@ def test_the_node_hosting_the_trials_driver_killed_mid_fold_the_trial_retries_on
             victim = c.node_ids.index(host)
             c.kill_node(victim)
             t_fault = time.time()
+            pace.unlink()  # the retried trial at full speed
             text = _finish(proc, log_path, timeout=900)
         finally:
+            pace.unlink(missing_ok=True)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         counts = _check_tree(c, "driverhost-experiment", parents=3)

@@ -33,6 +33,7 @@ import time
 import pytest
 import yaml
 
+from tests.paced_trunk import pace_file
 from tests.test_faults import (
     SHORT,
     _check_tree,
@@ -69,7 +70,10 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
     the interval since its last stored checkpoint; storage trouble is retried, not turned into retraining."""
     c = cluster
     _with_node_2(c)
-    cfg = _config(tmp_path, c.tracking_uri, c.storage("s3outage"), name="s3outage", trials=1, reproductions=2, folds=2)
+    pace = pace_file(tmp_path)
+    cfg = _config(
+        tmp_path, c.tracking_uri, c.storage("s3outage"), name="s3outage", trials=1, reproductions=2, folds=2, pace=pace
+    )
     log_path = tmp_path / "sweep.log"
     pid = _s3_pid(c)
     t0 = time.time()
@@ -96,6 +100,8 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
                 except Exception:  # noqa: BLE001
                     continue
             os.kill(pid, signal.SIGSTOP)
+            if stage == "reproduction":
+                pace.unlink()  # the last fault: the rest at full speed
             try:
                 time.sleep(seconds)
             finally:
@@ -103,6 +109,7 @@ def test_s3_stopped_for_30_s_and_for_longer_than_a_fold(cluster, tmp_path):
             outages.append(seconds)
         text = _finish(proc, log_path, timeout=1200)
     finally:
+        pace.unlink(missing_ok=True)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
         if proc.poll() is None:
@@ -132,7 +139,14 @@ def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_compl
     c = cluster
     _with_node_2(c)
     cfg = _config(
-        tmp_path, c.tracking_uri, c.storage("mlflowdown"), name="mlflowdown", trials=1, reproductions=2, folds=2
+        tmp_path,
+        c.tracking_uri,
+        c.storage("mlflowdown"),
+        name="mlflowdown",
+        trials=1,
+        reproductions=2,
+        folds=2,
+        pace=(pace := pace_file(tmp_path)),
     )
     doc = yaml.safe_load(cfg.read_text())
     doc["tracking"]["outage_timeout_s"] = OUTAGE_S
@@ -144,6 +158,7 @@ def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_compl
         _wait_for_fold(c, "mlflowdown-experiment", proc, log_path, node_id=None, evals=2)
         c.mlflow.stop(signal.SIGKILL)
         t_kill = time.time()
+        pace.unlink()  # --resume at full speed
         try:
             rc = proc.wait(timeout=OUTAGE_S + STOP_BOUND_S)
         except subprocess.TimeoutExpired:
@@ -154,6 +169,7 @@ def test_mlflow_killed_longer_than_its_retries_stops_the_sweep_then_resume_compl
         down_s = stopped_after + 5
         time.sleep(5)  # still down a little after the stop: nothing may depend on the server coming back at once
     finally:
+        pace.unlink(missing_ok=True)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         if c.mlflow.proc is None:  # an operator restarts the server: same port, same database and artifact store

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.paced_trunk import PACED_TRUNK
+from tests.paced_trunk import PACE_FILE_ENV, PACED_TRUNK, pace_file
 from tests.test_resume import sweep_started
 from tests.test_security import ray_tmpdir, sweep_env, tiny_sweep_config
 
@@ -122,7 +122,8 @@ def test_sigterm_stops_the_sweep_closes_its_runs_leaves_no_process_and_resume_fi
     # Long enough folds that the signal lands mid-trial (each fold then takes several seconds, waiting: the paced
     # trunk).
     cfg = tiny_sweep_config(tmp_path, uri, name="stopme", max_epochs=4, iters_per_epoch=40, trunk=PACED_TRUNK)
-    env = sweep_env(ray_tmp)
+    pace = pace_file(tmp_path)  # steps wait until the SIGTERM mid-fold
+    env = sweep_env(ray_tmp, **{PACE_FILE_ENV: str(pace)})
     proc = None
     try:
         # 1. Right after the banner: Ray has just started, no fold yet.
@@ -176,6 +177,7 @@ def test_sigterm_stops_the_sweep_closes_its_runs_leaves_no_process_and_resume_fi
         t0 = time.time()
         rc = _stopped(proc, signal.SIGTERM)
         took = time.time() - t0
+        pace.unlink()  # --resume at full speed
         stderr = err_path.read_text(errors="replace")
         assert rc == 143, stderr[-4000:]
         assert "interrupted: stopping trials, state is kept; resume with: dmlrc sweep" in stderr, stderr[-4000:]

@@ -109,15 +109,21 @@ def check_ui(uri: str, experiment_id: str, run_id: str, model_name: str, out: Pa
     assert "reeval.status" in model_dom, "registered model page does not show reeval.status"
 
 
+@pytest.fixture(scope="module")
+def server_uri(tmp_path_factory):
+    """One ``mlflow server`` (sqlite) for the module's browser tests; each writes its own experiment."""
+    from tests.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("server")) as uri:
+        yield uri
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @needs_chromium
-def test_ui_opens_on_runs_and_shows_dataset_model_and_reeval_status(tmp_path):
-    from tests.mlflow_server import mlflow_server
-
-    with mlflow_server(tmp_path / "server") as uri:
-        exp_id, run_id, name = _fake_study(tmp_path, uri, "ui-experiment")
-        check_ui(uri, exp_id, run_id, name, tmp_path)
+def test_ui_opens_on_runs_and_shows_dataset_model_and_reeval_status(tmp_path, server_uri):
+    exp_id, run_id, name = _fake_study(tmp_path, server_uri, "ui-experiment")
+    check_ui(server_uri, exp_id, run_id, name, tmp_path)
 
 
 def _zoo_experiment(uri: str, n_studies: int) -> tuple[str, list[tuple[str, float]]]:
@@ -162,13 +168,11 @@ def _zoo_experiment(uri: str, n_studies: int) -> tuple[str, list[tuple[str, floa
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @needs_chromium
-def test_runs_view_of_a_zoo_sized_sweep_ranks_studies_by_test_map_at_r(tmp_path):
+def test_runs_view_of_a_zoo_sized_sweep_ranks_studies_by_test_map_at_r(tmp_path, server_uri):
     from pipelines.tracking.ui import experiment_url
-    from tests.mlflow_server import mlflow_server
 
-    with mlflow_server(tmp_path / "server") as uri:
-        exp_id, studies = _zoo_experiment(uri, 24)
-        dom = render(experiment_url(uri, exp_id), tmp_path / "studies_view.png")
+    exp_id, studies = _zoo_experiment(server_uri, 24)
+    dom = render(experiment_url(server_uri, exp_id), tmp_path / "studies_view.png")
     assert "Detect Issues" not in dom, "experiment opened on the GenAI overview"
     assert "share key" not in dom, "the UI could not load the studies view"
     # the headline metric columns are there without column set-up, and the values of the best study are shown

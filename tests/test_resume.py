@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.paced_trunk import PACED_TRUNK
+from tests.paced_trunk import PACE_FILE_ENV, PACED_TRUNK, pace_file
 from tests.test_sweep import _run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,6 +174,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
     log = open(log_path, "wb")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # the paced trunk
+    env[PACE_FILE_ENV] = str(pace := pace_file(tmp_path))  # steps wait until the driver's kill
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
         cwd=tmp_path,
@@ -224,6 +225,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
+        pace.unlink(missing_ok=True)  # --resume at full speed
         if proc.poll() is None:  # a failed assertion above: the driver still runs
             family = _descendants(proc.pid)
             proc.kill()
@@ -245,7 +247,8 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
     assert len(done_folds) == FOLDS
 
     # 3. --resume finishes the study.
-    out = _run_cli(["sweep", str(cfg), "--resume"], cwd=tmp_path, extra_env={"PYTHONPATH": env["PYTHONPATH"]})
+    resume_env = {k: env[k] for k in ("PYTHONPATH", PACE_FILE_ENV)}
+    out = _run_cli(["sweep", str(cfg), "--resume"], cwd=tmp_path, extra_env=resume_env)
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
     assert "resuming search" in out.stdout
     text = log_path.read_text(errors="replace") + out.stdout
