@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 #: The longest test modules, first.  ``make test`` hands whole modules to its two pytest-xdist workers in collection
@@ -31,6 +33,18 @@ def pytest_collection_modifyitems(items):
     module keep their order (a module's fixtures and fault sequence depend on it)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_tracking_uri_unchanged():
+    """A test must leave ``MLFLOW_TRACKING_URI`` as it found it: ``mlflow.set_tracking_uri`` also sets it, and a
+    later test of the same pytest worker (any module: ``make test`` hands modules out in its own order) would then
+    read it as the user's tracking store.  Point MLflow's fluent API at a store with
+    ``pipelines.tracking.model_registry.fluent_tracking`` or ``monkeypatch``."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    after = os.environ.get("MLFLOW_TRACKING_URI")
+    assert after == before, f"the test left MLFLOW_TRACKING_URI={after!r} (it was {before!r})"
 
 
 @pytest.fixture(scope="module")

@@ -279,14 +279,12 @@ def reeval_config(tmp_path: Path, uri: str, data: str, *, name: str, models=None
 
 def _copy_as_second_version(uri: str, name: str) -> str:
     """Register version 2 with its own copies of the reproduction models (logged from the fold checkpoints)."""
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     from pipelines.tracking.model_registry import log_reproduction_model
     from pipelines.tracking.runs import search_all
 
     c = MlflowClient(uri)
-    mlflow.set_tracking_uri(uri)
     v1 = c.get_model_version(name, "1")
     reps = json.loads(v1.tags["reproductions"])
     study = c.get_run(v1.tags["study_run_id"])

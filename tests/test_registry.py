@@ -176,7 +176,7 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     from pipelines.names import ALIAS
     from pipelines.names import HEADLINE_METRICS as HEADLINE
     from pipelines.results.embeddings import concatenated_embeddings
-    from pipelines.tracking.model_registry import registered_model_name
+    from pipelines.tracking.model_registry import fluent_tracking, registered_model_name
     from pipelines.tracking.runs import search_all
 
     c = MlflowClient(uri)
@@ -225,8 +225,8 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     manifest = FoldManifest.from_json(Path(c.download_artifacts(study.info.run_id, "folds.json")).read_text())
     test = ImageDataset(table.subset(manifest.test_classes), eval_transform(16))
     x = torch.stack([test[i][0] for i in range(len(test))]).numpy()
-    mlflow.set_tracking_uri(uri)
-    model = mlflow.pyfunc.load_model(f"models:/{name}@{ALIAS}")
+    with fluent_tracking(uri):  # models:/ URIs resolve through it; restored after (no leak to other tests)
+        model = mlflow.pyfunc.load_model(f"models:/{name}@{ALIAS}")
     out = model.predict(x)
     folds_out = model.predict(x, params={"output": "folds"})
     parts = []
@@ -250,6 +250,7 @@ def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unp
     from dml_core.models import build_model
     from pipelines.names import ALIAS
     from pipelines.results.embeddings import concatenated_embeddings
+    from pipelines.tracking.model_registry import fluent_tracking
     from tests.test_mlflow_ui import _fake_study
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -267,10 +268,10 @@ def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unp
     (v,) = c.search_model_versions(f"name = '{name}'")
     assert v.run_id == run_id and v.tags["seed"] == "1003" and v.tags["study_run_id"] == run_id
     assert float(v.tags["test.concat.map_at_r.ci_low"]) == 0.45
-    mlflow.set_tracking_uri(uri)
-    model = mlflow.pyfunc.load_model(f"models:/{name}@{ALIAS}")
-    # the model is the code file + state dicts: no pickle in its artifacts
-    local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@{ALIAS}"))
+    with fluent_tracking(uri):  # models:/ URIs resolve through the fluent store; restored after
+        model = mlflow.pyfunc.load_model(f"models:/{name}@{ALIAS}")
+        # the model is the code file + state dicts: no pickle in its artifacts
+        local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@{ALIAS}"))
     assert not list(local.rglob("*.pkl")) and (local / "pyfunc_model.py").exists()
     x = np.random.default_rng(0).standard_normal((5, 3, 16, 16)).astype(np.float32)
     parts = []

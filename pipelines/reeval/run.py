@@ -321,11 +321,20 @@ class VersionResult:
 
 
 def evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
+    """Re-evaluate one version; MLflow's fluent API (``models:/`` URIs) points at ``cfg.tracking_uri`` meanwhile
+    and is restored afterwards (the process may go on with another store)."""
+    # it imports MLflow (the sweep's modules import it too): see resolve_versions
+    from pipelines.tracking.model_registry import fluent_tracking
+
+    with fluent_tracking(cfg.tracking_uri):
+        return _evaluate_version(t, cfg)
+
+
+def _evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
     # MLflow (the sweep's modules import it too): see resolve_versions
     import mlflow
 
     t0 = time.time()
-    mlflow.set_tracking_uri(cfg.tracking_uri)
     # A missing or corrupt artifact fails here, on the driver, with the version named (not deep inside Ray).
     spec = None
     for r in t.reproductions:

@@ -44,6 +44,7 @@ __all__ = [
     "on_study_end",
     "model_requirements",
     "this_distribution",
+    "fluent_tracking",
     "VERSION_TAGS",
     "DISTRIBUTION",
 ]
@@ -126,7 +127,7 @@ def log_reproduction_model(
         )
         (tmp / pyfunc_model.EMBEDDER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True))
         artifacts["embedder"] = str(tmp / pyfunc_model.EMBEDDER_FILE)
-        with _fluent_tracking(tracker_uri), mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+        with fluent_tracking(tracker_uri), mlflow.start_run(run_id=run_id), warnings.catch_warnings():
             # the embedder's predict takes a tensor-shaped array; MLflow's hints about type hints and input
             # examples are for other kinds of models
             warnings.filterwarnings("ignore", message=".*(type hints|input example).*", category=UserWarning)
@@ -170,7 +171,7 @@ def this_distribution() -> str:
 
 
 @contextlib.contextmanager
-def _fluent_tracking(uri: str):
+def fluent_tracking(uri: str):
     """``pyfunc.log_model`` only speaks MLflow's fluent API: point it at ``uri`` for the call alone, then restore the
     process's tracking URI and ``MLFLOW_TRACKING_URI`` (the driver may run further sweeps with other stores)."""
     old_env, old = os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()
@@ -212,7 +213,7 @@ def register_study(
     ``reps``: the reproductions' Tune results (``fold_checkpoints``, ``seed``, ``__reproduction__``, ``test_*``).
     Returns ``"<name>/<version>"`` (None when no reproduction has fold checkpoints).
     """
-    with _fluent_tracking(tracker.uri):  # MLflow resolves the logged models' URIs through the fluent store
+    with fluent_tracking(tracker.uri):  # MLflow resolves the logged models' URIs through the fluent store
         return _register_study(
             tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan, reps=reps, ci=ci, say=say
         )
