@@ -172,8 +172,9 @@ def this_distribution() -> str:
 
 @contextlib.contextmanager
 def fluent_tracking(uri: str):
-    """``pyfunc.log_model`` only speaks MLflow's fluent API: point it at ``uri`` for the call alone, then restore the
-    process's tracking URI and ``MLFLOW_TRACKING_URI`` (the driver may run further sweeps with other stores)."""
+    """``pyfunc.log_model`` and ``models:/`` URIs only speak MLflow's fluent API: point it at ``uri`` for the block
+    alone, then restore the process's tracking URI and ``MLFLOW_TRACKING_URI`` (which ``mlflow.set_tracking_uri``
+    also sets: the driver may run further sweeps or re-evaluations with other stores)."""
     old_env, old = os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
