@@ -1,6 +1,6 @@
-"""``dmlrc reeval``: the regression rule and config errors (fast); one registered sweep re-evaluated
-on its unchanged data (ok, metrics equal to 1e-6), a degraded copy (regressed, exit 3), a deleted model artifact
-(exit 1, the version named, the other still evaluated) and the data on S3 (slow)."""
+"""``dmlrc reeval``: the regression rule and config errors (fast); one registered sweep re-evaluated on a degraded
+copy of its data (regressed, exit 3), on its unchanged data beside a version whose model artifact is deleted (exit 1,
+that version named; the other ok, metrics equal to 1e-6) and with the data on S3 (ok, exit 0) (slow)."""
 
 from __future__ import annotations
 
@@ -318,8 +318,9 @@ def _copy_as_second_version(uri: str, name: str) -> str:
 def test_reeval_ok_regressed_failed_and_s3(tmp_path):
     """A registered sweep against an ``mlflow server`` on a fresh PostgreSQL database (a shared deployment's
     registry; sqlite when no PostgreSQL answers, said in the output), ``tests/test_registry.py``'s registration
-    checks on it, then ``dmlrc reeval`` four times.  Every other sweep against an ``mlflow server`` registers its
-    models on sqlite (``tests/test_sweep.py``, ``tests/test_studies_sweep.py``)."""
+    checks on it, then ``dmlrc reeval`` three times: degraded data (regressed), version 1 beside a version whose
+    model is gone (ok to 1e-6; failed), the data on S3 (ok).  Every other sweep against an ``mlflow server``
+    registers its models on sqlite (``tests/test_sweep.py``, ``tests/test_studies_sweep.py``)."""
     import contextlib
 
     from tests.mlflow_server import PostgresUnavailable, mlflow_server, postgres_database
@@ -346,34 +347,16 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     c = MlflowClient(uri)
     name = registered_model_name(experiment, "shapes", "contrastive")
 
-    # 1. unchanged data: ok, and the registered per-reproduction metrics are reproduced to 1e-6
-    out = run_cli(["reeval", str(reeval_config(tmp_path, uri, data, name="same"))], cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert f"{name} version 1: OK" in out.stdout
-    v = c.get_model_version(name, "1")
-    assert v.tags["reeval.status"] == "ok" and "schedule same" in v.tags["reeval.last"]
-    exp = c.get_experiment_by_name(experiment).experiment_id
-    runs = search_all(c, exp, "tags.stage = 'reeval' and tags.schedule = 'same'")
-    assert len(runs) == 1 and runs[0].data.tags["model_version"] == "1"
-    verdicts = json.loads(Path(c.download_artifacts(runs[0].info.run_id, "reeval/verdicts.json")).read_text())
-    assert verdicts
-    for key, d in verdicts.items():
-        np.testing.assert_allclose(d["now_values"], d["registered_values"], rtol=0, atol=1e-6, err_msg=key)
-    m = runs[0].data.metrics
-    for mode in ("concat", "separated"):
-        assert m[f"test.{mode}.map_at_r.mean"] == pytest.approx(float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6)
-    assert {"reeval.md", "reeval.html", "reeval.png"} <= {
-        Path(a.path).name for a in c.list_artifacts(runs[0].info.run_id, "reeval")
-    }
-
-    # 2. degraded copy (half the test rows' labels permuted; new shards, new manifest hash): regressed, exit 3
+    # 1. degraded copy (half the test rows' labels permuted; new shards, new manifest hash): regressed, exit 3
     bad = parquet_dataset(tmp_path / "degraded", permute_test_fraction=0.5, seed=1)
     out = run_cli(["reeval", str(reeval_config(tmp_path, uri, bad, name="degraded"))], cwd=tmp_path)
     assert out.returncode == 3, out.stdout[-4000:] + out.stderr[-4000:]
     assert f"{name} version 1: REGRESSED" in out.stdout
     assert c.get_model_version(name, "1").tags["reeval.status"] == "regressed"
 
-    # 3. a second version whose model artifacts are deleted: exit 1 naming it; version 1 still evaluated
+    # 2. unchanged data, version 1 and a second version whose model artifacts are deleted: exit 1 naming the
+    # second; version 1 evaluated all the same: ok, its registered per-reproduction metrics reproduced to 1e-6 (exit 0
+    # when every version is ok: 3.)
     v2, entries = _copy_as_second_version(uri, name)
     model_dirs = [p for e in entries for p in (tmp_path / "server" / "mlflow-artifacts").rglob(e["model_id"])]
     assert model_dirs
@@ -397,9 +380,23 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
     assert f"{name} version {v2}: FAILED" in out.stdout and f"{name} version 1: OK" in out.stdout
     assert c.get_model_version(name, v2).tags["reeval.status"] == "failed"
-    assert c.get_model_version(name, "1").tags["reeval.status"] == "ok"
+    v = c.get_model_version(name, "1")
+    assert v.tags["reeval.status"] == "ok" and "schedule broken" in v.tags["reeval.last"]
+    exp = c.get_experiment_by_name(experiment).experiment_id
+    runs = search_all(c, exp, "tags.stage = 'reeval' and tags.schedule = 'broken' and tags.model_version = '1'")
+    assert len(runs) == 1
+    verdicts = json.loads(Path(c.download_artifacts(runs[0].info.run_id, "reeval/verdicts.json")).read_text())
+    assert verdicts
+    for key, d in verdicts.items():
+        np.testing.assert_allclose(d["now_values"], d["registered_values"], rtol=0, atol=1e-6, err_msg=key)
+    m = runs[0].data.metrics
+    for mode in ("concat", "separated"):
+        assert m[f"test.{mode}.map_at_r.mean"] == pytest.approx(float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6)
+    assert {"reeval.md", "reeval.html", "reeval.png"} <= {
+        Path(a.path).name for a in c.list_artifacts(runs[0].info.run_id, "reeval")
+    }
 
-    # 4. the dataset on S3 (SeaweedFS): same verdict as local
+    # 3. the dataset on S3 (SeaweedFS): ok (exit 0), the same metrics as local
     from tests.s3_server import s3_server, weed_binary
 
     if weed_binary() is None:

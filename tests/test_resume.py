@@ -126,6 +126,35 @@ def _runs_now(uri: str, experiment: str, log: Path, query: str = "") -> list:
         return []
 
 
+def _tune_stored_as_finished(search: Path, trial_id: str) -> bool:
+    """Tune's latest experiment state in ``search`` (``experiment_state-<start time>.json``, one per driver session)
+    holds trial ``trial_id`` as TERMINATED, and the searcher's saved Optuna study holds a finished trial."""
+    states = sorted(search.glob("experiment_state-*.json"))
+    if not states:
+        return False
+    try:
+        trial_data = json.loads(states[-1].read_text())["trial_data"]
+    except (OSError, ValueError, KeyError):
+        return False  # being replaced while we read it
+    for state, _runtime in trial_data:
+        trial = json.loads(state) if isinstance(state, str) else state
+        if trial.get("trial_id") == trial_id:
+            break
+    else:
+        return False
+    if trial.get("status") != "TERMINATED":
+        return False
+    # the searcher's state is saved beside it (searcher-state-<start time>.pkl) and synced with it: the Optuna study
+    # there must hold the trial's result too
+    searcher = sorted(search.glob("searcher-state-*.pkl"))
+    try:
+        with open(searcher[-1], "rb") as f:
+            study = pickle.load(f)["_ot_study"]
+    except (IndexError, OSError, EOFError, pickle.UnpicklingError, KeyError):
+        return False
+    return any(t.state.name == "COMPLETE" for t in study.trials)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("executor", ["warm", "train"])
@@ -169,6 +198,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
     cfg.write_text(yaml.safe_dump(doc))
     db = tmp_path / "runs" / "resume" / "mlflow.db"
     uri = f"sqlite:///{db}"
+    search = tmp_path / "runs" / "resume" / "ray" / "synthetic__contrastive" / "search"  # Tune's experiment dir
 
     log_path = tmp_path / "first.log"
     log = open(log_path, "wb")
@@ -219,7 +249,13 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             running = [r for r in trial_runs if r.info.status == "RUNNING"]
             if finished and running:
                 break
-        time.sleep(8)  # Tune writes its experiment state every ~2 s (TUNE_GLOBAL_CHECKPOINT_S)
+        # the kill must come after Tune has stored trial 1 as finished (it writes its experiment state, with the
+        # searcher's, every few seconds), else --resume would rightly run it again
+        while not _tune_stored_as_finished(search, finished[0].data.tags["trial_id"]):
+            assert time.time() < deadline, (
+                "Tune did not store the finished trial in time: " + log_path.read_text()[-4000:]
+            )
+            time.sleep(0.5)
         assert proc.poll() is None, "the sweep finished before it could be killed"
         family = _descendants(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
@@ -308,7 +344,6 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         assert len(c.get_metric_history(f.info.run_id, "time.start")) == 1
 
     # the Bayesian optimiser's history survived: the restored Optuna study holds every trial, with its objective
-    search = tmp_path / "runs" / "resume" / "ray" / "synthetic__contrastive" / "search"
     state_files = sorted(search.glob("searcher-state-*.pkl"))  # one per driver session, named by its start time
     assert state_files, list(search.iterdir())
     with open(state_files[-1], "rb") as f:

@@ -400,7 +400,8 @@ def test_sweep_end_to_end_against_mlflow_server_postgresql(tmp_path):
 @pytest.mark.slow
 def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch):
     """``storage: s3://…`` on a real S3 server (SeaweedFS): Ray Tune/Train persist there and MLflow's artifacts go there
-    too (tracking DB local sqlite); nothing Ray writes lands on the local disk, and the run tree is complete."""
+    too (tracking DB local sqlite); nothing Ray writes lands on the local disk, and the run tree is complete.  Two
+    k-fold folds: the protocol's four are the PostgreSQL sweep's subject."""
     import boto3
     from mlflow.tracking import MlflowClient
     from s3_server import s3_server
@@ -424,7 +425,7 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
         uri = "sqlite:///" + str(tmp_path / "tracking" / "mlflow.db")
         (tmp_path / "tracking").mkdir()
         cfg_path = _sweep_config(
-            tmp_path, uri, losses=["contrastive"], trials=1, workers=1, concurrent=1, name="s3sweep"
+            tmp_path, uri, losses=["contrastive"], trials=1, workers=1, concurrent=1, name="s3sweep", folds=2
         )
         doc = yaml.safe_load(cfg_path.read_text())
         doc["storage"] = "s3://sweeps/team"
@@ -442,14 +443,14 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
         ray_prefix = f"team/s3sweep/ray/{study_dirname('synthetic/contrastive')}/"
         assert any(k.startswith(ray_prefix + "search/") and k.endswith("/result.json") for k in keys), keys[:50]
         fold_outcomes = [k for k in keys if k.startswith(ray_prefix + "folds/") and k.endswith("/outcome.json")]
-        assert len(fold_outcomes) == 4 * (1 + 2), fold_outcomes  # (1 trial + 2 reproductions) × 4 folds
+        assert len(fold_outcomes) == 2 * (1 + 2), fold_outcomes  # (1 trial + 2 reproductions) × 2 folds
         assert not (tmp_path / "runs" / "s3sweep" / "ray").exists()  # Ray wrote nothing locally
 
         c = MlflowClient(uri)
         study = c.search_runs([c.get_experiment_by_name("s3sweep-experiment").experiment_id], "tags.stage = 'study'")[0]
         assert study.info.artifact_uri.startswith("s3://sweeps/team/s3sweep/mlartifacts/"), study.info.artifact_uri
         art_prefix = study.info.artifact_uri[len("s3://sweeps/") :]
-        assert {f"{art_prefix}/models/fold_{k}.pt" for k in range(4)} | {f"{art_prefix}/folds.json"} <= set(keys)
+        assert {f"{art_prefix}/models/fold_{k}.pt" for k in range(2)} | {f"{art_prefix}/folds.json"} <= set(keys)
 
         def tune_result_on_s3(study_key: str, trial_id: str) -> dict:
             prefix = ray_prefix.replace(study_dirname("synthetic/contrastive"), study_dirname(study_key)) + "search/"
@@ -467,6 +468,7 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
             storage=tmp_path / "runs",
             name="s3sweep",
             tune_result=tune_result_on_s3,
+            n_folds=2,
         )
 
 
