@@ -9,10 +9,13 @@ worker group again.  Either way the fold continues from its last checkpoint (mid
 iterations trained twice (``redone_iterations`` in MLflow and ``outcome.json``) are at most one evaluation interval
 per restart.
 
-**The killed driver.**  Once the first trial has finished and the second runs, the driver and everything it started
-die; ``--resume`` completes the study: every trial ran exactly once to completion (the trial that had finished
-before the kill was not rerun: its MLflow metrics and its folds' start times were logged once), the Bayesian
-optimiser's history was kept (the restored Optuna study holds every trial), no MLflow run is duplicated.
+**The killed driver.**  The driver and everything it started die mid-study -- warm: once the first of two trials has
+finished and the second is training (mid-search); train: once the search's one trial has finished and a
+reproduction's folds are training (mid-reproductions: ``--resume`` restores the reproductions' Tuner too and fits
+that reproduction's Ray Train folds again under their stable names; they resume from their checkpoints in their
+own runs).  ``--resume`` completes the study: every trial ran exactly once to completion (the trial that had
+finished before the kill was not rerun: its MLflow metrics and its folds' start times were logged once), the
+Bayesian optimiser's history was kept (the restored Optuna study holds every trial), no MLflow run is duplicated.
 
 Checked at the end, over the whole study: every fold run holds each evaluation step exactly once, none missing;
 every trial and reproduction keeps exactly one run per fold, all FINISHED; each parent's objective is the mean of its
@@ -126,26 +129,25 @@ def _runs_now(uri: str, experiment: str, log: Path, query: str = "") -> list:
         return []
 
 
-def _tune_stored_as_finished(search: Path, trial_id: str) -> bool:
-    """Tune's latest experiment state in ``search`` (``experiment_state-<start time>.json``, one per driver session)
-    holds trial ``trial_id`` as TERMINATED, and the searcher's saved Optuna study holds a finished trial."""
-    states = sorted(search.glob("experiment_state-*.json"))
+def _tune_trial_statuses(experiment: Path) -> dict[str, str]:
+    """Trial id -> status in the latest experiment state Tune stored in ``experiment`` (``experiment_state-<start
+    time>.json``, one per driver session); {} before the first."""
+    states = sorted(experiment.glob("experiment_state-*.json"))
     if not states:
-        return False
+        return {}
     try:
         trial_data = json.loads(states[-1].read_text())["trial_data"]
     except (OSError, ValueError, KeyError):
-        return False  # being replaced while we read it
-    for state, _runtime in trial_data:
-        trial = json.loads(state) if isinstance(state, str) else state
-        if trial.get("trial_id") == trial_id:
-            break
-    else:
+        return {}  # being replaced while we read it
+    trials = [json.loads(state) if isinstance(state, str) else state for state, _runtime in trial_data]
+    return {t.get("trial_id"): t.get("status") for t in trials}
+
+
+def _tune_stored_as_finished(search: Path, trial_id: str) -> bool:
+    """Tune's stored state of the search holds trial ``trial_id`` as TERMINATED, and the searcher's saved Optuna
+    study (``searcher-state-<start time>.pkl``, saved and synced with it) holds a finished trial."""
+    if _tune_trial_statuses(search).get(trial_id) != "TERMINATED":
         return False
-    if trial.get("status") != "TERMINATED":
-        return False
-    # the searcher's state is saved beside it (searcher-state-<start time>.pkl) and synced with it: the Optuna study
-    # there must hold the trial's result too
     searcher = sorted(search.glob("searcher-state-*.pkl"))
     try:
         with open(searcher[-1], "rb") as f:
@@ -168,7 +170,10 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
 
     from pipelines.tracking.runs import search_all
 
-    trials = 2
+    # warm: the driver dies mid-search (trial 1 finished, trial 2 training); train: mid-reproductions (the search's
+    # one trial finished, a reproduction's folds training), so that --resume restores the reproductions' Tuner and
+    # fits Ray Train folds again under their stable names
+    trials, kill_stage = {"warm": (2, "trial"), "train": (1, "reproduction")}[executor]
     doc = {
         "name": "resume",
         "seed": 5,
@@ -238,22 +243,45 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
                     killed.append(pid)
         first_trial = {r.data.tags.get("mlflow.parentRunId") for r in busy}
 
-        # 2. Trial 1 finished and trial 2 running (its fold runs exist): kill the driver.
+        # 2. Trial 1 finished and a run of `kill_stage` training (trial 2 / a reproduction; one of its folds has
+        # evaluated twice, so stored a checkpoint): kill the driver.
         finished: list = []
         while True:
             assert proc.poll() is None, log_path.read_text()[-4000:]
             assert time.time() < deadline, "no trial finished in time: " + log_path.read_text()[-4000:]
-            time.sleep(3)
-            trial_runs = [r for r in _runs_now(uri, "resume", log_path) if r.data.tags.get("stage") == "trial"]
-            finished = [r for r in trial_runs if r.info.status == "FINISHED"]
-            running = [r for r in trial_runs if r.info.status == "RUNNING"]
-            if finished and running:
+            time.sleep(2)
+            runs = _runs_now(uri, "resume", log_path)
+            finished = [r for r in runs if r.data.tags.get("stage") == "trial" and r.info.status == "FINISHED"]
+            running = {
+                r.info.run_id for r in runs if r.data.tags.get("stage") == kill_stage and r.info.status == "RUNNING"
+            }
+            try:
+                c = MlflowClient(uri)
+                training = [
+                    r
+                    for r in runs
+                    if r.data.tags.get("mlflow.parentRunId") in running
+                    and r.info.status == "RUNNING"
+                    and len(c.get_metric_history(r.info.run_id, "val.map_at_r")) >= 2
+                ]
+            except Exception:  # noqa: BLE001 - a run may be mid-update
+                continue
+            if finished and training:
                 break
         # the kill must come after Tune has stored trial 1 as finished (it writes its experiment state, with the
         # searcher's, every few seconds), else --resume would rightly run it again
         while not _tune_stored_as_finished(search, finished[0].data.tags["trial_id"]):
             assert time.time() < deadline, (
                 "Tune did not store the finished trial in time: " + log_path.read_text()[-4000:]
+            )
+            time.sleep(0.5)
+        # and, mid-reproductions, after Tune has stored the reproductions' experiment (what --resume restores)
+        while (
+            kill_stage == "reproduction"
+            and "RUNNING" not in _tune_trial_statuses(search.parent / "reproductions").values()
+        ):
+            assert time.time() < deadline, (
+                "Tune did not store the reproductions in time: " + log_path.read_text()[-4000:]
             )
             time.sleep(0.5)
         assert proc.poll() is None, "the sweep finished before it could be killed"
@@ -287,6 +315,8 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
     out = _run_cli(["sweep", str(cfg), "--resume"], cwd=tmp_path, extra_env=resume_env)
     assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
     assert "resuming search" in out.stdout
+    if kill_stage == "reproduction":
+        assert "resuming reproductions" in out.stdout, out.stdout[-3000:]
     text = log_path.read_text(errors="replace") + out.stdout
 
     runs = search_all(c, exp.experiment_id, "")
@@ -329,6 +359,16 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         assert sorted(int(r.data.tags["fold"]) for r in kids) == list(range(FOLDS))
         best = [r.data.metrics["best.val.map_at_r"] for r in kids]
         assert parent.data.metrics["val.map_at_r.mean"] == pytest.approx(sum(best) / FOLDS, abs=1e-9)
+    if kill_stage == "reproduction":
+        # the reproduction killed with the driver: its folds fitted again (new Ray Train runs under the same names)
+        # resumed in their own runs from their checkpoints
+        rep_ids = {r.info.run_id for r in stage("reproduction")}
+        resumed = [
+            r for r in folds if r.data.tags["mlflow.parentRunId"] in rep_ids and int(r.data.tags.get("resumes", 0))
+        ]
+        assert resumed and max(int(r.data.tags["resumed_from"]) for r in resumed) >= interval, [
+            r.data.tags for r in folds if r.data.tags["mlflow.parentRunId"] in rep_ids
+        ]
     if executor == "warm":
         # Warm processes outlive a fold: some process ran several folds.
         pids = [r.data.tags["pid"] for r in folds]
