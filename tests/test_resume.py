@@ -143,18 +143,24 @@ def _tune_trial_statuses(experiment: Path) -> dict[str, str]:
     return {t.get("trial_id"): t.get("status") for t in trials}
 
 
+def _saved_searcher_state(search: Path) -> dict | None:
+    """The searcher's state Tune saved last in ``search`` (``searcher-state-<start time>.pkl``, one per driver
+    session, saved and synced with the experiment state); None before the first or while it is replaced."""
+    files = sorted(search.glob("searcher-state-*.pkl"))
+    try:
+        with open(files[-1], "rb") as f:
+            return pickle.load(f)
+    except (IndexError, OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
 def _tune_stored_as_finished(search: Path, trial_id: str) -> bool:
     """Tune's stored state of the search holds trial ``trial_id`` as TERMINATED, and the searcher's saved Optuna
-    study (``searcher-state-<start time>.pkl``, saved and synced with it) holds a finished trial."""
+    study holds a finished trial."""
     if _tune_trial_statuses(search).get(trial_id) != "TERMINATED":
         return False
-    searcher = sorted(search.glob("searcher-state-*.pkl"))
-    try:
-        with open(searcher[-1], "rb") as f:
-            study = pickle.load(f)["_ot_study"]
-    except (IndexError, OSError, EOFError, pickle.UnpicklingError, KeyError):
-        return False
-    return any(t.state.name == "COMPLETE" for t in study.trials)
+    state = _saved_searcher_state(search)
+    return state is not None and any(t.state.name == "COMPLETE" for t in state["_ot_study"].trials)
 
 
 @pytest.mark.slow
@@ -384,10 +390,8 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         assert len(c.get_metric_history(f.info.run_id, "time.start")) == 1
 
     # the Bayesian optimiser's history survived: the restored Optuna study holds every trial, with its objective
-    state_files = sorted(search.glob("searcher-state-*.pkl"))  # one per driver session, named by its start time
-    assert state_files, list(search.iterdir())
-    with open(state_files[-1], "rb") as f:
-        state = pickle.load(f)
+    state = _saved_searcher_state(search)
+    assert state is not None, list(search.iterdir())
     study = state["_ot_study"]
     values = sorted(t.value for t in study.trials if t.state.name == "COMPLETE")
     assert len(values) == trials
