@@ -129,6 +129,20 @@ def _runs_now(uri: str, experiment: str, log: Path, query: str = "") -> list:
         return []
 
 
+def _evaluated_twice(uri: str, runs: list) -> list:
+    """Those of ``runs`` that have logged two evaluations.  No store is opened for no runs: before the sweep has
+    created and migrated its sqlite DB, opening it would race that migration (see :func:`sweep_started`)."""
+    if not runs:
+        return []
+    from mlflow.tracking import MlflowClient
+
+    try:
+        c = MlflowClient(uri)
+        return [r for r in runs if len(c.get_metric_history(r.info.run_id, "val.map_at_r")) >= 2]
+    except Exception:  # noqa: BLE001 - a run may be mid-update
+        return []
+
+
 def _tune_trial_statuses(experiment: Path) -> dict[str, str]:
     """Trial id -> status in the latest experiment state Tune stored in ``experiment`` (``experiment_state-<start
     time>.json``, one per driver session); {} before the first."""
@@ -234,15 +248,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             assert time.time() < deadline, "no fold logged evaluations in time:\n" + log_path.read_text()[-4000:]
             time.sleep(1)
             runs = _runs_now(uri, "resume", log_path, "tags.stage = 'fold'")
-            try:
-                c = MlflowClient(uri)
-                busy = [
-                    r
-                    for r in runs
-                    if r.info.status == "RUNNING" and len(c.get_metric_history(r.info.run_id, "val.map_at_r")) >= 2
-                ]
-            except Exception:  # noqa: BLE001 - a run may be mid-update
-                continue
+            busy = _evaluated_twice(uri, [r for r in runs if r.info.status == "RUNNING"])
             if busy and _checkpointed_past(tmp_path / "runs", interval):
                 for pid in _fold_processes(proc.pid, executor):
                     os.kill(pid, signal.SIGKILL)
@@ -261,17 +267,8 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             running = {
                 r.info.run_id for r in runs if r.data.tags.get("stage") == kill_stage and r.info.status == "RUNNING"
             }
-            try:
-                c = MlflowClient(uri)
-                training = [
-                    r
-                    for r in runs
-                    if r.data.tags.get("mlflow.parentRunId") in running
-                    and r.info.status == "RUNNING"
-                    and len(c.get_metric_history(r.info.run_id, "val.map_at_r")) >= 2
-                ]
-            except Exception:  # noqa: BLE001 - a run may be mid-update
-                continue
+            in_stage = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in running]
+            training = _evaluated_twice(uri, [r for r in in_stage if r.info.status == "RUNNING"])
             if finished and training:
                 break
         # the kill must come after Tune has stored trial 1 as finished (it writes its experiment state, with the
