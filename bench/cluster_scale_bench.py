@@ -93,8 +93,7 @@ def main() -> None:
 
     from mlflow.tracking import MlflowClient
 
-    from tests.cluster import local_cluster
-    from tests.test_cluster import cluster_sweep_config
+    from tests.cluster import cluster_sweep_config, local_cluster
 
     workdir = Path(tempfile.mkdtemp(prefix="dmlrc-scale-"))
     capacity = args.nodes * args.slots

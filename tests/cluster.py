@@ -6,6 +6,8 @@
         c.node_ids            # [head, worker 1, worker 2] — Ray node ids, index = node index
         c.kill_node(1)        # SIGKILL every process of worker node 1 (a lost pod)
 
+:func:`cluster_sweep_config` writes the tiny sweep config these tests and ``bench/cluster_scale_bench.py`` run on it.
+
 What it starts, each on free ports and in its own folders:
 
 * a head and ``workers`` worker nodes, each one ``ray start --block`` process in its own session
@@ -42,6 +44,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -385,3 +389,59 @@ def local_cluster(
                 )
             time.sleep(1)
         yield cluster
+
+
+def cluster_sweep_config(
+    tmp_path: Path,
+    tracking_uri: str,
+    storage: str,
+    *,
+    name: str,
+    losses=("contrastive",),
+    datasets: int = 1,
+    trials: int = 1,
+    reproductions: int = 2,
+    iters_per_epoch: int = 2,
+    max_epochs: int = 1,
+    trunk: str = "tiny",
+    runtime_env: dict | None = None,
+    **resources,
+) -> Path:
+    """A tiny real sweep: synthetic data, 4 kfold folds, warm single-worker folds of 1 CPU."""
+    doc = {
+        "name": name,
+        "seed": 1,
+        "datasets": [
+            {
+                "name": f"synthetic{i}" if datasets > 1 else "synthetic",
+                "kind": "synthetic",
+                "num_classes": 16,
+                "per_class": 6,
+                "image_size": 16,
+                "seed": i + 1,
+            }
+            for i in range(datasets)
+        ],
+        "losses": list(losses),
+        "model": {"trunk": trunk, "embedding_dim": 8, "freeze_bn": False},
+        "protocol": {
+            "folds": 4,
+            "fold_layout": "kfold",
+            "trials": trials,
+            "startup_trials": trials,
+            "reproductions": reproductions,
+            "iters_per_epoch": iters_per_epoch,
+            "eval_every": 1,
+            "patience": 1,
+            "max_epochs": max_epochs,
+            "train": {"classes_per_batch": 2, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
+        },
+        "resources": {"workers_per_fold": 1, "cpus_per_worker": 1, "max_concurrent_trials": 1, **resources},
+        "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
+        "storage": storage,
+    }
+    if runtime_env:
+        doc["runtime_env"] = runtime_env
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path

@@ -21,7 +21,6 @@ LONGEST_FIRST = (
     "test_faults_driver_host.py",
     "test_sweep.py",
     "test_interrupt.py",
-    "test_cluster.py",
     "test_studies_sweep.py",
     "test_postgres_tracking.py",
     "test_mlflow_ui.py",

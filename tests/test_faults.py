@@ -1,7 +1,11 @@
-"""Node faults on a real multi-node Ray cluster on one machine: ``tests/cluster.py`` starts a head (no CPUs; it
-declares ``dmlrc_trial_driver``, so trial drivers run there) and two worker nodes of 2 CPUs, SeaweedFS for
-``storage: s3://`` and an ``mlflow server`` on PostgreSQL.  One cluster serves the module, in order:
+"""A sweep on a real multi-node Ray cluster on one machine, then node faults on the same cluster: ``tests/cluster.py``
+starts a head (no CPUs; it declares ``dmlrc_trial_driver``, so trial drivers run there) and two worker nodes of 2
+CPUs, SeaweedFS for ``storage: s3://`` and an ``mlflow server`` on PostgreSQL.  One cluster serves the module, in
+order:
 
+0. **the multi-node sweep** (``dmlrc sweep CONFIG --address <head>``, before any fault): a trial's four folds land on
+   both worker nodes (read back from the fold runs' ``node_id`` tags), trial drivers on the head, fold results in
+   S3; a user's loss and trunk by import path shipped by ``runtime_env.py_modules``; ``max_concurrent_studies: 1``.
 1. **a worker node killed mid-fold** (every process of node 2, by pid: a lost pod).  The folds it ran are retried by
    Ray on node 1 and resume from their last checkpoint in S3 (``resumes``/``resumed_from`` tags in the *same* MLflow
    run); the sweep finishes (exit 0) without a hang; every parent keeps exactly four fold runs, each evaluation step
@@ -27,6 +31,7 @@ wall time) to ``reliability.jsonl`` in its tmp dir and prints it: ``bench/README
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -37,6 +42,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.cluster import cluster_sweep_config
 from tests.paced_trunk import PACE_FILE_ENV, PACED_TRUNK, pace_file
 
 pytestmark = pytest.mark.slow
@@ -59,13 +65,12 @@ def _config(
     pace: Path | None = None,
     **resources,
 ) -> Path:
-    """test_cluster's tiny cluster sweep with longer folds: 32 classes × 8, no early stop.  ``pace``: a pace file
-    (:func:`tests.paced_trunk.pace_file`): the paced trunk, whose steps wait while the file exists, so that a fold is
-    caught mid-training by waiting, not computing (the test deletes the file after its fault); else ``tiny``.
+    """The tiny cluster sweep (:func:`tests.cluster.cluster_sweep_config`) with longer folds: 32 classes × 8, no
+    early stop.  ``pace``: a pace file (:func:`tests.paced_trunk.pace_file`): the paced trunk, whose steps wait while
+    the file exists, so that a fold is caught mid-training by waiting, not computing (the test deletes the file after
+    its fault); else ``tiny``.
     ``folds``: 4 spread a trial over both worker nodes (2 CPUs each), which the node faults need; the faults whose
     place does not matter (S3, MLflow, a diverging trial, a corrupt shard) run 2, half the work."""
-    from tests.test_cluster import cluster_sweep_config
-
     path = cluster_sweep_config(
         tmp_path,
         tracking_uri,
@@ -215,6 +220,77 @@ def _record(tmp_path: Path, row: dict) -> None:
     print("RELIABILITY " + line)
     with open(tmp_path / "reliability.jsonl", "a") as f:
         f.write(line + "\n")
+
+
+@pytest.mark.timeout(900)
+def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(cluster, tmp_path):
+    """Before any fault, on the module's fresh cluster: a trial's four folds (1 CPU each, all submitted at once)
+    cannot fit on one 2-CPU worker, so they land on both.  The sweep studies a user's own loss and trunk by import
+    path (``examples/plugin``, never installed anywhere), shipped to the worker nodes by the config's
+    ``runtime_env.py_modules``, next to ``contrastive``, one study after the other (``max_concurrent_studies: 1``;
+    the default, studies at once, is ``tests/test_studies_sweep.py``)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.tracking.runs import search_all
+
+    c = cluster
+    plugin = Path(__file__).resolve().parents[1] / "examples" / "plugin" / "src" / "dmlrc_example"
+    cfg = cluster_sweep_config(
+        tmp_path,
+        c.tracking_uri,
+        c.storage("sweeps"),
+        name="multinode",
+        losses=("contrastive", "dmlrc_example.losses:CircleLoss"),
+        trunk="dmlrc_example.trunks:wide_tiny",
+        runtime_env={"py_modules": [str(plugin)]},
+        max_concurrent_studies=1,
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--address", c.address],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=800,
+        env=c.driver_env(),
+    )
+    log = out.stdout[-5000:] + out.stderr[-5000:]
+    assert out.returncode == 0, log
+    assert "warning:" not in out.stdout, log  # S3 storage and an MLflow server: nothing to warn about
+    assert "2 studies (synthetic/contrastive, synthetic/dmlrc_example.losses:CircleLoss), ≤ 1 at once" in out.stdout
+
+    client = MlflowClient(c.tracking_uri)
+    exp = client.get_experiment_by_name("multinode-experiment")
+    runs = search_all(client, exp.experiment_id, "")
+    stages = sorted(r.data.tags["stage"] for r in runs)
+    assert stages == ["fold"] * 24 + ["reproduction"] * 4 + ["study"] * 2 + ["trial"] * 2, stages
+    assert [r.info.run_id for r in runs if r.info.status != "FINISHED"] == []  # nothing left RUNNING
+    studies = {r.data.tags["loss"]: r for r in runs if r.data.tags["stage"] == "study"}
+    assert sorted(studies) == ["contrastive", "dmlrc_example.losses:CircleLoss"], sorted(studies)
+    for study in studies.values():
+        assert study.data.tags.get("done") == "true"
+        m = study.data.metrics
+        mean, low, high = (m[f"test.concat.map_at_r.{k}"] for k in ("mean", "ci_low", "ci_high"))
+        assert all(math.isfinite(v) for v in (mean, low, high)) and low <= mean <= high, (mean, low, high)
+        assert study.data.tags.get("registered_model", "").startswith("dmlrc."), study.data.tags
+
+    # max_concurrent_studies: 1 — the second study started after the first had ended
+    spans = sorted((r.info.start_time, r.info.end_time) for r in studies.values())
+    assert spans[0][1] <= spans[1][0], spans
+
+    # Folds ran on the worker nodes of *this* cluster, on at least two of them.
+    fold_nodes = [r.data.tags.get("node_id") for r in runs if r.data.tags["stage"] == "fold"]
+    workers = set(c.node_ids[1:])
+    assert set(fold_nodes) <= workers, (fold_nodes, c.node_ids)
+    assert len(set(fold_nodes)) >= 2, fold_nodes
+    # Trial drivers run on the head, the node declaring the driver resource (not in a worker's fold slots).
+    drivers = {r.data.tags.get("driver_node_id") for r in runs if r.data.tags["stage"] in ("trial", "reproduction")}
+    assert drivers == {c.node_ids[0]}, (drivers, c.node_ids)
+    # Fold results went through the shared S3 storage (no local path on a multi-node cluster).
+    assert all(
+        r.data.tags["checkpoint"].startswith(f"s3://{c.s3_bucket}/sweeps")
+        for r in runs
+        if r.data.tags["stage"] == "fold"
+    )
 
 
 @pytest.mark.timeout(1200)

@@ -4,7 +4,7 @@ folds of 1 worker each), checked for what a sweep of several losses gives its us
 * **studies at once**: ``max_concurrent_studies`` left to its default on a local Ray of 6 CPUs (a study needs 2 →
   three at once): the study runs' time spans overlap, and every study finishes with its intervals
   (``max_concurrent_studies: 1``, studies one after another, is checked on the multi-node sweep of
-  ``tests/test_cluster.py``);
+  ``tests/test_faults.py``);
 * **cost**: each study run's ``cost.*`` is the sum of its fold runs', and ``dmlrc report`` shows the cost column;
 * **visuals**: every study run carries its gallery, per-class metrics and embedding map, matching the dataset's
   labels and the reproduction's metrics; ``dmlrc report`` and the MLflow run page are opened in headless Chromium and
