@@ -103,16 +103,25 @@ def test_a_signal_while_the_cli_starts_is_one_line_and_its_exit_status(tmp_path,
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
-def test_both_signals_get_the_same_handler_during_a_sweep():
+@pytest.mark.parametrize("sigint_before", ["default_int_handler", "SIG_IGN"])
+def test_both_signals_get_the_same_handler_during_a_sweep(sigint_before):
+    """Within the sweep both signals stop it; afterwards the handlers from before are back -- also ``SIG_IGN``, which
+    a process started in the background of a non-interactive shell (``nohup``, ``cmd &`` in a script) inherits for
+    SIGINT and must keep."""
     from pipelines.execution.interrupts import SweepInterrupted, exit_status, stop_on_sigint
 
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with stop_on_sigint("stopping"):
-        assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM)
-        with pytest.raises(SweepInterrupted) as e:
-            signal.raise_signal(signal.SIGTERM)
-        assert exit_status(e.value) == 143
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    original = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, getattr(signal, sigint_before))
+    try:
+        before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        with stop_on_sigint("stopping"):
+            assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM)
+            with pytest.raises(SweepInterrupted) as e:
+                signal.raise_signal(signal.SIGTERM)
+            assert exit_status(e.value) == 143
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    finally:
+        signal.signal(signal.SIGINT, original)
 
 
 @pytest.mark.slow

@@ -97,10 +97,12 @@ def stop_on_sigint(message: str, out=None) -> Iterator[None]:
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
     def restore() -> None:
+        # SIG_IGN and SIG_DFL come back as they were (a background job keeps ignoring SIGINT); None is a handler
+        # installed outside Python (Ray's native one), which cannot be reinstalled: Python's default instead
         for sig, h in previous.items():
-            signal.signal(
-                sig, h if callable(h) else (signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-            )
+            if h is None:
+                h = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            signal.signal(sig, h)
 
     def handler(signum, frame):
         restore()
