@@ -229,9 +229,7 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(cluster, tmp
     path (``examples/plugin``, never installed anywhere), shipped to the worker nodes by the config's
     ``runtime_env.py_modules``, next to ``contrastive``, one study after the other (``max_concurrent_studies: 1``;
     the default, studies at once, is ``tests/test_studies_sweep.py``)."""
-    from mlflow.tracking import MlflowClient
-
-    from pipelines.tracking.runs import search_all
+    from mlflow.entities import ViewType
 
     c = cluster
     plugin = Path(__file__).resolve().parents[1] / "examples" / "plugin" / "src" / "dmlrc_example"
@@ -258,9 +256,7 @@ def test_sweep_on_a_multi_node_cluster_spreads_folds_over_the_nodes(cluster, tmp
     assert "warning:" not in out.stdout, log  # S3 storage and an MLflow server: nothing to warn about
     assert "2 studies (synthetic/contrastive, synthetic/dmlrc_example.losses:CircleLoss), ≤ 1 at once" in out.stdout
 
-    client = MlflowClient(c.tracking_uri)
-    exp = client.get_experiment_by_name("multinode-experiment")
-    runs = search_all(client, exp.experiment_id, "")
+    _, runs = _runs(c, "multinode-experiment", ViewType.ACTIVE_ONLY)
     stages = sorted(r.data.tags["stage"] for r in runs)
     assert stages == ["fold"] * 24 + ["reproduction"] * 4 + ["study"] * 2 + ["trial"] * 2, stages
     assert [r.info.run_id for r in runs if r.info.status != "FINISHED"] == []  # nothing left RUNNING
