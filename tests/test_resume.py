@@ -7,7 +7,8 @@ worker group again.  Either way the fold continues from its last checkpoint (mid
 ``pipelines/execution/fold.py``): a fold killed after it had stored a checkpoint past epoch 0 resumed from it in the
 *same* MLflow run (tags ``resumes``/``resumed_from``, no ``restarted`` replacement, nothing soft-deleted); the
 iterations trained twice (``redone_iterations`` in MLflow and ``outcome.json``) are at most one evaluation interval
-per restart.
+per restart.  At that moment the search trial's driver process (a Tune actor) is alive; with warm folds it has not
+loaded torch (``tests/test_lean_imports.py`` checks its imports; this checks the process a real sweep started).
 
 **The killed driver.**  The driver and everything it started die mid-study -- warm: once the first of two trials has
 finished and the second is training (mid-search); train: once the search's one trial has finished and a
@@ -106,6 +107,14 @@ def _checkpointed_past(root: Path, iteration: int) -> bool:
         except (OSError, ValueError, KeyError):
             continue  # replaced while we read it
     return False
+
+
+def _maps_torch(pid: int) -> bool:
+    """Process ``pid`` has torch's C++ library mapped (it imported torch)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
 
 
 def _fold_processes(root: int, executor: str) -> list[int]:
@@ -250,10 +259,16 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             runs = _runs_now(uri, "resume", log_path, "tags.stage = 'fold'")
             busy = _evaluated_twice(uri, [r for r in runs if r.info.status == "RUNNING"])
             if busy and _checkpointed_past(tmp_path / "runs", interval):
+                # the search trial's driver (a Tune actor) while its folds train: warm folds leave it without torch
+                drivers = [p for p in _descendants(proc.pid) if "ImplicitFunc" in _cmdline(p) and _alive(p)]
+                drivers_with_torch = [p for p in drivers if _maps_torch(p)]
                 for pid in _fold_processes(proc.pid, executor):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
         first_trial = {r.data.tags.get("mlflow.parentRunId") for r in busy}
+        assert drivers, "no trial driver process found while its folds trained"
+        if executor == "warm":
+            assert not drivers_with_torch, f"a search trial's driver with warm folds loaded torch: {drivers_with_torch}"
 
         # 2. Trial 1 finished and a run of `kill_stage` training (trial 2 / a reproduction; one of its folds has
         # evaluated twice, so stored a checkpoint): kill the driver.

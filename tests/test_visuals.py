@@ -251,9 +251,10 @@ def test_visuals_reuse_the_reproductions_search_instead_of_searching_again(setup
     """The reproduction's concatenated search is handed over as bytes (no pickle) and the visuals use it as is."""
     import pipelines.results.visuals as pv
     from dml_core.metrics import retrieval_details
+    from pipelines.results.embeddings import details_from_bytes, details_to_bytes
 
     table, rows, labels, emb, v = setup
-    details = pv.details_from_bytes(pv.details_to_bytes(retrieval_details(emb, labels, nmi=False)))
+    details = details_from_bytes(details_to_bytes(retrieval_details(emb, labels, nmi=False)))
 
     def no_search(*a, **k):
         raise AssertionError("a second kNN search")

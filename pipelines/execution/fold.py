@@ -61,6 +61,7 @@ from dml_core.distributed import broadcast_object
 from dml_core.models import build_model
 from dml_core.train import TrainConfig, embed, train_fold
 from pipelines.names import HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
+from pipelines.tracking.evaluations import evaluation_metrics, logged_evaluations
 
 __all__ = [
     "run_fold",
@@ -69,31 +70,12 @@ __all__ = [
     "CHECKPOINT_DIR",
     "checkpoint_uri_of",
     "clear_checkpoints",
-    "evaluation_metrics",
-    "logged_evaluations",
 ]
 
 #: A fold's mid-fold checkpoints: ``<fold_storage>/<run name>/ckpt/`` (next to the warm executor's ``result/``).
 CHECKPOINT_DIR = "ckpt"
 ATTEMPTS_FILE = "attempts.json"
 PROGRESS_FILE = "progress.json"
-#: The metric logged at every evaluation (``epoch``): its steps are the evaluations the run holds.
-_STEP_METRIC = "epoch"
-
-
-def evaluation_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """What a fold run logs for one evaluation (at step = its iteration): ``val.<metric>``, ``train.loss``, and
-    the epoch (the step metric that tells which evaluations a run holds)."""
-    metrics = {f"val.{k}": v for k, v in record["metrics"].items() if k in HEADLINE_METRICS}
-    if record.get("train_loss") is not None:
-        metrics["train.loss"] = record["train_loss"]
-    metrics[_STEP_METRIC] = record["epoch"]
-    return metrics
-
-
-def logged_evaluations(tracker, fold_run_id: str) -> set[int]:
-    """The iterations whose evaluation the fold run already holds."""
-    return {m.step for m in tracker.client.get_metric_history(fold_run_id, _STEP_METRIC)}
 
 
 def checkpoint_uri_of(fold_dir: str) -> str:

@@ -18,6 +18,13 @@ builds ``TorchTrainer``\\ s).  Per trial it
    L2-normalised, concatenated (4 × d) and normalised again (``retrieval_metrics(normalize=True)``);
 5. reports once to Tune.
 
+A trial's driver loads torch only where it uses it: a search trial of warm folds submits Ray tasks and reduces their
+``outcome.json`` (numpy, MLflow), so this module imports neither :mod:`pipelines.execution.fold` nor anything of
+``dml_core`` that imports torch at module level; Ray Train folds (``fold_worker``) and a reproduction's test
+evaluation (``dml_core.metrics``) import it where they run.  A trial driver is a Tune actor process of its own, and
+``import torch`` (a CUDA build) costs seconds of CPU and hundreds of MB of memory per process
+(``tests/test_lean_imports.py``).
+
 Why not ``ray.tune.integration.ray_train.TuneReportCallback``: it forwards every Train report through one
 capacity-1 queue per Tune session and re-emits it as a Tune result.  With four Train runs in one trial their
 reports interleave as one stream, and a report still in that queue when the trial calls ``tune.report`` with the
@@ -42,7 +49,6 @@ from dml_core.splits import FoldManifest
 from dml_core.stats import fold_summary
 from dml_core.storage import open_storage
 from pipelines.config.spaces import LOSS_LR
-from pipelines.execution.fold import evaluation_metrics, fold_worker, logged_evaluations
 from pipelines.execution.interrupts import error_text
 from pipelines.names import (
     HEADLINE_METRICS,
@@ -53,9 +59,9 @@ from pipelines.names import (
     TEST_EMBEDDINGS,
     TEST_LABELS,
 )
-from pipelines.results.embeddings import reproduction_test_metrics
-from pipelines.results.visuals import details_to_bytes
+from pipelines.results.embeddings import details_to_bytes, reproduction_test_metrics
 from pipelines.tracking.datasets import log_fold_dataset_input
+from pipelines.tracking.evaluations import evaluation_metrics, logged_evaluations
 from pipelines.tracking.runs import PARENT, Tracker
 
 __all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "reproduction_seed"]
@@ -169,6 +175,9 @@ def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
     # Ray: not at module level; the sweep imports this module before the config is checked, which must not load Ray
     import ray.train
     from ray.train.torch import TorchTrainer
+
+    # torch: only a driver that fits Train folds loads it (see the module docstring)
+    from pipelines.execution.fold import fold_worker
 
     resources = {"CPU": ctx.cpus_per_worker}
     if ctx.use_gpu:

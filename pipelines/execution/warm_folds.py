@@ -30,10 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
 from dml_core.storage import open_storage
-from pipelines.execution.fold import checkpoint_uri_of, clear_checkpoints, quiet_worker_logs, run_fold
 from pipelines.names import OUTCOME_FILE
 
 __all__ = ["warm_fold_ref", "result_uri", "NOSET_CUDA"]
@@ -64,6 +62,12 @@ def _upload(local: Path, uri: str) -> None:
 
 def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
     """Body of the fold task: skip if already stored, else train and store; returns the result directory URI."""
+    # torch and the fold code load in the fold's worker process, not in the trial's driver that submits the task
+    import torch
+
+    # (the fold code imports torch: as above)
+    from pipelines.execution.fold import checkpoint_uri_of, clear_checkpoints, quiet_worker_logs, run_fold
+
     if _stored(uri):
         return uri
     if not cfg.get("checkpoint_uri"):

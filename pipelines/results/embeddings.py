@@ -1,15 +1,28 @@
 """The reality check's evaluation of a reproduction's fold models (docs/protocol.md §Test evaluation): "concatenated" —
 each fold model's embedding L2-normalised, then concatenated — and "separated" — the mean of the fold models' own
-metrics."""
+metrics.
+
+The reproduction that ran the concatenated test search hands its neighbours to the study's visuals as bytes
+(:func:`details_to_bytes`, :func:`details_from_bytes`).  Nothing here imports torch or faiss at module level: a
+search trial's driver imports this module and computes no metric.
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import math
 from typing import Any
 
 import numpy as np
 
-__all__ = ["concatenated_embeddings", "split_folds", "reproduction_test_metrics"]
+__all__ = [
+    "concatenated_embeddings",
+    "split_folds",
+    "reproduction_test_metrics",
+    "details_to_bytes",
+    "details_from_bytes",
+]
 
 
 def concatenated_embeddings(parts: list[np.ndarray]) -> np.ndarray:
@@ -34,7 +47,8 @@ def reproduction_test_metrics(
 ) -> tuple[dict[str, float], Any]:
     """``test.separated.<metric>`` (mean over fold models) and ``test.concat.<metric>`` (concatenated embedding),
     with the concatenated search's ``RetrievalDetails`` (neighbours, per-query and per-class values)."""
-    from dml_core.metrics import retrieval_details  # faiss: loaded where metrics are computed, not by the pyfunc model
+    # torch and faiss: loaded where metrics are computed, not by the pyfunc model or a search trial's driver
+    from dml_core.metrics import retrieval_details
 
     out: dict[str, float] = {}
     keys = sorted(set.intersection(*(set(o["test_metrics"]) for o in outcomes)))
@@ -48,3 +62,37 @@ def reproduction_test_metrics(
         if isinstance(v, float) and math.isfinite(v):
             out[f"test.concat.{k}"] = float(v)
     return out, details
+
+
+def details_to_bytes(details) -> bytes:
+    """A ``RetrievalDetails`` as one ``.npz`` (arrays + JSON; no pickle), so the reproduction that ran the
+    concatenated test search hands its neighbours to the study's visuals instead of a second search."""
+    buf = io.BytesIO()
+    meta = {
+        "metrics": details.metrics,
+        "per_class": {str(k): v for k, v in details.per_class.items()},
+        "per_query": sorted(details.per_query),
+    }
+    np.savez(
+        buf,
+        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+        knn_indices=details.knn_indices,
+        knn_similarity=details.knn_similarity,
+        **{f"q_{k}": v for k, v in details.per_query.items()},
+    )
+    return buf.getvalue()
+
+
+def details_from_bytes(data: bytes):
+    """Inverse of :func:`details_to_bytes`."""
+    from dml_core.metrics import RetrievalDetails  # torch and faiss: see reproduction_test_metrics
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        meta = json.loads(z["meta"].tobytes().decode())
+        return RetrievalDetails(
+            metrics=meta["metrics"],
+            knn_indices=z["knn_indices"],
+            knn_similarity=z["knn_similarity"],
+            per_query={k: z[f"q_{k}"] for k in meta["per_query"]},
+            per_class={int(k): v for k, v in meta["per_class"].items()},
+        )

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import sys
 import time
@@ -42,7 +41,7 @@ from PIL import Image
 from dml_core.data import decode_image
 from dml_core.storage import open_storage
 from pipelines.names import HEADLINE_METRICS, TEST_EMBEDDINGS, TEST_LABELS
-from pipelines.results.embeddings import concatenated_embeddings
+from pipelines.results.embeddings import concatenated_embeddings, details_from_bytes
 
 __all__ = [
     "ARTIFACT_DIR",
@@ -165,46 +164,11 @@ def confusions(
 def _details(embeddings: np.ndarray, labels: np.ndarray):
     """``dml_core.metrics.retrieval_details``: global metrics, neighbour indices (depth = max(largest R, 8)) and
     per-query/per-class values, from one search."""
-    # faiss loads where a search runs: trial drivers import this module for details_to_bytes only
+    # faiss loads where a search runs
     from dml_core.metrics import retrieval_details
 
     # NMI (k-means) is not shown here and is the slow part on large sets; the kNN metrics are unaffected.
     return retrieval_details(embeddings, labels, normalize=True, nmi=False)
-
-
-def details_to_bytes(details) -> bytes:
-    """A ``RetrievalDetails`` as one ``.npz`` (arrays + JSON; no pickle), so the reproduction that ran the
-    concatenated test search hands its neighbours to the study's visuals instead of a second search."""
-    buf = io.BytesIO()
-    meta = {
-        "metrics": details.metrics,
-        "per_class": {str(k): v for k, v in details.per_class.items()},
-        "per_query": sorted(details.per_query),
-    }
-    np.savez(
-        buf,
-        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-        knn_indices=details.knn_indices,
-        knn_similarity=details.knn_similarity,
-        **{f"q_{k}": v for k, v in details.per_query.items()},
-    )
-    return buf.getvalue()
-
-
-def details_from_bytes(data: bytes):
-    """Inverse of :func:`details_to_bytes`."""
-    # faiss: see _details
-    from dml_core.metrics import RetrievalDetails
-
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        meta = json.loads(z["meta"].tobytes().decode())
-        return RetrievalDetails(
-            metrics=meta["metrics"],
-            knn_indices=z["knn_indices"],
-            knn_similarity=z["knn_similarity"],
-            per_query={k: z[f"q_{k}"] for k in meta["per_query"]},
-            per_class={int(k): v for k, v in meta["per_class"].items()},
-        )
 
 
 def _per_class_rows(details) -> list[dict[str, Any]]:
