@@ -6,37 +6,23 @@ The schema's names load on first use (PEP 562 ``__getattr__``): the schema check
 settings against ``dml_core``, which imports torch, and processes that only read a search space or a URI (a search
 trial's driver) must not pay for torch by importing this package."""
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipelines.config.errors import ConfigError, FieldError
 from pipelines.config.loader import load_yaml, read_yaml_file
 from pipelines.config.uris import absolute_tracking_uri, check_tracking_uri, check_uri, redact_uri
 
-if TYPE_CHECKING:
-    from pipelines.config.schema import (
-        DATASET_KINDS,
-        SEED_MAX,
-        TRAIN_KEYS,
-        DatasetSpec,
-        LossSpec,
-        SweepConfig,
-        load_config,
-        parse_config,
-        sweep_json_schema,
-    )
-
-_FROM_SCHEMA = frozenset(
-    {
-        "DATASET_KINDS",
-        "SEED_MAX",
-        "TRAIN_KEYS",
-        "DatasetSpec",
-        "LossSpec",
-        "SweepConfig",
-        "load_config",
-        "parse_config",
-        "sweep_json_schema",
-    }
+#: The names this package gives from ``pipelines.config.schema``, loaded by :func:`__getattr__`.
+_FROM_SCHEMA = (
+    "DATASET_KINDS",
+    "SEED_MAX",
+    "TRAIN_KEYS",
+    "DatasetSpec",
+    "LossSpec",
+    "SweepConfig",
+    "load_config",
+    "parse_config",
+    "sweep_json_schema",
 )
 
 
@@ -54,15 +40,7 @@ __all__ = [
     "FieldError",
     "load_yaml",
     "read_yaml_file",
-    "DATASET_KINDS",
-    "SEED_MAX",
-    "TRAIN_KEYS",
-    "DatasetSpec",
-    "LossSpec",
-    "SweepConfig",
-    "load_config",
-    "parse_config",
-    "sweep_json_schema",
+    *_FROM_SCHEMA,
     "absolute_tracking_uri",
     "check_tracking_uri",
     "check_uri",
