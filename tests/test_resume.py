@@ -1,5 +1,8 @@
 """Fault tolerance of a local sweep, both executors, in one sweep each: a fold's process SIGKILLed mid-training (what
 an OOM kill does), then the sweep driver SIGKILLed mid-study, then ``dmlrc sweep CONFIG --resume`` finishes it.
+:func:`kill_and_resume` runs such a sweep and :func:`check_killed_and_resumed` checks it: here with warm folds;
+the Ray Train executor's sweep (DDP folds of 2 gloo workers) is tests/test_security.py's, whose security checks then
+cover both driver sessions and a killed worker group.
 
 **The killed fold.**  ``resources.fold_retries`` is Ray's own retry: the warm executor's fold task is resubmitted by
 Ray (``max_retries``) onto another worker process; Ray Train's ``FailureConfig(max_failures)`` starts the fold's
@@ -34,13 +37,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from tests.paced_trunk import PACE_FILE_ENV, PACED_TRUNK, pace_file
-from tests.test_sweep import _run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Folds per trial: k-fold, two (see the module docstring).
@@ -186,25 +191,55 @@ def _tune_stored_as_finished(search: Path, trial_id: str) -> bool:
     return state is not None and any(t.state.name == "COMPLETE" for t in state["_ot_study"].trials)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("executor", ["warm", "train"])
-def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rerunning_finished_trials(
-    tmp_path, executor
-):
-    if not Path("/proc/self/stat").exists():
-        pytest.skip("needs /proc to find the sweep's fold processes and the killed driver's children")
-    from mlflow.entities import ViewType
-    from mlflow.tracking import MlflowClient
+@dataclass
+class KilledAndResumed:
+    """What :func:`kill_and_resume` did and saw, for :func:`check_killed_and_resumed` and the caller's own checks."""
 
-    from pipelines.tracking.runs import search_all
+    doc: dict
+    uri: str
+    experiment: str
+    search: Path  # Tune's experiment dir of the study's search
+    storage: Path
+    first_output: str  # the killed driver's output
+    resume_rc: int
+    resume_output: str
+    killed: list[int]  # fold processes SIGKILLed
+    drivers: list[int]  # the search trial's driver processes alive while its folds trained
+    drivers_with_torch: list[int]
+    first_trial: set[str]  # the parent run of the folds killed
+    done: Any  # the trial run finished before the driver's kill
+    done_folds: set[str]
+    kill_stage: str
 
+    @property
+    def interval(self) -> int:
+        return self.doc["protocol"]["iters_per_epoch"] * self.doc["protocol"]["eval_every"]
+
+    @property
+    def trials(self) -> int:
+        return self.doc["protocol"]["trials"]
+
+
+def kill_and_resume(
+    tmp_path: Path,
+    *,
+    executor: str,
+    workers: int = 1,
+    name: str = "resume",
+    tracking_uri: str | None = None,
+    env: dict[str, str] | None = None,
+    watch: Callable[[int], None] | None = None,
+) -> KilledAndResumed:
+    """Run a paced sweep of ``executor`` folds (``workers`` per fold), SIGKILL its fold processes mid-fold, then
+    its driver mid-study, then finish it with ``--resume`` (module docstring).  ``tracking_uri``: an MLflow server
+    (default: the sweep's own sqlite store); ``env``: the sweeps' environment (default: this one's);
+    ``watch(pid)``: called about once a second with the running driver's pid, in both sessions."""
     # warm: the driver dies mid-search (trial 1 finished, trial 2 training); train: mid-reproductions (the search's
     # one trial finished, a reproduction's folds training), so that --resume restores the reproductions' Tuner and
     # fits Ray Train folds again under their stable names
     trials, kill_stage = {"warm": (2, "trial"), "train": (1, "reproduction")}[executor]
     doc = {
-        "name": "resume",
+        "name": name,
         "seed": 5,
         "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
         "losses": ["contrastive"],
@@ -224,19 +259,26 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             "max_epochs": 3,
             "train": {"classes_per_batch": 4, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3},
         },
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "fold_retries": 1, "fold_executor": executor},
+        "resources": {
+            "workers_per_fold": workers,
+            "max_concurrent_trials": 1,
+            "fold_retries": 1,
+            "fold_executor": executor,
+        },
         "storage": str(tmp_path / "runs"),
     }
+    if tracking_uri:
+        doc["tracking"] = {"uri": tracking_uri, "experiment": name}
     interval = doc["protocol"]["iters_per_epoch"] * doc["protocol"]["eval_every"]
-    cfg = tmp_path / "resume.yaml"
+    cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(doc))
-    db = tmp_path / "runs" / "resume" / "mlflow.db"
-    uri = f"sqlite:///{db}"
-    search = tmp_path / "runs" / "resume" / "ray" / "synthetic__contrastive" / "search"  # Tune's experiment dir
+    uri = tracking_uri or f"sqlite:///{tmp_path / 'runs' / name / 'mlflow.db'}"
+    search = tmp_path / "runs" / name / "ray" / "synthetic__contrastive" / "search"  # Tune's experiment dir
+    watch = watch or (lambda pid: None)
 
     log_path = tmp_path / "first.log"
     log = open(log_path, "wb")
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = dict(env if env is not None else {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # the paced trunk
     env[PACE_FILE_ENV] = str(pace := pace_file(tmp_path))  # steps wait until the driver's kill
     proc = subprocess.Popen(
@@ -246,6 +288,11 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         stderr=subprocess.STDOUT,
         env=env,
     )
+
+    def pause(seconds: float) -> None:
+        watch(proc.pid)
+        time.sleep(seconds)
+
     killed: list[int] = []
     family: list[int] = []
     try:
@@ -255,8 +302,8 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         while not killed:
             assert proc.poll() is None, "sweep ended before a fold could be killed:\n" + log_path.read_text()[-4000:]
             assert time.time() < deadline, "no fold logged evaluations in time:\n" + log_path.read_text()[-4000:]
-            time.sleep(1)
-            runs = _runs_now(uri, "resume", log_path, "tags.stage = 'fold'")
+            pause(1)
+            runs = _runs_now(uri, name, log_path, "tags.stage = 'fold'")
             busy = _evaluated_twice(uri, [r for r in runs if r.info.status == "RUNNING"])
             if busy and _checkpointed_past(tmp_path / "runs", interval):
                 # the search trial's driver (a Tune actor) while its folds train: warm folds leave it without torch
@@ -266,9 +313,6 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
         first_trial = {r.data.tags.get("mlflow.parentRunId") for r in busy}
-        assert drivers, "no trial driver process found while its folds trained"
-        if executor == "warm":
-            assert not drivers_with_torch, f"a search trial's driver with warm folds loaded torch: {drivers_with_torch}"
 
         # 2. Trial 1 finished and a run of `kill_stage` training (trial 2 / a reproduction; one of its folds has
         # evaluated twice, so stored a checkpoint): kill the driver.
@@ -276,8 +320,8 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
         while True:
             assert proc.poll() is None, log_path.read_text()[-4000:]
             assert time.time() < deadline, "no trial finished in time: " + log_path.read_text()[-4000:]
-            time.sleep(2)
-            runs = _runs_now(uri, "resume", log_path)
+            pause(2)
+            runs = _runs_now(uri, name, log_path)
             finished = [r for r in runs if r.data.tags.get("stage") == "trial" and r.info.status == "FINISHED"]
             running = {
                 r.info.run_id for r in runs if r.data.tags.get("stage") == kill_stage and r.info.status == "RUNNING"
@@ -292,7 +336,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             assert time.time() < deadline, (
                 "Tune did not store the finished trial in time: " + log_path.read_text()[-4000:]
             )
-            time.sleep(0.5)
+            pause(0.5)
         # and, mid-reproductions, after Tune has stored the reproductions' experiment (what --resume restores)
         while (
             kill_stage == "reproduction"
@@ -301,7 +345,7 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             assert time.time() < deadline, (
                 "Tune did not store the reproductions in time: " + log_path.read_text()[-4000:]
             )
-            time.sleep(0.5)
+            pause(0.5)
         assert proc.poll() is None, "the sweep finished before it could be killed"
         family = _descendants(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
@@ -320,93 +364,161 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
 
-    c = MlflowClient(uri)
-    exp = c.get_experiment_by_name("resume")
-    done = finished[0]
-    assert first_trial == {done.info.run_id}, "the fold killed was not the first trial's"
-    done_id, done_trial = done.info.run_id, done.data.tags["trial_id"]
-    done_folds = {r.info.run_id for r in search_all(c, exp.experiment_id, f"tags.`mlflow.parentRunId` = '{done_id}'")}
-    assert len(done_folds) == FOLDS
+    from mlflow.tracking import MlflowClient
 
-    # 3. --resume finishes the study.
-    resume_env = {k: env[k] for k in ("PYTHONPATH", PACE_FILE_ENV)}
-    out = _run_cli(["sweep", str(cfg), "--resume"], cwd=tmp_path, extra_env=resume_env)
-    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
-    assert "resuming search" in out.stdout
-    if kill_stage == "reproduction":
-        assert "resuming reproductions" in out.stdout, out.stdout[-3000:]
-    text = log_path.read_text(errors="replace") + out.stdout
+    from pipelines.tracking.runs import search_all
+
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name(name)
+    done = finished[0]
+    done_folds = {
+        r.info.run_id for r in search_all(c, exp.experiment_id, f"tags.`mlflow.parentRunId` = '{done.info.run_id}'")
+    }
+
+    # 3. --resume finishes the study (the same environment; the pace file is gone: full speed).
+    resume_log = tmp_path / "resume.log"
+    with open(resume_log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg), "--resume"],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            deadline = time.time() + 1200  # a hang guard, not a speed target
+            while proc.poll() is None and time.time() < deadline:
+                pause(1)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            rc = proc.wait(timeout=60)
+    return KilledAndResumed(
+        doc=doc,
+        uri=uri,
+        experiment=name,
+        search=search,
+        storage=tmp_path / "runs",
+        first_output=log_path.read_text(errors="replace"),
+        resume_rc=rc,
+        resume_output=resume_log.read_text(errors="replace"),
+        killed=killed,
+        drivers=drivers,
+        drivers_with_torch=drivers_with_torch,
+        first_trial=first_trial,
+        done=done,
+        done_folds=done_folds,
+        kill_stage=kill_stage,
+    )
+
+
+def check_killed_and_resumed(r: KilledAndResumed) -> None:
+    """The checks of the module docstring on a study :func:`kill_and_resume` ran."""
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.tracking.runs import search_all
+
+    assert r.drivers, "no trial driver process found while its folds trained"
+    assert r.resume_rc == 0, r.resume_output[-5000:]
+    assert "resuming search" in r.resume_output
+    if r.kill_stage == "reproduction":
+        assert "resuming reproductions" in r.resume_output, r.resume_output[-3000:]
+    text = r.first_output + r.resume_output
+    interval, trials = r.interval, r.trials
+
+    c = MlflowClient(r.uri)
+    exp = c.get_experiment_by_name(r.experiment)
+    done_id, done_trial = r.done.info.run_id, r.done.data.tags["trial_id"]
+    assert r.first_trial == {done_id}, "the fold killed was not the first trial's"
+    assert len(r.done_folds) == FOLDS
 
     runs = search_all(c, exp.experiment_id, "")
-    stage = lambda s: [r for r in runs if r.data.tags.get("stage") == s]  # noqa: E731
+    stage = lambda s: [x for x in runs if x.data.tags.get("stage") == s]  # noqa: E731
     assert len(stage("study")) == 1 and stage("study")[0].data.tags["done"] == "true"
     assert "test.concat.map_at_r.mean" in stage("study")[0].data.metrics
-    assert all(r.info.status == "FINISHED" for r in runs), [(r.data.tags, r.info.status) for r in runs]
+    assert all(x.info.status == "FINISHED" for x in runs), [(x.data.tags, x.info.status) for x in runs]
     trial_runs = stage("trial")
-    assert len(trial_runs) == trials, [r.data.tags for r in trial_runs]  # no duplicated trial runs
-    assert len({r.data.tags["trial_id"] for r in trial_runs}) == trials
+    assert len(trial_runs) == trials, [x.data.tags for x in trial_runs]  # no duplicated trial runs
+    assert len({x.data.tags["trial_id"] for x in trial_runs}) == trials
     parents = trial_runs + stage("reproduction")
     assert len(stage("reproduction")) == 2 and len(stage("fold")) == FOLDS * (trials + 2)
 
     # the killed fold resumed in its own run: no replacement, nothing of the first trial soft-deleted
     folds = stage("fold")
-    assert not [r for r in folds if r.data.tags.get("restarted")], "a restarted fold got a replacement run"
+    assert not [x for x in folds if x.data.tags.get("restarted")], "a restarted fold got a replacement run"
     deleted = c.search_runs([exp.experiment_id], "tags.stage = 'fold'", run_view_type=ViewType.DELETED_ONLY)
-    assert not [r for r in deleted if r.data.tags.get("mlflow.parentRunId") == done_id], [r.data.tags for r in deleted]
-    resumed = [r for r in folds if r.data.tags["mlflow.parentRunId"] == done_id and int(r.data.tags.get("resumes", 0))]
-    assert resumed, f"no fold run of the first trial resumed after killing {len(killed)} process(es):\n{text[-4000:]}"
-    assert max(int(r.data.tags["resumed_from"]) for r in resumed) >= interval, [r.data.tags for r in resumed]
-    evals = doc["protocol"]["max_epochs"] // doc["protocol"]["eval_every"] + 1  # epochs 0..max_epochs
-    for r in folds:
+    assert not [x for x in deleted if x.data.tags.get("mlflow.parentRunId") == done_id], [x.data.tags for x in deleted]
+    resumed = [x for x in folds if x.data.tags["mlflow.parentRunId"] == done_id and int(x.data.tags.get("resumes", 0))]
+    assert resumed, f"no fold run of the first trial resumed after killing {len(r.killed)} process(es):\n{text[-4000:]}"
+    assert max(int(x.data.tags["resumed_from"]) for x in resumed) >= interval, [x.data.tags for x in resumed]
+    evals = r.doc["protocol"]["max_epochs"] // r.doc["protocol"]["eval_every"] + 1  # epochs 0..max_epochs
+    for x in folds:
         # every evaluation step exactly once, none missing, also in the resumed runs
         for key in ("val.map_at_r", "epoch"):
-            steps = [m.step for m in c.get_metric_history(r.info.run_id, key)]
-            assert sorted(steps) == [i * interval for i in range(evals)], (key, r.data.tags, steps)
-        assert "best_epoch" in r.data.metrics and r.data.tags["status"] == "ok"
-        restarts = int(r.data.tags.get("resumes", 0))
-        outcome = json.loads((Path(r.data.tags["checkpoint"]) / "outcome.json").read_text())
+            steps = [m.step for m in c.get_metric_history(x.info.run_id, key)]
+            assert sorted(steps) == [i * interval for i in range(evals)], (key, x.data.tags, steps)
+        assert "best_epoch" in x.data.metrics and x.data.tags["status"] == "ok"
+        restarts = int(x.data.tags.get("resumes", 0))
+        outcome = json.loads((Path(x.data.tags["checkpoint"]) / "outcome.json").read_text())
         assert outcome["restarts"] == restarts and len(outcome["resumed_from"]) == restarts
         assert 0 <= outcome["redone_iterations"] <= restarts * interval, outcome
         if restarts:
-            assert r.data.metrics["redone_iterations"] == outcome["redone_iterations"]
-            assert outcome["resumed_from"][-1] == int(r.data.tags["resumed_from"])
+            assert x.data.metrics["redone_iterations"] == outcome["redone_iterations"]
+            assert outcome["resumed_from"][-1] == int(x.data.tags["resumed_from"])
     # the finished folds' mid-fold states were deleted once their results were stored
-    assert not list((tmp_path / "runs").glob("**/ckpt/state-*.pt"))
+    assert not list(r.storage.glob("**/ckpt/state-*.pt"))
     for parent in parents:
-        kids = [r for r in folds if r.data.tags["mlflow.parentRunId"] == parent.info.run_id]
-        assert sorted(int(r.data.tags["fold"]) for r in kids) == list(range(FOLDS))
-        best = [r.data.metrics["best.val.map_at_r"] for r in kids]
+        kids = [x for x in folds if x.data.tags["mlflow.parentRunId"] == parent.info.run_id]
+        assert sorted(int(x.data.tags["fold"]) for x in kids) == list(range(FOLDS))
+        best = [x.data.metrics["best.val.map_at_r"] for x in kids]
         assert parent.data.metrics["val.map_at_r.mean"] == pytest.approx(sum(best) / FOLDS, abs=1e-9)
-    if kill_stage == "reproduction":
+    if r.kill_stage == "reproduction":
         # the reproduction killed with the driver: its folds fitted again (new Ray Train runs under the same names)
         # resumed in their own runs from their checkpoints
-        rep_ids = {r.info.run_id for r in stage("reproduction")}
+        rep_ids = {x.info.run_id for x in stage("reproduction")}
         resumed = [
-            r for r in folds if r.data.tags["mlflow.parentRunId"] in rep_ids and int(r.data.tags.get("resumes", 0))
+            x for x in folds if x.data.tags["mlflow.parentRunId"] in rep_ids and int(x.data.tags.get("resumes", 0))
         ]
-        assert resumed and max(int(r.data.tags["resumed_from"]) for r in resumed) >= interval, [
-            r.data.tags for r in folds if r.data.tags["mlflow.parentRunId"] in rep_ids
+        assert resumed and max(int(x.data.tags["resumed_from"]) for x in resumed) >= interval, [
+            x.data.tags for x in folds if x.data.tags["mlflow.parentRunId"] in rep_ids
         ]
-    if executor == "warm":
-        # Warm processes outlive a fold: some process ran several folds.
-        pids = [r.data.tags["pid"] for r in folds]
-        assert max(pids.count(p) for p in set(pids)) >= 2, pids
 
     # the trial finished before the driver's kill was not rerun: same run, each metric logged once, folds not retrained
     again = c.get_run(done_id)
     assert again.data.tags["trial_id"] == done_trial
     assert len(c.get_metric_history(done_id, "val.map_at_r.mean")) == 1
     kids = search_all(c, exp.experiment_id, f"tags.`mlflow.parentRunId` = '{done_id}'")
-    assert {r.info.run_id for r in kids} == done_folds
+    assert {x.info.run_id for x in kids} == r.done_folds
     for f in kids:
         assert len(c.get_metric_history(f.info.run_id, "time.start")) == 1
 
     # the Bayesian optimiser's history survived: the restored Optuna study holds every trial, with its objective
-    state = _saved_searcher_state(search)
-    assert state is not None, list(search.iterdir())
+    state = _saved_searcher_state(r.search)
+    assert state is not None, list(r.search.iterdir())
     study = state["_ot_study"]
     values = sorted(t.value for t in study.trials if t.state.name == "COMPLETE")
     assert len(values) == trials
-    mlflow_values = sorted(r.data.metrics["val.map_at_r.mean"] for r in trial_runs)
+    mlflow_values = sorted(x.data.metrics["val.map_at_r.mean"] for x in trial_runs)
     assert values == pytest.approx(mlflow_values, abs=1e-12)
     assert type(state["_sampler"]).__name__ == "GPSampler"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
+    """Warm folds (the Ray Train executor's kill-and-resume sweep is tests/test_security.py's DDP sweep)."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to find the sweep's fold processes and the killed driver's children")
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.tracking.runs import search_all
+
+    r = kill_and_resume(tmp_path, executor="warm")
+    assert not r.drivers_with_torch, f"a search trial's driver with warm folds loaded torch: {r.drivers_with_torch}"
+    check_killed_and_resumed(r)
+    # Warm processes outlive a fold: some process ran several folds.
+    c = MlflowClient(r.uri)
+    folds = search_all(c, c.get_experiment_by_name(r.experiment).experiment_id, "tags.stage = 'fold'")
+    pids = [x.data.tags["pid"] for x in folds]
+    assert max(pids.count(p) for p in set(pids)) >= 2, pids

@@ -1,11 +1,14 @@
 """Security of a sweep's own Ray: no credentials anywhere Ray or MLflow write, loopback-only sockets,
 no password in what is printed, and the cluster's resources checked before any trial starts.
 
-The slow tests share one ``dmlrc sweep`` of a tiny config (2 class-disjoint folds, 1 trial, 2 reproductions, DDP
-folds of 2 gloo workers) in a subprocess with its own Ray temp dir (``RAY_TMPDIR``), so that the whole Ray session
-directory can be searched, against a real ``mlflow server`` (sqlite) whose database is searched too.  The same sweep
-is the end-to-end test of the Ray Train executor: its MLflow tree is checked as tests/test_sweep.py checks the
-warm sweeps'.
+The slow tests share one sweep of a tiny config (2 k-fold folds, 1 trial, 2 reproductions, DDP folds of 2 gloo
+workers) in subprocesses with their own Ray temp dir (``RAY_TMPDIR``), so that the whole Ray session directory can be
+searched, against a real ``mlflow server`` (sqlite) whose database is searched too.  It is also the Ray Train
+executor's kill-and-resume sweep of tests/test_resume.py (:func:`~tests.test_resume.kill_and_resume`): a fold's
+worker group SIGKILLed mid-training, then the driver mid-reproductions, then ``--resume`` finishes it — so the
+security checks cover two driver sessions, one of them killed outright (its private credentials file cannot be
+deleted by itself: the next session deletes it), and restarted worker groups.  Its MLflow tree is checked as
+tests/test_sweep.py checks the warm sweeps', which makes it the Ray Train executor's end-to-end test too.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,37 @@ def test_redact_uri_hides_only_the_password():
     )
 
 
+def test_a_killed_drivers_credentials_folder_is_deleted_by_the_next_sweep_and_a_live_ones_is_kept(
+    tmp_path, monkeypatch
+):
+    """A driver killed outright leaves its private credentials folder (``dmlrc-aws-<pid>-*``) behind; the next
+    sweep's start deletes the folders of dead drivers of the same user, and no other folder."""
+    from pipelines.execution import ray_runtime
+
+    monkeypatch.setattr(ray_runtime, "CREDENTIALS_PARENT", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"dmlrc-aws-{gone.pid}-x1"
+    live = tmp_path / f"dmlrc-aws-{os.getppid()}-x2"  # a running process's (a sweep still going)
+    unnamed = tmp_path / "dmlrc-aws-x3"  # no pid in the name: not ours to judge
+    for d in (stale, live, unnamed):
+        d.mkdir()
+        (d / "credentials").write_text("[default]\n")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-secret")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE", raising=False)
+    try:
+        ray_runtime._hide_credentials()
+        mine = Path(os.environ["AWS_SHARED_CREDENTIALS_FILE"])
+        assert mine.parent.parent == tmp_path and mine.parent.name.startswith(f"dmlrc-aws-{os.getpid()}-")
+        assert "fake-secret" in mine.read_text() and "AWS_SECRET_ACCESS_KEY" not in os.environ
+        assert not stale.exists() and live.exists() and unnamed.exists()
+    finally:
+        ray_runtime.stop_ray(False)
+    assert not mine.parent.exists() and os.environ["AWS_SECRET_ACCESS_KEY"] == "fake-secret"
+
+
 def test_failure_reason_says_why_each_trial_failed():
     from pipelines.execution.interrupts import failure_reason
 
@@ -219,11 +252,14 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
 
 @pytest.fixture(scope="module")
 def sweep_with_credentials(tmp_path_factory):
-    """One tiny DDP sweep with fake AWS credentials in its environment, against an ``mlflow server`` whose files
-    live in the sweep's tmp dir; its sockets sampled while it runs."""
+    """The DDP kill-and-resume sweep (module docstring) with fake AWS credentials in its environment, against an
+    ``mlflow server`` whose files live in the sweep's tmp dir; the sockets of both driver sessions' process trees
+    sampled while they run."""
     from tests.mlflow_server import mlflow_server
-    from tests.test_sweep import _sweep_config
+    from tests.test_resume import kill_and_resume
 
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to find the sweep's fold processes and the killed driver's children")
     tmp = tmp_path_factory.mktemp("secure")
     ray_tmp = ray_tmpdir()
     secret = {
@@ -231,33 +267,22 @@ def sweep_with_credentials(tmp_path_factory):
         "AWS_SECRET_ACCESS_KEY": "fake-secret-" + secrets.token_hex(16),
         "AWS_SESSION_TOKEN": "fake-token-" + secrets.token_hex(16),
     }
+    sockets: set[tuple[int, str, str, int]] = set()
     with mlflow_server(tmp / "server") as uri:
         # 2 workers per fold (Ray Train): the gloo connections between them are checked too
-        cfg = _sweep_config(tmp, uri, losses=["contrastive"], trials=1, workers=2, concurrent=1, folds=2, name="secure")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
-            cwd=tmp,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+        run = kill_and_resume(
+            tmp,
+            executor="train",
+            workers=2,
+            name="secure",
+            tracking_uri=uri,
             env=sweep_env(ray_tmp, **secret),
+            watch=lambda pid: sockets.update(_listening(_descendants(pid))),
         )
-        sockets: set[tuple[int, str, str, int]] = set()
-        import threading
-
-        output: list[bytes] = []
-        reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
-        reader.start()
-        deadline = time.time() + 900  # a hang guard, not a speed target: two pytest workers share the cores
-        while proc.poll() is None and time.time() < deadline:
-            sockets.update(_listening(_descendants(proc.pid)))
-            time.sleep(0.5)
-        if proc.poll() is None:
-            proc.kill()
-        rc = proc.wait(timeout=60)
-        reader.join(timeout=60)
         yield {
-            "rc": rc,
-            "out": b"".join(output),
+            "run": run,
+            "rc": run.resume_rc,
+            "out": (run.first_output + run.resume_output).encode(),
             "tmp": tmp,
             "ray_tmp": Path(ray_tmp),
             "secret": secret,
@@ -269,13 +294,16 @@ def sweep_with_credentials(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.ddp
-@pytest.mark.timeout(1080)
-def test_ddp_sweep_end_to_end_against_an_mlflow_server(sweep_with_credentials):
+@pytest.mark.timeout(1800)
+def test_ddp_sweep_killed_and_resumed_end_to_end_against_an_mlflow_server(sweep_with_credentials):
     """One trial + 2 reproductions of one loss as DDP folds (Ray Train, 2 gloo workers each), against a real
-    ``mlflow server``: the whole MLflow tree, Tune's results = MLflow's metrics (tests/test_sweep.py's check).  Two
-    k-fold folds per trial and one trial: the Ray Train path's properties depend neither on the number of folds nor
-    on the search, and every Ray Train job costs a worker group's start-up; the reality check's 4 folds in the
+    ``mlflow server``, a fold's worker group and then the driver SIGKILLed, ``--resume`` finishing the study:
+    tests/test_resume.py's checks (the killed folds resumed in their runs, nothing finished rerun, the optimiser's
+    history kept), then the whole MLflow tree with Tune's results = MLflow's metrics (tests/test_sweep.py's check).
+    Two k-fold folds per trial and one trial: the Ray Train path's properties depend neither on the number of folds
+    nor on the search, and every Ray Train job costs a worker group's start-up; the reality check's 4 folds in the
     ``mlrc`` layout and a Bayesian search run end to end in test_sweep.py's PostgreSQL sweep (warm folds)."""
+    from tests.test_resume import check_killed_and_resumed
     from tests.test_sweep import _check_run_tree
 
     s = sweep_with_credentials
@@ -283,9 +311,10 @@ def test_ddp_sweep_end_to_end_against_an_mlflow_server(sweep_with_credentials):
     assert s["rc"] == 0, out[-5000:]
     assert "mlflow ui" not in out and s["uri"] in out  # the server to browse
     assert "[synthetic/contrastive] done in" in out
+    check_killed_and_resumed(s["run"])
     _check_run_tree(
         s["uri"],
-        "secure-experiment",
+        "secure",
         losses=["contrastive"],
         trials=1,
         workers=2,
@@ -296,7 +325,7 @@ def test_ddp_sweep_end_to_end_against_an_mlflow_server(sweep_with_credentials):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1080)
+@pytest.mark.timeout(1800)
 def test_aws_credentials_never_reach_ray_logs_mlflow_or_the_sweep_folder(sweep_with_credentials):
     s = sweep_with_credentials
     assert s["rc"] == 0, s["out"].decode(errors="replace")[-5000:]
@@ -307,7 +336,8 @@ def test_aws_credentials_never_reach_ray_logs_mlflow_or_the_sweep_folder(sweep_w
     for root in (s["ray_tmp"], s["tmp"]):  # Ray's whole session dir; MLflow DB, artifacts, Ray storage, config
         assert files_containing(root, needles) == []
     assert not any(n in s["out"] for n in needles)
-    # the private credentials file the sweep used while Ray ran is gone
+    # the private credentials files the sweep used while Ray ran are gone: the resumed session's (deleted when it
+    # stopped) and the killed one's (deleted when the resumed session started)
     leftovers = [
         p for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d) for p in Path(d).glob("dmlrc-aws-*")
     ]
@@ -322,7 +352,7 @@ def files_containing_any(paths: list[Path], needles: list[bytes]) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1080)
+@pytest.mark.timeout(1800)
 def test_the_sweeps_own_ray_listens_on_loopback_only(sweep_with_credentials):
     s = sweep_with_credentials
     assert s["rc"] == 0, s["out"].decode(errors="replace")[-5000:]

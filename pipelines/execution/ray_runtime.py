@@ -22,7 +22,10 @@ Security:
   duration of the sweep :func:`start_ray` therefore moves those variables out of the environment into a private
   AWS shared-credentials file (mode 0600 in a 0700 directory, on the memory-backed ``/dev/shm`` where there is
   one) named by ``AWS_SHARED_CREDENTIALS_FILE`` — the SDKs' standard second source, read by boto3 (MLflow) and by
-  pyarrow's AWS SDK (Ray storage) alike — and :func:`stop_ray` puts them back and deletes the file.  Workers of a
+  pyarrow's AWS SDK (Ray storage) alike — and :func:`stop_ray` puts them back and deletes the file.  A driver
+  killed outright (SIGKILL, the OOM killer) cannot delete it: the folder carries the driver's pid, and the next
+  sweep of the same user on that machine deletes the folders of drivers that are gone
+  (:func:`remove_stale_credentials`).  Workers of a
   local Ray inherit the driver's environment (so the file's path); on a cluster the nodes use their own
   environment or instance role: credentials are never shipped through Ray.
 * **No passwords printed.**  :func:`redact_uri` turns ``scheme://user:password@host`` into
@@ -54,6 +57,8 @@ __all__ = [
     "S3_ENV",
     "AWS_SECRET_ENV",
     "s3_compat_env",
+    "CREDENTIALS_PARENT",
+    "remove_stale_credentials",
     "check_storage_reachable",
     "check_tracking_reachable",
     "default_num_cpus",
@@ -225,14 +230,59 @@ def trial_bundle(cluster_resources: dict[str, float]) -> dict[str, float]:
 _UNDO: list[Any] = []
 
 
+#: Where the private credentials folder goes: memory-backed where the machine has it (else the temp dir).
+CREDENTIALS_PARENT = "/dev/shm"
+_CREDENTIALS_PREFIX = "dmlrc-aws-"
+
+
+def _credentials_parent() -> str:
+    shm = CREDENTIALS_PARENT
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_credentials(parent: str) -> list[str]:
+    """Delete the credentials folders (``dmlrc-aws-<pid>-*``) in ``parent`` that belong to this user and whose
+    driver process is gone: a driver killed by SIGKILL (or the OOM killer) cannot run :func:`stop_ray`, so its
+    folder outlives it until the next sweep of the same user starts here.  Returns the folders removed."""
+    removed = []
+    pattern = re.compile(re.escape(_CREDENTIALS_PREFIX) + r"(\d+)-")
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.match(name)
+        path = os.path.join(parent, name)
+        try:
+            mine = os.lstat(path).st_uid == os.getuid()
+        except OSError:
+            continue
+        if m and mine and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _hide_credentials() -> None:
     """Move the AWS secrets out of ``os.environ`` into a private shared-credentials file (module docstring)."""
     secrets = {k: os.environ[k] for k in AWS_SECRET_ENV if os.environ.get(k)}
     if not secrets:
         return
     profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
-    shm = "/dev/shm"
-    folder = tempfile.mkdtemp(prefix="dmlrc-aws-", dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
+    parent = _credentials_parent()
+    remove_stale_credentials(parent)
+    # the driver's pid in the name: a later sweep can tell a dead driver's folder from a live one
+    folder = tempfile.mkdtemp(prefix=f"{_CREDENTIALS_PREFIX}{os.getpid()}-", dir=parent)
     path = os.path.join(folder, "credentials")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
