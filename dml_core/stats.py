@@ -25,7 +25,6 @@ import math
 import warnings
 
 import numpy as np
-from scipy import stats as _st
 
 __all__ = ["fold_summary", "confidence_interval", "paired_t_test"]
 
@@ -48,12 +47,14 @@ def _values(values, name: str = "values") -> np.ndarray:
 
 
 def fold_summary(values) -> tuple[float, float]:
-    """``(mean, sem)`` with ``sem = scipy.stats.sem(values)`` (ddof = 1); sem is NaN for a single value."""
+    """``(mean, sem)`` with ``sem = scipy.stats.sem(values)`` (ddof = 1: ``std(ddof=1) / sqrt(n)``, scipy's own
+    formula, computed here without scipy: a trial's driver reports its fold summary without loading scipy.stats);
+    sem is NaN for a single value."""
     arr = _values(values)
     mean = float(arr.mean())
     if arr.size < 2:
         return mean, math.nan
-    return mean, float(_st.sem(arr, ddof=1))
+    return mean, float(arr.std(ddof=1) / math.sqrt(arr.size))
 
 
 def confidence_interval(values, level: float = 0.95) -> tuple[float, float, float]:
@@ -70,6 +71,9 @@ def confidence_interval(values, level: float = 0.95) -> tuple[float, float, floa
         return mean, math.nan, math.nan
     if sem == 0.0 or np.ptp(arr) == 0.0:
         return mean, mean, mean
+    # scipy.stats loads where intervals are computed (~0.5 s of imports), not in every process that imports this
+    from scipy import stats as _st
+
     low, high = _st.t.interval(float(level), arr.size - 1, loc=mean, scale=sem)
     return mean, float(low), float(high)
 
@@ -88,6 +92,9 @@ def paired_t_test(a, b, *, alternative: str = "two-sided") -> tuple[float, float
         raise ValueError(f"a and b must be paired (same length), got {x.size} and {y.size} values")
     if x.size < 2:
         return math.nan, math.nan
+    # scipy.stats loads where tests are computed (see confidence_interval)
+    from scipy import stats as _st
+
     with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
         # scipy warns about the zero-spread cases documented above; the values it returns are the contract.
         warnings.simplefilter("ignore", RuntimeWarning)

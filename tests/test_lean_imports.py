@@ -9,7 +9,8 @@ fold code and builds the tiny model, the loss and both transforms (and applies t
 
 A search trial's driver (a Tune actor process of its own) submits warm fold tasks and reduces their
 ``outcome.json``: it needs Ray, MLflow and numpy, not torch, whose import (a CUDA build) costs seconds of CPU in every
-such process.  Ray Train folds and a reproduction's test evaluation load torch where they run.
+such process — nor scipy.stats, for a fold summary's SEM.  Ray Train folds and a reproduction's test evaluation load
+torch where they run.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ metrics = evaluation_metrics(read["history"][0])
 cost = trial.fold_cost(read, 1.0, 0.0)
 torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 print(json.dumps({"map_at_r": summary["val.map_at_r.mean"], "epoch": metrics["epoch"], "wall": cost["wall_seconds"],
-                  "torch": torch[:5], "n_torch": len(torch)}))
+                  "torch": torch[:5], "n_torch": len(torch), "scipy_stats": "scipy.stats" in sys.modules}))
 """
 
 
@@ -97,3 +98,5 @@ def test_a_search_trials_driver_imports_and_reduces_folds_without_loading_torch(
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (out["map_at_r"], out["epoch"], out["wall"]) == (0.5, 0, 2.0)
     assert out["n_torch"] == 0, f"a search trial's driver loaded {out['n_torch']} torch modules: {out['torch']}"
+    # nor scipy.stats (~0.5 s of imports): a fold summary's SEM needs numpy only
+    assert not out["scipy_stats"], "a search trial's driver loaded scipy.stats"
