@@ -255,7 +255,7 @@ def local_cluster(
     """Start head + ``workers`` worker nodes (and, with ``services``, S3 and MLflow-on-PostgreSQL); yield a
     :class:`LocalCluster`; stop everything by pid on exit.  Raises :class:`ClusterUnavailable` without PostgreSQL.
     ``driver_resource``: the head declares ``dmlrc_trial_driver`` (trial drivers run there), as a deployment should."""
-    from tests.s3_server import s3_server
+    from tests.s3_server import create_bucket, s3_server
 
     workdir = Path(workdir)
     logs = workdir / "cluster-logs"
@@ -282,15 +282,7 @@ def local_cluster(
                 "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
                 "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
             }
-            import boto3
-
-            boto3.client(
-                "s3",
-                endpoint_url=endpoint,
-                aws_access_key_id=key,
-                aws_secret_access_key=secret,
-                region_name="us-east-1",
-            ).create_bucket(Bucket=bucket)
+            create_bucket(endpoint, bucket)
             env.update(s3_env)
             cluster.mlflow = stack.enter_context(
                 mlflow_server_process(

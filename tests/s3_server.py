@@ -1,8 +1,8 @@
 """A real S3 endpoint for tests: SeaweedFS (`weed server -s3`) on free loopback ports.
 
-    from s3_server import s3_server      # pytest puts tests/ on sys.path (like ddp_util)
+    from s3_server import create_bucket, s3_server      # pytest puts tests/ on sys.path (like ddp_util)
     with s3_server(tmp_path) as (endpoint_url, access_key, secret_key):
-        boto3.client("s3", endpoint_url=endpoint_url, ...).create_bucket(Bucket="b")
+        create_bucket(endpoint_url, "b")
 
 Without an IAM config SeaweedFS accepts any non-empty access/secret key pair (checked by
 `tests/test_shards_s3.py::test_s3_server_accepts_any_keys`).  The server is stopped by its own process
@@ -141,6 +141,19 @@ def s3_server(tmp_dir, *, timeout: float = 90.0):
     finally:
         _stop(proc)
         log.close()
+
+
+def create_bucket(endpoint_url: str, bucket: str) -> None:
+    """Create ``bucket`` on the S3 server at ``endpoint_url`` (one that :func:`s3_server` started)."""
+    import boto3
+
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
 
 
 def _stop(proc: subprocess.Popen) -> None:

