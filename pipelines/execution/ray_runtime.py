@@ -254,8 +254,10 @@ def remove_stale_credentials(parent: str) -> list[str]:
     """Delete the credentials folders (``dmlrc-aws-<pid>-*``) in ``parent`` that belong to this user and whose
     driver process is gone: a driver killed by SIGKILL (or the OOM killer) cannot run :func:`stop_ray`, so its
     folder outlives it until the next sweep of the same user starts here.  Returns the folders removed."""
-    removed = []
+    removed: list[str] = []
     pattern = re.compile(re.escape(_CREDENTIALS_PREFIX) + r"(\d+)-")
+    if not hasattr(os, "getuid"):  # no owner to compare with (Windows): leave every folder alone
+        return removed
     try:
         names = os.listdir(parent)
     except OSError:
