@@ -8,7 +8,7 @@
 
 :func:`cluster_sweep_config` writes the tiny sweep config these tests and ``bench/cluster_scale_bench.py`` run on it.
 
-What it starts, each on free ports and in its own folders:
+What it starts, each on free ports (tests/ports.py) and in its own folders:
 
 * a head and ``workers`` worker nodes, each one ``ray start --block`` process in its own session
   (``--temp-dir`` of its own, ``--object-store-memory`` small).  Node ``i`` declares the custom resource
@@ -47,6 +47,8 @@ from typing import Any
 
 import yaml
 
+from tests.ports import PortInUse, bind_failure, free_ports, start_on_free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 TRIAL_DRIVER_RESOURCE = (
@@ -70,10 +72,8 @@ def vendored_psutil():
     return importlib.import_module("psutil")
 
 
-def _free_port() -> int:
-    from tests.mlflow_server import free_port
-
-    return free_port()
+#: How often a node whose ports were taken by other processes before it bound them is started again on fresh ones.
+_START_TRIES = 4
 
 
 @dataclass
@@ -148,12 +148,19 @@ class LocalCluster:
         new = _start_node(i, old.args, self.base_env, self.workdir / "cluster-logs", suffix=".replaced")
         self.nodes[i] = new
         deadline = time.monotonic() + timeout
+        restarts = 0
         while True:
             listed = [n for n in _ray_nodes(self.address, self.base_env, timeout) if n["Alive"]]
             ids = [n["NodeID"] for n in listed if new.resource in n["Resources"] and n["NodeID"] != old.node_id]
             if ids:
                 new.node_id = ids[0]
                 return new.node_id
+            if new.proc.poll() is not None and restarts < _START_TRIES - 1 and _lost_ports(new):
+                restarts += 1
+                _stop_node(new)  # it lost one of its ports to another process: again on fresh ones
+                new = _start_node(i, old.args, self.base_env, self.workdir / "cluster-logs", f".replaced{restarts}")
+                self.nodes[i] = new
+                continue
             if new.proc.poll() is not None or time.monotonic() > deadline:
                 text = new.log_path.read_text(errors="replace")
                 raise RuntimeError(f"replacement node {i} did not join: {text[-2000:]}")
@@ -183,10 +190,15 @@ def _ray_nodes(address: str, env: dict[str, str], timeout: float) -> list[dict]:
 
 
 def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path, suffix: str = "") -> Node:
+    """Start node ``index`` with ``args`` on freshly chosen ports (tests/ports.py: above Ray's worker ports
+    10002–19999, which every node of the machine leaves to Ray, and below the ephemeral range); the head (``--head``
+    in ``args``) also gets its GCS and dashboard ports here."""
     # Unix socket paths live under the temp dir and must stay < 108 bytes: a short private folder, not tmp_path.
     temp_dir = tempfile.mkdtemp(prefix=f"dmlrc-n{index}-")
     log_path = logs / f"node{index}{suffix}.log"
     resource = f"node_{index}"
+    ports = iter(free_ports(8))
+    own_ports = ["--port", str(next(ports)), "--dashboard-port", str(next(ports))] if "--head" in args else []
     cmd = [
         RAY,
         "start",
@@ -197,17 +209,18 @@ def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path, su
         "--temp-dir",
         temp_dir,
         "--node-manager-port",
-        str(_free_port()),
+        str(next(ports)),
         "--object-manager-port",
-        str(_free_port()),
+        str(next(ports)),
         "--runtime-env-agent-port",
-        str(_free_port()),
+        str(next(ports)),
         "--dashboard-agent-listen-port",
-        str(_free_port()),
+        str(next(ports)),
         "--dashboard-agent-grpc-port",
-        str(_free_port()),
+        str(next(ports)),
         "--metrics-export-port",
-        str(_free_port()),
+        str(next(ports)),
+        *own_ports,
         *args,
     ]
     # Each node its own dataset cache, as each machine of a real cluster has its own disk (a replacement, a new one).
@@ -215,6 +228,45 @@ def _start_node(index: int, args: list[str], env: dict[str, str], logs: Path, su
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Node(index=index, resource=resource, proc=proc, temp_dir=temp_dir, log_path=log_path, args=list(args))
+
+
+def _lost_ports(node: Node) -> str:
+    """The line saying that a node which stopped could not bind one of its ports (``ray start``'s output or the logs
+    of its GCS, raylet and agents), or ``""``."""
+    texts = [node.log_path]
+    for pattern in ("*.out", "*.err", "*.log"):
+        texts += sorted(Path(node.temp_dir).glob(f"session_*/logs/{pattern}"))
+    for path in texts:
+        with contextlib.suppress(OSError):
+            failure = bind_failure(path.read_text(errors="replace"))
+            if failure:
+                return f"{path.name}: {failure}"
+    return ""
+
+
+def _start_head(args: list[str], env: dict[str, str], logs: Path, timeout: float) -> tuple[Node, str]:
+    """The head node and the address it prints for workers (``ray start --address='<ip>:<port>'``); a head that
+    stopped because another process took one of its ports raises :class:`PortInUse` (and is cleaned up)."""
+    attempt = len(list(logs.glob("node0*.log")))
+    node = _start_node(0, args, env, logs, suffix=f".retry{attempt}" if attempt else "")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            text = node.log_path.read_text(errors="replace")
+            for line in text.splitlines():
+                if "ray start --address=" in line:
+                    return node, line.split("--address=", 1)[1].strip().strip("'\"")
+            if node.proc.poll() is not None:
+                failure = _lost_ports(node)
+                if failure:
+                    raise PortInUse(f"Ray head: {failure}")
+                raise RuntimeError(f"Ray head did not start: {text[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray head did not start: {text[-3000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        _stop_node(node)
+        raise
 
 
 def _stop_node(node: Node, grace: float = 15.0) -> None:
@@ -305,45 +357,28 @@ def local_cluster(
                 _stop_node(node)
 
         stack.callback(stop_all)
-        gcs_port = _free_port()
         # The head is where trial drivers belong, as infra/ray/raycluster.yaml declares it.
         head_resources = {TRIAL_DRIVER_RESOURCE: 10_000} if driver_resource else {}
-        nodes.append(
-            _start_node(
-                0,
-                [
-                    "--head",
-                    "--port",
-                    str(gcs_port),
-                    "--num-cpus",
-                    str(head_cpus),
-                    "--num-gpus",
-                    "0",
-                    "--resources",
-                    json.dumps({"node_0": 1, **head_resources}),
-                    "--object-store-memory",
-                    str(object_store_mb * 2**20),
-                    "--include-dashboard",
-                    "false",
-                    "--dashboard-host",
-                    "127.0.0.1",
-                    "--dashboard-port",
-                    str(_free_port()),
-                ],
-                env,
-                logs,
-            )
-        )
+        head_args = [
+            "--head",
+            "--num-cpus",
+            str(head_cpus),
+            "--num-gpus",
+            "0",
+            "--resources",
+            json.dumps({"node_0": 1, **head_resources}),
+            "--object-store-memory",
+            str(object_store_mb * 2**20),
+            "--include-dashboard",
+            "false",
+            "--dashboard-host",
+            "127.0.0.1",
+        ]
         deadline = time.monotonic() + start_timeout
-        address = ""
-        while not address:  # the head prints the address workers join: `ray start --address='<ip>:<port>'`
-            text = nodes[0].log_path.read_text(errors="replace")
-            for line in text.splitlines():
-                if "ray start --address=" in line:
-                    address = line.split("--address=", 1)[1].strip().strip("'\"")
-            if nodes[0].proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Ray head did not start: {text[-3000:]}")
-            time.sleep(0.5)
+        head, address = start_on_free_ports(
+            lambda: _start_head(head_args, env, logs, max(10.0, deadline - time.monotonic())), "the Ray head node"
+        )
+        nodes.append(head)
         cluster.address = address
         for i in range(1, workers + 1):
             nodes.append(
@@ -365,6 +400,7 @@ def local_cluster(
                     logs,
                 )
             )
+        restarts = dict.fromkeys(range(1, workers + 1), 0)
         # Every node registered, and which node id is which (by its own custom resource).
         while True:
             listed = [n for n in _ray_nodes(address, env, timeout=max(10.0, deadline - time.monotonic())) if n["Alive"]]
@@ -374,6 +410,13 @@ def local_cluster(
                     node.node_id = by_resource[node.resource]
                 break
             dead = [n.index for n in nodes if n.proc.poll() is not None]
+            for i in list(dead):
+                # a worker that lost one of its ports to another process: the same node again on fresh ports
+                if i > 0 and restarts[i] < _START_TRIES - 1 and _lost_ports(nodes[i]):
+                    restarts[i] += 1
+                    _stop_node(nodes[i])
+                    nodes[i] = _start_node(i, nodes[i].args, env, logs, suffix=f".retry{restarts[i]}")
+                    dead.remove(i)
             if dead or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"Ray nodes {dead or '?'} did not join {address}: "

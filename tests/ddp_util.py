@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -25,14 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.ports import PortInUse, bind_failure, free_port, start_on_free_ports
+
 __all__ = ["free_port", "run_ddp"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
@@ -78,13 +72,17 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
 def run_ddp(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """``[fn(0, W, *args), …, fn(W-1, W, *args)]``, each computed in its own gloo process.
 
-    The free port can be taken by another process between choosing and binding it (tests of
-    several sessions run side by side); that one error is retried with a new port, twice.
+    The rendezvous port (``tests/ports.py``) can be taken by another process between choosing and binding it (tests
+    of several sessions run side by side); that one error is retried with a new port.
     """
-    for attempt in range(3):
+
+    def start() -> list[Any]:
         try:
             return _run_once(fn, world_size, args, timeout)
         except mp.ProcessRaisedException as e:
-            if attempt == 2 or "address already in use" not in str(e).lower():
-                raise
-    raise AssertionError("unreachable")
+            failure = bind_failure(str(e))
+            if failure:
+                raise PortInUse(f"gloo rendezvous of {fn.__name__}: {failure}") from e
+            raise
+
+    return start_on_free_ports(start, f"the DDP workers of {fn.__name__}")

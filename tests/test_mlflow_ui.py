@@ -11,7 +11,9 @@ note, pyfunc models, registered version) from fold checkpoints of untrained mode
   the studies view: the study runs only, best test MAP@R first, the headline test metrics shown as columns without
   the user adding any.
 
-Screenshots (``*.png``) are saved under the test's temp dir.
+Screenshots (``*.png``) are saved under the test's temp dir.  The link a real sweep prints is opened the same way by
+``tests/test_studies_sweep.py``; here, quickly, the printed text keeps the link's own parameters while the user's
+secrets are still masked.
 """
 
 from __future__ import annotations
@@ -46,6 +48,56 @@ def render(url: str, png: Path, *, wait_ms: int = 20000) -> str:
     dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=180)
     (png.with_suffix(".html")).write_text(dom.stdout)
     return dom.stdout
+
+
+@pytest.mark.parametrize(
+    "tracking_uri, shown",
+    [
+        ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+        ("https://alice:hunter2@mlflow.example.org", "https://alice:***@mlflow.example.org"),
+        ("sqlite:////data/runs/mlflow.db", "sqlite:////data/runs/mlflow.db"),
+    ],
+)
+def test_the_printed_link_keeps_its_own_parameters_and_only_the_users_secret_is_masked(tracking_uri, shown):
+    from pipelines.config.uris import redact_uri
+    from pipelines.execution.sweep import SweepOutcome
+    from pipelines.tracking.ui import STUDIES_VIEW_KEY, experiment_url
+
+    outcome = SweepOutcome("s", Path("runs/s"), tracking_uri, "e", "7", [], 1.0)
+    printed = redact_uri(outcome.mlflow_ui_command())  # what `dmlrc sweep` and `dmlrc demo` print
+    base = shown if shown.startswith("http") else "http://127.0.0.1:5000"
+    assert printed.endswith(experiment_url(base, "7")), printed
+    assert f"viewStateShareKey={STUDIES_VIEW_KEY}&workflowType=machine_learning" in printed
+    assert "hunter2" not in printed
+
+
+@pytest.mark.parametrize(
+    "text, masked",
+    [
+        ("https://h/x?api_key=abc123&page=2", "https://h/x?api_key=***&page=2"),
+        ("https://h/x?key=AIzaSy0&q=1", "https://h/x?key=***&q=1"),
+        ("http://h/?token=t0k;sig=s1g", "http://h/?token=***;sig=***"),
+        ("https://h/a?apiKey=a&x-api-key=b&access_token=c", "https://h/a?apiKey=***&x-api-key=***&access_token=***"),
+        ("postgresql://u@h/db?password=pw&sslmode=require", "postgresql://u@h/db?password=***&sslmode=require"),
+        (
+            "https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F&X-Amz-Signature=ab&X-Amz-Security-Token=cd&X-Amz-Date=1",
+            "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***&X-Amz-Date=1",
+        ),
+        (
+            "https://b.s3.amazonaws.com/k?AWSAccessKeyId=AKIA&Expires=1",
+            "https://b.s3.amazonaws.com/k?AWSAccessKeyId=***&Expires=1",
+        ),
+        (
+            "https://acct.blob.core.windows.net/c?sv=2020&sig=abc",
+            "https://acct.blob.core.windows.net/c?sv=2020&sig=***",
+        ),
+        ("http://h/?client_secret=x&author=me&sortKey=name", "http://h/?client_secret=***&author=me&sortKey=name"),
+    ],
+)
+def test_redaction_masks_secret_query_values_and_leaves_other_parameters(text, masked):
+    from pipelines.config.uris import redact_uri
+
+    assert redact_uri(text) == masked
 
 
 def _fake_study(tmp: Path, uri: str, experiment: str):

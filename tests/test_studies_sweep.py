@@ -8,13 +8,16 @@ folds of 1 worker each), checked for what a sweep of several losses gives its us
 * **cost**: each study run's ``cost.*`` is the sum of its fold runs', and ``dmlrc report`` shows the cost column;
 * **visuals**: every study run carries its gallery, per-class metrics and embedding map, matching the dataset's
   labels and the reproduction's metrics; ``dmlrc report`` and the MLflow run page are opened in headless Chromium and
-  screenshotted (under the test's temp dir; the path is printed).
+  screenshotted (under the test's temp dir; the path is printed);
+* **the printed link**: the MLflow link the sweep printed, taken from its output as a user copies it, opens the
+  studies view in headless Chromium (no part of it masked as a secret).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -223,6 +226,47 @@ def test_studies_run_at_once_by_default_with_their_cost(swept):
         assert study[r.info.run_id]["cost"]["cpu_seconds"] == pytest.approx(r.data.metrics["cost.cpu_seconds"])
 
 
+@pytest.mark.timeout(900)
+def test_every_study_records_the_untrained_reference_and_whether_its_best_is_epoch_0(swept):
+    """The untrained network's test metrics: computed once for the sweep's one network, logged on every study run,
+    equal to the demo's computation, a reference row in the printed table and the report; the epoch-0 tag: "true"
+    exactly when every reproduction fold's best_epoch is 0."""
+    from pipelines.config.schema import load_config
+    from pipelines.execution.preflight import preflight
+    from pipelines.results.report import write_report
+    from pipelines.results.study_results import EPOCH0_TAG
+    from pipelines.results.untrained import untrained_test_metrics
+    from pipelines.tracking.runs import PARENT
+
+    uri, tmp, cfg_path, stdout = swept
+    by_stage = _runs(uri, "viz-experiment")
+    kids: dict[str, list] = {}
+    for runs in by_stage.values():
+        for r in runs:
+            kids.setdefault(r.data.tags.get(PARENT), []).append(r)
+    logged = set()
+    for study in by_stage["study"]:
+        values = {k[len("untrained.") :]: v for k, v in study.data.metrics.items() if k.startswith("untrained.")}
+        assert {"map_at_r", "r_precision", "precision_at_1"} <= set(values), sorted(study.data.metrics)
+        logged.add(tuple(sorted(values.items())))
+        reps = [r for r in kids[study.info.run_id] if r.data.tags["stage"] == "reproduction"]
+        epochs = [f.data.metrics["best_epoch"] for r in reps for f in kids[r.info.run_id]]
+        assert len(epochs) == 4  # 2 reproductions × 2 folds
+        assert study.data.tags[EPOCH0_TAG] == str(all(e == 0 for e in epochs)).lower()
+    assert len(logged) == 1, "one network: the same untrained metrics on every study"
+    untrained = dict(next(iter(logged)))
+    cfg = load_config(cfg_path)
+    direct = untrained_test_metrics(preflight(cfg)[0], cfg.protocol.seed)
+    assert untrained == pytest.approx({k: direct[k] for k in untrained}, abs=1e-6)
+    assert stdout.count("untrained network on the test classes") == 1, "computed once per (dataset, network)"
+
+    table = stdout[stdout.index("finished in") :]
+    (row,) = [line for line in table.splitlines() if line.startswith("synthetic") and "untrained network" in line]
+    assert row.split()[3:] == [f"{100 * untrained[k]:.2f}" for k in ("precision_at_1", "r_precision", "map_at_r")] * 2
+    md = write_report(uri, "viz-experiment", tmp / "untrained-report", log_to_mlflow=False)["md"].read_text()
+    assert f"| untrained network (reference) | {100 * untrained['precision_at_1']:.2f} |" in md
+
+
 def _screenshot(url: str, path: Path, size: str = "1500,2200") -> None:
     profile = path.parent / f".chromium-{path.stem}"
     cmd = [
@@ -271,3 +315,23 @@ def test_report_page_and_mlflow_run_page_in_headless_chromium(swept):
         green = (np.abs(im - (0x1A, 0x98, 0x50)).sum(-1) < 40).sum()
         red = (np.abs(im - (0xD7, 0x30, 0x27)).sum(-1) < 40).sum()
         assert green > 200 and red > 200, (name, green, red)
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium (Debian package `chromium`) on PATH")
+def test_the_printed_mlflow_link_opens_the_studies_view(swept, tmp_path):
+    from tests.test_mlflow_ui import render
+
+    uri, _, _, stdout = swept
+    links = re.findall(r"\bopen (https?://\S+)", stdout)
+    assert len(links) == 1 and links[0].startswith(uri + "/"), stdout[-3000:]
+    link = links[0]
+    assert "***" not in link, f"the printed link is masked: {link}"
+    dom = render(link, tmp_path / "printed_link.png")
+    assert "Detect Issues" not in dom, "the printed link opened the GenAI overview"
+    assert "share key" not in dom, "the UI could not load the studies view of the printed link"
+    # the studies view: its filter (study runs only), its headline column, every study listed
+    assert "tags.stage = 'study'" in dom, "the printed link did not open the studies view's filter"
+    assert "test.concat.map_at_r.mean" in dom, "the printed link did not open the studies view's columns"
+    missing = [loss for loss in LOSSES if f"synthetic/{loss}<" not in dom]
+    assert not missing, f"studies not listed by the printed link: {missing}"

@@ -61,8 +61,11 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
 
 def test_the_watch_counts_an_outage_from_its_first_failed_probe_and_forgets_it_when_the_server_is_back():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
-    port = server.server_address[1]
+    from tests.ports import free_port
+
+    # below the ephemeral range: the watch's own probes during the outage cannot take the port it is bound again on
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Health)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     watch = TrackingWatch(f"http://user:secret@127.0.0.1:{port}", outage_timeout_s=2.0, interval_s=0.2).start()
