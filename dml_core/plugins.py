@@ -3,7 +3,8 @@ plugin, and importing ``module:attribute`` with one-line errors that point at th
 
 * :func:`entry_points` / :func:`distinct_entry_points` — the entry points of a group (metadata only, nothing of
   the plugins is imported), and those left once the same distribution seen twice on ``sys.path`` counts once.
-* :class:`PluginDistribution` — an installed distribution, with the pip requirement pinning it;
+* :class:`PluginDistribution` — an installed distribution, how it was installed, and the pip requirement pinning it
+  (only one installed from an index is pinned by name);
   :func:`distribution_of_entry_point`, :func:`distribution_of_module` and :func:`installed_distribution` find it.
 * :data:`IMPORT_PATH` — the ``package.module:attr`` syntax; :func:`load_object` imports and looks one up, raising
   :class:`PluginImportError` / :class:`PluginAttributeError` (both :class:`PluginError`, a ``ValueError``).
@@ -24,10 +25,11 @@ import re
 import sys
 import traceback
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "IMPORT_PATH",
+    "DISTRIBUTION_ORIGINS",
     "PluginDistribution",
     "PluginError",
     "PluginImportError",
@@ -47,17 +49,49 @@ __all__ = [
 IMPORT_PATH = re.compile(r"(?!\d)\w+(?:\.(?!\d)\w+)*:(?!\d)\w+(?:\.(?!\d)\w+)*")
 
 
+#: How a distribution came to be importable (:attr:`PluginDistribution.origin`).
+DISTRIBUTION_ORIGINS = ("index", "direct", "unmanaged")
+
+
 @dataclass(frozen=True)
 class PluginDistribution:
-    """The installed distribution that provides a plugin (what a registered model must require)."""
+    """The installed distribution that provides a plugin (what a registered model must require).
+
+    ``origin`` says how it was installed, from its metadata (PEP 610): ``"index"`` — a ``*.dist-info`` without
+    ``direct_url.json``, as installers leave a distribution they took from a package index; ``"direct"`` — a
+    ``*.dist-info`` with ``direct_url.json``: an editable install, a local folder or archive, a VCS or URL;
+    ``"unmanaged"`` — ``*.egg-info`` metadata, which setuptools writes into a source folder (a build or a legacy
+    ``setup.py develop`` leaves it beside the code): no installer recorded where it came from.  ``metadata_dir``: the
+    metadata folder (``None`` when not known).  Neither takes part in equality."""
 
     name: str
     version: str
+    origin: str = field(default="index", compare=False)
+    metadata_dir: str | None = field(default=None, compare=False, repr=False)
 
     @property
-    def requirement(self) -> str:
-        """A pip requirement pinning this distribution: ``"name==version"``."""
-        return f"{self.name}=={self.version}"
+    def from_index(self) -> bool:
+        """Whether an installer took this distribution from a package index."""
+        return self.origin == "index"
+
+    @property
+    def requirement(self) -> str | None:
+        """The pip requirement pinning this distribution on an index, ``"name==version"`` — ``None`` unless it was
+        installed from one: a local build pinned by name would install whatever an index serves under that name."""
+        return f"{self.name}=={self.version}" if self.from_index else None
+
+    @classmethod
+    def of(cls, dist: importlib.metadata.Distribution, name: str | None = None) -> PluginDistribution:
+        """The :class:`PluginDistribution` of an ``importlib.metadata`` distribution, its origin read from its
+        metadata files."""
+        if dist.read_text("METADATA") is None:  # *.egg-info: PKG-INFO, written by setuptools, not by an installer
+            origin = "unmanaged"
+        elif dist.read_text("direct_url.json") is not None:
+            origin = "direct"
+        else:
+            origin = "index"
+        path = getattr(dist, "_path", None)  # PathDistribution's metadata folder (no public accessor)
+        return cls(dist.name or name or "", dist.version, origin, str(path) if path is not None else None)
 
     def __str__(self) -> str:
         return f"{self.name} {self.version}"
@@ -116,7 +150,7 @@ def distribution_of_entry_point(ep: importlib.metadata.EntryPoint) -> PluginDist
     dist = getattr(ep, "dist", None)
     if dist is None:
         return None
-    return PluginDistribution(dist.name, dist.version)
+    return PluginDistribution.of(dist)
 
 
 def installed_distribution(name: str) -> PluginDistribution | None:
@@ -125,7 +159,7 @@ def installed_distribution(name: str) -> PluginDistribution | None:
         dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
         return None
-    return PluginDistribution(dist.name or name, dist.version)
+    return PluginDistribution.of(dist, name)
 
 
 _PKG_DISTS: tuple[tuple[str, ...], dict[str, list[str]]] | None = None
@@ -206,7 +240,7 @@ def load_object(module: str, attr: str, *, what: str) -> object:
     """
     try:
         obj = importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - whatever the plugin raises, reported in one line
+    except Exception as e:  # whatever the plugin raises, reported in one line
         missing = (
             isinstance(e, ModuleNotFoundError)
             and e.name is not None
@@ -227,7 +261,7 @@ def load_object(module: str, attr: str, *, what: str) -> object:
             raise PluginAttributeError(
                 f"{what}: {owner!r} has no attribute {part!r}", owner=owner, part=part, cause=None
             ) from None
-        except Exception as e:  # noqa: BLE001 - a module __getattr__ or property of the plugin's
+        except Exception as e:  # a module __getattr__ or property of the plugin's
             raise PluginAttributeError(
                 f"{what}: reading {part!r} of {owner!r} failed: {one_line(e)}{raised_at(e)}",
                 owner=owner,

@@ -8,14 +8,16 @@ importable — and, from a folder outside the checkout:
   (``wide_tiny``, an entry point too) loaded from a ``model.pretrained`` file: both studies end with confidence
   intervals and a registered model;
 * ``dmlrc reeval`` re-evaluates the plugin's registered model: ``ok``;
-* with the pretrained file deleted, in another folder, the registered model loads and embeds: its pip requirements
-  name this distribution's version and the plugin's, and none of its files names a path of the training run.
+* with the pretrained file deleted, in another folder, the registered model loads and embeds: it carries the wheels
+  this distribution and the plugin were installed from, its pip requirements name them by file and sha256, and none
+  of its files names a path of the training run.
 
 Fast tests: the wheel holds the search spaces, the demo preset and the license; ``dmlrc --version``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -232,10 +234,13 @@ print(json.dumps({{"shape": list(m.predict(x).shape),
     assert result["shape"] == [3, 2 * 8], result  # 2 k-fold fold models × embedding 8, concatenated
     model_dir = Path(result["dir"])
     reqs = (model_dir / "requirements.txt").read_text().split()
-    import importlib.metadata
-
-    assert f"dml-reality-check=={importlib.metadata.version('dml-reality-check')}" in reqs, reqs
-    assert "dmlrc-example-plugin==0.1.0" in reqs, reqs
+    # neither distribution is on an index: the model carries the very wheels they were installed from, named by
+    # relative file and sha256 (tests/test_model_install.py installs such a model where no index holds them)
+    assert not [r for r in reqs if r.startswith(("dml-reality-check", "dmlrc-example-plugin"))], reqs
+    for wheel in (wheels["ours"], wheels["plugin"]):
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        assert f"file:artifacts/{wheel.name}#sha256={digest}" in reqs, reqs
+        assert (model_dir / "artifacts" / wheel.name).read_bytes() == wheel.read_bytes()
     checked = []
     for f in model_dir.rglob("*"):
         if f.is_file() and f.suffix in (".json", ".txt", ".yaml", ".py", "") and f.stat().st_size < 1 << 20:

@@ -287,7 +287,53 @@ def test_registered_pyfunc_model_predicts_the_fold_models_embeddings_without_unp
             parts.append(m.eval()(torch.from_numpy(x)).numpy())
     np.testing.assert_allclose(model.predict(x, params={"output": "folds"}), np.concatenate(parts, 1), atol=1e-6)
     np.testing.assert_allclose(model.predict(x), concatenated_embeddings(parts), atol=1e-6)
-    assert model.metadata.get_input_schema().inputs[0].shape == (-1, 3, 16, 16)
+    # no input schema: predict takes images in several forms and checks them itself
+    assert model.metadata.get_input_schema() is None and "uint8" in model.metadata.metadata["input"]
+    assert [p.name for p in model.metadata.get_params_schema().params] == ["output", "batch_size"]
+    check_image_inputs(model, tmp_path / "images")
+
+    # what it needs to load elsewhere travels with it: this package as a wheel named by file and sha256
+    import hashlib
+
+    reqs = (local / "requirements.txt").read_text().split()
+    (ours,) = [r for r in reqs if "dml_reality_check-" in r]
+    wheel = local / ours.split("#")[0][len("file:") :]
+    assert ours == f"file:artifacts/{wheel.name}#sha256={hashlib.sha256(wheel.read_bytes()).hexdigest()}", ours
+    assert not [r for r in reqs if r.startswith("dml-reality-check")], reqs
+
+
+def check_image_inputs(model, folder: Path) -> None:
+    """``predict`` on images as users have them (encoded bytes, paths, uint8 arrays, PIL images) equals ``predict``
+    on the model's own preprocessing of them; bad input is one line that does not print the input."""
+    from PIL import Image
+
+    from pipelines.tracking.pyfunc_model import preprocess
+
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    paths = []
+    for i, (w, h, fmt) in enumerate([(24, 20, "PNG"), (16, 16, "JPEG"), (40, 18, "PNG")]):
+        paths.append(folder / f"im{i}.{fmt.lower()}")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1], fmt)
+    spec = model.unwrap_python_model().spec
+    raw = [p.read_bytes() for p in paths]
+    want = model.predict(preprocess(raw, spec["image_size"], spec["preprocessing"]))
+    arrays = [np.asarray(Image.open(p).convert("RGB")) for p in paths]
+    for given in (raw, [str(p) for p in paths], paths, arrays, [Image.open(p) for p in paths]):
+        np.testing.assert_allclose(model.predict(given), want, atol=1e-5)
+    np.testing.assert_allclose(model.predict(raw[2]), want[2:], atol=1e-5)  # one image alone
+    np.testing.assert_allclose(model.predict(np.stack([arrays[0]] * 2)), want[[0, 0]], atol=1e-5)  # (B, H, W, C)
+    gray = np.asarray(Image.open(paths[0]).convert("L"))
+    assert model.predict([gray]).shape == want[:1].shape
+    secret = b"\x00not-an-image-payload" * 20
+    with pytest.raises(ValueError) as e:
+        model.predict([raw[0], secret])
+    assert str(e.value).startswith(f"image 1 ({len(secret)} bytes): UnidentifiedImageError"), str(e.value)
+    assert "not-an-image" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^a float array is taken as a preprocessed batch \(B, 3, 16, 16\)"):
+        model.predict(np.zeros((2, 3, 8, 8), np.float32))
+    with pytest.raises(ValueError, match=r"^image 0 is a int: images are encoded bytes"):
+        model.predict([3])
 
 
 def test_studies_logging_the_same_new_dataset_at_once_do_not_collide(tmp_path):

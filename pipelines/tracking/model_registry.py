@@ -4,7 +4,10 @@ At the end of every study (:func:`register_study`, called by the sweep):
 
 * each reproduction's 4 fold models become one MLflow **pyfunc model** (:mod:`pipelines.tracking.pyfunc_model`, a model
   from code + state-dict artifacts: nothing is unpickled), logged on the study run as ``reproduction_<i>``, with a
-  signature (images ``(B, 3, S, S)`` float32 in, embeddings ``(B, 4·d)`` out, parameter ``output``);
+  signature (embeddings ``(B, 4·d)`` out, parameters ``output`` and ``batch_size``; no input schema: ``predict``
+  takes encoded images, paths, arrays, PIL images or preprocessed tensors and checks them itself) and what it needs
+  to load elsewhere (:mod:`pipelines.tracking.model_env`: the wheels of this package and of its plugins, requirements
+  naming them by file and sha256);
 * the study becomes **one version** of the registered model :func:`registered_model_name` =
   ``dmlrc.<experiment>.<dataset>.<loss>`` (characters outside ``[A-Za-z0-9_.-]`` become ``-``).  The version's
   source is reproduction 0's model; its tags carry everything a re-evaluation compares against
@@ -15,10 +18,10 @@ At the end of every study (:func:`register_study`, called by the sweep):
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -30,10 +33,11 @@ import torch
 from mlflow.models import ModelSignature
 from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
 
-from dml_core.trunks import resolve_trunk, trunk_preprocessing
+from dml_core.trunks import trunk_preprocessing
 from pipelines.names import ALIAS, HEADLINE_METRICS, MODES, REPRODUCTION
 from pipelines.tracking import pyfunc_model
 from pipelines.tracking.datasets import dataset_info, log_dataset_input
+from pipelines.tracking.model_env import DISTRIBUTION, model_environment
 from pipelines.tracking.ui import NOTE_TAG, experiment_note, study_note
 
 __all__ = [
@@ -42,16 +46,12 @@ __all__ = [
     "log_reproduction_model",
     "on_study_start",
     "on_study_end",
-    "model_requirements",
-    "this_distribution",
     "fluent_tracking",
     "VERSION_TAGS",
     "DISTRIBUTION",
 ]
 
 #: Tags every registered version carries (besides the metric tags ``test.<mode>.<metric>.{mean,ci_low,ci_high}``).
-#: This project's distribution name (pyproject.toml): what a registered model requires.
-DISTRIBUTION = "dml-reality-check"
 VERSION_TAGS = (
     "sweep",
     "experiment",
@@ -73,7 +73,7 @@ VERSION_TAGS = (
 
 def registered_model_name(experiment: str, dataset: str, loss: str) -> str:
     """``dmlrc.<experiment>.<dataset>.<loss>``, unsafe characters → ``-`` (``/`` would break ``models:/`` URIs)."""
-    safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]", "-", str(s))  # noqa: E731
+    safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]", "-", str(s))  # noqa: E731 - a one-line helper, used only here
     return f"dmlrc.{safe(experiment)}.{safe(dataset)}.{safe(loss)}"
 
 
@@ -94,8 +94,11 @@ def _read_fold_checkpoint(uri: str) -> dict[str, Any]:
 
 
 def _signature(image_size: int, out_dim: int):
+    """Outputs and parameters only: the input is one image or a batch of them in several forms (bytes, paths, uint8
+    arrays, PIL images, a preprocessed float32 ``(B, 3, S, S)`` tensor), which no MLflow input schema can state;
+    ``predict`` checks it (:func:`pipelines.tracking.pyfunc_model.as_batch`).  ``image_size``: the model's ``S``."""
+    del image_size  # the input side is described by the model's metadata (``input``), not enforced by MLflow
     return ModelSignature(
-        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, 3, image_size, image_size), "images")]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, out_dim), "embeddings")]),
         params=ParamSchema([ParamSpec("output", "string", "concatenated"), ParamSpec("batch_size", "long", 256)]),
     )
@@ -115,6 +118,10 @@ def log_reproduction_model(
             artifacts[pyfunc_model.fold_artifact(k)] = str(tmp / f"fold_{k}.pt")
             # The fold state dicts hold every weight: a registered model never reads the trunk's pretrained file.
             spec = spec or {"model_kwargs": {**ckpt["model_kwargs"], "pretrained": None}, "loss": ckpt.get("loss_name")}
+        environment = model_environment(spec.get("loss"), spec["model_kwargs"]["trunk"])
+        for key, wheel in environment.wheels.items():  # copies: MLflow records each artifact's source path
+            (tmp / "wheels").mkdir(exist_ok=True)
+            artifacts[key] = str(shutil.copy2(wheel, tmp / "wheels" / Path(wheel).name))
         spec.update(
             {
                 "folds": len(fold_checkpoints),
@@ -128,46 +135,20 @@ def log_reproduction_model(
         (tmp / pyfunc_model.EMBEDDER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True))
         artifacts["embedder"] = str(tmp / pyfunc_model.EMBEDDER_FILE)
         with fluent_tracking(tracker_uri), mlflow.start_run(run_id=run_id), warnings.catch_warnings():
-            # the embedder's predict takes a tensor-shaped array; MLflow's hints about type hints and input
-            # examples are for other kinds of models
+            # predict checks its own input (images in several forms); MLflow's hints about type hints and input
+            # examples are for models whose input a schema can state
             warnings.filterwarnings("ignore", message=".*(type hints|input example).*", category=UserWarning)
             info = mlflow.pyfunc.log_model(
                 name=f"reproduction_{reproduction}",
                 python_model=pyfunc_model.__file__,
                 artifacts=artifacts,
                 signature=_signature(image_size, spec["folds"] * spec["embedding_dim"]),
-                pip_requirements=model_requirements(spec.get("loss"), spec["model_kwargs"]["trunk"]),
+                pip_requirements=environment.requirements,
+                code_paths=environment.code_paths or None,
+                metadata={"input": pyfunc_model.INPUT_DESCRIPTION.format(size=int(image_size))},
                 tags={"reproduction": str(reproduction), "seed": str(seed)},
             )
     return info.model_uri, info.model_id
-
-
-def model_requirements(loss: str | None, trunk: str) -> list[str]:
-    """The pip requirements of a registered model: this distribution (the pyfunc code, ``dml_core`` and through it
-    torch, timm and the rest), pinned to the running version, plus the plugin distributions its trunk and loss came
-    from.  Nothing names a path of the machine that trained it."""
-    # the loss zoo takes seconds to import: not when the CLI imports this module before the config is checked
-    from dml_core.losses import loss_info
-
-    reqs = [this_distribution()]
-    plugins = [getattr(resolve_trunk(trunk), "distribution", None)]
-    if loss:
-        try:
-            plugins.append(loss_info(loss).distribution)
-        except ValueError:  # a loss that no longer resolves here: the model itself does not need it
-            pass
-    for dist in plugins:
-        if dist is not None and dist.requirement not in reqs:
-            reqs.append(dist.requirement)
-    return reqs
-
-
-def this_distribution() -> str:
-    """``dml-reality-check==<version>`` (unpinned when running from a source tree that is not installed)."""
-    try:
-        return f"{DISTRIBUTION}=={importlib.metadata.version(DISTRIBUTION)}"
-    except importlib.metadata.PackageNotFoundError:
-        return DISTRIBUTION
 
 
 @contextlib.contextmanager
@@ -267,7 +248,7 @@ def _register_study(
             description=f"Reality-check models of {plan.key} in experiment {experiment!r}: "
             "one version per sweep (dmlrc sweep), re-evaluated by dmlrc reeval.",
         )
-    except Exception as e:  # noqa: BLE001 - it exists already (the error type differs between stores)
+    except Exception as e:  # it exists already (the error type differs between stores)
         if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
             raise
     vtags = {
@@ -320,7 +301,7 @@ def on_study_end(
         ref = register_study(
             tracker, study_run_id=study_run_id, experiment=experiment, sweep=sweep, plan=plan, reps=reps, ci=ci, say=say
         )
-    except Exception as e:  # noqa: BLE001 - the study's results are logged; a registry problem must not undo them
+    except Exception as e:  # the study's results are logged; a registry problem must not undo them
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
         say(f"[{plan.key}] WARNING: models not registered ({reason})")
         tracker.set_tags(study_run_id, {"registered_model": f"failed: {reason}"})
