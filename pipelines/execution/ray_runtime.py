@@ -3,7 +3,10 @@
 Everything here runs on the driver: the environment Ray and its workers get (:data:`RAY_ENV`, :data:`S3_ENV`),
 the reachability checks for the sweep's storage and tracking store (each fails with a one-line
 ``config error: <field>: …`` before anything expensive starts), :func:`start_ray` / :func:`stop_ray`, and the
-check of the cluster's resources against the config (:func:`check_cluster_resources`).
+check of the cluster's resources against the config (:func:`check_cluster_resources`).  Joining a cluster
+(``--address``) first asks it once (:func:`check_cluster_answers`): nothing listening and a cluster that refuses this
+driver's token are two different one-line errors.  Every worker of the job runs :data:`WORKER_SETUP_HOOK`, which
+scopes Ray's State API to the worker's own cluster (``pipelines/execution/worker_setup.py``).
 
 Security:
 
@@ -34,11 +37,13 @@ Security:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -63,6 +68,8 @@ __all__ = [
     "check_tracking_reachable",
     "default_num_cpus",
     "init_ray",
+    "check_cluster_answers",
+    "WORKER_SETUP_HOOK",
     "start_ray",
     "stop_ray",
     "warn_multi_node",
@@ -187,12 +194,12 @@ def _check_postgres(uri: str) -> None:
             "psycopg (pip install 'psycopg[binary]') or name psycopg2 in the URI: "
             "postgresql+psycopg2://...",
         ) from None
-    except Exception as e:  # noqa: BLE001 - SQLAlchemy's URL/argument errors: one line, the field named
+    except Exception as e:  # SQLAlchemy's URL/argument errors: one line, the field named
         raise ConfigError("tracking.uri", scrub(f"{shown}: {e}", uri)) from None
     try:
         with engine.connect():
             pass
-    except Exception as e:  # noqa: BLE001 - OperationalError & co.: say which server, keep it to one line
+    except Exception as e:  # OperationalError & co.: say which server, keep it to one line
         detail = " ".join(str(getattr(e, "orig", None) or e).split())
         raise ConfigError("tracking.uri", scrub(f"PostgreSQL {shown} is not reachable ({detail})", uri)) from None
     finally:
@@ -350,6 +357,84 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
     )
 
 
+#: Ray's ``worker_process_setup_hook`` for every job :func:`init_ray` starts (module path: imported by each worker).
+WORKER_SETUP_HOOK = "pipelines.execution.worker_setup.scope_to_own_cluster"
+
+#: What a driver needs to join a cluster that has token authentication (Ray's ``RAY_AUTH_MODE=token``).
+_TOKEN_HELP = (
+    "the cluster's token in RAY_AUTH_TOKEN_PATH (a file), RAY_AUTH_TOKEN or ~/.ray/auth_token "
+    "(`ray get-auth-token` on the head prints it)"
+)
+
+
+def _no_cluster(address: str, error: BaseException | str) -> str:
+    return f"no Ray cluster answers at {redact_uri(address)} ({' '.join(str(error).split())[:300]})"
+
+
+def _auth_problem(address: str, detail: str) -> str:
+    """One line for a cluster that answered and refused this driver (``detail``: Ray's reason)."""
+    reason = " ".join(str(detail).split()).removeprefix("RPC error: ").rstrip(".")[:200]
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
+        fix = f"set RAY_AUTH_MODE=token and {_TOKEN_HELP}"
+    else:
+        fix = f"set {_TOKEN_HELP}"
+    return (
+        f"the Ray cluster at {redact_uri(address)} refused this driver: it requires token authentication "
+        f"({reason}); {fix}"
+    )
+
+
+@contextlib.contextmanager
+def _native_stderr_muted():
+    """File descriptor 2 to /dev/null for the duration (Ray's C++ code writes there, not to ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def check_cluster_answers(address: str, where: str) -> None:
+    """Before ``ray.init`` joins ``address``: one ``config error`` line naming ``where`` when nothing listens there,
+    or when a Ray cluster answers there and refuses this driver's authentication (Ray 2.60's token authentication).
+
+    ``ray.init`` itself cannot tell the two apart: it retries (for minutes where nothing listens), printing a warning
+    a second, and then raises the same ``ConnectionError`` for both.  Asking the cluster's GCS once, as ``ray.init``
+    would (the same address resolution, the same token rules), answers at once.  ``ray://`` addresses (Ray Client)
+    and addresses Ray cannot resolve are left to ``ray.init``."""
+    if address.startswith("ray://"):
+        return
+    from ray._private import services
+    from ray._private.authentication import authentication_token_setup as token_setup
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    try:
+        gcs = services.canonicalize_bootstrap_address(address)
+        host, port = services.parse_address(gcs)
+    except Exception:  # no cluster found for "auto", an address Ray reads otherwise: ray.init says why
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(where, _no_cluster(address, e.strerror or e)) from None
+    try:
+        if address == "auto":  # ray.init takes a token file as "token mode on" for a local cluster found by "auto"
+            token_setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        # before any GCS client: one without a token, in token mode, aborts the process
+        token_setup.ensure_token_if_auth_enabled(None, create_token_if_missing=False)
+        with _native_stderr_muted():  # Ray's C++ client logs a warning line for the refusal we report
+            GcsClient(address=gcs)
+    except AuthenticationError as e:
+        raise ConfigError(where, _auth_problem(address, e.message)) from None
+    except Exception as e:  # something listens there, but no GCS answers: one line, the field named
+        raise ConfigError(where, _no_cluster(address, e)) from None
+
+
 def init_ray(
     address: str | None, *, num_cpus: int, env: dict[str, str] | None = None, user_env: dict[str, Any] | None = None
 ) -> bool:
@@ -379,6 +464,8 @@ def init_ray(
         logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
         runtime_env={
             **{k: v for k, v in (user_env or {}).items() if k != "env_vars"},
+            # every worker's State API asks its own cluster, not another Ray on the same machine (worker_setup.py)
+            "worker_process_setup_hook": WORKER_SETUP_HOOK,
             "env_vars": {
                 **(user_env or {}).get("env_vars", {}),
                 **worker_env(),
@@ -389,13 +476,14 @@ def init_ray(
         },
     )
     if address:
+        where = "--address" if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
+        check_cluster_answers(address, where)
         try:
             ray.init(address=address, **kwargs)
+        except ray.exceptions.AuthenticationError as e:  # Ray Client (ray://) refused, or no token here
+            raise ConfigError(where, _auth_problem(address, e.message)) from None
         except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
-            where = "--address" if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
-            raise ConfigError(
-                where, f"no Ray cluster answers at {redact_uri(address)} ({' '.join(str(e).split())[:300]})"
-            ) from None
+            raise ConfigError(where, _no_cluster(address, e)) from None
     else:
         # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
@@ -412,7 +500,7 @@ def init_ray(
             try:
                 ray.init(num_cpus=num_cpus, **kwargs)
                 break
-            except Exception as e:  # noqa: BLE001 - only Ray's start-up timeout is retried
+            except Exception as e:  # only Ray's start-up timeout is retried
                 # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.
                 if "timed out during startup" not in str(e) or attempt == 2:
                     raise
