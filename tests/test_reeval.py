@@ -442,3 +442,22 @@ def test_every_model_of_an_experiment_resolves_and_a_dataset_without_its_test_cl
         resolve_versions(ReevalConfig("t", uri, [{"name": name, "version": 1}], {"shapes": small}))
     with pytest.raises(ConfigError, match="no manifest"):
         resolve_versions(ReevalConfig("t", uri, [{"name": name}], {"shapes": str(tmp_path / "nowhere")}))
+
+
+def test_a_version_named_by_name_and_by_its_experiment_is_evaluated_once(tmp_path):
+    """Fast: `name` and `experiment` (and the version number) naming the same registered version give one target."""
+    from mlflow.tracking import MlflowClient
+
+    from dml_core.splits import FoldManifest
+    from pipelines.reeval.run import ReevalConfig, resolve_versions
+    from tests.test_mlflow_ui import _fake_study
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _, run_id, name = _fake_study(tmp_path, uri, "twice")
+    data = parquet_dataset(tmp_path / "data", num_classes=8, per_class=4)
+    labels = np.repeat(np.arange(8), 4)
+    MlflowClient(uri).log_text(run_id, FoldManifest.from_labels(labels, min_val_samples=2).to_json(), "folds.json")
+
+    models = [{"name": name}, {"experiment": "twice"}, {"name": name, "version": 1}]
+    targets = resolve_versions(ReevalConfig("t", uri, models, {"shapes": data}))
+    assert [(t.name, t.version) for t in targets] == [(name, "1")]

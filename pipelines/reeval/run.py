@@ -119,7 +119,7 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
                         found.append((where, client.get_model_version_by_alias(rm.name, ALIAS)))
         except ConfigError:
             raise
-        except Exception as e:  # noqa: BLE001 - MLflow's "not found" errors differ between stores
+        except Exception as e:  # MLflow's "not found" errors differ between stores
             what = (
                 f"{m.get('name')} "
                 f"{'version ' + str(m['version']) if 'version' in m else 'alias ' + m.get('alias', ALIAS)}"
@@ -127,8 +127,13 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
             raise ConfigError(
                 f"{where}.name", f"no registered model version {what} ({str(e).splitlines()[0][:200]})"
             ) from None
-    targets, manifests = [], {}
+    # One version named twice (by `name` and through its `experiment`, or twice by name) is evaluated once: the
+    # first entry that names it is the one its errors point at.
+    unique: dict[tuple[str, str], tuple[str, Any]] = {}
     for where, mv in found:
+        unique.setdefault((mv.name, str(mv.version)), (where, mv))
+    targets, manifests = [], {}
+    for where, mv in unique.values():
         tags = dict(mv.tags)
         ds = tags.get("dataset")
         if ds not in cfg.datasets:
@@ -139,7 +144,7 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
         if uri not in manifests:
             try:
                 manifests[uri] = read_manifest(uri)
-            except Exception as e:  # noqa: BLE001 - missing file, bad JSON, unreachable S3: all the user's to fix
+            except Exception as e:  # missing file, bad JSON, unreachable S3: all the user's to fix
                 raise ConfigError(f"datasets.{ds}", f"{str(e).splitlines()[0][:300]}") from None
         manifest = manifests[uri]
         try:
@@ -147,7 +152,7 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
                 Path(client.download_artifacts(tags["study_run_id"], "folds.json")).read_text()
             )
             reps = json.loads(tags["reproductions"])
-        except Exception as e:  # noqa: BLE001 - a version without what we registered is not re-evaluable
+        except Exception as e:  # a version without what we registered is not re-evaluable
             raise ConfigError(
                 where,
                 f"{mv.name} version {mv.version} lacks its study's folds.json / "
@@ -340,7 +345,7 @@ def _evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
     for r in t.reproductions:
         try:
             spec = mlflow.pyfunc.load_model(r["model_uri"]).unwrap_python_model().spec
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return VersionResult(
                 t,
                 "failed",
@@ -563,7 +568,7 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
         for t in targets:
             try:
                 r = evaluate_version(t, cfg)
-            except Exception as e:  # noqa: BLE001 - one version failing never stops the others
+            except Exception as e:  # one version failing never stops the others
                 r = VersionResult(
                     t,
                     "failed",
@@ -588,7 +593,7 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
     for r in results:
         try:
             log_result(r, cfg, paths, commit)
-        except Exception as e:  # noqa: BLE001 - the table is written; say what could not be logged
+        except Exception as e:  # the table is written; say what could not be logged
             print(f"  {r.target.label}: could not log the reeval run: {e}", file=out, flush=True)
             r.status = "failed"
     print(paths["md"].read_text(), file=out, flush=True)

@@ -7,6 +7,11 @@ CPU-hours and GPU-hours.
 
 Intervals: Student-t across reproductions (``dml_core.stats.confidence_interval``), for the *concatenated* and the
 *separated* evaluation of the test classes.
+
+Results that look fine and are not: a study whose reproductions' folds all chose their epoch-0 checkpoint (the
+untrained network, evaluated before any training step) as best is flagged (:func:`best_at_epoch_0`; tag
+:data:`EPOCH0_TAG` on the study run, a mark in the end-of-sweep table, ``dmlrc report``).  The untrained network's own
+test metrics (:mod:`pipelines.results.untrained`) are the table's reference row.
 """
 
 from __future__ import annotations
@@ -27,7 +32,27 @@ __all__ = [
     "ci_table",
     "params_table",
     "fmt_ci",
+    "EPOCH0_TAG",
+    "EPOCH0_NOTE",
+    "best_at_epoch_0",
 ]
+
+#: Study-run tag: "true" when every fold of every reproduction chose its epoch-0 checkpoint (the untrained network) as
+#: best, "false" otherwise.
+EPOCH0_TAG = "best_at_epoch_0"
+
+#: What a flagged study's mark means (the end-of-sweep table and ``dmlrc report``).
+EPOCH0_NOTE = (
+    "every fold of every reproduction chose the untrained network (its epoch-0 checkpoint) as best, so these are the "
+    "untrained network's metrics; train longer or with larger learning rates"
+)
+
+
+def best_at_epoch_0(best_epochs) -> bool:
+    """True when there is at least one fold and every fold's best checkpoint is its epoch-0 one."""
+    best_epochs = list(best_epochs)
+    return bool(best_epochs) and all(int(e) == 0 for e in best_epochs)
+
 
 #: What a fold run records as ``cost.<key>`` and trials, reproductions and studies sum
 #: (pipelines.execution.trial.fold_cost).
@@ -51,6 +76,10 @@ class StudySummary:
     seconds: float = 0.0
     #: the study run's cost.* metrics without the prefix (wall_seconds, cpu_seconds, ..., diverged.cpu_seconds, ...)
     cost: dict[str, float] = field(default_factory=dict)
+    #: every reproduction fold's best checkpoint at epoch 0 (:func:`best_at_epoch_0`)
+    best_at_epoch_0: bool = False
+    #: the untrained network's test metrics (pipelines.results.untrained), without the prefix; empty if unknown
+    untrained: dict[str, float] = field(default_factory=dict)
 
 
 def confidence_intervals(reps: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float, float, float]]]:
@@ -132,15 +161,20 @@ def cost_hours(cost: dict[str, float], kind: str) -> str:
     return f"{v / 3600:.3g}"
 
 
+_UNTRAINED_ROW = "untrained network"
+
+
 def ci_table(studies: list[StudySummary]) -> str:
     """The end-of-sweep table: one row per study, P@1 / RP / MAP@R concatenated and separated (×100, ± CI
-    half-width), and what the study cost (CPU-hours, GPU-hours over all its folds)."""
+    half-width), and what the study cost (CPU-hours, GPU-hours over all its folds).  A study whose best checkpoints
+    are all at epoch 0 is marked ``*`` (explained under the table); each dataset's untrained network is a reference
+    row (one network with its initial weights: the same values in both modes; one row per distinct network)."""
     head = (
         ["dataset", "loss"] + [f"{mode} {lab}" for mode in MODES for lab in ("P@1", "RP", "MAP@R")] + ["CPU-h", "GPU-h"]
     )
     rows = []
     for s in studies:
-        row = [s.dataset, s.loss]
+        row = [s.dataset, s.loss + (" *" if s.best_at_epoch_0 else "")]
         for mode in MODES:
             for k in ("precision_at_1", "r_precision", "map_at_r"):
                 t = s.ci.get(mode, {}).get(k)
@@ -152,9 +186,34 @@ def ci_table(studies: list[StudySummary]) -> str:
                     row.append(f"{100 * t[0]:.2f}")
         row += [cost_hours(s.cost, "cpu"), cost_hours(s.cost, "gpu")]
         rows.append(row)
+    refs = _untrained_rows(studies)
+    rows += refs
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+    fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths))  # noqa: E731 - a one-line formatter, used only here
+    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    if refs:
+        lines.append(
+            f"{_UNTRAINED_ROW}: the study's network with its initial weights (seeded) on the same test classes, "
+            "not trained: the floor the losses are measured against"
+        )
+    if any(s.best_at_epoch_0 for s in studies):
+        lines.append(f"* best at epoch 0: {EPOCH0_NOTE}")
+    return "\n".join(lines)
+
+
+def _untrained_rows(studies: list[StudySummary]) -> list[list[str]]:
+    """One reference row per dataset and distinct untrained score (studies of one network share it)."""
+    rows, seen = [], set()
+    for s in studies:
+        if not s.untrained:
+            continue
+        key = (s.dataset, tuple(s.untrained.get(k) for k in ("precision_at_1", "r_precision", "map_at_r")))
+        if key in seen:
+            continue
+        seen.add(key)
+        cells = [f"{100 * v:.2f}" if isinstance(v, float) and math.isfinite(v) else "–" for v in key[1]]
+        rows.append([s.dataset, _UNTRAINED_ROW] + cells * len(MODES) + ["", ""])
+    return rows
 
 
 def params_table(studies: list[StudySummary]) -> str:
