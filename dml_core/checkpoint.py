@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import random
+import re
 import sys
 import time
 from typing import Any
@@ -28,6 +30,7 @@ import torch
 from dml_core.storage import open_storage
 
 __all__ = [
+    "load_weights_only",
     "STATE_FORMAT",
     "rng_state",
     "set_rng_state",
@@ -94,8 +97,28 @@ def state_to_bytes(state: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
+#: torch's reason for refusing a pickle, without its advice to load the file with ``weights_only=False``.
+_REFUSED_RE = re.compile(r"WeightsUnpickler error:\s*(.*?)(?:\.?\s+Please use|\n|$)", re.S)
+
+
+def load_weights_only(f: Any) -> Any:
+    """``torch.load(f, map_location="cpu", weights_only=True)`` — tensors and plain values only, never pickled code.
+    A file holding anything else raises ``pickle.UnpicklingError`` saying what it holds, and nothing more: torch's own
+    message advises retrying with ``weights_only=False`` (running whatever code the file carries), which this
+    package never does and never repeats."""
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        m = _REFUSED_RE.search(str(e))
+        reason = " ".join(m.group(1).split()) if m else "it is not a weights-only torch file"
+        raise pickle.UnpicklingError(
+            f"refused: the file holds more than tensors and plain values ({reason}); only weights are loaded "
+            "(weights_only=True), pickled code never runs"
+        ) from None
+
+
 def state_from_bytes(data: bytes) -> dict[str, Any]:
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    state = load_weights_only(io.BytesIO(data))
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"not a training state of format {STATE_FORMAT} (got {got!r})")
@@ -187,7 +210,7 @@ class CheckpointDir:
                 try:
                     self.store.delete(f)
                     del self._files[it]
-                except Exception as e:  # noqa: BLE001 - a stale file costs space, not correctness
+                except Exception as e:  # a stale file costs space, not correctness
                     print(f"checkpoint: could not delete {self.store.uri_of(f)}: {e}", file=sys.stderr)
 
     def read_json(self, key: str) -> dict[str, Any] | None:

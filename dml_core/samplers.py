@@ -14,7 +14,7 @@ Batch construction (one global batch = ``classes_per_batch × m`` dataset indice
   shuffle when the deck runs out.  So classes within a batch are distinct and, over an epoch,
   every class is drawn ``k`` or ``k + 1`` times (uniform coverage), unlike independent draws.
 * samples: ``m`` distinct indices of the class if it has ``≥ m`` samples, else ``m`` draws with
-  replacement.
+  replacement (and a :class:`RepeatedImagesWarning` when the sampler is built).
 
 Randomness: a ``numpy.random.Generator(PCG64)`` seeded from ``(seed, epoch)`` — never global state —
 so ``set_epoch(e)`` gives a reproducible, epoch-specific stream.  Per-class index arrays are
@@ -23,11 +23,17 @@ precomputed once; per batch the work is vectorised and O(batch), independent of 
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterator
 
 import numpy as np
 
-__all__ = ["MPerClassBatchSampler"]
+__all__ = ["MPerClassBatchSampler", "RepeatedImagesWarning"]
+
+
+class RepeatedImagesWarning(UserWarning):
+    """Some classes have fewer than ``m`` images: their batches repeat images (drawn with replacement).  A caller
+    that has already told the user (the sweep's preflight) may filter this category."""
 
 
 def _positive_int(name: str, value) -> int:
@@ -94,6 +100,16 @@ class MPerClassBatchSampler:
             raise ValueError(
                 f"MPerClassBatchSampler: the dataset has {len(self.classes)} classes, fewer than "
                 f"classes_per_batch = {self.classes_per_batch}"
+            )
+        small = np.flatnonzero(self._counts < self.m)
+        if len(small) and self.rank == 0:  # one warning per sampler, not one per DDP rank
+            c = small[0]
+            warnings.warn(
+                f"MPerClassBatchSampler: {len(small)} of {len(self.classes)} classes have fewer than m = {self.m} "
+                f"images (e.g. class {self.classes[c]}: {self._counts[c]}); their batches repeat images (drawn with "
+                "replacement, as PML's MPerClassSampler does)",
+                RepeatedImagesWarning,
+                stacklevel=2,
             )
         self.epoch = 0
 

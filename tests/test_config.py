@@ -99,7 +99,7 @@ def test_out_of_range_parameter_names_the_field():
 def test_pinned_parameter_is_removed_from_the_search():
     cfg = parse_config(_cfg(**{"losses.0": {"name": "contrastive", "params": {"pos_margin": 0.0}}}))
     ls = cfg.losses[0]
-    assert "pos_margin" not in ls.searched() and ls.fixed()["pos_margin"] == 0.0
+    assert "pos_margin" not in ls.searched() and ls.fixed_values()["pos_margin"] == 0.0
 
 
 def test_duplicate_loss_is_rejected():

@@ -1,9 +1,9 @@
 """Fuzz corpus of malformed sweep configs, run through the real CLI entry (``pipelines.cli.main(["sweep", ...])``).
 
-Every case of ``tests/config_fuzz/corpus.yaml`` must end in exactly one line ``config error: <field>: <problem>``
-naming the case's field, exit status 2, within a bounded time, with nothing written (no ``runs/<name>/``, no
-MLflow store) and no password echoed.  Ray start-up and MLflow are stubbed: reaching either means the bad config
-passed validation, which is a failure too.
+Every case of ``tests/config_fuzz/corpus.yaml`` must end in lines ``config error: <field>: <problem>`` (one per
+problem), the first naming the case's field, exit status 2, within a bounded time, with nothing written (no
+``runs/<name>/``, no MLflow store) and no password echoed.  Ray start-up and MLflow are stubbed: reaching either means
+the bad config passed validation, which is a failure too.
 
 ``python tests/test_config_fuzz.py`` runs the corpus outside pytest and prints how many cases end in each way
 (what the README's "What bad input gets" reports; run it with an older checkout on PYTHONPATH to compare).
@@ -202,7 +202,8 @@ def run_case(case: dict, tmp: Path, patch, setenv, delenv) -> Outcome:
     lines = text.splitlines()
     if SECRET in text + out.getvalue():
         return Outcome(case["id"], "leaked password", text, seconds)
-    if rc != 2 or len(lines) != 1:
+    # one line per problem, each "config error: ..." (several problems of one document are each reported)
+    if rc != 2 or not lines or not all(line.startswith("config error: ") for line in lines):
         return Outcome(case["id"], "not one line", f"rc={rc}: {text[:300]}", seconds)
     if not lines[0].startswith(f"config error: {expected}: "):
         return Outcome(case["id"], "wrong field", f"expected {expected!r}: {lines[0][:300]}", seconds)

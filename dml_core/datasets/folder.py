@@ -14,7 +14,9 @@ directory, a bucket's root):
 * links are followed (as `ImageFolder` does) but must stay inside the root, and no folder or image may be reached
   twice (a link back to a parent would list the same images again and again);
 * two class folders whose names differ only by case or Unicode normalisation, and a folder name with a control
-  character (a newline ...), are refused naming the folders.
+  character (a newline ...), are refused naming the folders;
+* hidden entries (a name starting with ".": `.ipynb_checkpoints/`, `.DS_Store`, macOS `._*` files) are neither
+  classes nor images, at any level (torchvision's `ImageFolder` would make `.ipynb_checkpoints` a class).
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def check_class_folders(names: list[str], root) -> None:
             )
 
 
+def _hidden(name: str) -> bool:
+    """A hidden file or folder (notebook checkpoints, Finder metadata): never a class, never an image."""
+    return name.startswith(".")
+
+
 def _no_images(root, name: str) -> DataError:
     return DataError(f"{root}: class directories without images: [{name!r}] ({LAYOUT}; is {root} the dataset's root?)")
 
@@ -95,6 +102,8 @@ def _scan_local(root: LocalRoot) -> FolderScan:
         top = sorted(it, key=lambda e: e.name)
     classes = []
     for e in top:
+        if _hidden(e.name):
+            continue
         if e.is_dir():
             classes.append(e.name)
         else:
@@ -126,6 +135,8 @@ def _scan_local(root: LocalRoot) -> FolderScan:
                 entries = sorted(it, key=lambda e: e.name)
             for e in entries:
                 rel = f"{rel_dir}/{e.name}"
+                if _hidden(e.name):
+                    continue
                 if e.is_dir():
                     budget.spend(rel, len(rows) + len(found))
                     stack.append(rel)
@@ -160,6 +171,8 @@ def _scan_s3(root: S3Root) -> FolderScan:
         parts = rel.split("/")
         if any(p in ("", ".", "..") for p in parts):
             raise LayoutError(f"{root.source(rel)}: key has an empty, '.' or '..' path component")
+        if any(_hidden(p) for p in parts):
+            continue
         if len(parts) < 2:
             budget.spend(rel, images)
             continue

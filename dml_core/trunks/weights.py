@@ -13,10 +13,12 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
 from torch import nn
 
+from dml_core.checkpoint import load_weights_only
 from dml_core.storage import is_s3_uri, open_storage, split_s3_uri
 
 __all__ = ["local_weights", "read_state_dict", "load_trunk_weights"]
@@ -62,6 +64,7 @@ def read_state_dict(path: str | os.PathLike, shown: str | os.PathLike | None = N
     ``state_dict``/``model``/``state_dict_ema`` is unwrapped.  ``shown`` is how errors name the file (the URI the
     user gave for a downloaded copy).  Anything else is a ``ValueError`` naming the file."""
     shown = _describe(shown if shown is not None else path)
+    state: Any  # what the file holds: checked below to be a dict of tensors
     try:
         if str(path).endswith(".safetensors"):
             # safetensors: only .safetensors weight files need it
@@ -69,7 +72,7 @@ def read_state_dict(path: str | os.PathLike, shown: str | os.PathLike | None = N
 
             state = load_file(str(path), device="cpu")
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_weights_only(path)  # torch.load(weights_only=True), refusals without torch's advice
     except Exception as e:  # corrupt file, pickle of something else, missing safetensors package, ...
         raise ValueError(
             f"pretrained weights file {shown} could not be read as a state_dict: {type(e).__name__}: {e}"

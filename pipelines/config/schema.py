@@ -3,8 +3,8 @@
 A config names the datasets, the losses, the model, the protocol (the reality check's 4 class-disjoint folds in the
 ``mlrc`` layout, 50 Bayesian-optimisation trials of which 5 random start-up trials, 10 reproductions, 100-iteration
 "epochs", evaluation interval and patience), the resources, MLflow tracking, storage and the Ray ``runtime_env`` that
-carries a user's own code to the workers.  ``configs/*.yaml`` are documented examples; the ``demo`` preset is built
-in (:mod:`pipelines.config.presets`).
+carries a user's own code to the workers.  ``configs/*.yaml`` are documented examples, shipped with the ``demo``
+preset as package data (:mod:`pipelines.config.presets`; ``dmlrc init`` copies one).
 
 :class:`SweepConfig` is the validated document itself (``extra="forbid"``, strict types, bounds, frozen); its
 ``model_dump(mode="json")`` is what is written to disk and MLflow, with passwords in URIs redacted.
@@ -16,8 +16,8 @@ is the one place deciding them.
 ranges, URIs), that every loss resolves (built-in, entry point or import path) with a search space, and that pinned
 parameters lie inside it; :func:`pipelines.execution.preflight.preflight` then checks paths, loads the datasets and
 builds every loss.  Errors are :class:`ConfigError` whose field is pydantic's own error location, e.g.
-``losses[1].name: unknown loss 'mpaa' (known: ...)``.  Nothing (no Ray, no MLflow run, no folder) starts before they
-pass.  This module imports neither Ray nor MLflow.
+``losses[1].name: unknown loss 'mpaa' (known: ...)``, every problem of the document at once (``ConfigError.more``).
+Nothing (no Ray, no MLflow run, no folder) starts before they pass.  This module imports neither Ray nor MLflow.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import (
     AfterValidator,
+    BaseModel,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -44,13 +45,14 @@ from pydantic import (
 from dml_core.models import parse_pooling
 from dml_core.train import _AMP_DTYPES, _OPTIMIZERS, TrainConfig
 from dml_core.trunks import check_trunk
-from pipelines.config.errors import ConfigError, FieldError
+from pipelines.config.errors import ConfigError, FieldError, did_you_mean, plain_problem
 from pipelines.config.loader import read_yaml_file
 from pipelines.config.spaces import (
     LOSS_LR,
     SearchSpace,
     SpaceError,
     builtin_spaces,
+    is_flat,
     load_space,
     parse_space,
     read_space_file,
@@ -86,6 +88,8 @@ MAX_SYNTHETIC_BYTES = 4 << 30
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 #: TrainConfig's field defaults: the single source of protocol training defaults.
 _TC = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+#: The largest GeM power a config may set (``model.pooling: gem:P``).
+GEM_P_MAX = 16.0
 #: Environment variables that hold credentials: never in a runtime_env (Ray logs runtime_envs in plain text).
 _SECRET_ENV = re.compile(r"(SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIAL|PRIVATE_KEY|ACCESS_KEY)", re.I)
 
@@ -233,8 +237,13 @@ class LossSpec(StrictModel):
     params: dict[str, Any] = Field(default_factory=dict)
     """Pinned hyperparameters (removed from the searched space)."""
     space: dict[str, Any] | Path_ | None = None
-    """This loss's search space: a mapping with the keys of ``tune_spaces/*.yaml`` (``space``, ``fixed``,
-    ``paper_defaults``) or the path of such a YAML file.  Overrides every other space of this loss."""
+    """This loss's search space: the searched parameters directly (``{margin: {low: 0.1, high: 1.0}}``, with
+    ``fixed`` and ``paper_defaults`` beside ``space``), a mapping with the keys of ``tune_spaces/*.yaml`` (``space``,
+    ``fixed``, ``paper_defaults``) or the path of such a YAML file.  Overrides every other space of this loss."""
+    fixed: dict[str, Any] | None = None
+    """With a ``space`` that holds the parameters directly: the values that are not searched."""
+    paper_defaults: dict[str, Any] | None = None
+    """With a ``space`` that holds the parameters directly: the paper's values (inside the space)."""
 
     _space: SearchSpace | None = PrivateAttr(default=None)
 
@@ -259,11 +268,32 @@ class LossSpec(StrictModel):
         if not ctx.get("resolve", True):
             return self
         _resolve_loss(self.name)
+        beside = [k for k in ("fixed", "paper_defaults") if getattr(self, k) is not None]
+        if beside and not is_flat(self.space):
+            raise FieldError(
+                beside[0],
+                "goes beside a space that holds the parameters directly (space: {margin: {low: .., high: ..}}, "
+                f"{beside[0]}: {{..}}); "
+                + (
+                    f"this space has its own keys ({', '.join(sorted(self.space))}): put {beside[0]} inside it"
+                    if isinstance(self.space, dict) and self.space
+                    else f"put {beside[0]} in the space's file"
+                    if isinstance(self.space, str)
+                    else "give the space too"
+                ),
+            )
         if isinstance(self.space, dict):
+            doc = self.space
+            if is_flat(doc):
+                doc = {"space": doc, "fixed": self.fixed or {}, "paper_defaults": self.paper_defaults or {}}
             try:
-                space = parse_space(self.space, f"the inline space of {self.name!r}", self.name)
+                space = parse_space(doc, f"the inline space of {self.name!r}", self.name)
             except SpaceError as e:
-                raise FieldError("space", _detail(e, f"the inline space of {self.name!r}")) from None
+                detail = _detail(e, f"the inline space of {self.name!r}")
+                key, sep, problem = detail.partition(": ")
+                if doc is not self.space and sep and key.startswith(("paper_defaults.", "fixed.")):
+                    raise FieldError(key, problem) from None  # a value given beside the flat space: named there
+                raise FieldError("space", detail) from None
         elif isinstance(self.space, str):
             try:
                 space = read_space_file(Path(self.space).expanduser(), self.name)
@@ -302,7 +332,7 @@ class LossSpec(StrictModel):
         """The Param objects the optimiser searches (the search space minus pinned ones)."""
         return {k: p for k, p in self.search_space.params.items() if k not in self.params}
 
-    def fixed(self) -> dict[str, Any]:
+    def fixed_values(self) -> dict[str, Any]:
         """Non-searched values: the space's ``fixed`` plus the pinned ``params``."""
         return {**self.search_space.fixed, **self.params}
 
@@ -310,6 +340,13 @@ class LossSpec(StrictModel):
 def _detail(e: Exception, source: str) -> str:
     text = " ".join(str(e).split())
     return text[len(source) + 2 :] if text.startswith(source + ": ") else text
+
+
+def _exited(e: SystemExit, what: str) -> str:
+    """The problem of a plugin that called ``sys.exit()`` (raised ``SystemExit``) while it was imported or built."""
+    from dml_core.plugins import raised_at  # dml_core.plugins: the plugin's own file:line, as for its other errors
+
+    return f"{what}: its code called sys.exit({e.code!r}){raised_at(e)}; a plugin must raise an exception, not exit"
 
 
 def _resolve_loss(name: str) -> None:
@@ -322,12 +359,14 @@ def _resolve_loss(name: str) -> None:
         loss_info(name)
     except LossPluginError as e:
         raise FieldError("name", " ".join(str(e).split())) from None
+    except SystemExit as e:  # a plugin's module that calls sys.exit() when imported: not the sweep's exit
+        raise FieldError("name", _exited(e, f"loss {name!r}")) from None
     except ValueError:
         known = list_losses() + [f"{w}:<base>" for w in list_wrappers()]
         raise FieldError(
             "name",
-            f"unknown loss {shown(name)} (known: {', '.join(known)}; or an installed "
-            "plugin's name, or an import path 'package.module:attribute')",
+            f"unknown loss {shown(name)} (known: {', '.join(known)}; or an installed plugin's name, or an import path "
+            f"'package.module:attribute'){did_you_mean(name, list_losses())}",
         ) from None
 
 
@@ -347,13 +386,14 @@ def _expand_all(value: Any, spaces: dict[str, SearchSpace]) -> Any:
     try:
         spec = AllLosses.model_validate(value)
     except ValidationError as e:
-        raise _to_config_error(e, prefix=("losses",)) from None
+        raise _to_config_error(e, prefix=("losses",), root=AllLosses) from None
     unknown = [x for x in spec.exclude if x not in spaces]
     if unknown:
         i = spec.exclude.index(unknown[0])
         raise ConfigError(
             f"losses.exclude[{i}]",
-            f"{shown(unknown[0])} is not one of the built-in losses ({', '.join(sorted(spaces))})",
+            f"{shown(unknown[0])} is not one of the built-in losses{did_you_mean(unknown[0], spaces)} "
+            f"({', '.join(sorted(spaces))})",
         )
     return [n for n in sorted(spaces) if n not in spec.exclude]
 
@@ -381,9 +421,9 @@ class TrainSpec(StrictModel):
     num_workers: int = Field(_TC["num_workers"], ge=0, le=256)
     loss_weight_decay: float | None = Field(None, ge=0, le=100)
     """Weight decay of the loss's own parameters (null = the loss's metadata, else TrainConfig's)."""
-    optimizer: Literal[_OPTIMIZERS] = _TC["optimizer"]  # type: ignore[valid-type]
+    optimizer: Literal[_OPTIMIZERS] = _TC["optimizer"]  # type: ignore[valid-type]  # a Literal over the tuple's values
     amp: bool = _TC["amp"]
-    amp_dtype: Literal[tuple(_AMP_DTYPES)] = _TC["amp_dtype"]  # type: ignore[valid-type]
+    amp_dtype: Literal[tuple(_AMP_DTYPES)] = _TC["amp_dtype"]  # type: ignore[valid-type]  # a Literal over the values
     cpu_amp: bool = _TC["cpu_amp"]
     """bfloat16 autocast of the training forward on CPU (not exact; faster only with native bf16: AVX512-BF16/AMX)."""
     channels_last: bool = _TC["channels_last"]
@@ -413,14 +453,22 @@ class ModelSpec(StrictModel):
     @field_validator("trunk")
     @classmethod
     def _trunk(cls, v: str) -> str:
-        check_trunk(v)  # its ValueError names the trunk and what is known
+        try:
+            check_trunk(v)  # its ValueError names the trunk and what is known
+        except SystemExit as e:  # a plugin's module that calls sys.exit() when imported
+            raise ValueError(_exited(e, f"trunk {v!r}")) from None
         return v
 
     @field_validator("pooling")
     @classmethod
     def _pooling(cls, v: str | None) -> str | None:
         if v is not None:
-            parse_pooling(v)  # its ValueError says what is accepted
+            kind, arg = parse_pooling(v)  # its ValueError says what is accepted
+            if kind == "gem" and arg > GEM_P_MAX:
+                raise ValueError(
+                    f"{shown(v)}: GeM's p must be <= {GEM_P_MAX:g} (x^p underflows or overflows float32 beyond: the "
+                    "embeddings stop depending on the image); GeM with a large p is max pooling: use 'max'"
+                )
         return v
 
     @field_validator("pretrained")
@@ -540,6 +588,13 @@ class ResourcesSpec(StrictModel):
         return self
 
 
+def _virtualenv_installed() -> bool:
+    """Whether Ray can build a ``runtime_env.pip`` environment here (it needs the virtualenv package)."""
+    import importlib.util  # stdlib; only when a config has pip entries
+
+    return importlib.util.find_spec("virtualenv") is not None
+
+
 class RuntimeEnvSpec(StrictModel):
     """Ray's ``runtime_env`` for every process of the sweep (trial drivers, warm fold workers, Ray Train workers), on
     the embedded local Ray and on a cluster: how a user's own loss, trunk or dataset code reaches them.  The driver
@@ -578,6 +633,17 @@ class RuntimeEnvSpec(StrictModel):
             raise ValueError(f"{shown(v)} is not a folder")
         return str(path.resolve())
 
+    @field_validator("pip")
+    @classmethod
+    def _pip(cls, v: list[str]) -> list[str]:
+        if v and not _virtualenv_installed():
+            raise ValueError(
+                "Ray installs runtime_env pip packages into a virtualenv, and the virtualenv package is not "
+                "installed: pip install virtualenv (on every node), or install the packages on every node yourself "
+                "and leave runtime_env.pip out"
+            )
+        return v
+
     @field_validator("env_vars")
     @classmethod
     def _no_credentials(cls, v: dict[str, str]) -> dict[str, str]:
@@ -589,6 +655,13 @@ class RuntimeEnvSpec(StrictModel):
                     f".{k}",
                     "looks like a credential; credentials never travel in a runtime_env (Ray "
                     "logs it in plain text): give the workers their own credentials",
+                )
+            if redact_uri(v[k]) != v[k]:  # a password in a URI, a ?token= / ?api_key= query parameter
+                raise FieldError(
+                    f".{k}",
+                    "its value holds a credential (a password in a URI or a secret query parameter); credentials "
+                    "never travel in a runtime_env (Ray logs it, the sweep writes its config to disk and MLflow): "
+                    "give the workers their own (their environment, instance role or AWS shared credentials file)",
                 )
         return v
 
@@ -657,7 +730,7 @@ class TrackingSpec(StrictModel):
 
 
 class SweepConfig(StrictModel):
-    """A sweep config file (``dmlrc sweep CONFIG.yaml``); see configs/*.yaml for commented examples."""
+    """A sweep config file (``dmlrc sweep CONFIG.yaml``); `dmlrc init` lists commented presets and copies one."""
 
     model_config = ConfigDict(title="dmlrc sweep config")
 
@@ -800,16 +873,43 @@ def _where(loc: tuple) -> str:
     return out
 
 
-def _to_config_error(e: ValidationError, prefix: tuple = ()) -> ConfigError:
-    """The first pydantic error as one ``<field>: <problem>`` (plus how many more there are).  The field is
-    pydantic's location, extended by a :class:`FieldError`'s own sub-path; the problem is pydantic's message, with
-    the offending value for type and range errors."""
-    errors = e.errors(include_url=False)
-    err = errors[0]
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The config models an annotation holds (``list[LossSpec]`` → LossSpec; a union → each member)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _model_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
+    """The config model validating the object at ``loc`` of a ``root`` document (for the "allowed here" list of an
+    unknown key)."""
+    candidates: list[type[BaseModel]] = [root]
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if len(candidates) > 1:  # a discriminated union: pydantic's next part is the member's tag
+            tagged = [m for m in candidates if get_args(m.model_fields["kind"].annotation) == (part,)]
+            if tagged:
+                candidates = tagged
+                continue
+            return None
+        fields = candidates[0].model_fields
+        if part not in fields:
+            return None
+        candidates = _models_in(fields[part].annotation)
+        if not candidates:
+            return None
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _one_error(err: dict, prefix: tuple, root: type[BaseModel]) -> ConfigError:
+    """One pydantic error as ``<field>: <problem>``: the field is pydantic's location, extended by a
+    :class:`FieldError`'s own sub-path; the problem is in the plain words of :func:`plain_problem`, with the offending
+    value for type and range errors."""
     raised = (err.get("ctx") or {}).get("error")
     if isinstance(raised, ConfigError) and raised.field:  # raised with its own field (losses: all)
         return raised
-    loc, kind, ctx, value = prefix + tuple(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
+    loc, kind, ctx = prefix + tuple(err["loc"]), err["type"], err.get("ctx") or {}
     where = _where(loc)
     if kind == "value_error" and isinstance(ctx.get("error"), FieldError):
         rel = ctx["error"].path
@@ -820,28 +920,36 @@ def _to_config_error(e: ValidationError, prefix: tuple = ()) -> ConfigError:
         problem = str(ctx["error"])
     elif kind in ("value_error", "assertion_error"):
         problem = str(ctx.get("error") or err["msg"])
-    elif kind == "missing":
-        problem = "is required"
     elif kind == "extra_forbidden":
-        problem = "unknown key"
+        model = _model_at(tuple(err["loc"])[:-1], root)
+        allowed = list(model.model_fields) if model is not None else []
+        problem = "unknown key" + did_you_mean(loc[-1], allowed)
+        if allowed:
+            problem += f" (allowed here: {', '.join(sorted(allowed))})"
     elif kind == "union_tag_not_found":
         where, problem = f"{where}.kind", f"is required (one of {', '.join(DATASET_KINDS)})"
     elif kind == "union_tag_invalid":
         where = f"{where}.kind"
-        problem = f"unknown dataset kind {shown(ctx.get('tag'))} (known: {', '.join(DATASET_KINDS)})"
+        tag = ctx.get("tag")
+        problem = (
+            f"unknown dataset kind {shown(tag)}{did_you_mean(tag, DATASET_KINDS)} (known: {', '.join(DATASET_KINDS)})"
+        )
     elif kind == "too_short" and loc in (("datasets",), ("losses",)):
         problem = f"needs at least one {'dataset' if loc[0] == 'datasets' else 'loss'}"
     else:
-        problem = err["msg"] + (
-            f", got {shown(value)}"
-            if kind.endswith("_type")
-            or kind
-            in ("finite_number", "literal_error", "greater_than", "greater_than_equal", "less_than", "less_than_equal")
-            else ""
-        )
-    if len(errors) > 1:
-        problem += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+        problem = plain_problem(err, shown) or err["msg"]
     return ConfigError(where or "config", redact_uri(problem))
+
+
+def _to_config_error(e: ValidationError, prefix: tuple = (), root: type[BaseModel] | None = None) -> ConfigError:
+    """Every pydantic error of a document, one :class:`ConfigError` each (the first one's ``more`` holds the
+    others); one per field (a union's members each report the same field: the first says it)."""
+    found: dict[str, ConfigError] = {}
+    for err in e.errors(include_url=False):
+        one = _one_error(err, prefix, root or SweepConfig)
+        found.setdefault(one.field, one)
+    first, *more = found.values()
+    return ConfigError(first.field, first.problem, more=more)
 
 
 # --------------------------------------------------------------------------------------------------- parsing
@@ -860,7 +968,7 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
         # The runtime_env's code first: the losses and trunk may come from it.
         env = RuntimeEnvSpec.model_validate(doc.get("runtime_env") or {})
     except ValidationError as e:
-        raise _to_config_error(e, prefix=("runtime_env",)) from None
+        raise _to_config_error(e, prefix=("runtime_env",), root=RuntimeEnvSpec) from None
     env.activate_on_driver()
     spaces = doc.get("tune_spaces")
     space_dir = Path(spaces).expanduser() if isinstance(spaces, str) and spaces else spaces_dir()

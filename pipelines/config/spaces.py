@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipelines.config.errors import ConfigError
+from pipelines.config.errors import ConfigError, did_you_mean
 from pipelines.config.loader import load_yaml
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "load_space",
     "parse_space",
     "read_space_file",
+    "is_flat",
     "LOSS_LR",
 ]
 
@@ -167,7 +168,10 @@ def _parse_param(path: Path, name: str, spec: Any) -> Param:
         raise SpaceError(f"{where}: expected a mapping like {{low: .., high: ..}}, got {spec!r}")
     unknown = set(spec) - _PARAM_KEYS
     if unknown:
-        raise SpaceError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_PARAM_KEYS)}")
+        raise SpaceError(
+            f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_PARAM_KEYS)}"
+            + did_you_mean(min(unknown, key=str), _PARAM_KEYS)
+        )
     if "choices" in spec:
         choices = spec["choices"]
         if not isinstance(choices, list) or not choices:
@@ -178,10 +182,16 @@ def _parse_param(path: Path, name: str, spec: Any) -> Param:
     kind = spec.get("type", "float")
     if kind not in ("float", "int"):
         raise SpaceError(f"{where}.type: {kind!r} is not 'float' or 'int'")
-    low, high, log = spec["low"], spec["high"], bool(spec.get("log", False))
+    low, high, log = spec["low"], spec["high"], spec.get("log", False)
+    if not isinstance(log, bool):  # strict: the string "false" is not false (nor is 0)
+        raise SpaceError(f"{where}.log: expected true or false, got {log!r}")
     for key, v in (("low", low), ("high", high)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise SpaceError(f"{where}.{key}: {v!r} is not a number")
+        if not math.isfinite(v):
+            raise SpaceError(f"{where}.{key}: {v!r} is not a finite number")
+        if kind == "int" and not float(v).is_integer():  # int(0.8) would silently move the bound to 0
+            raise SpaceError(f"{where}.{key}: {v!r} is not an integer (an int range has integer bounds)")
     if not low < high:
         raise SpaceError(f"{where}: low ({low}) must be < high ({high})")
     if log and low <= 0:
@@ -207,6 +217,17 @@ def read_space_file(path: Path, loss: str | None = None) -> SearchSpace:
     return _parse_doc(doc, str(path), path.resolve())
 
 
+def is_flat(doc: Any) -> bool:
+    """Whether an inline ``space:`` mapping holds the parameters directly (``{margin: {low: .., high: ..}}``) rather
+    than the keys of a space file (``space`` / ``fixed`` / ``paper_defaults`` / ``loss``)."""
+    return (
+        isinstance(doc, dict)
+        and bool(doc)
+        and not set(doc) & _TOP_KEYS
+        and all(isinstance(v, dict) and set(v) & {"low", "high", "choices"} for v in doc.values())
+    )
+
+
 def parse_space(doc: Any, source: str, loss: str | None = None) -> SearchSpace:
     """A space given as a mapping (a config's inline ``space:``, a plugin's shipped space); ``source`` names it in
     errors; ``loss`` fills in a missing ``loss:`` key."""
@@ -220,7 +241,15 @@ def _parse_doc(doc: Any, name: str, path: Path | None) -> SearchSpace:
         raise SpaceError(f"{name}: expected a mapping at top level")
     unknown = set(doc) - _TOP_KEYS
     if unknown:
-        raise SpaceError(f"{name}: unknown top-level key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+        raise SpaceError(
+            f"{name}: unknown top-level key(s) {sorted(unknown, key=str)}; allowed: {sorted(_TOP_KEYS)}"
+            + did_you_mean(min(unknown, key=str), _TOP_KEYS)
+            + (
+                " (or, inline, the searched parameters directly: {name: {low: .., high: ..} or {choices: [..]}})"
+                if path is None
+                else ""
+            )
+        )
     if not all(isinstance(k, str) for k in doc):
         raise SpaceError(f"{name}: keys must be strings")
     if not isinstance(doc.get("loss"), str):

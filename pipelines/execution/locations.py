@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 from pipelines.config import ConfigError, SweepConfig, redact_uri
@@ -35,6 +36,15 @@ def check_dir_writable(target: Path, field_name: str, what: str) -> None:
         raise ConfigError(field_name, f"{what} {str(target)!r}: {str(p)!r} is not a directory")
     if not os.access(p, os.W_OK | os.X_OK):
         raise ConfigError(field_name, f"{what} {str(target)!r}: {str(p)!r} is not writable")
+    # os.access answers yes to root everywhere, also where no file can be made (/proc, a read-only mount): try it
+    # with an unnamed file (O_TMPFILE where the file system has it, else created and removed at once)
+    try:
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            field_name, f"{what} {str(target)!r}: no file can be created in {str(p)!r} ({e.strerror or e})"
+        ) from None
 
 
 def check_locations(cfg: SweepConfig) -> None:
@@ -59,6 +69,7 @@ def check_locations(cfg: SweepConfig) -> None:
                 raise ConfigError(uri_field, f"sqlite DB {str(db)!r} is not a file")
             if not os.access(db, os.R_OK | os.W_OK) or not os.access(db.parent, os.W_OK | os.X_OK):
                 raise ConfigError(uri_field, f"sqlite DB {str(db)!r} (or its folder) is not writable")
+            check_dir_writable(db.parent, uri_field, "folder of the sqlite DB")  # sqlite writes its journal there
         else:
             check_dir_writable(db.parent, uri_field, "folder of the sqlite DB")
     elif uri.startswith(("http://", "https://")):

@@ -15,6 +15,8 @@ No Ray, no MLflow here (the resources are checked against Ray's by :mod:`pipelin
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import sys
 import warnings
@@ -31,6 +33,7 @@ from pipelines.config.schema import TRAIN_KEYS, ConfigError, LossSpec, SweepConf
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.datasets import DatasetData, check_image_rows, load_table, one_line
 from pipelines.execution.locations import check_locations
+from pipelines.execution.worker_check import check_package_sizes
 from pipelines.names import study_key
 
 __all__ = ["StudyPlan", "preflight", "batch_of", "check_pretrained"]
@@ -67,9 +70,10 @@ def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
     )
 
 
-def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes: int) -> None:
+def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes: int, batch: tuple[int, int]) -> None:
     """Build the loss at its defaults and at each bound of its search space (pinned params applied): unknown names,
-    parameters the factory does not take and values it refuses fail here, not in a worker."""
+    parameters the factory does not take and values it refuses fail here, not in a worker.  The loss built at its
+    defaults is then called once on a batch of the study's shape (:func:`_check_loss_value`)."""
     # the loss zoo: see batch_of
     from dml_core.losses import build_loss, loss_info
 
@@ -80,8 +84,8 @@ def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes
             with warnings.catch_warnings():  # a loss's warnings about a bound the user did not pick: not here
                 if label != "defaults":
                     warnings.simplefilter("ignore")
-                build_loss(loss.name, num_classes=num_classes, embedding_dim=cfg.model.embedding_dim, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a plugin may raise anything: one line naming the field, never a traceback
+                built = build_loss(loss.name, num_classes=num_classes, embedding_dim=cfg.model.embedding_dim, **kwargs)
+        except (Exception, SystemExit) as e:  # a plugin may raise anything: one line naming the field
             if loss_info(loss.name).origin == "builtin" and not isinstance(e, (ValueError, TypeError)):
                 raise
             text = " ".join(str(e).split()) or type(e).__name__
@@ -90,6 +94,42 @@ def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes
             raise ConfigError(
                 _param_field(loss, where, text), f"loss {loss.name!r} rejects its parameters ({label}): {text}"
             ) from None
+        if label == "defaults":
+            _check_loss_value(built, loss.name, f"{where}.name", cfg.model.embedding_dim, batch)
+
+
+def _check_loss_value(built, name: str, field: str, embedding_dim: int, batch: tuple[int, int]) -> None:
+    """Call the loss once, as training does, on one batch of the study's shape (``classes_per_batch × m`` random
+    embeddings, ``m`` per class): it must return a finite scalar tensor that carries a gradient back to the
+    embeddings.  A vector, a detached tensor or a Python number would otherwise fail inside every fold."""
+    classes_per_batch, m = batch
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(classes_per_batch * m, embedding_dim, generator=g).requires_grad_()
+    labels = torch.arange(classes_per_batch).repeat_interleave(m)
+    what = f"loss {name!r} on a batch of {classes_per_batch} classes × {m} images"
+    try:
+        value = built(emb, labels)
+    except (Exception, SystemExit) as e:  # a plugin may raise anything: one line naming the field
+        raise ConfigError(field, f"{what} raised {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    if not torch.is_tensor(value):
+        raise ConfigError(
+            field,
+            f"{what} returned a {type(value).__name__}, not a tensor (a loss returns a scalar "
+            "tensor that training can back-propagate)",
+        )
+    if value.dim() != 0:
+        raise ConfigError(
+            field,
+            f"{what} returned a tensor of shape {tuple(value.shape)}, not a scalar (reduce it, e.g. with .mean())",
+        )
+    if not value.requires_grad:
+        raise ConfigError(
+            field,
+            f"{what} returned a tensor without a gradient (detached, or not computed from the "
+            "embeddings): training would not learn",
+        )
+    if not bool(torch.isfinite(value)):
+        raise ConfigError(field, f"{what} returned {value.item()} on finite embeddings")
 
 
 def _param_field(loss: LossSpec, where: str, message: str) -> str:
@@ -113,16 +153,21 @@ def _check_model_fits(model_kwargs: dict, image_size: int, where: str, seen: set
         return
     seen.add(key)
     field = "model.pooling" if str(model_kwargs["pooling"]).startswith(("kmax", "gem")) else "model.trunk"
-    model = build_model(**{**model_kwargs, "pretrained": None}).eval()
+    try:
+        model = build_model(**{**model_kwargs, "pretrained": None}).eval()
+    except (Exception, SystemExit) as e:  # a trunk plug-in may raise anything: one line, no traceback
+        raise ConfigError(
+            field if "pooling" in str(e) else "model.trunk",  # a pooling the trunk does not take is the pooling's
+            f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling cannot be built: {_one_line(e)}",
+        ) from None
     with torch.no_grad():
         try:
             out = model(torch.rand(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0)))
-        except (ValueError, RuntimeError) as e:  # torch: "Output size is too small", a kernel larger than the input
+        except (Exception, SystemExit) as e:  # "Output size is too small", a fixed-size timm model
             raise ConfigError(
                 field,
                 f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling cannot embed "
-                f"the images at {where}.image_size {image_size}: "
-                f"{' '.join(str(e).split())[:300]}",
+                f"the images at {where}.image_size {image_size}: {_one_line(e)}",
             ) from None
     if not torch.isfinite(out).all():
         raise ConfigError(
@@ -131,6 +176,18 @@ def _check_model_fits(model_kwargs: dict, image_size: int, where: str, seen: set
             f"embeddings at {where}.image_size {image_size}: every metric would be at chance "
             "level",
         )
+    if torch.equal(out[0], out[1]):  # two different random images: the pooled features vanished (under/overflow)
+        raise ConfigError(
+            field,
+            f"{model_kwargs['trunk']} with {model_kwargs['pooling']} pooling gives the same embedding for different "
+            f"images at {where}.image_size {image_size}: every metric would be at chance level",
+        )
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception of the user's model as one short line: its message (its type where that says more)."""
+    text = " ".join(str(e).split())[:300]
+    return text if isinstance(e, (ValueError, RuntimeError)) and text else f"{type(e).__name__}: {text}".rstrip(": ")
 
 
 def _check_classes(table, manifest, m: int, where: str) -> None:
@@ -170,6 +227,16 @@ def _train_config_field(message: str) -> str:
     return "protocol.train"
 
 
+def _check_environment() -> None:
+    """Environment variables the sweep reads when it starts Ray, checked before anything is written."""
+    level = os.environ.get("DMLRC_RAY_LOG_LEVEL")
+    if level is not None and not isinstance(logging.getLevelName(level), int):  # what ray.init's setLevel takes
+        raise ConfigError(
+            "DMLRC_RAY_LOG_LEVEL (environment)",
+            f"{level[:40]!r} is not a log level (one of DEBUG, INFO, WARNING, ERROR, CRITICAL)",
+        )
+
+
 def check_pretrained(cfg: SweepConfig) -> None:
     """Build the trunk once with ``model.pretrained``: a missing file, one that ``torch.load(weights_only=True)``
     cannot read, or one that is not a state dict of this trunk fails here instead of in every fold's worker."""
@@ -189,6 +256,8 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
     from dml_core.losses import MLRC_MODEL, check_plugin_losses, loss_info
 
     check_locations(cfg)
+    _check_environment()
+    check_package_sizes(cfg)
     try:
         check_plugin_losses()  # an installed entry point shadowed by a built-in or exported twice: ambiguous names
     except ValueError as e:
@@ -213,6 +282,13 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
                 "resources.workers_per_fold",
                 f"{w} workers cannot split the global batch of losses[{j}] {ls.name!r}: "
                 f"classes_per_batch × m = {cpb} × {m} = {cpb * m} is not divisible by {w}",
+            )
+        if cpb * m // w < 2 and not cfg.model.freeze_bn:
+            raise ConfigError(
+                "resources.workers_per_fold",
+                f"{w} DDP ranks would each train on {cpb * m // w} image of the global batch of losses[{j}] "
+                f"{ls.name!r} (classes_per_batch × m = {cpb} × {m} = {cpb * m}): BatchNorm in training mode needs "
+                "at least 2 images per rank; use fewer workers_per_fold or a larger batch (or model.freeze_bn: true)",
             )
     datasets: list[DatasetData] = []
     for i, spec in enumerate(cfg.datasets):
@@ -252,8 +328,8 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
     for d in datasets:
         n_train = min(len(f.train_classes) for f in d.manifest.folds)
         for j, ls in enumerate(cfg.losses):
-            _check_loss_builds(cfg, ls, f"losses[{j}]", n_train)
             cpb, m = batches[ls.name]
+            _check_loss_builds(cfg, ls, f"losses[{j}]", n_train, (cpb, m))
             model_kwargs = cfg.model.kwargs(loss_info(ls.name).model if cfg.protocol.recipe == "paper" else MLRC_MODEL)
             _check_model_fits(model_kwargs, d.spec.image_size, f"datasets[{d.index}]", checked_models)
             plans.append(
@@ -265,7 +341,7 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
                     m=m,
                     model_kwargs=model_kwargs,
                     searched=ls.searched(),
-                    fixed=ls.fixed(),
+                    fixed=ls.fixed_values(),
                 )
             )
     return plans
