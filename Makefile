@@ -28,10 +28,12 @@ test: lint bytecode
 test-fast: lint bytecode
 	$(PY) -m pytest -q -m "not slow" -n 2
 
-# ruff: lint and format, settings in pyproject.toml (`ruff format .` and `ruff check --fix .` repair most findings).
+# ruff: lint and format, settings in pyproject.toml (`ruff format .` and `ruff check --fix .` repair most findings);
+# mypy: the library's types ([tool.mypy] in pyproject.toml: dml_core, 0 errors).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # The project's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (CI images often set it) every one of the
 # suite's hundreds of processes (sweep drivers, Ray workers) would otherwise compile these sources again on import.

@@ -119,7 +119,8 @@ def per_item_cpu(fn, items) -> float:
 
 def integrity_costs(folder, shard_dir: Path, cache: Path, omniglot: str | None) -> None:
     """What the integrity checks cost: prepare's old header check vs its full check; check_rows; verify."""
-    from dml_core.shards import _image_header, check_image, check_rows, verify_shards
+    from dml_core.shards import check_image, check_rows, verify_shards
+    from dml_core.shards.images import image_header
 
     sets = [("JPEG (generated)", [Path(p).read_bytes() for p in folder.images])]
     if omniglot:
@@ -133,7 +134,7 @@ def integrity_costs(folder, shard_dir: Path, cache: Path, omniglot: str | None) 
     )
     print("|---|---:|---:|---:|---:|")
     for name, blobs in sets:
-        head = per_item_cpu(lambda b: _image_header(b, "bench"), blobs)
+        head = per_item_cpu(lambda b: image_header(b, "bench"), blobs)
         full = per_item_cpu(lambda b: check_image(b, "bench"), blobs)
         print(f"| {name} | {len(blobs):,} | {head * 1e3:.3f} | {full * 1e3:.3f} | {(full - head) * 1e4:.2f} |")
 

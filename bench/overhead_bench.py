@@ -14,7 +14,7 @@ Per executor it prints the sweep's wall time, the per-fold overhead (fold wall t
 ``train_fold``'s own seconds; median after the first fold of each study), and the peak resident memory of each
 kind of Ray process (sampled every 0.5 s from /proc: fold workers, trial drivers, Train controllers).  The
 fold marks come from the fold runs' MLflow metrics (``time.fit_start`` … ``time.fit_end``, see
-``pipelines/trial.py``).
+``pipelines/execution/trial.py``).
 
     python bench/overhead_bench.py                        # demo preset: warm + bare loop + train (1 loss)
     python bench/overhead_bench.py --skip-train --json out.json

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 def _table(args, tmp: Path):
     from dml_core import data
 
-    if args.preset == "demo":  # pipelines/presets.py DEMO: synthetic 32 × 12, 16 px, embedding_dim 32
+    if args.preset == "demo":  # pipelines/config/demo.yaml: synthetic 32 × 12, 16 px, embedding_dim 32
         return data.synthetic(32, 12, 16, 0), 32
     if args.preset == "synthetic":
         return data.synthetic(2 * args.classes, args.per_class, 16, 0), args.dim
@@ -71,7 +71,7 @@ def main() -> int:
         labels = np.asarray(table.labels)[np.isin(table.labels, test_classes)]
         rng = np.random.default_rng(0)
         ckpts = []
-        for k in range(4):  # four fold models' test embeddings, as pipelines/fold.py writes them
+        for k in range(4):  # four fold models' test embeddings, as pipelines/execution/fold.py writes them
             centres = rng.normal(size=(int(labels.max()) + 1, dim)).astype(np.float32)
             emb = centres[labels] + 1.5 * rng.normal(size=(len(labels), dim)).astype(np.float32)
             d = tmp / f"fold{k}"

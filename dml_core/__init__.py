@@ -5,4 +5,5 @@ datasets, single-fold training and statistics.  Nothing in here imports Ray or M
 so every part is unit-testable in one process.
 """
 
+# The one definition of the package version: pyproject.toml reads it from here ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"

@@ -204,7 +204,7 @@ def _resize_bilinear(img, height: int, width: int):
     torchvision's PIL resize kernel, hence the same pixels."""
     if (img.height, img.width) == (height, width):
         return img
-    return img.resize((width, height), resample=Image.BILINEAR)
+    return img.resize((width, height), resample=Image.Resampling.BILINEAR)
 
 
 def _to_tensor(img) -> torch.Tensor:
@@ -290,7 +290,7 @@ class TrainTransform:
         top, left, h, w = self.crop_params(img.height, img.width)
         img = _resize_bilinear(img.crop((left, top, left + w, top + h)), self.size, self.size)
         if bool(torch.rand(1) < self.flip_p):  # torchvision: no flip when rand >= p
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return _normalise(_to_tensor(img), self.preprocessing)
 
     def __repr__(self) -> str:

@@ -60,7 +60,7 @@ class AllGatherWithGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         world, rank = dist.get_world_size(), dist.get_rank()
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x.contiguous())
@@ -68,7 +68,7 @@ class AllGatherWithGrad(torch.autograd.Function):
         return torch.cat(parts, dim=0)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous().clone()  # all_reduce is in place; never touch autograd's buffer
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
         start = ctx.rank * ctx.size

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import cast
 
 import torch
 
@@ -127,11 +128,11 @@ def _ieee_fp32(device: torch.device):
     try:  # the legacy flag, unless the caller has used torch's newer fp32_precision API (mixing raises)
         old = m.allow_tf32
         m.allow_tf32 = False
-        restore = lambda: setattr(m, "allow_tf32", old)  # noqa: E731
+        restore = lambda: setattr(m, "allow_tf32", old)  # noqa: E731 - the undo of the flag that was set
     except RuntimeError:
         old = m.fp32_precision
         m.fp32_precision = "ieee"
-        restore = lambda: setattr(m, "fp32_precision", old)  # noqa: E731
+        restore = lambda: setattr(m, "fp32_precision", old)  # noqa: E731 - the undo of the flag that was set
     try:
         yield
     finally:
@@ -224,7 +225,7 @@ def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | No
                 t32.copy_(a32)
             continue
         ga.mul_(gb)  # exact: 24-bit mantissas, 53 in f64
-        a = acc[:m]
+        a = cast(torch.Tensor, acc)[:m]  # set wherever the chain is not fused
         for lo in range(0, d, block):
             a.zero_()
             for row in ga[lo : lo + block]:
@@ -295,12 +296,14 @@ def _fp32_product(d: int, panel: int, tile: int) -> str:
             gen = torch.Generator().manual_seed(2)
             a, b = torch.randn(panel, d, generator=gen), torch.randn(tile, d, generator=gen)
             out = torch.empty(panel, tile)
+            got: torch.Tensor | None
+            moved: torch.Tensor | None
             try:
                 got = _panel_mm(a, b, out, "onednn")
                 moved = _panel_mm(a.roll(1, 0), b.roll(3, 0), out, "onednn")
             except RuntimeError:  # a build whose oneDNN lacks the op for these operands
                 got = moved = None
-            if got is not None and torch.equal(moved, got.roll((1, 3), (0, 1))):
+            if got is not None and moved is not None and torch.equal(moved, got.roll((1, 3), (0, 1))):
                 mm, onednn = (_best_time(lambda h=h: _panel_mm(a, b, out, h)) for h in ("mm", "onednn"))
                 if mm >= ONEDNN_MIN_SPEEDUP * onednn:
                     _FP32_PRODUCT[key] = "onednn"
@@ -686,10 +689,11 @@ def self_knn(
                 i, j = rc[q] * CHUNK + o, cj[q]
                 parts.append((j + b, perm[i + a], _keys(nb[j], na[i], dots(b + j, a + i) if low else v)))
             if parts:  # one merge for both sides: their targets are disjoint
-                top.merge(*(torch.cat(z) for z in zip(*parts)), grouped=True)
+                merge_target, merge_ref, merge_keys = (torch.cat(z) for z in zip(*parts))
+                top.merge(merge_target, merge_ref, merge_keys, grouped=True)
         best = torch.empty_like(top.best)
         best[perm] = top.best
-        if low:
+        if low and x_in is not None:  # x_in is set wherever low is
             # final keys rounded like this BLAS's GEMM where _gemm_k_block finds its K block (prune=None
             # requires it); an explicit prune="bf16" without one keys by a single chain over D
             best = _refine(x_in, best, k, _gemm_k_block(x_in.shape[1], panel, tile))

@@ -106,7 +106,7 @@ def _label_vector(y, name: str, n_rows: int, rows_name: str) -> np.ndarray:
     elif not isinstance(y, np.ndarray):
         try:
             y = np.asarray(y)
-        except Exception as err:  # noqa: BLE001 - re-raised with the field named
+        except Exception as err:  # re-raised with the field named
             raise ValueError(f"{name} cannot be read as an array: {err}") from err
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]

@@ -68,6 +68,7 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
+from typing import cast
 
 import torch
 from torch import nn
@@ -136,16 +137,18 @@ class GlobalPooling(nn.Module):
             return x.amax(dim=(2, 3))
         if self.kind == "gem":
             # MPA paper §4.2 "cubic GeM": the clamp keeps the fractional power defined (trunk maps end in a ReLU).
-            return x.clamp(min=GEM_EPS).pow(self.arg).mean(dim=(2, 3)).pow(1.0 / self.arg)
+            p = cast(float, self.arg)  # parse_pooling gives gem its power
+            return x.clamp(min=GEM_EPS).pow(p).mean(dim=(2, 3)).pow(1.0 / p)
         if self.kind == "kmax":
             positions = x.shape[2] * x.shape[3]
-            if self.arg > positions:
+            K = cast(int, self.arg)  # parse_pooling gives kmax its K
+            if K > positions:
                 raise ValueError(
-                    f"pooling {self.mode!r}: K = {self.arg} exceeds the {x.shape[2]}×{x.shape[3]} = "
+                    f"pooling {self.mode!r}: K = {K} exceeds the {x.shape[2]}×{x.shape[3]} = "
                     f"{positions} positions of the trunk's feature map"
                 )
             # ProxyNCA++ Eq. 7: the mean of each channel's K largest activations.
-            return x.flatten(2).topk(self.arg, dim=2).values.mean(dim=2)
+            return x.flatten(2).topk(K, dim=2).values.mean(dim=2)
         return x.mean(dim=(2, 3)) + x.amax(dim=(2, 3))
 
     def extra_repr(self) -> str:

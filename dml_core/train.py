@@ -294,7 +294,9 @@ def loss_weight_decay_for(loss: nn.Module, config: TrainConfig) -> float:
         # (the shared constants live in dml_core.protocol).
         from dml_core.losses import registered_info
 
-        return float(registered_info(loss).loss_weight_decay)
+        info = registered_info(loss)  # never None for a module with a registry name
+        if info is not None:
+            return float(info.loss_weight_decay)
     return MLRC_LOSS_WEIGHT_DECAY  # a plain module: no need to import the loss zoo (seconds) to learn that
 
 
@@ -343,7 +345,7 @@ def _embed_device(where: str, model: nn.Module, device) -> torch.device:
     CPU batches (or the reverse) is a mistake to name, not to fix by moving weights behind the caller's back."""
     if isinstance(model, DistributedDataParallel):
         model = model.module
-    first = next(iter(model.parameters()), None)
+    first: torch.Tensor | None = next(iter(model.parameters()), None)
     if first is None:
         first = next(iter(model.buffers()), None)
     here = first.device if first is not None else torch.device("cpu")
@@ -678,11 +680,11 @@ def train_fold(
     def checkpoint(epoch: int) -> None:
         # Under DDP every rank's RNG streams go into rank 0's state (one collective, at evaluations only).
         mine = rng_state(device, loader_rng)
-        rngs = [mine]
+        rngs: list[Any] = [mine]
         if distributed:
             rngs = [None] * world
             torch.distributed.all_gather_object(rngs, mine)
-        if rank != 0:
+        if rank != 0 or on_checkpoint is None:  # called only with on_checkpoint given
             return
         on_checkpoint(
             {

@@ -126,7 +126,7 @@ def test_prepare_folder_and_prepare_csv_give_identical_shards(tmp_path):
 
 
 def test_a_failed_prepare_leaves_nothing_behind_even_after_whole_shards(tmp_path):
-    """Before: the shards closed before the corrupt image stayed under the destination (without a manifest)."""
+    """A prepare that fails on a corrupt image removes the shards it had already closed from the destination."""
     recs = [
         Record(f"c{c}/{j}.jpg", c, f"class{c}", "train", (lambda b: lambda: b)(jpeg(50 * c + j)))
         for c in range(3)

@@ -397,14 +397,14 @@ def test_corrupt_row_raises_naming_shard_and_row(tmp_path):
 
 
 def test_local_shards_are_hashed_once_per_cache(tmp_path, monkeypatch):
-    import dml_core.shards as shards
+    import dml_core.shards.cache as shards
 
     recs, _ = _records(3, 3)
     m = write_shards(recs, tmp_path / "out", dataset="toy", max_shard_bytes=2000, row_group_rows=2, progress=False)
     assert len(m["shards"]) > 1
     calls = []
-    real = shards._sha256_file
-    monkeypatch.setattr(shards, "_sha256_file", lambda p, *a: calls.append(p) or real(p, *a))
+    real = shards.sha256_file
+    monkeypatch.setattr(shards, "sha256_file", lambda p, *a: calls.append(p) or real(p, *a))
     read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")
     assert len(calls) == len(m["shards"])
     read_parquet_manifest(tmp_path / "out", cache_dir=tmp_path / "cache")

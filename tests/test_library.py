@@ -16,6 +16,8 @@ from dml_core.data import ImageDataset, eval_transform, synthetic
 from dml_core.losses import build_loss, loss_info, registered_info
 from dml_core.models import EmbeddingModel
 from dml_core.train import TrainConfig, embed, embed_images, train_fold
+from pipelines.config.presets import DEMO
+from pipelines.config.schema import ProtocolSpec, parse_config
 
 IMAGE, DIM = 16, 8
 
@@ -122,20 +124,24 @@ def test_a_plain_module_gets_mlrcs_loss_weight_decay():
     assert train_mod.loss_weight_decay_for(torch.nn.Linear(2, 2), cfg) == 1e-4  # docs/protocol.md §Optimisers
 
 
-def test_sweep_protocol_defaults_are_the_library_defaults():
-    """One place decides: the sweep's schema defaults equal TrainConfig's field defaults."""
-    config = pytest.importorskip("pipelines.config.schema")
+# docs/protocol.md §Schedule: an epoch is 100 iterations; the CUB-200-2011 row (the reality check's released
+# default) evaluates every 2 epochs with patience 9, for at most 1000 epochs.  Stated here, not read from the code.
+MLRC_SCHEDULE = {"iters_per_epoch": 100, "eval_every": 2, "patience": 9, "max_epochs": 1000}
+
+
+def test_sweep_protocol_defaults_are_the_mlrc_schedule():
+    """TrainConfig's defaults, the sweep schema's defaults and an unset protocol block all give the reality check's
+    CUB-200-2011 schedule (docs/protocol.md §Schedule): a researcher calling train_fold and a sweep train the same."""
     lib = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    proto = {name: f.default for name, f in config.ProtocolSpec.model_fields.items()}  # pydantic schema
-    for key in ("iters_per_epoch", "max_epochs", "eval_every", "patience"):
-        assert proto[key] == lib[key], f"ProtocolSpec.{key} = {proto[key]} but TrainConfig.{key} = {lib[key]}"
-    presets = pytest.importorskip("pipelines.config.presets")
-    doc = copy.deepcopy(getattr(presets, "DEMO", None) or pytest.skip("no DEMO preset"))
-    for key in ("iters_per_epoch", "max_epochs", "eval_every", "patience"):
+    proto = {name: f.default for name, f in ProtocolSpec.model_fields.items()}  # pydantic schema
+    doc = copy.deepcopy(DEMO)
+    for key in MLRC_SCHEDULE:
         doc.get("protocol", {}).pop(key, None)
-    parsed = config.parse_config(doc).protocol
-    for key in ("iters_per_epoch", "max_epochs", "eval_every", "patience"):
-        assert getattr(parsed, key) == lib[key], f"an unset protocol.{key} parses to {getattr(parsed, key)}"
+    parsed = parse_config(doc).protocol
+    for key, want in MLRC_SCHEDULE.items():
+        assert lib[key] == want, f"TrainConfig.{key} = {lib[key]}, the reality check's is {want}"
+        assert proto[key] == want, f"ProtocolSpec.{key} = {proto[key]}, the reality check's is {want}"
+        assert getattr(parsed, key) == want, f"an unset protocol.{key} parses to {getattr(parsed, key)}, not {want}"
 
 
 # ------------------------------------------------------------------------------------ tables are not datasets

@@ -45,12 +45,12 @@ def records(src: str | Path) -> list[Record]:
     class_ids = {i: to_int(c, labels_txt, n, "class_id", NAME) for i, (n, c) in _id_table(labels_txt).items()}
     split_lines = _id_table(split_txt)
     is_train = {i: to_int(t, split_txt, n, "is_training_image", NAME) for i, (n, t) in split_lines.items()}
-    for path, table in ((labels_txt, class_ids), (split_txt, is_train)):
+    for listing, table in ((labels_txt, class_ids), (split_txt, is_train)):
         if set(table) != set(paths):
             diff = sorted(set(table) ^ set(paths))[:10]
-            raise LayoutError(f"{path}: {NAME}: image ids differ from those of images.txt, e.g. {diff}")
+            raise LayoutError(f"{listing}: {NAME}: image ids differ from those of images.txt, e.g. {diff}")
 
-    class_dir = {}
+    class_dir: dict[int, str] = {}
     for image_id, (lineno, path) in paths.items():
         if "/" not in path:
             raise LayoutError(

@@ -7,7 +7,7 @@ resolve through the same functions; :func:`loss_metadata` declares their metadat
 and resolves names.
 """
 
-from dml_core.losses.registry import (  # noqa: F401
+from dml_core.losses.registry import (  # noqa: F401 - re-exported: the package's public names
     ENTRY_POINT_GROUP,
     MLRC_BATCH,
     MLRC_LOSS_WEIGHT_DECAY,
@@ -23,7 +23,7 @@ from dml_core.losses.registry import (  # noqa: F401
     register,
     register_wrapper,
 )
-from dml_core.losses.resolve import (  # noqa: F401
+from dml_core.losses.resolve import (  # noqa: F401 - re-exported: the package's public names
     build_loss,
     check_plugin_losses,
     list_losses,

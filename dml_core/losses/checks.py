@@ -20,7 +20,7 @@ the composed name (``"sec:triplet"``).
 from __future__ import annotations
 
 import math
-from typing import Any, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence, overload
 
 import torch
 
@@ -60,6 +60,31 @@ def _null_note(null: str | None) -> str:
     return "" if null is None else f" (or null for {null})"
 
 
+# Without `null` a check never returns None: the overloads tell a type checker so.
+@overload
+def number(
+    loss: str,
+    field: str,
+    value: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+    allow_inf: bool = False,
+    null: None = None,
+) -> float: ...
+@overload
+def number(
+    loss: str,
+    field: str,
+    value: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+    allow_inf: bool = False,
+    null: str,
+) -> float | None: ...
 def number(
     loss: str,
     field: str,
@@ -108,6 +133,10 @@ def non_negative(loss: str, field: str, value: Any) -> float:
     return number(loss, field, value, ge=0)
 
 
+@overload
+def integer(loss: str, field: str, value: Any, *, ge: int = 1, null: None = None) -> int: ...
+@overload
+def integer(loss: str, field: str, value: Any, *, ge: int = 1, null: str) -> int | None: ...
 def integer(loss: str, field: str, value: Any, *, ge: int = 1, null: str | None = None) -> int | None:
     """An integer ``>= ge``.  Integral floats (``10.0``, as YAML or a float search space may give) are accepted."""
     if value is None and null is not None:

@@ -27,6 +27,7 @@ global batch is in rank order, which equals the single-process batch, so the anc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +208,7 @@ class GroupLoss(nn.Module):
         logits = F.linear(z, self.classifier.weight.to(z.dtype), self.classifier.bias.to(z.dtype))
         W = pearson_similarity(z, self.zero_diag)
         X0 = initial_assignment(logits, y, anchors.to(z.device), self.temperature)
-        xs = replicator_dynamics(W, X0, self.num_iterations, trace=True)
+        xs = cast(list[torch.Tensor], replicator_dynamics(W, X0, self.num_iterations, trace=True))  # trace: a list
         return Refinement(logits=logits, W=W, anchors=anchors, X=xs, labels=y)
 
     def loss_from(self, r: Refinement) -> torch.Tensor:

@@ -224,9 +224,9 @@ def loss_metadata(
     for key, value in (("paper", paper), ("description", description)):
         if not isinstance(value, str):
             raise TypeError(f"loss_metadata: {key} must be a string, got {type(value).__name__}")
-    for key, value in (("learnable", learnable), ("own_optimizer", own_optimizer)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"loss_metadata: {key} must be true, false or None, got {value!r}")
+    for key, switch in (("learnable", learnable), ("own_optimizer", own_optimizer)):
+        if switch is not None and not isinstance(switch, bool):
+            raise TypeError(f"loss_metadata: {key} must be true, false or None, got {switch!r}")
     if batch is not None and not isinstance(batch, BatchSpec):
         raise TypeError(f"loss_metadata: batch must be a dml_core.losses.BatchSpec, got {type(batch).__name__}")
     if model is not None and not isinstance(model, ModelRecipe):

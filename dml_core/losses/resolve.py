@@ -17,12 +17,12 @@ import torch
 import yaml
 
 # The built-in zoo: importing each module registers its losses.  Keep this list in sync with docs/losses.md.
-import dml_core.losses.baselines  # noqa: F401  reality-check baselines wrapping pytorch-metric-learning
-import dml_core.losses.group_loss  # noqa: F401
-import dml_core.losses.multi_proxy_anchor  # noqa: F401
-import dml_core.losses.proxynca  # noqa: F401
-import dml_core.losses.rsw  # noqa: F401
-import dml_core.losses.sec  # noqa: F401
+import dml_core.losses.baselines  # noqa: F401 - registers the reality-check baselines (pytorch-metric-learning)
+import dml_core.losses.group_loss  # noqa: F401 - registers its losses
+import dml_core.losses.multi_proxy_anchor  # noqa: F401 - registers its losses
+import dml_core.losses.proxynca  # noqa: F401 - registers its losses
+import dml_core.losses.rsw  # noqa: F401 - registers its losses
+import dml_core.losses.sec  # noqa: F401 - registers its losses
 from dml_core import plugins
 from dml_core.losses.registry import (
     _REGISTRY,
@@ -284,7 +284,7 @@ def plugin_space(name: str) -> dict[str, Any] | None:
         text = resource.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise LossPluginError(f"{where}: package {package!r} has no file {rel!r}") from None
-    except Exception as e:  # noqa: BLE001 - the package does not import, or its loader cannot read the file
+    except Exception as e:  # the package does not import, or its loader cannot read the file
         raise LossPluginError(f"{where}: cannot read it: {plugins.one_line(e)}") from None
     try:
         doc = yaml.safe_load(text)
@@ -374,7 +374,7 @@ def build_loss(name: str, *, num_classes: int, embedding_dim: int, **params: Any
         module = _WRAPPERS[w](module, **wrapper_params[w])
     # Plain attribute (not a buffer): invisible to state_dict, survives pickling and deepcopy.  The name as given,
     # so that whoever rebuilds the loss from it (a worker, a re-evaluation) resolves it the same way.
-    module.registry_name = name
+    setattr(module, "registry_name", name)  # nn.Module's __setattr__ is typed for tensors and modules only
     return module
 
 

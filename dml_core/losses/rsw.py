@@ -30,6 +30,7 @@ learning rates at the switch, which is the training loop's business.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +222,7 @@ class RealignedSoftmaxWarping(_EuclideanProxyLoss):
     """
 
     name = "rsw"
+    step: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self,
@@ -272,11 +274,12 @@ class RealignedSoftmaxWarping(_EuclideanProxyLoss):
 
     def hyperparameters(self) -> dict[str, float]:
         """The k1, k2, α, s, m the next training forward call uses."""
-        return {**self.phases[self.phase - 1], "delta_mult": self.delta_mult}
+        phase = cast(dict[str, float], self.phases[self.phase - 1])  # phase 2 only where phase2_step is set
+        return {**phase, "delta_mult": self.delta_mult}
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         distances, y = self._distances(embeddings, labels)
-        hp = self.hyperparameters()
+        hp: dict[str, Any] = self.hyperparameters()
         if self.training:
             self.step += 1
         return warped_softmax_loss(distances, y, **hp)

@@ -94,6 +94,9 @@ class SphericalEmbeddingConstraint(nn.Module):
     loss normalises the embeddings itself where its paper does.
     """
 
+    mu: torch.Tensor  # buffers, registered in __init__
+    mu_initialized: torch.Tensor
+
     def __init__(self, base: nn.Module, eta: float = DEFAULT_SEC_ETA, rho: float = 1.0):
         super().__init__()
         self.base = base

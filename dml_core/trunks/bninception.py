@@ -13,6 +13,8 @@ Input: BGR, values in [0, 255], minus the mean (104, 117, 128), std 1 (``BNINCEP
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,7 +89,8 @@ class BNInception(nn.Module):
         self.add_module(f"{name}_bn", nn.BatchNorm2d(c_out, affine=True))
 
     def _run(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self._modules[f"{name}_bn"](self._modules[name](x)), inplace=True)
+        conv, bn = cast(nn.Module, self._modules[name]), cast(nn.Module, self._modules[f"{name}_bn"])  # added by _unit
+        return F.relu(bn(conv(x)), inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool1_3x3_s2(self._run("conv1_7x7_s2", x))
@@ -100,7 +103,7 @@ class BNInception(nn.Module):
             branches.append(self._run(f"{name}_3x3", self._run(f"{name}_3x3_reduce", x)))
             d = self._run(f"{name}_double_3x3_reduce", x)
             branches.append(self._run(f"{name}_double_3x3_2", self._run(f"{name}_double_3x3_1", d)))
-            pooled = self._modules[f"{name}_pool"](x)
+            pooled = cast(nn.Module, self._modules[f"{name}_pool"])(x)
             branches.append(self._run(f"{name}_pool_proj", pooled) if has_proj else pooled)
             x = torch.cat(branches, 1)
         return x

@@ -136,7 +136,7 @@ class Preprocessing:
 
     def describe(self) -> str:
         """One line for reprs and logs: ``RGB x1 mean=(…) std=(…)``."""
-        fmt = lambda t: "(" + ", ".join(f"{v:g}" for v in t) + ")"  # noqa: E731
+        fmt = lambda t: "(" + ", ".join(f"{v:g}" for v in t) + ")"  # noqa: E731 - a one-line formatter, used only here
         return f"{self.channel_order} x{self.value_scale:g} mean={fmt(self.mean)} std={fmt(self.std)}"
 
 

@@ -23,6 +23,7 @@ crop fraction), read from timm's registry without building or downloading anythi
 from __future__ import annotations
 
 import difflib
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,6 +107,10 @@ def timm_head_prefixes(model: str) -> tuple[str, ...]:
     return tuple(f"{n}." for n in names)
 
 
+#: A timm model: an nn.Module with timm's ``forward_features`` / ``forward_head``, which nn.Module's type does not know.
+TimmModel = Any
+
+
 class TimmTrunk(nn.Module):
     """A timm model as a trunk: ``forward`` returns its features as (B, C, H, W) (see the module docstring).
 
@@ -113,7 +118,7 @@ class TimmTrunk(nn.Module):
     ``layout`` is ``"NCHW"``, ``"NHWC"`` or ``"pooled"``; ``feature_dim`` the channel count.
     """
 
-    def __init__(self, model: nn.Module, layout: str, feature_dim: int, name: str):
+    def __init__(self, model: TimmModel, layout: str, feature_dim: int, name: str):
         super().__init__()
         self.model = model
         self.layout = layout
@@ -144,7 +149,7 @@ def _probe_size(model: nn.Module) -> tuple[int, int]:
     return int(size[-2]), int(size[-1])
 
 
-def _layout(model: nn.Module, features: torch.Tensor, trunk: str) -> tuple[str, int]:
+def _layout(model: TimmModel, features: torch.Tensor, trunk: str) -> tuple[str, int]:
     """("NCHW" | "NHWC" | "pooled" | "tokens", channels) from a ``forward_features`` output; "tokens" (channels 0):
     the model, built with ``global_pool=""``, does not pool its tokens — it is rebuilt with its own pooling."""
     if features.dim() == 4:
@@ -179,7 +184,7 @@ def _create(timm, model: str, device: str | None, global_pool: str | None) -> tu
     raise AssertionError("unreachable")
 
 
-def _probe(net: nn.Module, trunk: str, device: str) -> tuple[str, int, list[str] | None]:
+def _probe(net: TimmModel, trunk: str, device: str) -> tuple[str, int, list[str] | None]:
     """(layout, feature_dim, names of the parameters the trunk output does not depend on) from one pass of a
     1-image batch at the model's pretraining size; on the meta device also a backward pass for the unused
     parameters (``None`` on a real device, where it would cost a real pass)."""

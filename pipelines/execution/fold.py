@@ -90,7 +90,7 @@ def clear_checkpoints(uri: str | None) -> None:
 
     try:
         CheckpointDir(uri).clear()
-    except Exception as e:  # noqa: BLE001 - stale checkpoints cost space, not correctness
+    except Exception as e:  # stale checkpoints cost space, not correctness
         print(f"fold: could not delete the checkpoints in {uri}: {e}", file=sys.stderr)
 
 
@@ -163,7 +163,7 @@ class _Checkpoints:
         if self.rank == 0:
             try:
                 pointer = self.store.latest()
-            except Exception as e:  # noqa: BLE001 - no readable checkpoint: start from scratch
+            except Exception as e:  # no readable checkpoint: start from scratch
                 self._warn("reading the checkpoint pointer", e)
         pointer = broadcast_object(pointer)  # under DDP every rank loads the state rank 0 found
         self.pointer = pointer  # start() needs it too: read once
@@ -176,7 +176,7 @@ class _Checkpoints:
         try:
             meta = self.store.read_json(ATTEMPTS_FILE) or {}
             progress = self.store.read_json(PROGRESS_FILE) or {}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._warn("reading the fold's attempt count", e)
             return
         self.attempt = int(meta.get("attempts", 0)) + 1
@@ -201,19 +201,19 @@ class _Checkpoints:
                     "redone_iterations": self.redone_iterations,
                 },
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._warn("storing the fold's attempt count", e)
 
     def save(self, state: dict[str, Any]) -> None:  # train_fold's on_checkpoint (rank 0)
         try:
             self.store.save(state)
-        except Exception as e:  # noqa: BLE001 - the next evaluation tries again
+        except Exception as e:  # the next evaluation tries again
             self._warn(f"storing the checkpoint of iteration {state['iteration']} in {self.uri}", e)
 
     def progress(self, epoch: int, iteration: int) -> None:  # train_fold's on_epoch (rank 0)
         try:
             self.store.write_json(PROGRESS_FILE, {"attempt": self.attempt, "iteration": iteration})
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._warn("storing the progress mark", e)
 
 
@@ -303,7 +303,7 @@ def run_fold(
         try:
             tracker.log_metrics(fold_run_id, evaluation_metrics(record), step=record["iteration"])
             logged.add(record["iteration"])
-        except Exception as e:  # noqa: BLE001 - tracking trouble must not kill a training run
+        except Exception as e:  # tracking trouble must not kill a training run
             print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
 
     if rank == 0 and resume_state is not None:
@@ -390,7 +390,7 @@ def run_fold(
                 tracker.log_metrics(
                     fold_run_id, {"restarts": ckpt.restarts, "redone_iterations": ckpt.redone_iterations}
                 )
-            except Exception as e:  # noqa: BLE001 - the outcome holds them too
+            except Exception as e:  # the outcome holds them too
                 print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
         (out_dir / OUTCOME_FILE).write_text(json.dumps(outcome))
         if test_emb is not None:

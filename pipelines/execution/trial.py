@@ -189,7 +189,8 @@ def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
             num_workers=ctx.workers_per_fold, use_gpu=ctx.use_gpu, resources_per_worker=resources
         ),
         # (storage_path, name) must be stable across restarts (trial id, never a timestamp) so that a fold that
-        # finished before a kill is restored rather than retrained (ray_mlflow_notes §5.4).
+        # finished before a kill is restored rather than retrained: Ray Train hands the run's latest checkpoint
+        # under that path to `fold_worker` (`ray.train.get_checkpoint()`).
         run_config=ray.train.RunConfig(
             name=name,
             storage_path=ctx.fold_storage,
@@ -237,7 +238,7 @@ def _run_folds(
             try:
                 uris[k] = ray.get(done[0])
                 spans[k] = (t_submit, time.time())
-            except BaseException as e:  # noqa: BLE001 - collected, re-raised after the other folds finished
+            except BaseException as e:  # collected, re-raised after the other folds finished
                 errors[k] = e
         return uris, spans, errors
 
@@ -249,7 +250,7 @@ def _run_folds(
             uri = _fit_train(ctx, f"{prefix}-fold{k}", cfgs[k])
             with lock:
                 uris[k], spans[k] = uri, (t_fit, time.time())
-        except BaseException as e:  # noqa: BLE001 - collected, re-raised after the other folds finished
+        except BaseException as e:  # collected, re-raised after the other folds finished
             with lock:
                 errors[k] = e
 

@@ -459,7 +459,7 @@ def log_study_visuals(
         tracker.log_json(run_id, v.per_class, f"{ARTIFACT_DIR}/per_class.json")
         tracker.log_bytes(run_id, v.map_png, f"{ARTIFACT_DIR}/embedding_map.png")
         tracker.log_json(run_id, v.map_json, f"{ARTIFACT_DIR}/embedding_map.json")
-    except Exception as e:  # noqa: BLE001 - the study's results are already logged; say why the visuals are missing
+    except Exception as e:  # the study's results are already logged; say why the visuals are missing
         print(f"[{plan.key}] visuals not logged: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         tracker.set_tags(run_id, {"visuals.error": f"{type(e).__name__}: {e}"[:4000]})
         return None

@@ -203,7 +203,7 @@ class Tracker:
         for i in range(attempts):
             try:
                 return fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - only lock errors are retried, everything else re-raised
+            except Exception as e:  # only lock errors are retried, everything else re-raised
                 if "locked" not in str(e).lower() or i == attempts - 1:
                     raise
                 time.sleep(0.2 * (2**i))
