@@ -9,6 +9,8 @@
   *runs*, not folds.
 * :func:`paired_t_test` — ``scipy.stats.ttest_rel`` on two losses run on the same folds and seeds
   (reproduction ``i`` of every loss uses the same seed and folds), so differences can be tested pairwise.
+* :func:`holm_adjust` — Holm–Bonferroni step-down adjusted p-values for a family of such tests (the report
+  judges "not distinguishable" on them; the family each report table adjusts over is named in the report).
 
 Edge cases are decided here, once, rather than left to scipy's warnings:
 
@@ -26,7 +28,7 @@ import warnings
 
 import numpy as np
 
-__all__ = ["fold_summary", "confidence_interval", "paired_t_test"]
+__all__ = ["fold_summary", "confidence_interval", "paired_t_test", "paired_untestable", "holm_adjust"]
 
 
 def _values(values, name: str = "values") -> np.ndarray:
@@ -81,7 +83,8 @@ def confidence_interval(values, level: float = 0.95) -> tuple[float, float, floa
 def paired_t_test(a, b, *, alternative: str = "two-sided") -> tuple[float, float]:
     """``(t, p)`` of the paired t-test of ``a`` against ``b`` (``scipy.stats.ttest_rel`` semantics).
 
-    ``a[i]`` and ``b[i]`` must come from the same fold/seed.  Fewer than 2 pairs → ``(nan, nan)``.
+    ``a[i]`` and ``b[i]`` must come from the same fold/seed.  Fewer than 2 pairs → ``(nan, nan)``
+    (:func:`paired_untestable` says why a pair gives NaN).
     scipy's conventions are kept for zero spread of the differences: all differences 0 → ``(nan, nan)``;
     all equal and non-zero → ``t = ±inf``, ``p = 0`` (two-sided).
     """
@@ -100,3 +103,44 @@ def paired_t_test(a, b, *, alternative: str = "two-sided") -> tuple[float, float
         warnings.simplefilter("ignore", RuntimeWarning)
         res = _st.ttest_rel(x, y, alternative=alternative)
     return float(res.statistic), float(res.pvalue)
+
+
+def paired_untestable(a, b) -> str | None:
+    """Why :func:`paired_t_test` of ``a`` against ``b`` cannot be computed (it returns ``(nan, nan)``), or ``None``
+    when it can: ``"fewer than 2 pairs"``, or ``"identical values"`` when every difference is 0 (t = 0 / 0: the two
+    samples cannot be told apart, and no test says so)."""
+    x, y = _values(a, "a"), _values(b, "b")
+    if x.size != y.size:
+        raise ValueError(f"a and b must be paired (same length), got {x.size} and {y.size} values")
+    if x.size < 2:
+        return "fewer than 2 pairs"
+    if np.all(x == y):
+        return "identical values"
+    return None
+
+
+def holm_adjust(p_values) -> np.ndarray:
+    """Holm–Bonferroni adjusted p-values (Holm 1979, step-down), in the order given.
+
+    With the ``m`` finite p-values sorted ascending, ``p_(1) ≤ … ≤ p_(m)``, the adjusted value of ``p_(i)`` is
+    ``min(1, max_{j ≤ i} (m − j + 1) · p_(j))``: monotone in the raw p-values and capped at 1.  Rejecting where the
+    adjusted value is at most α controls the family-wise error rate at α over the whole family, under any dependence
+    between the tests.  (``scipy.stats.false_discovery_control`` is Benjamini–Hochberg, which controls the false
+    discovery rate instead; statsmodels' ``multipletests(method="holm")`` computes these same values.)
+
+    A NaN p-value (a test that could not be computed, e.g. identical values in both samples) stays NaN and is not a
+    member of the family: ``m`` counts only the non-NaN p-values, so an untestable pair does not weaken the others.
+    Ties keep their input order.  Anything else outside [0, 1] is an error; an empty family gives an empty array.
+    """
+    p = np.asarray(p_values, dtype=np.float64)
+    if p.ndim != 1:
+        raise ValueError(f"p_values must be a 1-D sequence, got shape {p.shape}")
+    tested = np.flatnonzero(~np.isnan(p))
+    bad = tested[(p[tested] < 0.0) | (p[tested] > 1.0)]
+    if bad.size:
+        raise ValueError(f"p_values outside [0, 1] at positions {bad.tolist()}: {p[bad].tolist()}")
+    out = np.full(p.shape, math.nan)
+    order = tested[np.argsort(p[tested], kind="stable")]
+    m = order.size
+    out[order] = np.minimum(np.maximum.accumulate((m - np.arange(m)) * p[order]), 1.0)
+    return out

@@ -21,6 +21,7 @@ The run tree it reads is documented in ``docs/architecture.md`` ("MLflow tree").
 from __future__ import annotations
 
 import base64
+import collections
 import csv
 import html
 import io
@@ -37,8 +38,11 @@ import mlflow
 import numpy as np
 from mlflow.tracking import MlflowClient
 
-from dml_core.stats import paired_t_test
+from dml_core.stats import holm_adjust, paired_t_test, paired_untestable
 from pipelines.names import HEADLINE_METRICS, METRIC_LABELS, MODES, study_key
+from pipelines.results.bounds import ON_BOUND_TAG, BoundHit, on_bound, params_from_descriptions, parse_tag
+from pipelines.results.study_results import EPOCH0_NOTE, EPOCH0_TAG
+from pipelines.results.untrained import untrained_metrics_of
 from pipelines.tracking.runs import search_all
 
 __all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons", "paired_summary"]
@@ -66,6 +70,12 @@ class Study:
     #: how its finished fold runs (trials' and reproductions') ended: ``folds``, ``improving`` (best validation at the
     #: last evaluation: still improving when the epoch cap ended it), ``epochs`` (mean epochs trained)
     training: dict[str, float] = field(default_factory=dict)
+    #: every reproduction fold's best checkpoint at epoch 0 (the sweep's tag, pipelines.results.study_results)
+    best_at_epoch_0: bool = False
+    #: the untrained network's test metrics (``untrained.*`` of the study run, pipelines.results.untrained)
+    untrained: dict[str, float] = field(default_factory=dict)
+    #: the winning values on a bound of their searched range (pipelines.results.bounds)
+    on_bound: list[BoundHit] = field(default_factory=list)
 
     def cell(self, mode: str, metric: str) -> tuple[float, float, float]:
         key = f"test.{mode}.{metric}"
@@ -94,6 +104,9 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
             dict(run.data.metrics),
             best_params={k[len("best.") :]: v for k, v in sorted(run.data.params.items()) if k.startswith("best.")},
             sweep=tags.get("sweep", ""),
+            best_at_epoch_0=tags.get(EPOCH0_TAG) == "true",
+            untrained=untrained_metrics_of(run.data.metrics),
+            on_bound=_bound_hits(run),
         )
     by_id = {s.run_id: s for s in studies.values()}
     for run in search_all(client, exp.experiment_id, "tags.stage = 'reproduction'"):
@@ -105,6 +118,16 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
         study.seeds[i] = run.data.tags.get("seed", "")
     _collect_training(client, exp.experiment_id, list(studies.values()))
     return sorted(studies.values(), key=lambda s: (s.dataset, s.loss))
+
+
+def _bound_hits(run) -> list[BoundHit]:
+    """A study run's winning values on a bound: the sweep's tag, else (runs that predate it) recomputed from the
+    logged ``space.<name>`` and ``best.<name>`` params."""
+    if ON_BOUND_TAG in run.data.tags:
+        return parse_tag(run.data.tags[ON_BOUND_TAG])
+    params = run.data.params
+    space = params_from_descriptions({k[len("space.") :]: v for k, v in params.items() if k.startswith("space.")})
+    return on_bound(space, {k[len("best.") :]: v for k, v in params.items() if k.startswith("best.")})
 
 
 def _collect_training(client: MlflowClient, experiment_id: str, studies: list[Study]) -> None:
@@ -202,13 +225,47 @@ def _rows(studies: list[Study], mode: str) -> tuple[list[str], list[list[str]]]:
         row = [loss]
         for d in datasets:
             s = index.get((d, loss))
-            row += [_fmt(*s.cell(mode, m)) if s else "–" for m in HEADLINE_METRICS]
+            row += [_flagged(_fmt(*s.cell(mode, m)), s) if s else "–" for m in HEADLINE_METRICS]
         rows.append(row)
+    if any(s.untrained for s in studies):
+        rows.append([_UNTRAINED_ROW] + [_untrained_cell(studies, d, m) for d in datasets for m in HEADLINE_METRICS])
     return header, rows
 
 
+_EPOCH0_MARK = "best at epoch 0"
+_UNTRAINED_ROW = "untrained network (reference)"
+
+
+def _flagged(cell: str, s: Study) -> str:
+    """A results cell of ``s``, marked when its best checkpoints are all the untrained network's."""
+    return f"{cell} ({_EPOCH0_MARK})" if s.best_at_epoch_0 and cell != "–" else cell
+
+
+def _untrained_cell(studies: list[Study], dataset: str, metric: str) -> str:
+    """The untrained network's ``metric`` on ``dataset`` ×100; "–" when unknown, "varies" when the dataset's studies
+    used different networks (each study's value is in the JSON)."""
+    values = {s.untrained[metric] for s in studies if s.dataset == dataset and metric in s.untrained}
+    return "–" if not values else f"{100 * values.pop():.2f}" if len(values) == 1 else "varies by loss"
+
+
+def _flag_notes(studies: list[Study]) -> list[str]:
+    """What the results tables' reference row and marks mean (one paragraph each), as markdown."""
+    lines = []
+    if any(s.untrained for s in studies):
+        lines += [
+            f"*{_UNTRAINED_ROW}*: the studies' network with its initial weights on the same test classes, not trained "
+            "(one network, the same value in both modes): the floor the losses are measured against.",
+            "",
+        ]
+    flagged = [f"{s.dataset} / {s.loss}" for s in _ranked(studies) if s.best_at_epoch_0]
+    if flagged:
+        lines += [f"**{_EPOCH0_MARK.capitalize()}** ({', '.join(flagged)}): {EPOCH0_NOTE}.", ""]
+    return lines
+
+
 def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str = "map_at_r") -> list[dict[str, Any]]:
-    """Paired t-tests between every two losses of a dataset over reproductions with the same seed."""
+    """Paired t-tests between every two losses of a dataset over reproductions with the same seed; ``p_holm`` is p
+    adjusted by Holm–Bonferroni over every pair of the dataset (the family of ``paired_tests.csv``)."""
     out = []
     for dataset, group in itertools.groupby(studies, key=lambda s: s.dataset):
         for a, b in itertools.combinations(list(group), 2):
@@ -233,9 +290,22 @@ def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str =
                     "mean_diff": sum(x - y for x, y in zip(xa, xb)) / len(common),
                     "t": t,
                     "p": p,
+                    "untestable": paired_untestable(xa, xb),  # why t and p are NaN, else None
                 }
             )
+    _add_holm(out, lambda c: c["dataset"])
     return out
+
+
+def _add_holm(rows: list[dict[str, Any]], family) -> None:
+    """Set ``p_holm`` of every row: its p adjusted by Holm–Bonferroni over the rows with the same ``family(row)``
+    (NaN p-values stay NaN and are not counted: :func:`dml_core.stats.holm_adjust`)."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for c in rows:
+        groups.setdefault(family(c), []).append(c)
+    for group in groups.values():
+        for c, adjusted in zip(group, holm_adjust([c["p"] for c in group])):
+            c["p_holm"] = float(adjusted)
 
 
 #: The reality check's reference loss: every loss is also compared with it.
@@ -246,9 +316,11 @@ def paired_summary(
     studies: list[Study], comparisons: list[dict[str, Any]], baseline: str = BASELINE
 ) -> list[dict[str, Any]]:
     """Per dataset, each loss against the dataset's best loss (highest mean concatenated test MAP@R) and against
-    ``baseline``: ``{dataset, loss, reference, mean_diff (loss − reference), p, n}`` — the two questions a table of
-    many losses is read for (which losses cannot be told apart from the best, which beat the baseline), instead of
-    every pair (all pairs stay in the JSON and in ``paired_tests.csv``)."""
+    ``baseline``: ``{dataset, loss, reference, mean_diff (loss − reference), p, p_holm, family, n}`` — the two
+    questions a table of many losses is read for (which losses cannot be told apart from the best, which beat the
+    baseline), instead of every pair (all pairs stay in the JSON and in ``paired_tests.csv``).  Each reference's
+    comparisons on a dataset are one Holm–Bonferroni family (``family`` names it): the comparisons against the best
+    and those against the baseline answer separate questions, so each is corrected for its own size."""
     index = {(c["dataset"], c["loss_a"], c["loss_b"]): c for c in comparisons}
     out = []
     for dataset in sorted({s.dataset for s in studies}):
@@ -275,13 +347,50 @@ def paired_summary(
                         "mean_diff": sign * c["mean_diff"],
                         "t": sign * c["t"],
                         "p": c["p"],
+                        "untestable": c["untestable"],
                     }
                 )
+    _add_holm(out, lambda c: (c["dataset"], c["reference"]))
+    sizes = collections.Counter((c["dataset"], c["reference"]) for c in out if not math.isnan(c["p"]))
+    for c in out:
+        c["family"] = (
+            f"Holm–Bonferroni over the {sizes[(c['dataset'], c['reference'])]} comparisons against {c['reference']} "
+            f"on {c['dataset']}, {_metric_text(c['metric'])}"
+        )
     return out
 
 
-def _verdict(c: dict[str, Any], alpha: float = 0.05) -> str:
-    if not (isinstance(c["p"], float) and math.isfinite(c["p"])) or c["p"] >= alpha:
+def _metric_text(key: str) -> str:
+    """``test.concat.map_at_r`` → ``concatenated test MAP@R``."""
+    _, mode, metric = key.split(".", 2)
+    return f"{'concatenated' if mode == 'concat' else mode} test {METRIC_LABELS.get(metric, metric)}"
+
+
+#: The level at which a (Holm-adjusted) p-value tells two losses apart.
+ALPHA = 0.05
+
+
+def top_group(studies: list[Study], summary: list[dict[str, Any]], alpha: float = ALPHA) -> dict[str, list[str]]:
+    """Per dataset, the best loss and the losses *not distinguishable* from it: Holm-adjusted p ≥ ``alpha`` against
+    the best, or no p at all because the two losses' values are identical.  A loss without a paired test against
+    the best (fewer than 2 reproductions with common seeds) is not in it."""
+    out = {d: [next(group).loss] for d, group in itertools.groupby(_ranked(studies), key=lambda s: s.dataset)}
+    for c in summary:
+        if c["kind"] == "best" and not (math.isfinite(c["p_holm"]) and c["p_holm"] < alpha):
+            out[c["dataset"]].append(c["loss"])
+    return out
+
+
+def _num(v: float, spec: str) -> str:
+    """A test statistic or p-value as printed; "–" where the test gave none (NaN)."""
+    return "–" if isinstance(v, float) and math.isnan(v) else format(v, spec)
+
+
+def _verdict(c: dict[str, Any], alpha: float = ALPHA) -> str:
+    if c.get("untestable"):
+        return f"not testable ({c['untestable']})"
+    p = c.get("p_holm", c["p"])  # judged on the adjusted p where the row is part of a family
+    if not (isinstance(p, float) and math.isfinite(p)) or p >= alpha:
         return "not distinguishable"
     return "better" if c["mean_diff"] > 0 else "worse"
 
@@ -296,11 +405,15 @@ def _summary_lines(summary: list[dict[str, Any]]) -> list[str]:
         lines += [
             f"### {dataset}: against {ref} ({what})",
             "",
-            f"| loss | mean(loss − {ref}) | t | p | n | at p < 0.05 |",
-            "|---|---|---|---|---|---|",
+            f"Family: {rows[0]['family']}.",
+            "",
+            f"| loss | mean(loss − {ref}) | t | p | p (Holm) | n | at Holm p < {ALPHA} |",
+            "|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {c['loss']} | {100 * c['mean_diff']:+.2f} | {c['t']:.3f} | {c['p']:.4f} | {c['n']} | {_verdict(c)} |"
+            f"| {c['loss']} | {100 * c['mean_diff']:+.2f} | {_num(c['t'], '.3f')} | {_num(c['p'], '.4f')} | "
+            f"{_num(c['p_holm'], '.4f')} | {c['n']} "
+            f"| {_verdict(c)} |"
             for c in rows
         ]
         lines.append("")
@@ -310,9 +423,10 @@ def _summary_lines(summary: list[dict[str, Any]]) -> list[str]:
 def _write_paired_csv(comparisons: list[dict[str, Any]], path: Path) -> None:
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["dataset", "loss_a", "loss_b", "metric", "n", "mean_diff", "t", "p"])
+    keys = ("dataset", "loss_a", "loss_b", "metric", "n", "mean_diff", "t", "p", "p_holm", "untestable")
+    w.writerow(keys)
     for c in comparisons:
-        w.writerow([c[k] for k in ("dataset", "loss_a", "loss_b", "metric", "n", "mean_diff", "t", "p")])
+        w.writerow([c[k] for k in keys])
     path.write_text(buf.getvalue())
 
 
@@ -364,6 +478,17 @@ def _short_value(v: str) -> str:
         return v
 
 
+_BOUND_NOTE = (
+    "*On a bound*: the winning value lies on an edge of its searched range (within 0.1 % of the range, on the "
+    "search's scale), so the best value may lie outside the range searched."
+)
+
+
+def _bound_text(s: Study, prefix: str = "") -> str:
+    """``prefix`` + the study's winning values on a bound (``loss_lr at lower bound 1e-06; …``), or ``""``."""
+    return prefix + "; ".join(h.describe() for h in s.on_bound) if s.on_bound else ""
+
+
 def _params(s: Study) -> str:
     return ", ".join(f"{k}={_short_value(v)}" for k, v in s.best_params.items()) or "(nothing searched)"
 
@@ -385,6 +510,7 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
+    lines += _flag_notes(studies)
     if any("cost.cpu_seconds" in s.metrics or s.training for s in studies):
         header, rows = _cost_rows(studies)
         lines += [
@@ -403,15 +529,27 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
         lines += [
             "## Paired t-tests (concatenated test MAP@R ×100, reproductions with the same seeds)",
             "",
-            "Each loss against the best one and against the baseline; p uncorrected for the number of tests. With "
-            "few reproductions the test has little power: *not distinguishable* means no difference was shown, not "
-            "that there is none. Every pair: `paired_tests.csv`.",
+            "Each loss against the best one and against the baseline. *p (Holm)* is p adjusted by Holm–Bonferroni "
+            "over the table's family, named above each table: on a dataset, the comparisons against the best are "
+            "one family and those against the baseline another. *Not distinguishable* is judged on the adjusted p. "
+            "With few reproductions the test has little power: *not distinguishable* means no difference was shown, "
+            "not that there is none. Every pair: `paired_tests.csv` (its `p_holm`: Holm–Bonferroni over every pair "
+            "of the dataset).",
             "",
         ]
         lines += _summary_lines(summary)
+        lines += [
+            f"**Top group on {d}** (the best loss and those not distinguishable from it): {', '.join(g)}"
+            for d, g in top_group(studies, summary).items()
+        ] + [""]
     if any(s.best_params for s in studies):
         lines += ["## Winning hyperparameters (best Bayesian-optimisation trial, retrained by the reproductions)", ""]
-        lines += [f"- **{s.dataset} / {s.loss}**: {_params(s)}" for s in _ranked(studies)]
+        if any(s.on_bound for s in studies):
+            lines += [_BOUND_NOTE, ""]
+        lines += [
+            f"- **{s.dataset} / {s.loss}**: {_params(s)}{_bound_text(s, ' — **on a bound**: ')}"
+            for s in _ranked(studies)
+        ]
         lines.append("")
     with_pc = [s for s in studies if _worst(s, 1)]
     if with_pc:
@@ -528,15 +666,20 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
         )
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
+    parts += [f"<p>{html.escape(line.replace('*', ''))}</p>" for line in _flag_notes(studies) if line]
     if any("cost.cpu_seconds" in s.metrics or s.training for s in studies):
         header, rows = _cost_rows(studies)
         parts.append("<h2>Cost</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
     if any(s.best_params for s in studies):
-        parts.append("<h2>Winning hyperparameters</h2><table><tr><th>dataset</th><th>loss</th><th>best trial</th></tr>")
+        parts.append(
+            f"<h2>Winning hyperparameters</h2><p>{html.escape(_BOUND_NOTE.replace('*', ''))}</p><table><tr>"
+            "<th>dataset</th><th>loss</th><th>best trial</th><th>on a bound</th></tr>"
+        )
         parts += [
-            f"<tr><td>{html.escape(s.dataset)}</td><td>{html.escape(s.loss)}</td><td>{html.escape(_params(s))}</td></tr>"
+            f"<tr><td>{html.escape(s.dataset)}</td><td>{html.escape(s.loss)}</td><td>{html.escape(_params(s))}</td>"
+            f"<td>{html.escape(_bound_text(s) or '–')}</td></tr>"
             for s in _ranked(studies)
         ]
         parts.append("</table>")
@@ -544,21 +687,32 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
     if summary:
         parts.append(
             "<h2>Paired t-tests</h2><p>Concatenated test MAP@R ×100 over reproductions with the same seeds; each "
-            "loss against the best one and against the baseline; p uncorrected. Every pair: paired_tests.csv.</p>"
+            "loss against the best one and against the baseline. p (Holm): Holm–Bonferroni-adjusted over the family "
+            "named above each table; <i>not distinguishable</i> is judged on it. Every pair: paired_tests.csv "
+            "(p_holm: over every pair of the dataset).</p>"
         )
         for (dataset, ref, _), rows in itertools.groupby(
             summary, key=lambda c: (c["dataset"], c["reference"], c["kind"])
         ):
+            rows = list(rows)
             parts.append(
-                f"<h3>{html.escape(dataset)}: against {html.escape(ref)}</h3><table><tr><th>loss</th>"
-                f"<th>mean(loss − {html.escape(ref)})</th><th>t</th><th>p</th><th>n</th><th>at p &lt; 0.05</th></tr>"
+                f"<h3>{html.escape(dataset)}: against {html.escape(ref)}</h3>"
+                f"<p>Family: {html.escape(rows[0]['family'])}.</p><table><tr><th>loss</th>"
+                f"<th>mean(loss − {html.escape(ref)})</th><th>t</th><th>p</th>"
+                f"<th>p (Holm)</th><th>n</th><th>at Holm p &lt; {ALPHA}</th></tr>"
             )
             parts += [
-                f"<tr><td>{html.escape(c['loss'])}</td><td>{100 * c['mean_diff']:+.2f}</td><td>{c['t']:.3f}</td>"
-                f"<td>{c['p']:.4f}</td><td>{c['n']}</td><td>{_verdict(c)}</td></tr>"
+                f"<tr><td>{html.escape(c['loss'])}</td><td>{100 * c['mean_diff']:+.2f}</td>"
+                f"<td>{_num(c['t'], '.3f')}</td><td>{_num(c['p'], '.4f')}</td><td>{_num(c['p_holm'], '.4f')}</td>"
+                f"<td>{c['n']}</td><td>{_verdict(c)}</td></tr>"
                 for c in rows
             ]
             parts.append("</table>")
+        parts += [
+            f"<p><b>Top group on {html.escape(d)}</b> (the best loss and those not distinguishable from it): "
+            f"{html.escape(', '.join(g))}</p>"
+            for d, g in top_group(studies, summary).items()
+        ]
     if any(s.visuals for s in studies):
         for d in datasets:
             parts += _dataset_page(d, [s for s in _ranked(studies) if s.dataset == d])
@@ -568,11 +722,13 @@ def _render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str
 def _write_csv(studies: list[Study], path: Path) -> None:
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["dataset", "loss", "mode", "metric", "mean", "ci_low", "ci_high", "n_reproductions", "study_run_id"])
+    header = ["dataset", "loss", "mode", "metric", "mean", "ci_low", "ci_high", "n_reproductions", "study_run_id"]
+    w.writerow(header + ["on_bound"])
     for s in studies:
         for mode in MODES:
             for m in HEADLINE_METRICS:
-                w.writerow([s.dataset, s.loss, mode, m, *s.cell(mode, m), len(s.reproductions), s.run_id])
+                row = [s.dataset, s.loss, mode, m, *s.cell(mode, m), len(s.reproductions), s.run_id, _bound_text(s)]
+                w.writerow(row)
     path.write_text(buf.getvalue())
 
 
@@ -618,6 +774,7 @@ def write_report(
             f"--experiment {experiment!r}: no finished study runs (tag stage=study with test.* metrics) yet"
         )
     comparisons = paired_comparisons(studies)
+    summary = paired_summary(studies, comparisons)
     collect_visuals(client, studies)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -639,14 +796,18 @@ def write_report(
                         "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
                         "n_reproductions": len(s.reproductions),
                         "best_params": s.best_params,
+                        "on_bound": [{"param": h.param, "bound": h.side, "value": h.bound} for h in s.on_bound],
                         "cost": _cost_json(s),
                         "training": s.training,
+                        "best_at_epoch_0": s.best_at_epoch_0,
+                        "untrained": s.untrained,
                         **({"worst_classes": _worst(s, 10)} if _worst(s, 1) else {}),
                     }
                     for s in studies
                 ],
                 "paired_tests": comparisons,
-                "paired_summary": paired_summary(studies, comparisons),
+                "paired_summary": summary,
+                "top_group": top_group(studies, summary),
             },
             indent=2,
             default=float,
@@ -664,7 +825,7 @@ def write_report(
 
 def add_report_parser(subparsers) -> None:
     p = subparsers.add_parser("report", help="table of every study in an MLflow experiment (md, csv, html, png)")
-    p.add_argument("--experiment", required=True, help="MLflow experiment name (one per sweep)")
+    p.add_argument("--experiment", default=None, help="MLflow experiment name (one per sweep; required)")
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
     p.add_argument("--out", default="report", help="output directory (default: ./report)")
     p.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
