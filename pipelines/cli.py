@@ -4,7 +4,9 @@
     dmlrc demo [--storage DIR] [--name NAME]               smoke sweep with the built-in demo preset
     dmlrc data prepare|verify ...                          datasets as parquet shards (pipelines.data_cli)
     dmlrc report --experiment NAME ...                     one table over every study (pipelines.results.report)
+    dmlrc report --compare EXP_A EXP_B ...                 ranking stability of two runs (pipelines.results.compare)
     dmlrc reeval CONFIG.yaml                               re-evaluate registered models (pipelines.reeval.run)
+    dmlrc init [PRESET [DEST]]                             list the built-in presets, or copy one to start from
 
 Bad input exits with status 2 and one line ``config error: <field>: <problem>`` (``data error: <file>: ...`` for
 ``dmlrc data``) — before Ray or MLflow start and before anything is written.  An MLflow server unreachable
@@ -28,7 +30,7 @@ __all__ = ["main", "build_parser"]
 
 def _add_sweep(sub) -> None:
     p = sub.add_parser("sweep", help="run a reality-check sweep (Bayesian optimisation × 4 folds per loss and dataset)")
-    p.add_argument("config", help="sweep config YAML (see configs/)")
+    p.add_argument("config", help="sweep config YAML (start from a built-in preset: dmlrc init)")
     p.add_argument(
         "--resume",
         action="store_true",
@@ -37,7 +39,8 @@ def _add_sweep(sub) -> None:
     p.add_argument(
         "--address",
         default=None,
-        help="Ray cluster address (e.g. ray://head:10001 or auto); default: start a local Ray",
+        help="Ray cluster address: head:6379 (the head's GCS), ray://head:10001 (Ray Client) or auto; with token "
+        "authentication set RAY_AUTH_MODE=token and the token (README, cluster); default: start a local Ray",
     )
     p.add_argument(
         "--name", default=None, help="override the config's sweep name (e.g. a dated name for a scheduled re-run)"
@@ -52,6 +55,29 @@ def _add_demo(sub) -> None:
     p.add_argument("--address", default=None, help="Ray cluster address; default: start a local Ray")
     p.add_argument("--resume", action="store_true", help="continue the demo sweep of this --name (after Ctrl-C)")
     p.set_defaults(func=_run_demo)
+
+
+def _add_init(sub) -> None:
+    p = sub.add_parser(
+        "init", help="list the built-in sweep presets, or copy one to a file to edit and run with dmlrc sweep"
+    )
+    p.add_argument("preset", nargs="?", default=None, help="preset name (none: list them)")
+    p.add_argument("dest", nargs="?", default=None, help="file or folder to copy it to (default: ./PRESET.yaml)")
+    p.set_defaults(func=_run_init)
+
+
+def _run_init(args) -> int:
+    # the presets read YAML: see _check_report_args
+    from pipelines.config.presets import copy_preset, preset_summary, presets
+
+    if args.preset is None:
+        print("built-in sweep presets (dmlrc init PRESET [DEST] copies one to start from):")
+        for name in presets():
+            print(f"  {name:14s} {preset_summary(name)}")
+        return 0
+    target = copy_preset(args.preset, args.dest)
+    print(f"wrote {target}: edit it (datasets, losses, storage), then run  dmlrc sweep {target}")
+    return 0
 
 
 def _version() -> str:
@@ -71,15 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sweep(sub)
     _add_demo(sub)
+    _add_init(sub)
     # the subcommands' modules (torch, MLflow): only after main() has installed the signal handlers
     from pipelines.data_cli import add_data_parser
     from pipelines.reeval.run import add_reeval_parser
+    from pipelines.results.compare import add_compare_option
     from pipelines.results.report import add_report_parser
 
     add_data_parser(sub)
     add_report_parser(sub)
     add_reeval_parser(sub)
     report = sub.choices["report"]
+    add_compare_option(report)  # dmlrc report --compare EXP_A EXP_B
     report.set_defaults(func=_checked_report(report.get_default("func")))
     return parser
 
@@ -92,8 +121,12 @@ def _check_report_args(args) -> None:
     from pipelines.execution.locations import check_dir_writable
     from pipelines.tracking.server import check_mlflow_server
 
-    if not str(args.experiment).strip():
-        raise ConfigError("--experiment", "must not be empty")
+    if args.compare:
+        from pipelines.results.compare import check_compare_args  # loaded with the parser already
+
+        check_compare_args(args)
+    elif not str(args.experiment or "").strip():
+        raise ConfigError("--experiment", "required and must not be empty (or --compare EXP_A EXP_B)")
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     where = "--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI"
     if not uri:  # MLflow's default store would be created empty in this folder before saying nothing is there
@@ -237,7 +270,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        print("config error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
+        for line in e.lines():  # one line per problem, each "config error: <field>: <problem>"
+            print("config error: " + line, file=sys.stderr)
         return 2
     except TrackingUnavailable as e:  # MLflow down longer than tracking.outage_timeout_s: stopped, state kept
         print("tracking error: " + " ".join(str(e).split()), file=sys.stderr)

@@ -17,7 +17,10 @@ For each study (docs/protocol.md):
    reproduction index; each a full 4-fold trial with seed ``pipelines.execution.trial.reproduction_seed(seed, i)``),
    each tested on the test classes, separated and concatenated (docs/protocol.md §Test evaluation).
 4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.stats.confidence_interval``), written to the
-   study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints).
+   study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints); a study whose
+   reproductions' folds all chose their epoch-0 checkpoint is tagged ``best_at_epoch_0=true``.  Before its search,
+   each study logs its network's untrained test metrics (``untrained.*``, computed once per dataset and network), the
+   reference row of the end-of-sweep table (:mod:`pipelines.results.untrained`).
 
 Resources: a trial is a driver reserving one unit of ``dmlrc_trial_driver`` on the driver's node, or 0.01 CPU
 where no node declares it (:data:`pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE`; its Tune actor is reused from
@@ -85,7 +88,18 @@ from pipelines.execution.search import best_result, grid_rows, make_searcher
 from pipelines.execution.trial import StudyContext, run_trial
 from pipelines.execution.worker_check import check_user_code_on_workers
 from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION, study_dirname
-from pipelines.results.study_results import COST_KEYS, StudySummary, ci_report, confidence_intervals, fmt_ci
+from pipelines.results.bounds import ON_BOUND_TAG, format_tag, on_bound
+from pipelines.results.study_results import (
+    COST_KEYS,
+    EPOCH0_NOTE,
+    EPOCH0_TAG,
+    StudySummary,
+    best_at_epoch_0,
+    ci_report,
+    confidence_intervals,
+    fmt_ci,
+)
+from pipelines.results.untrained import UNTRAINED_PREFIX, untrained_key, untrained_metrics_of, untrained_test_metrics
 from pipelines.results.visuals import log_study_visuals
 from pipelines.tracking.model_registry import on_study_end, on_study_start
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
@@ -267,6 +281,9 @@ class _Sweep:
         #: study ends log models through MLflow's fluent API (one process-wide tracking URI) and draw with pyplot
         #: (process-wide state): one study end at a time
         self._end_lock = threading.Lock()
+        #: the untrained network's test metrics by pipelines.results.untrained.untrained_key: once per sweep
+        self._untrained: dict[tuple[str, str], dict[str, float]] = {}
+        self._untrained_lock = threading.Lock()
 
     def run_all(self, limit: int) -> list[StudySummary]:
         """Every study, ``limit`` at a time, each in its own thread; the summaries in the plans' order.  On Ctrl-C
@@ -438,6 +455,7 @@ class _Sweep:
             self.say(f"[{plan.key}] already finished (MLflow run {run_id}); skipped")
             return self._summary_from_run(summary, run)
         t.set_tags(run_id, {"status": "running"})
+        summary.untrained = self._untrained_reference(plan, run)
 
         on_study_start(t, run_id, plan)
 
@@ -498,7 +516,11 @@ class _Sweep:
                 "trials.failed": sum(r.get("error") is not None for r in rows),
             },
         )
-        t.set_tags(run_id, {"best_trial_id": best["trial_id"], "best_run_id": best.get("mlflow_run_id", "")})
+        bounds = format_tag(on_bound(plan.searched, params))  # winners on an edge of their range, for the report
+        t.set_tags(
+            run_id,
+            {"best_trial_id": best["trial_id"], "best_run_id": best.get("mlflow_run_id", ""), ON_BOUND_TAG: bounds},
+        )
 
         # 2. reproductions ----------------------------------------------------------------------------------
         n = cfg.protocol.reproductions
@@ -543,6 +565,7 @@ class _Sweep:
                     {f"test.{mode}.{k}.mean": m, f"test.{mode}.{k}.ci_low": lo, f"test.{mode}.{k}.ci_high": hi}
                 )
         t.log_metrics(run_id, metrics)
+        self._flag_epoch_0(summary, reps)
         md, doc = ci_report(summary, reps)
         t.log_text(run_id, md, "ci_report.md")
         t.log_json(run_id, doc, "ci_report.json")
@@ -576,6 +599,48 @@ class _Sweep:
         self.tracker.log_metrics(summary.run_id, cost)
         summary.cost = {k[len("cost.") :]: v for k, v in cost.items()}
 
+    def _untrained_reference(self, plan: StudyPlan, run) -> dict[str, float]:
+        """The study's network with its initial weights on the same test classes (pipelines.results.untrained),
+        logged on the study run as ``untrained.<metric>``: read back from the run on ``--resume``, else computed once
+        per (dataset, network) for the whole sweep, on the driver (one embedding pass of the test classes; on its GPU
+        when the sweep uses GPUs and the driver has one)."""
+        logged = untrained_metrics_of(run.data.metrics)
+        if logged:
+            return logged
+        key = untrained_key(plan)
+        with self._untrained_lock:
+            if key not in self._untrained:
+                # torch: the study threads' driver already holds it (preflight built the models)
+                import torch
+
+                device = "cuda" if self.cfg.resources.use_gpu and torch.cuda.is_available() else "cpu"
+                batch = int(self.cfg.protocol.train.get("eval_batch_size", 128))
+                t0 = time.time()
+                self._untrained[key] = untrained_test_metrics(
+                    plan, self.cfg.protocol.seed, batch_size=batch, device=device
+                )
+                self.say(
+                    f"[{plan.key}] untrained network on the test classes: MAP@R "
+                    f"{self._untrained[key]['map_at_r']:.4f} (reference, {time.time() - t0:.1f} s)"
+                )
+            metrics = dict(self._untrained[key])
+        self.tracker.log_metrics(run.info.run_id, {UNTRAINED_PREFIX + k: v for k, v in metrics.items()})
+        return metrics
+
+    def _flag_epoch_0(self, summary: StudySummary, reps: list[dict[str, Any]]) -> None:
+        """Tag the study run :data:`EPOCH0_TAG` from its reproductions' fold runs (``best_epoch``): "true" when every
+        fold chose its epoch-0 checkpoint, the untrained network, as best; said in the study's progress too."""
+        epochs = [
+            fold.data.metrics["best_epoch"]
+            for r in reps
+            for fold in self.tracker.find({PARENT: r["mlflow_run_id"], "stage": "fold"})
+            if "best_epoch" in fold.data.metrics
+        ]
+        summary.best_at_epoch_0 = best_at_epoch_0(epochs)
+        self.tracker.set_tags(summary.run_id, {EPOCH0_TAG: str(summary.best_at_epoch_0).lower()})
+        if summary.best_at_epoch_0:
+            self.say(f"[{summary.study}] warning: best at epoch 0: {EPOCH0_NOTE}")
+
     def _log_models(self, run_id: str, rep: dict[str, Any]) -> None:
         """Reproduction ``rep``'s fold models (written by rank 0 into its result directory or Ray Train checkpoint) →
         ``models/``."""
@@ -607,6 +672,8 @@ class _Sweep:
             summary.best_val = (m["best.val.map_at_r.mean"], m.get("best.val.map_at_r.sem", float("nan")))
         summary.n_reproductions = int(m.get("test.n_reproductions", 0))
         summary.cost = {k[len("cost.") :]: v for k, v in m.items() if k.startswith("cost.")}
+        summary.best_at_epoch_0 = tags.get(EPOCH0_TAG) == "true"
+        summary.untrained = untrained_metrics_of(m)
         for key, v in m.items():
             parts = key.split(".")
             if len(parts) == 4 and parts[0] == "test" and parts[3] == "mean":
@@ -693,7 +760,7 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
                     close_open_runs(tracker, cfg.name, reason=INTERRUPTED, status="KILLED")
                 else:
                     close_open_runs(tracker, cfg.name, reason=scrub(f"{type(e).__name__}: {e}", uri))
-            except Exception as close_error:  # noqa: BLE001 - e.g. the tracking store is what failed: report e
+            except Exception as close_error:  # e.g. the tracking store is what failed: report e
                 print(
                     f"warning: could not close the sweep's MLflow runs ({type(close_error).__name__})",
                     file=out,
