@@ -1,0 +1,219 @@
+"""A Ray worker that Ray stops with SIGTERM while a finalizer runs exits quietly, with Ray's exit code
+(``pipelines/execution/worker_setup.py``): no ``Exception ignored ... sigterm_handler ... SystemExit: 1`` in the
+sweep's output, and no worker that runs on after Ray told it to go.  Every other unraisable exception is printed as
+before.
+
+Each case runs in its own Python process: the hook ends the process it runs in, and the test process keeps its own
+``sys.unraisablehook``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PRELUDE = textwrap.dedent(
+    """
+    import importlib
+    import signal
+    import sys
+
+    from pipelines.execution import worker_setup
+    from pipelines.execution.ray_runtime import WORKER_SETUP_HOOK
+
+    # Ray's worker_process_setup_hook, as a worker resolves it; no cluster here to scope the State API to
+    worker_setup.scope_to_own_cluster = lambda: None
+    module, _, name = WORKER_SETUP_HOOK.rpartition(".")
+    getattr(importlib.import_module(module), name)()
+    """
+)
+
+
+def _run(body: str, home: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["HOME"] = str(home)
+    return subprocess.run(
+        [sys.executable, "-c", _PRELUDE + textwrap.dedent(body)],
+        cwd=home,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_sigterm_exit_handed_to_the_hook_ends_the_process_quietly(tmp_path):
+    """A synthetic unraisable: the ``SystemExit`` of a function named like Ray's handler → exit with its code."""
+    out = _run(
+        """
+        # the type of sys.unraisablehook's argument (CPython does not name it): taken from one unraisable
+        installed, seen = sys.unraisablehook, []
+        sys.unraisablehook = seen.append
+        class Probe:
+            def __del__(self):
+                raise ValueError("probe")
+        Probe()
+        sys.unraisablehook = installed
+        UnraisableHookArgs = type(seen[0])
+
+        def sigterm_handler(signum, frame):
+            raise SystemExit(3)
+
+        try:
+            sigterm_handler(signal.SIGTERM, None)
+        except SystemExit as e:
+            exc = e
+        sys.unraisablehook(UnraisableHookArgs((SystemExit, exc, exc.__traceback__, None, None)))
+        print("still running", flush=True)
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "still running" not in out.stdout
+    assert "Exception ignored" not in out.stderr and "SystemExit" not in out.stderr, out.stderr
+
+
+_FINALIZERS = {
+    "__del__": """
+        class Finalized:
+            def __del__(self):
+                signal.raise_signal(signal.SIGTERM)  # Python runs the handler at once: inside this finalizer
+
+        Finalized()
+        """,
+    # what the sweeps' trial actors showed: the signal inside a WeakSet's weakref callback
+    "weakref callback": """
+        import weakref
+
+        class Item:
+            pass
+
+        def _remove(ref):
+            signal.raise_signal(signal.SIGTERM)
+
+        item = Item()
+        ref = weakref.ref(item, _remove)
+        del item
+        """,
+}
+
+
+@pytest.mark.parametrize("finalizer", sorted(_FINALIZERS))
+def test_rays_sigterm_inside_a_finalizer_exits_with_rays_code(tmp_path, finalizer):
+    """Ray's own exit (``raise_sys_exit_with_custom_error_message``, as its worker's ``sigterm_handler`` calls it),
+    raised by a real SIGTERM while a finalizer runs."""
+    out = _run(
+        """
+        from ray._raylet import raise_sys_exit_with_custom_error_message
+
+        def sigterm_handler(signum, frame):  # what Worker.main_loop installs (ray/_private/worker.py)
+            raise_sys_exit_with_custom_error_message("The process receives a SIGTERM.", exit_code=1)
+
+        signal.signal(signal.SIGTERM, sigterm_handler)
+        """
+        + _FINALIZERS[finalizer]
+        + """
+        print("still running", flush=True)
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "still running" not in out.stdout
+    assert "Exception ignored" not in out.stderr and "SystemExit" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "raiser, shown",
+    [
+        ("def fails():\n    raise ValueError('boom')", "ValueError: boom"),
+        ("def fails():\n    raise SystemExit(4)", "SystemExit: 4"),  # not a SIGTERM handler's exit
+    ],
+)
+def test_every_other_unraisable_is_printed_as_before(tmp_path, raiser, shown):
+    out = _run(
+        raiser
+        + textwrap.dedent(
+            """
+
+            class Finalized:
+                def __del__(self):
+                    fails()
+
+            Finalized()
+            print("still running", flush=True)
+            """
+        ),
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "still running" in out.stdout
+    assert "Exception ignored in" in out.stderr and shown in out.stderr, out.stderr
+
+
+def test_installing_twice_wraps_once(tmp_path):
+    out = _run(
+        """
+        first = sys.unraisablehook
+        worker_setup.install_sigterm_exit_hook()
+        print("same hook", sys.unraisablehook is first, flush=True)
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "same hook True" in out.stdout
+
+
+_RAY_WORKER = textwrap.dedent(
+    """
+    import signal
+    import time
+
+    import ray
+    from pipelines.execution.ray_runtime import init_ray, stop_ray
+
+    started = init_ray(None, num_cpus=1)
+    try:
+        @ray.remote(num_cpus=0)
+        class Worker:
+            def finalize_under_sigterm(self):
+                class Finalized:
+                    def __del__(self):
+                        # SIGTERM while a finalizer runs: Ray's worker handler raises SystemExit(1) in here
+                        signal.raise_signal(signal.SIGTERM)
+
+                Finalized()
+                return "still running"
+
+        worker = Worker.remote()
+        try:
+            print("RESULT", ray.get(worker.finalize_under_sigterm.remote(), timeout=120), flush=True)
+        except ray.exceptions.RayActorError:
+            print("RESULT worker exited", flush=True)
+        time.sleep(3)  # the worker's output reaches the driver
+    finally:
+        stop_ray(started)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_ray_worker_sigtermed_in_a_finalizer_exits_without_noise(tmp_path):
+    """End to end, in a local Ray as a sweep starts it: Ray's real worker SIGTERM handler, our setup hook."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(HOME=str(tmp_path), RAY_USAGE_STATS_ENABLED="0")
+    out = subprocess.run(
+        [sys.executable, "-c", _RAY_WORKER], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "RESULT worker exited" in out.stdout, text
+    assert "Exception ignored" not in text and "sigterm_handler" not in text, text
