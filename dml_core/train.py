@@ -43,11 +43,12 @@ once per iteration (under DDP with an AND over ranks), so all ranks stop togethe
 
 Checkpoint and resume (``on_checkpoint`` / ``resume_state``): evaluations fall on epoch boundaries, where the
 sampler's position is fully given by the epoch (it reseeds from ``(seed, epoch)``) and the running train-loss mean
-has just been reset, so the state right after an evaluation is small and complete: weights, optimiser (and fp16
-loss-scaler) state, every RNG stream (:func:`dml_core.checkpoint.rng_state`, per rank), best-so-far weights, metrics
-and epoch, the history and the iteration reached.  A fold resumed from it continues exactly as the uninterrupted
-fold would have — bit for bit on a deterministic device (``tests/test_train_resume.py``).  The state is built only
-at evaluations and only when ``on_checkpoint`` is given; the per-iteration loop is unchanged.
+has just been reset, so the state right after an evaluation is small and complete: weights, optimiser, fp16
+loss-scaler and lr-schedule state, every RNG stream (:func:`dml_core.checkpoint.rng_state`, per rank), best-so-far
+weights, metrics and epoch, the history and the iteration reached.  A fold resumed from it continues exactly as the
+uninterrupted fold would have — bit for bit on a deterministic device (``tests/test_train_resume.py``).  The state is
+built only at evaluations and only when ``on_checkpoint`` is given; the per-iteration loop is unchanged.  The loop
+itself is ``_FoldLoop``: :func:`train_fold` drives its named steps (setup, one epoch, evaluation, checkpoint, result).
 """
 
 from __future__ import annotations
@@ -61,35 +62,23 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from dml_core.checkpoint import STATE_FORMAT, rng_state, set_rng_state
-from dml_core.data import decode_image, eval_transform
-from dml_core.distributed import (
-    all_gather_no_grad,
-    all_gather_uneven,
-    all_gather_with_grad,
-    all_ranks_true,
-    all_reduce_mean_,
-    broadcast_buffers_,
-    broadcast_module_,
-    broadcast_object,
-    get_rank,
-    get_world_size,
-    is_distributed,
-    shard_bounds,
-)
+from dml_core.distributed import broadcast_buffers_, broadcast_object, get_rank
+from dml_core.embedding import check_dataset, embed, embed_gathered, embed_images, labels_of, resolve_device
 
 # MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (``metric_loss_optimizer``); the registry's default
 # ``loss_weight_decay`` is the same constant.  Importable from here as before.
 from dml_core.protocol import MLRC_LOSS_WEIGHT_DECAY
 from dml_core.samplers import MPerClassBatchSampler
+from dml_core.train_step import AMP_DTYPES as _AMP_DTYPES
+from dml_core.train_step import LR_SCHEDULES as _LR_SCHEDULES
+from dml_core.train_step import Precision, Ranks, lr_scheduler
 
 __all__ = ["TrainConfig", "FoldResult", "train_fold", "embed", "embed_images"]
 
 _OPTIMIZERS = ("rmsprop", "sgd", "adam")
-_AMP_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
@@ -113,6 +102,8 @@ class TrainConfig:
     * ``loss_lr=1e-4``: the loss optimiser's lr is *searched* in MLRC (log-uniform [1e-6, 1], §Optimisers), so
       the protocol has no default; direct callers should pass the loss's ``paper_defaults["loss_lr"]``
       from ``tune_spaces/<loss>.yaml`` (every learnable loss has one).
+    * ``lr_warmup_iters=0``, ``lr_schedule="constant"``: MLRC's learning rates are constant (§Optimisers); a
+      schedule is a general option (stepped per iteration, checkpointed and resumed with the optimiser).
     * ``eval_batch_size=128``, ``num_workers=0``, ``seed=0``, ``device="cpu"``, no AMP: ours.
     """
 
@@ -133,6 +124,11 @@ class TrainConfig:
     momentum: float = 0.9
     #: "rmsprop" (MLRC), "sgd" or "adam" (adam ignores ``momentum``).
     optimizer: str = "rmsprop"
+    #: linear warm-up: every parameter group's lr rises from 0 to its own lr over this many iterations (iteration
+    #: ``i`` trains at ``i / lr_warmup_iters`` of it); 0 = none (MLRC).
+    lr_warmup_iters: int = 0
+    #: after the warm-up, "constant" (MLRC) or "cosine": decay to 0 at iteration ``max_epochs × iters_per_epoch``.
+    lr_schedule: str = "constant"
     eval_batch_size: int = 128
     num_workers: int = 0
     seed: int = 0
@@ -156,7 +152,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("num_workers", "seed"):
+        for name in ("num_workers", "seed", "lr_warmup_iters"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {v!r}")
@@ -172,6 +168,13 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be a finite non-negative number, got {v!r}")
         if self.optimizer not in _OPTIMIZERS:
             raise ValueError(f"TrainConfig.optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
+        if self.lr_schedule not in _LR_SCHEDULES:
+            raise ValueError(f"TrainConfig.lr_schedule must be one of {_LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.lr_schedule == "cosine" and self.lr_warmup_iters >= self.max_epochs * self.iters_per_epoch:
+            raise ValueError(
+                f"TrainConfig.lr_warmup_iters ({self.lr_warmup_iters}) leaves no iteration for the cosine decay: "
+                f"max_epochs × iters_per_epoch is {self.max_epochs * self.iters_per_epoch}"
+            )
         if self.amp_dtype not in _AMP_DTYPES:
             raise ValueError(f"TrainConfig.amp_dtype must be one of {sorted(_AMP_DTYPES)}, got {self.amp_dtype!r}")
         for name in ("amp", "cpu_amp", "channels_last"):
@@ -206,51 +209,6 @@ class FoldResult:
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-def _resolve_device(spec: str | torch.device) -> torch.device:
-    spec = str(spec)
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(spec)
-    except RuntimeError as e:
-        raise ValueError(f"TrainConfig.device: cannot parse {spec!r} ({e})") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"TrainConfig.device is {spec!r} but CUDA is not available")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _check_dataset(dataset, name: str, what: str) -> None:
-    """Fail up front, naming what to pass, for tables (rows of encoded images) and other non-datasets."""
-    if hasattr(dataset, "images") and hasattr(dataset, "labels") and not hasattr(type(dataset), "__getitem__"):
-        raise ValueError(
-            f"{name} is an image table ({type(dataset).__name__}: rows of encoded images), not a dataset of "
-            "tensors: pass "
-            f"dml_core.data.ImageDataset(table, {what}(image_size)) (the protocol's {what}, "
-            "docs/protocol.md §Preprocessing)"
-        )
-    if not hasattr(type(dataset), "__getitem__") or not hasattr(type(dataset), "__len__"):
-        raise ValueError(
-            f"{name} must be a map-style dataset (__getitem__/__len__) yielding (image_tensor, label), "
-            f"got {type(dataset).__name__}"
-        )
-
-
-def _labels_of(dataset, name: str) -> np.ndarray:
-    labels = getattr(dataset, "labels", None)
-    if labels is None:
-        raise ValueError(f"{name} must expose .labels (np.ndarray of class ids), {type(dataset).__name__} has none")
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or len(labels) != len(dataset) or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(
-            f"{name}.labels must be a 1-D integer array with one entry per row ({len(dataset)}), "
-            f"got shape {labels.shape} dtype {labels.dtype}"
-        )
-    return labels
-
-
 def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
@@ -267,6 +225,7 @@ def _cpu_copy(obj: Any) -> Any:
 
 
 #: TrainConfig fields that may differ between a checkpoint and its resumption (they do not change the result).
+#: (``max_epochs`` only without a cosine schedule, whose length it is).
 _RESUME_FREE_FIELDS = {"device", "num_workers", "eval_batch_size", "max_epochs", "patience"}
 
 
@@ -276,11 +235,14 @@ def _check_resume_state(state: dict[str, Any], config: TrainConfig, world: int) 
     if state["world_size"] != world:
         raise ValueError(f"resume_state was written by {state['world_size']} ranks, this run has {world}")
     mine = dataclasses.asdict(config)
-    diff = sorted(k for k, v in state["config"].items() if k not in _RESUME_FREE_FIELDS and mine.get(k) != v)
+    # A field the state does not name was added since it was written: it trained with that field's default.
+    written = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **state["config"]}
+    free = _RESUME_FREE_FIELDS - ({"max_epochs"} if config.lr_schedule == "cosine" else set())
+    diff = sorted(k for k, v in written.items() if k not in free and mine.get(k) != v)
     if diff:
         raise ValueError(
             "resume_state was written with another TrainConfig: "
-            + ", ".join(f"{k}={state['config'][k]!r} (now {mine.get(k)!r})" for k in diff)
+            + ", ".join(f"{k}={written[k]!r} (now {mine.get(k)!r})" for k in diff)
         )
 
 
@@ -331,174 +293,6 @@ def _optimizer(model: nn.Module, loss: nn.Module, config: TrainConfig) -> torch.
     return torch.optim.Adam(groups)  # adam ignores momentum
 
 
-# --------------------------------------------------------------------------------------------
-# embedding and evaluation
-# --------------------------------------------------------------------------------------------
-def _images_of(batch):
-    """A loader batch -> its image tensor: ``(images, labels)`` pairs or bare image tensors."""
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
-def _embed_device(where: str, model: nn.Module, device) -> torch.device:
-    """The device to embed on: the model's own (its first parameter or buffer; CPU if it has none) unless
-    ``device`` is given, which must then be where the model is -- a model trained on a GPU and embedded with
-    CPU batches (or the reverse) is a mistake to name, not to fix by moving weights behind the caller's back."""
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    first: torch.Tensor | None = next(iter(model.parameters()), None)
-    if first is None:
-        first = next(iter(model.buffers()), None)
-    here = first.device if first is not None else torch.device("cpu")
-    if device is None:
-        return here
-    dev = _resolve_device(device)
-    same = dev.type == here.type and (dev.type != "cuda" or dev.index == here.index)
-    if not same:
-        raise ValueError(
-            f"{where}: device is {str(dev)!r} but the model is on {str(here)!r}; pass device=None to "
-            "embed on the model's device, or move the model first (model.to(device))"
-        )
-    return dev
-
-
-@torch.no_grad()
-def _embed_gathered(model: nn.Module, dataset, batch_size: int, device: torch.device, num_workers: int) -> torch.Tensor:
-    """Every row's embedding, on ``device``; under DDP each rank embeds a contiguous shard, then gather."""
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    world, rank = get_world_size(), get_rank()
-    if len(dataset) < world:
-        raise ValueError(f"dataset has {len(dataset)} rows, fewer than the {world} distributed ranks embedding it")
-    start, stop = shard_bounds(len(dataset), world, rank)
-    loader = DataLoader(
-        Subset(dataset, range(start, stop)),
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-    )
-    was_training = model.training
-    model.eval()
-    try:
-        parts = [model(_images_of(batch).to(device, non_blocking=True)).float() for batch in loader]
-    finally:
-        model.train(was_training)
-    if not parts:  # an empty shard: the embedding width from one forward pass is not worth it; 0 rows
-        raise ValueError("nothing to embed: the dataset is empty")
-    return all_gather_uneven(torch.cat(parts, dim=0))
-
-
-def _check_batch_size(where: str, batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"{where}: batch_size must be a positive integer, got {batch_size!r}")
-
-
-def embed(
-    model: nn.Module,
-    dataset,
-    *,
-    batch_size: int = 128,
-    device: str | torch.device | None = None,
-    num_workers: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Embeddings of every row of a *labelled* ``dataset`` (in row order) and its labels, both on CPU.
-
-    Raw (un-normalised) float32 model outputs, model in eval mode (its train/eval mode is
-    restored afterwards).  Computed on the model's device (``device=None``); a ``device`` other than the
-    model's is refused with a ``ValueError``.  Under ``torch.distributed`` each rank embeds a contiguous shard and
-    every rank returns the gathered whole.  Unlabelled images: :func:`embed_images`.
-    """
-    _check_dataset(dataset, "dataset", "eval_transform")
-    labels = torch.as_tensor(_labels_of(dataset, "dataset"), dtype=torch.long)
-    _check_batch_size("embed", batch_size)
-    emb = _embed_gathered(model, dataset, batch_size, _embed_device("embed", model, device), num_workers)
-    return emb.cpu(), labels
-
-
-class _Rows(torch.utils.data.Dataset):
-    """Unlabelled rows (decodable images or image tensors) -> transformed image tensors."""
-
-    def __init__(self, rows, transform):
-        self.rows, self.transform = rows, transform
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        row = self.rows[i]
-        if isinstance(row, torch.Tensor):
-            return self.transform(row) if self.transform is not None else row
-        if self.transform is None:
-            raise ValueError(
-                f"embed_images: row {i} is a {type(row).__name__}, not a tensor; pass image_size or transform"
-            )
-
-        is_pil = hasattr(row, "convert") and hasattr(row, "mode")
-        return self.transform(row.convert("RGB") if is_pil else decode_image(row))
-
-
-def embed_images(
-    model: nn.Module,
-    images,
-    *,
-    image_size: int | None = None,
-    transform: Callable | None = None,
-    batch_size: int = 128,
-    device: str | torch.device | None = None,
-    num_workers: int = 0,
-) -> torch.Tensor:
-    """Embeddings of unlabelled images, in input order, as a ``(N, D)`` float32 CPU tensor (no labels needed).
-
-    ``images`` is one of: an ``(N, C, H, W)`` tensor or a list of ``(C, H, W)`` tensors (already preprocessed;
-    used as they are unless ``transform`` is given); a list of encoded images (bytes, paths, uint8 arrays, PIL
-    images), decoded to RGB and passed through ``transform`` — by default the protocol's
-    ``eval_transform(image_size)`` (Resize + CenterCrop + ImageNet normalisation,
-    docs/protocol.md §Preprocessing), so ``image_size`` is
-    required then; an ``ImageTable``/``ShardedTable`` (its labels are ignored), treated as its list of images; a
-    map-style dataset yielding image tensors or ``(image, anything)`` pairs.  Raw model outputs, as
-    :func:`embed`; eval mode, restored afterwards; on the model's device, as :func:`embed`.
-    """
-    _check_batch_size("embed_images", batch_size)
-    dev = _embed_device("embed_images", model, device)
-    if isinstance(images, torch.Tensor):
-        if images.ndim != 4:
-            raise ValueError(f"embed_images: an image tensor must be (N, C, H, W), got shape {tuple(images.shape)}")
-        rows = list(images.unbind(0)) if transform is not None else None
-        dataset = _Rows(rows, transform) if rows is not None else torch.utils.data.TensorDataset(images)
-        return _embed_gathered(model, dataset, batch_size, dev, num_workers).cpu()
-    if hasattr(images, "images") and not hasattr(type(images), "__getitem__"):  # ImageTable / ShardedTable
-        images = _TableImages(images)
-    elif hasattr(type(images), "__getitem__") and not isinstance(images, (list, tuple)):
-        return _embed_gathered(model, images, batch_size, dev, num_workers).cpu()  # a dataset
-    if not hasattr(images, "__len__") or not hasattr(images, "__getitem__"):
-        raise ValueError(
-            f"embed_images: images must be a tensor, a list of images or tensors, an ImageTable or a dataset; "
-            f"got {type(images).__name__}"
-        )
-    if len(images) == 0:
-        raise ValueError("embed_images: no images")
-    if not isinstance(images[0], torch.Tensor) and transform is None:  # the first row decides (tables are lazy)
-        if image_size is None:
-            raise ValueError(
-                "embed_images: encoded images need image_size (for the protocol's eval_transform) or a transform"
-            )
-        transform = eval_transform(image_size)
-    return _embed_gathered(model, _Rows(images, transform), batch_size, dev, num_workers).cpu()
-
-
-class _TableImages:
-    """A table's image column as a sequence (``ShardedTable.images`` reads rows on demand)."""
-
-    def __init__(self, table):
-        self.table = table
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def __getitem__(self, i):
-        return self.table.images[i]
-
-
 class NonFiniteEmbeddings(ValueError):
     """The model's validation embeddings hold NaN or inf: the fold ends ``diverged`` (its metrics would be chance)."""
 
@@ -507,8 +301,8 @@ def _evaluate(model: nn.Module, val_set, config: TrainConfig, device: torch.devi
     """Val metrics (val compared to itself), computed on rank 0 and broadcast to every rank."""
     broadcast_buffers_(model)  # BN running stats may differ per rank if BN is not frozen
     # Embeddings stay on the device: retrieval_metrics searches CUDA tensors there (dml_core.knn.self_knn).
-    emb = _embed_gathered(model, val_set, config.eval_batch_size, device, config.num_workers)
-    labels = _labels_of(val_set, "val_set")
+    emb = embed_gathered(model, val_set, config.eval_batch_size, device, config.num_workers)
+    labels = labels_of(val_set, "val_set")
     outcome: tuple[str, Any] = ("ok", None)
     if get_rank() == 0:
         bad = int((~torch.isfinite(emb)).any(dim=1).sum())
@@ -533,8 +327,323 @@ def _evaluate(model: nn.Module, val_set, config: TrainConfig, device: torch.devi
 
 
 # --------------------------------------------------------------------------------------------
-# the fold
+# the fold: train_fold drives a _FoldLoop through its named steps
 # --------------------------------------------------------------------------------------------
+@dataclass
+class _Hooks:
+    """The caller's callbacks (see :func:`train_fold`); ``on_eval``, ``on_epoch`` and the call of ``on_checkpoint``
+    run on rank 0 only."""
+
+    on_eval: Callable[[dict[str, Any]], None] | None
+    on_checkpoint: Callable[[dict[str, Any]], None] | None
+    on_epoch: Callable[[int, int], None] | None
+
+
+class _Validation:
+    """Model selection on the val set (module docstring): the untrained model is evaluated first, then every
+    ``eval_every`` epochs; the best epoch is the first with the highest primary metric; early stop when
+    ``epoch − best_epoch > patience``."""
+
+    def __init__(self, val_set) -> None:
+        self.val_set = val_set
+
+    def check_inputs(self) -> None:
+        check_dataset(self.val_set, "val_set", "eval_transform")
+        labels_of(self.val_set, "val_set")
+
+    def begin(self, loop: _FoldLoop) -> FoldResult | None:
+        if loop.resumed:  # killed after the evaluation that stopped the fold, before it returned?
+            return self._early_stop(loop, loop.start_epoch) if loop.start_epoch > 0 else None
+        return self._evaluate(loop, 0, " (the untrained model)")  # the reality check's check_untrained_accuracy
+
+    def at_eval_epoch(self, loop: _FoldLoop, epoch: int) -> FoldResult | None:
+        stopped = self._evaluate(loop, epoch)
+        return stopped if stopped is not None else self._early_stop(loop, epoch)
+
+    def end(self, loop: _FoldLoop) -> None:
+        """The best state is the best evaluation's, kept as it happened."""
+
+    def _evaluate(self, loop: _FoldLoop, epoch: int, what: str = "") -> FoldResult | None:
+        te = time.perf_counter()
+        try:
+            metrics = _evaluate(loop.model, self.val_set, loop.config, loop.device)
+        except NonFiniteEmbeddings as e:
+            return loop.result("diverged", f"{e} at epoch {epoch}{what}", epoch)
+        best, primary = loop.best, loop.config.primary_metric
+        is_best = not loop.history or metrics[primary] > best["metrics"][primary]
+        if is_best:
+            best.update(metrics=metrics, epoch=epoch, iteration=loop.iteration, state=loop.weights())
+        loop.report(
+            {
+                "epoch": epoch,
+                "iteration": loop.iteration,
+                "metrics": metrics,
+                "train_loss": loop.train_loss(),
+                "seconds": time.perf_counter() - loop.t0,
+                "eval_seconds": time.perf_counter() - te,
+                "is_best": is_best,
+                "best_epoch": best["epoch"],
+            }
+        )
+        loop.model.train()
+        return None
+
+    @staticmethod
+    def _early_stop(loop: _FoldLoop, epoch: int) -> FoldResult | None:
+        best_epoch, patience = loop.best["epoch"], loop.config.patience
+        if patience is not None and epoch - best_epoch > patience:
+            return loop.result("ok", f"early stop at epoch {epoch}: best epoch {best_epoch}", epoch, True)
+        return None
+
+
+class _FixedBudget:
+    """Fixed-budget mode (``val_set=None``, module docstring): no validation and no early stop; a train-loss record
+    every ``eval_every`` epochs; the final state is the best."""
+
+    def check_inputs(self) -> None:
+        """Nothing to check: there is no val set."""
+
+    def begin(self, loop: _FoldLoop) -> FoldResult | None:
+        return None
+
+    def at_eval_epoch(self, loop: _FoldLoop, epoch: int) -> FoldResult | None:
+        loop.report(
+            {
+                "epoch": epoch,
+                "iteration": loop.iteration,
+                "metrics": {},
+                "train_loss": loop.train_loss(),
+                "seconds": time.perf_counter() - loop.t0,
+                "eval_seconds": 0.0,
+                "is_best": False,
+                "best_epoch": 0,
+            }
+        )
+        return None
+
+    def end(self, loop: _FoldLoop) -> None:
+        loop.best.update(epoch=loop.config.max_epochs, iteration=loop.iteration, state=loop.weights())
+
+
+class _FoldLoop:
+    """One fold's training state and its steps: :meth:`setup`, :meth:`begin`, :meth:`one_epoch`,
+    :meth:`end_of_epoch` (evaluation and :meth:`checkpoint`), :meth:`finish` / :meth:`result`.  Resume is
+    :meth:`_resume`, DDP is :class:`~dml_core.train_step.Ranks`, AMP is :class:`~dml_core.train_step.Precision`, the
+    fixed budget is :class:`_FixedBudget` (against :class:`_Validation`); nothing else branches on them."""
+
+    def __init__(self, model: nn.Module, loss: nn.Module, train_set, val_set, config: TrainConfig, hooks: _Hooks):
+        self.t0 = time.perf_counter()
+        self.model, self.loss, self.train_set, self.config, self.hooks = model, loss, train_set, config, hooks
+        self.selection: _Validation | _FixedBudget = _FixedBudget() if val_set is None else _Validation(val_set)
+        self.ranks = Ranks()
+        self.history: list[dict[str, Any]] = []
+        self.best: dict[str, Any] = {"metrics": {}, "epoch": 0, "iteration": 0, "state": {}}
+        self.iteration = self.start_epoch = self.loss_count = 0
+        self.resumed = False
+
+    # ---------------------------------------------------------------------------------------- setup
+    def setup(self, resume_state: dict[str, Any] | None) -> None:
+        """Everything the first iteration needs, in an order that keeps the RNG streams and the collectives of
+        every rank in step: inputs, seeds, optimiser, resume, ranks, loader."""
+        self._check_inputs()
+        self._seed()
+        self._build_optimizer()
+        self._resume(resume_state)
+        self._distribute()
+        self._build_loader()
+        self.model.train()
+        self.loss.train()
+
+    def _check_inputs(self) -> None:
+        self.device = resolve_device(self.config.device)
+        check_dataset(self.train_set, "train_set", "train_transform")
+        self.train_labels = labels_of(self.train_set, "train_set")
+        self.selection.check_inputs()
+        classes = np.unique(self.train_labels)
+        n_loss_classes = getattr(self.loss, "num_classes", None)
+        if isinstance(n_loss_classes, int) and n_loss_classes < len(classes):
+            raise ValueError(
+                f"loss was built with num_classes={n_loss_classes} but train_set has {len(classes)} classes "
+                "(train labels are remapped to 0..C-1)"
+            )
+        self.class_table = torch.as_tensor(classes, dtype=torch.long, device=self.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _seed(self) -> None:
+        # Per-rank torch RNG (augmentations, dropout); the batch composition comes from the sampler.
+        self.rank_seed = int(np.random.SeedSequence([self.config.seed, self.ranks.rank]).generate_state(1)[0])
+        torch.manual_seed(self.rank_seed)
+        self.loader_rng = torch.Generator().manual_seed(self.rank_seed)  # draws each epoch's worker base seed
+
+    def _build_optimizer(self) -> None:
+        self.model.to(self.device)
+        self.loss.to(self.device)
+        self.optimizer = _optimizer(self.model, self.loss, self.config)
+        total = self.config.max_epochs * self.config.iters_per_epoch
+        self.scheduler = lr_scheduler(self.optimizer, self.config.lr_warmup_iters, self.config.lr_schedule, total)
+        self.loss_params = [p for p in self.loss.parameters() if p.requires_grad]
+        self.precision = Precision(self.config.amp, self.config.cpu_amp, self.config.amp_dtype, self.device)
+
+    def _resume(self, state: dict[str, Any] | None) -> None:
+        """Resume, all of it: every rank at rank 0's iteration, the state checked against this run, then weights,
+        optimiser, loss scaler, lr schedule, best-so-far, history and position restored; the RNG streams last."""
+        self.ranks.agree_on_resume(-1 if state is None else int(state["iteration"]))
+        if state is None:
+            return
+        _check_resume_state(state, self.config, self.ranks.world)
+        self.model.load_state_dict(state["model"])
+        self.loss.load_state_dict(state["loss"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state.get("scaler"))
+        if self.scheduler is not None:  # a state without a schedule was refused above (its config differs)
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.history = [dict(r) for r in state["history"]]
+        b = state["best"]
+        self.best = {"metrics": dict(b["metrics"]), "epoch": int(b["epoch"]), "iteration": int(b["iteration"])}
+        self.best["state"] = b["state"]
+        self.iteration, self.start_epoch = int(state["iteration"]), int(state["epoch"])
+        self.t0 -= float(state["seconds"])  # history's seconds continue from the checkpoint's
+        self.resumed = True
+        # Nothing from here to the first iteration draws from these streams, as the uninterrupted run drew nothing.
+        set_rng_state(state["rng"][self.ranks.rank], self.device, self.loader_rng)
+
+    def _distribute(self) -> None:
+        if self.config.channels_last:  # before DDP wraps it; the parameters stay the same objects (the optimizer's)
+            self.model.to(memory_format=torch.channels_last)
+        self.net = self.ranks.share(self.model, self.loss, self.device)
+
+    def _build_loader(self) -> None:
+        config = self.config
+        self.sampler = MPerClassBatchSampler(
+            self.train_labels,
+            config.m,
+            config.classes_per_batch,
+            iters_per_epoch=config.iters_per_epoch,
+            seed=config.seed,
+            num_replicas=self.ranks.world,
+            rank=self.ranks.rank,
+        )
+        self.loader = DataLoader(
+            self.train_set,
+            batch_sampler=self.sampler,
+            num_workers=config.num_workers,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=False,
+            generator=self.loader_rng,
+        )
+        self.memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
+
+    # ---------------------------------------------------------------------------------------- training
+    def begin(self) -> FoldResult | None:
+        """Before the first epoch: the untrained model's evaluation, or the resumed fold's stopping check."""
+        return self.selection.begin(self)
+
+    def one_epoch(self, epoch: int) -> FoldResult | None:
+        """``iters_per_epoch`` training steps; a non-finite loss or embedding ends the fold ``diverged``."""
+        self.sampler.set_epoch(epoch)
+        for images, labels in self.loader:
+            self.iteration += 1
+            value, finite = self._forward(images, labels)
+            if not finite:
+                what = f"loss {value.item()}" if not torch.isfinite(value) else "embeddings (NaN/inf features)"
+                return self.result(
+                    "diverged", f"non-finite {what} at iteration {self.iteration} (epoch {epoch})", epoch
+                )
+            self._step(value)
+        return None
+
+    def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The batch's loss, and whether it and the batch's embeddings are finite (read once: the one host sync)."""
+        images = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
+        labels = torch.searchsorted(self.class_table, labels.to(self.device, non_blocking=True))
+        emb = self.precision.forward(self.net, images)
+        value = self.ranks.loss_value(self.loss, emb, labels)
+        # Finite loss AND finite embeddings: a loss may turn NaN features into a finite value (a masked or clamped
+        # term), which would hide a broken model from this check.
+        return value, self.ranks.all_true(torch.isfinite(value) & torch.isfinite(emb).all())
+
+    def _step(self, value: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.precision.backward(value)
+        self.ranks.average_grads_(self.loss_params)
+        self.precision.step(self.optimizer)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.loss_sum += value.detach()
+        self.loss_count += 1
+
+    def end_of_epoch(self, epoch: int) -> FoldResult | None:
+        """Every ``eval_every`` epochs an evaluation (or the fixed budget's train-loss record), else ``on_epoch``."""
+        if epoch % self.config.eval_every == 0:
+            return self.selection.at_eval_epoch(self, epoch)
+        if self.hooks.on_epoch is not None and self.ranks.rank == 0:
+            self.hooks.on_epoch(epoch, self.iteration)
+        return None
+
+    # ---------------------------------------------------------------------------------------- records
+    def train_loss(self) -> float | None:
+        return float(self.loss_sum.item() / self.loss_count) if self.loss_count else None
+
+    def weights(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"model": _cpu_state(self.model), "loss": _cpu_state(self.loss)}
+
+    def report(self, record: dict[str, Any]) -> None:
+        """One history record: the train-loss mean restarts, then ``on_eval`` and the checkpoint."""
+        self.history.append(record)
+        self.loss_sum.zero_()
+        self.loss_count = 0
+        if self.hooks.on_eval is not None and self.ranks.rank == 0:
+            self.hooks.on_eval(record)
+        if self.hooks.on_checkpoint is not None:
+            self.checkpoint(record["epoch"])
+
+    def checkpoint(self, epoch: int) -> None:
+        # Under DDP every rank's RNG streams go into rank 0's state (one collective, at evaluations only).
+        rngs = self.ranks.gather(rng_state(self.device, self.loader_rng))
+        if self.ranks.rank == 0 and self.hooks.on_checkpoint is not None:
+            self.hooks.on_checkpoint(self.checkpoint_state(epoch, rngs))
+
+    def checkpoint_state(self, epoch: int, rngs: list[Any]) -> dict[str, Any]:
+        """The full training state right after an evaluation (keys: :func:`train_fold`'s docstring)."""
+        best = self.best
+        return {
+            "format": STATE_FORMAT,
+            "epoch": epoch,
+            "iteration": self.iteration,
+            "world_size": self.ranks.world,
+            "config": dataclasses.asdict(self.config),
+            "seconds": time.perf_counter() - self.t0,
+            "model": _cpu_state(self.model),
+            "loss": _cpu_state(self.loss),
+            "optimizer": _cpu_copy(self.optimizer.state_dict()),
+            "scaler": self.precision.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": rngs,
+            # the best state's tensors are CPU copies already, never modified in place
+            "best": {k: dict(v) if k == "metrics" else v for k, v in best.items()},
+            "history": copy.deepcopy(self.history),
+        }
+
+    def finish(self) -> FoldResult:
+        """The fold ran to ``max_epochs``."""
+        self.selection.end(self)
+        return self.result("ok", "", self.config.max_epochs)
+
+    def result(self, status: str, reason: str, epochs: int, stopped_early: bool = False) -> FoldResult:
+        return FoldResult(
+            status=status,
+            reason=reason,
+            best_metrics=self.best["metrics"],
+            best_epoch=self.best["epoch"],
+            history=self.history,
+            best_state=self.best["state"],
+            train_seconds=time.perf_counter() - self.t0,
+            iterations=self.iteration,
+            epochs=epochs,
+            stopped_early=stopped_early,
+        )
+
+
 def train_fold(
     model: nn.Module,
     loss: nn.Module,
@@ -561,279 +670,27 @@ def train_fold(
     ``on_checkpoint(state)``: called on rank 0 right after every evaluation (after ``on_eval``; in fixed-budget
     mode after every train-loss record) with the full training state, a dict of tensors (CPU copies) and plain
     values — ``format``, ``epoch``, ``iteration``, ``world_size``, ``config`` (``TrainConfig`` as a dict),
-    ``seconds``, ``model``, ``loss``, ``optimizer``, ``scaler`` (or ``None``), ``rng`` (one
+    ``seconds``, ``model``, ``loss``, ``optimizer``, ``scaler`` and ``scheduler`` (or ``None``), ``rng`` (one
     :func:`~dml_core.checkpoint.rng_state` per rank), ``best`` (``metrics``, ``epoch``, ``iteration``, ``state``),
     ``history``.  Store it with :func:`dml_core.checkpoint.save_state` (``weights_only`` loadable).  Under DDP pass
     it (or ``None``) alike on every rank: the ranks' RNG states are gathered for rank 0's call.
     ``resume_state``: such a state (every rank passes the same one): training continues after its evaluation —
     weights, optimiser, RNG streams, best-so-far, patience and history restored — instead of starting at epoch 0.
-    The config must match the one it was written with (except device, workers, eval batch, max_epochs,
-    patience); ``history``'s ``seconds`` continue from the state's.
+    The config must match the one it was written with (except device, workers, eval batch, patience and, without a
+    cosine schedule, max_epochs); ``history``'s ``seconds`` continue from the state's.
     ``on_epoch(epoch, iteration)``: called on rank 0 at the end of every epoch that has no evaluation (those have
     ``on_eval``/``on_checkpoint``) — a cheap progress mark, e.g. to count the iterations a killed fold trained past
     its last checkpoint.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
-    t0 = time.perf_counter()
-    device = _resolve_device(config.device)
-    world, rank = get_world_size(), get_rank()
-    _check_dataset(train_set, "train_set", "train_transform")
-    train_labels = _labels_of(train_set, "train_set")
-    fixed_budget = val_set is None
-    if not fixed_budget:
-        _check_dataset(val_set, "val_set", "eval_transform")
-        _labels_of(val_set, "val_set")
-
-    classes = np.unique(train_labels)
-    n_loss_classes = getattr(loss, "num_classes", None)
-    if isinstance(n_loss_classes, int) and n_loss_classes < len(classes):
-        raise ValueError(
-            f"loss was built with num_classes={n_loss_classes} but train_set has {len(classes)} classes "
-            "(train labels are remapped to 0..C-1)"
-        )
-    class_table = torch.as_tensor(classes, dtype=torch.long, device=device)
-
-    # Per-rank torch RNG (augmentations, dropout); the batch composition comes from the sampler.
-    rank_seed = int(np.random.SeedSequence([config.seed, rank]).generate_state(1)[0])
-    torch.manual_seed(rank_seed)
-
-    model.to(device)
-    loss.to(device)
-    resumed_at = -1 if resume_state is None else int(resume_state["iteration"])
-    if broadcast_object(resumed_at) != resumed_at:  # a no-op in one process
-        raise ValueError(f"rank {rank}: resume_state is not the same iteration as rank 0's ({resumed_at})")
-    if resume_state is not None:
-        _check_resume_state(resume_state, config, world)
-        model.load_state_dict(resume_state["model"])
-        loss.load_state_dict(resume_state["loss"])
-    broadcast_module_(loss)  # proxies may be initialised differently per rank
-    optimizer = _optimizer(model, loss, config)
-    if resume_state is not None:
-        optimizer.load_state_dict(resume_state["optimizer"])
-    loss_params = [p for p in loss.parameters() if p.requires_grad]
-    if config.channels_last:  # before DDP wraps it; the parameters stay the same objects (the optimizer's)
-        model.to(memory_format=torch.channels_last)
-    distributed = is_distributed()
-    net: nn.Module = model
-    if distributed:
-        # DDP broadcasts rank 0's weights at construction and averages gradients in backward.
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    sampler = MPerClassBatchSampler(
-        train_labels,
-        config.m,
-        config.classes_per_batch,
-        iters_per_epoch=config.iters_per_epoch,
-        seed=config.seed,
-        num_replicas=world,
-        rank=rank,
-    )
-    loader_rng = torch.Generator().manual_seed(rank_seed)  # draws each epoch's worker base seed
-    loader = DataLoader(
-        train_set,
-        batch_sampler=sampler,
-        num_workers=config.num_workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=False,
-        generator=loader_rng,
-    )
-    use_amp = (config.amp and device.type == "cuda") or (config.cpu_amp and device.type == "cpu")
-    amp_dtype = _AMP_DTYPES[config.amp_dtype] if device.type == "cuda" else torch.bfloat16
-    memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
-    # Loss scaling only for fp16; one scaler step over all parameter groups (an overflow skips the whole step).
-    scaler = torch.amp.GradScaler("cuda") if use_amp and amp_dtype == torch.float16 else None
-
-    history: list[dict[str, Any]] = []
-    best: dict[str, Any] = {"metrics": {}, "epoch": 0, "iteration": 0, "state": {}}
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    loss_count = 0
-    iteration = 0
-    start_epoch = 0
-    if resume_state is not None:
-        if scaler is not None and resume_state.get("scaler"):
-            scaler.load_state_dict(resume_state["scaler"])
-        history = [dict(r) for r in resume_state["history"]]
-        b = resume_state["best"]
-        best = {
-            "metrics": dict(b["metrics"]),
-            "epoch": int(b["epoch"]),
-            "iteration": int(b["iteration"]),
-            "state": b["state"],
-        }
-        iteration, start_epoch = int(resume_state["iteration"]), int(resume_state["epoch"])
-        t0 -= float(resume_state["seconds"])  # history's seconds continue from the checkpoint's
-
-    def train_loss() -> float | None:
-        return float(loss_sum.item() / loss_count) if loss_count else None
-
-    def report(record: dict[str, Any]) -> None:
-        nonlocal loss_count
-        history.append(record)
-        loss_sum.zero_()
-        loss_count = 0
-        if on_eval is not None and rank == 0:
-            on_eval(record)
-        if on_checkpoint is not None:
-            checkpoint(record["epoch"])
-
-    def checkpoint(epoch: int) -> None:
-        # Under DDP every rank's RNG streams go into rank 0's state (one collective, at evaluations only).
-        mine = rng_state(device, loader_rng)
-        rngs: list[Any] = [mine]
-        if distributed:
-            rngs = [None] * world
-            torch.distributed.all_gather_object(rngs, mine)
-        if rank != 0 or on_checkpoint is None:  # called only with on_checkpoint given
-            return
-        on_checkpoint(
-            {
-                "format": STATE_FORMAT,
-                "epoch": epoch,
-                "iteration": iteration,
-                "world_size": world,
-                "config": dataclasses.asdict(config),
-                "seconds": time.perf_counter() - t0,
-                "model": _cpu_state(model),
-                "loss": _cpu_state(loss),
-                "optimizer": _cpu_copy(optimizer.state_dict()),
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "rng": rngs,
-                "best": {
-                    "metrics": dict(best["metrics"]),
-                    "epoch": best["epoch"],
-                    "iteration": best["iteration"],
-                    "state": best["state"],
-                },  # CPU copies already, never modified in place
-                "history": copy.deepcopy(history),
-            }
-        )
-
-    def evaluate(epoch: int) -> None:
-        te = time.perf_counter()
-        metrics = _evaluate(model, val_set, config, device)
-        is_best = not history or metrics[config.primary_metric] > best["metrics"][config.primary_metric]
-        if is_best:
-            best.update(
-                metrics=metrics,
-                epoch=epoch,
-                iteration=iteration,
-                state={"model": _cpu_state(model), "loss": _cpu_state(loss)},
-            )
-        report(
-            {
-                "epoch": epoch,
-                "iteration": iteration,
-                "metrics": metrics,
-                "train_loss": train_loss(),
-                "seconds": time.perf_counter() - t0,
-                "eval_seconds": time.perf_counter() - te,
-                "is_best": is_best,
-                "best_epoch": best["epoch"],
-            }
-        )
-        model.train()
-
-    def log_train_loss(epoch: int) -> None:  # fixed-budget mode: the loss curve only
-        report(
-            {
-                "epoch": epoch,
-                "iteration": iteration,
-                "metrics": {},
-                "train_loss": train_loss(),
-                "seconds": time.perf_counter() - t0,
-                "eval_seconds": 0.0,
-                "is_best": False,
-                "best_epoch": 0,
-            }
-        )
-
-    def result(status: str, reason: str, epochs: int, stopped_early: bool = False) -> FoldResult:
-        return FoldResult(
-            status=status,
-            reason=reason,
-            best_metrics=best["metrics"],
-            best_epoch=best["epoch"],
-            history=history,
-            best_state=best["state"],
-            train_seconds=time.perf_counter() - t0,
-            iterations=iteration,
-            epochs=epochs,
-            stopped_early=stopped_early,
-        )
-
-    model.train()
-    loss.train()
-    if resume_state is not None:
-        # The RNG streams last: nothing above may draw from them, as the uninterrupted run drew nothing here.
-        set_rng_state(resume_state["rng"][rank], device, loader_rng)
-        if (
-            not fixed_budget
-            and config.patience is not None
-            and start_epoch - best["epoch"] > config.patience
-            and start_epoch > 0
-        ):
-            # killed after the evaluation that stopped the fold, before it returned
-            return result("ok", f"early stop at epoch {start_epoch}: best epoch {best['epoch']}", start_epoch, True)
-    elif not fixed_budget:
-        try:
-            evaluate(0)  # untrained model (the reality check's check_untrained_accuracy)
-        except NonFiniteEmbeddings as e:
-            return result("diverged", f"{e} at epoch 0 (the untrained model)", 0)
-    for epoch in range(start_epoch + 1, config.max_epochs + 1):
-        sampler.set_epoch(epoch)
-        # The per-iteration work is what a bare loop does plus the divergence check; everything that does not
-        # change per iteration (DDP, AMP, loss scaling) is decided above, so the single-process path pays nothing.
-        for images, labels in loader:
-            iteration += 1
-            images = images.to(device, non_blocking=True, memory_format=memory_format)
-            labels = torch.searchsorted(class_table, labels.to(device, non_blocking=True))
-            if use_amp:
-                with torch.autocast(device.type, dtype=amp_dtype):
-                    emb = net(images)
-            else:
-                emb = net(images)
-            # Finite loss AND finite embeddings: a loss may turn NaN features into a finite value (a masked or
-            # clamped term), which would hide a broken model from this check.
-            if distributed:
-                value = loss(all_gather_with_grad(emb.float()), all_gather_no_grad(labels))
-                # Every rank computes the same global loss; the AND over ranks only guards against a rank-local
-                # difference ending training on some ranks alone.
-                finite = all_ranks_true(torch.isfinite(value) & torch.isfinite(emb).all())
-            else:
-                value = loss(emb.float(), labels)
-                finite = bool(torch.isfinite(value) & torch.isfinite(emb).all())  # the one per-iteration host sync
-            if not finite:
-                what = f"loss {value.item()}" if not torch.isfinite(value) else "embeddings (NaN/inf features)"
-                return result("diverged", f"non-finite {what} at iteration {iteration} (epoch {epoch})", epoch)
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is None:
-                value.backward()
-            else:
-                scaler.scale(value).backward()
-            if distributed:
-                all_reduce_mean_([p.grad for p in loss_params if p.grad is not None])
-            if scaler is None:
-                optimizer.step()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-            loss_sum += value.detach()
-            loss_count += 1
-        if on_epoch is not None and rank == 0 and epoch % config.eval_every:
-            on_epoch(epoch, iteration)
-        if epoch % config.eval_every == 0:
-            if fixed_budget:
-                log_train_loss(epoch)
-                continue
-            try:
-                evaluate(epoch)
-            except NonFiniteEmbeddings as e:
-                return result("diverged", f"{e} at epoch {epoch}", epoch)
-            if config.patience is not None and epoch - best["epoch"] > config.patience:
-                return result("ok", f"early stop at epoch {epoch}: best epoch {best['epoch']}", epoch, True)
-    if fixed_budget:
-        best.update(
-            epoch=config.max_epochs, iteration=iteration, state={"model": _cpu_state(model), "loss": _cpu_state(loss)}
-        )
-    return result("ok", "", config.max_epochs)
+    loop = _FoldLoop(model, loss, train_set, val_set, config, _Hooks(on_eval, on_checkpoint, on_epoch))
+    loop.setup(resume_state)
+    stopped = loop.begin()
+    epoch = loop.start_epoch
+    while stopped is None and epoch < config.max_epochs:
+        epoch += 1
+        stopped = loop.one_epoch(epoch)
+        if stopped is None:
+            stopped = loop.end_of_epoch(epoch)
+    return stopped if stopped is not None else loop.finish()

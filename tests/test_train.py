@@ -182,11 +182,11 @@ def test_untrained_model_can_stay_best_and_patience_triggers():
 
 class NaNEmbeddings(nn.Module):
     """Wraps a model: from forward call ``k`` (1-based) on, the embeddings of training batches are NaN (in eval mode
-    too with ``also_eval``)."""
+    too with ``also_eval``); with ``one_row`` only the batch's first row is."""
 
-    def __init__(self, base: nn.Module, k: int, also_eval: bool = False):
+    def __init__(self, base: nn.Module, k: int, also_eval: bool = False, one_row: bool = False):
         super().__init__()
-        self.base, self.k, self.calls, self.also_eval = base, k, 0, also_eval
+        self.base, self.k, self.calls, self.also_eval, self.one_row = base, k, 0, also_eval, one_row
         self.trunk, self.embedder = base.trunk, base.embedder
 
     def forward(self, images):
@@ -194,7 +194,7 @@ class NaNEmbeddings(nn.Module):
         if self.training:
             self.calls += 1
         if (self.training and self.calls >= self.k) or (self.also_eval and not self.training):
-            out = out * float("nan")
+            out = torch.cat([out[:1] * float("nan"), out[1:]]) if self.one_row else out * float("nan")
         return out
 
 
@@ -208,11 +208,30 @@ class MaskedLoss(nn.Module):
         return PairLoss()(emb[keep], labels[keep])
 
 
-def test_non_finite_embeddings_end_the_fold_diverged_even_when_the_loss_stays_finite():
+@pytest.mark.parametrize("one_row", [False, True])
+def test_non_finite_embeddings_end_the_fold_diverged_even_when_the_loss_stays_finite(one_row):
     train, val = make_data()
-    res = train_fold(NaNEmbeddings(make_model(), 3), MaskedLoss(), train, val, config(iters_per_epoch=2, max_epochs=5))
+    model = NaNEmbeddings(make_model(), 3, one_row=one_row)
+    res = train_fold(model, MaskedLoss(), train, val, config(iters_per_epoch=2, max_epochs=5))
     assert res.status == "diverged" and "non-finite embeddings" in res.reason and "iteration 3" in res.reason
     assert res.iterations == 3
+
+
+def _ddp_nan_row_worker(rank: int, world: int):
+    train, val = make_data()
+    model = NaNEmbeddings(make_model(), 3 if rank == 1 else 10**9, one_row=True)  # rank 1's third batch only
+    res = train_fold(model, MaskedLoss(), train, val, config(iters_per_epoch=2, max_epochs=5))
+    return res.status, res.reason, res.iterations
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_every_rank_ends_diverged_when_one_ranks_embedding_row_is_non_finite():
+    """Rank 0's own embeddings and the masked loss stay finite: it stops with rank 1 (the AND over ranks), no hang."""
+    from ddp_util import run_ddp
+
+    ranks = run_ddp(_ddp_nan_row_worker, 2)
+    assert ranks[0] == ranks[1] == ("diverged", "non-finite embeddings (NaN/inf features) at iteration 3 (epoch 2)", 3)
 
 
 def test_non_finite_validation_embeddings_end_the_fold_diverged_not_at_chance_level():

@@ -129,6 +129,34 @@ def test_resumed_fold_is_bit_identical_to_the_uninterrupted_one(tmp_path, loss_n
         assert any(not torch.equal(v, init[k]) for k, v in loss.state_dict().items())
 
 
+@pytest.mark.parametrize("kill_after", [2, 4])  # killed in the warm-up (iteration 3) or in the decay (iteration 9)
+def test_a_fold_with_an_lr_schedule_resumes_bit_identical(tmp_path, kill_after):
+    config = _config(lr_warmup_iters=5, lr_schedule="cosine")
+    ref = _run("proxynca_pp", config)
+    with pytest.raises(Killed):
+        _run("proxynca_pp", config, tmp_path / "ckpt", kill_after=kill_after)
+    res, model, loss, saved = _run("proxynca_pp", config, tmp_path / "ckpt", resume=True)
+    assert saved[0] == kill_after * config.iters_per_epoch
+    _assert_identical(ref[:3], (res, model, loss))
+
+
+def test_a_state_written_before_the_schedule_option_resumes_without_one(tmp_path):
+    """An older state has neither ``scheduler`` nor the schedule's config fields: it resumes as it was written (no
+    schedule) and is refused by a config that has one, as is a cosine fold resumed with another length."""
+    config = _config(max_epochs=4)
+    states = []
+    ref = _run_with(config, on_checkpoint=states.append)
+    old = {k: v for k, v in states[2].items() if k != "scheduler"}
+    old["config"] = {k: v for k, v in old["config"].items() if not k.startswith("lr_")}
+    _assert_identical(ref, _run_with(config, resume_state=old, init_seed=99))
+    with pytest.raises(ValueError, match="lr_schedule='constant' \\(now 'cosine'\\)"):
+        _run_with(_config(max_epochs=4, lr_schedule="cosine"), resume_state=old)
+    cosine = []
+    _run_with(_config(max_epochs=4, lr_schedule="cosine"), on_checkpoint=cosine.append)
+    with pytest.raises(ValueError, match="max_epochs=4 \\(now 5\\)"):
+        _run_with(_config(max_epochs=5, lr_schedule="cosine"), resume_state=cosine[2])
+
+
 def test_early_stopping_patience_counts_across_the_interruption(tmp_path):
     config = _config(max_epochs=30, patience=2, trunk_lr=3e-2, embedder_lr=3e-2)
     ref = _run("contrastive", config)
