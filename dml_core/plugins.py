@@ -10,6 +10,13 @@ plugin, and importing ``module:attribute`` with one-line errors that point at th
   :class:`PluginImportError` / :class:`PluginAttributeError` (both :class:`PluginError`, a ``ValueError``).
 * :func:`one_line` / :func:`raised_at` — a plugin's exception as ``Type: message`` and the ``file:line`` of the
   plugin's code that raised it.
+* :func:`lookup_entry_point` — the one entry point a plugin name stands for, refusing a name exported by two
+  distributions or taken by a built-in; both kinds of plugin look their names up through it.
+* :class:`PluginError` and its kinds, :class:`LossPluginError` and :class:`TrunkPluginError`: every error a plugin
+  causes is one of them (a ``ValueError`` with a one-line message).
+* The contracts, in code: :class:`LossFactory` (what a loss plugin names), :class:`TrunkFactory` and
+  :class:`TrunkModule` (what a trunk plugin names and what it returns).  The signature probes of both kinds read
+  their parameter names from these protocols (:func:`keyword_parameters`).
 
 The wording of the messages a user sees stays with each kind of plugin (``dml_core.losses.registry``,
 ``dml_core.trunks.plugins``): the errors raised here carry what went wrong as attributes for them to word it.
@@ -20,12 +27,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import os
 import re
 import sys
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # annotations only: importing this module stays free of torch
+    from torch import Tensor, nn
 
 __all__ = [
     "IMPORT_PATH",
@@ -34,8 +46,15 @@ __all__ = [
     "PluginError",
     "PluginImportError",
     "PluginAttributeError",
+    "LossPluginError",
+    "TrunkPluginError",
+    "LossFactory",
+    "TrunkFactory",
+    "TrunkModule",
+    "keyword_parameters",
     "entry_points",
     "distinct_entry_points",
+    "lookup_entry_point",
     "distribution_of_entry_point",
     "distribution_of_module",
     "installed_distribution",
@@ -123,6 +142,53 @@ class PluginAttributeError(PluginError):
         self.cause = cause
 
 
+class LossPluginError(PluginError):
+    """A loss from outside this package (import path or entry point) cannot be used; the message is one line
+    that names the loss and what is wrong with it."""
+
+
+class TrunkPluginError(PluginError):
+    """A trunk from user code (import path or entry point) cannot be used; the message is one line that names the
+    trunk and what is wrong with it."""
+
+
+# --------------------------------------------------------------------------------------------------- contracts
+@runtime_checkable
+class LossFactory(Protocol):
+    """What a loss plugin's import path or entry point names: a function or ``nn.Module`` class called with the
+    class count and embedding width as keywords, plus the loss's hyperparameters, returning a module for which
+    ``loss(embeddings, labels)`` is a scalar tensor (``docs/plugins.md``, "The loss object")."""
+
+    def __call__(self, *, num_classes: int, embedding_dim: int, **hyperparameters: Any) -> nn.Module: ...
+
+
+@runtime_checkable
+class TrunkModule(Protocol):
+    """What a trunk factory returns: an ``nn.Module`` mapping (B, 3, H, W) images to a (B, C, H', W') feature map,
+    with C as an int ``feature_dim`` (timm's ``num_features`` is read when ``feature_dim`` is absent)."""
+
+    feature_dim: int
+
+    def __call__(self, images: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class TrunkFactory(Protocol):
+    """What a trunk plugin's import path or entry point names: a callable with no required argument returning a
+    :class:`TrunkModule`; when it takes ``pretrained``, it is given the local weights file (or ``None``) and loads
+    it itself (``docs/trunks.md``)."""
+
+    def __call__(self, pretrained: str | None = None) -> nn.Module: ...
+
+
+def keyword_parameters(protocol: type) -> tuple[str, ...]:
+    """The named parameters of a call protocol's ``__call__``, in order (``self`` and ``**kwargs`` left out): what
+    the signature probes require of, or offer to, a plugin's callable."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = inspect.signature(protocol.__call__).parameters
+    return tuple(n for n, p in params.items() if n != "self" and p.kind in named)
+
+
 # --------------------------------------------------------------------------------------------------- entry points
 def entry_points(group: str, name: str | None = None) -> list[importlib.metadata.EntryPoint]:
     """The installed entry points of ``group`` (those called ``name`` if given).  Reads distribution metadata only:
@@ -142,6 +208,26 @@ def distinct_entry_points(eps: Iterable[importlib.metadata.EntryPoint]) -> list[
             seen.add(key)
             out.append(ep)
     return out
+
+
+def lookup_entry_point(
+    group: str,
+    name: str,
+    *,
+    error: type[PluginError],
+    clash: Callable[[list[importlib.metadata.EntryPoint]], str],
+    shadowed: Callable[[list[importlib.metadata.EntryPoint]], str] | None = None,
+) -> importlib.metadata.EntryPoint | None:
+    """The entry point of ``group`` called ``name`` (``None`` when no installed distribution exports it); metadata
+    only, nothing is imported.  ``shadowed``, given when ``name`` is a built-in's: any entry point of that name is
+    refused with ``error(shadowed(eps))``.  More than one distribution exporting it is ``error(clash(eps))``.  The
+    wording stays with each kind of plugin."""
+    eps = distinct_entry_points(entry_points(group, name))
+    if shadowed is not None and eps:
+        raise error(shadowed(eps))
+    if len(eps) > 1:
+        raise error(clash(eps))
+    return eps[0] if eps else None
 
 
 # --------------------------------------------------------------------------------------------------- distributions

@@ -411,7 +411,7 @@ def test_loss_weight_decay_follows_the_loss_unless_configured():
             sweep="x",
             mid_fold_resume=True,
         )
-        return _fold_config(ctx, fold, {}, 0, "run", False, manifest, "parent")["train"].get("loss_weight_decay")
+        return _fold_config(ctx, fold, {}, 0, "run", False, manifest, "parent").train.get("loss_weight_decay")
 
     # unset: train_fold applies the loss's own (0 for Margin's beta, as MLRC ran it; tests/test_library.py)
     assert wd({}) is None
@@ -473,7 +473,7 @@ def test_protocol_training_defaults_are_train_configs():
     for name, f in TrainSpec.model_fields.items():
         if f.default is not None:
             assert f.default == tc[name], name
-    source = (ROOT / "pipelines" / "config" / "schema.py").read_text()
+    source = (ROOT / "pipelines" / "config" / "protocol.py").read_text()  # where ProtocolSpec and TrainSpec live
     assert '_TC["iters_per_epoch"]' in source and "= Field(100," not in source
 
 

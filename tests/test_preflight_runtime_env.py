@@ -23,16 +23,16 @@ def _cfg(tmp_path, runtime_env: dict) -> dict:
 
 
 def test_pip_entries_without_virtualenv_are_refused_up_front(tmp_path, monkeypatch):
-    from pipelines.config import schema
+    from pipelines.config import runtime_env
 
-    monkeypatch.setattr(schema, "_virtualenv_installed", lambda: False)
+    monkeypatch.setattr(runtime_env, "_virtualenv_installed", lambda: False)
     with pytest.raises(ConfigError) as info:
         parse_config(_cfg(tmp_path, {"pip": ["mylab==0.1"]}))
     assert info.value.field == "runtime_env.pip"
     assert "virtualenv" in info.value.problem and "install the packages on every node" in info.value.problem
-    monkeypatch.setattr(schema, "_virtualenv_installed", lambda: True)
+    monkeypatch.setattr(runtime_env, "_virtualenv_installed", lambda: True)
     assert parse_config(_cfg(tmp_path, {"pip": ["mylab==0.1"]})).runtime_env.pip == ["mylab==0.1"]
-    monkeypatch.setattr(schema, "_virtualenv_installed", lambda: False)
+    monkeypatch.setattr(runtime_env, "_virtualenv_installed", lambda: False)
     assert parse_config(_cfg(tmp_path, {})).runtime_env.pip == []  # no pip entries: nothing to install
 
 

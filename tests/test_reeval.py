@@ -68,7 +68,25 @@ def test_bad_config_is_one_line_naming_the_field_exit_2(tmp_path, doc, field, ca
     p.write_text(yaml.safe_dump(doc))
     assert main(["reeval", str(p)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"config error: {field}:"), err
+    assert err[0].startswith(f"config error: {field}:"), err
+    assert all(line.startswith("config error: ") for line in err), err
+
+
+def test_every_problem_of_a_reeval_config_is_one_line_in_the_sweeps_words(tmp_path, capsys, monkeypatch):
+    """The sweep config's translator: every problem printed (an unknown top-level key first), did-you-mean and the
+    keys allowed there, plain type words."""
+    from pipelines.cli import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump({"models": [{"name": "m", "alias": 5}], "datasets": {"d": "/x"}, "tolerence": 0.1}))
+    assert main(["reeval", str(p)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "config error: tolerence: unknown key; did you mean 'tolerance'? (allowed here: batch_size, datasets, "
+        "metrics, models, out, ray_address, schedule, tolerance, tracking_uri, use_gpu)",
+        "config error: tracking_uri: missing (set it or $MLFLOW_TRACKING_URI)",
+        "config error: models[0].alias: expected a string, got 5",
+    ]
 
 
 def test_unknown_model_is_a_config_error_before_ray(tmp_path, capsys):
@@ -106,17 +124,18 @@ def _load(tmp_path: Path, **changes):
 @pytest.mark.parametrize(
     "changes, field, says",
     [
-        ({"bogus": 1, "tolerance": 5}, "bogus", "unknown key (known: schedule, tracking_uri, models"),
+        ({"bogus": 1, "tolerance": 5}, "bogus", "unknown key (allowed here: batch_size, datasets, metrics, models"),
         ({"models": "m"}, "models", "non-empty list"),
         ({"models": [{"name": "m"}, {"alias": "a"}]}, "models[1]", "exactly one of `name` or `experiment`"),
-        ({"models": [{"name": "m", "stage": "prod"}]}, "models[0].stage", "unknown key (known: name, alias, version"),
+        ({"models": [{"name": "m", "stage": "prod"}]}, "models[0].stage", "unknown key (allowed here: alias"),
         ({"models": [{"name": "m", "alias": "a", "version": 2}]}, "models[0]", "`alias` or `version`, not both"),
-        ({"models": [{"name": "m", "alias": 5}]}, "models[0].alias", "valid string, got 5"),
+        ({"models": [{"name": "m", "alias": 5}]}, "models[0].alias", "expected a string, got 5"),
         ({"models": [{"name": "m", "version": True}]}, "models[0].version", "version number"),
         ({"models": [{"experiment": "e", "version": 1}]}, "models[0].version", "only with `name`"),
         ({"datasets": {}}, "datasets", "parquet URIs"),
         ({"datasets": {"d": "gs://bucket/d"}}, "datasets.d", "unsupported URI scheme 'gs'"),
-        ({"metrics": ["map_at_r", "acc"]}, "metrics[1]", "unknown metric 'acc'"),
+        ({"metrics": ["map_at_r", "acc"]}, "metrics[1]", "'acc' is not one of 'map_at_r', 'r_precision'"),
+        ({"metrics": ["map_at_r", "r_precison"]}, "metrics[1]", "; did you mean 'r_precision'"),
         ({"metrics": ["nmi", "nmi"]}, "metrics[1]", "already listed as metrics[0]"),
         ({"tolerance": 1}, "tolerance", "[0, 1), got 1"),
         ({"tolerance": float("nan")}, "tolerance", "[0, 1), got nan"),

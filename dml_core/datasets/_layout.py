@@ -7,6 +7,7 @@ import functools
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from dml_core.datasets._sources import read_local_file
 from dml_core.shards import DataFileNotFoundError, LayoutError, Record
 
 
@@ -72,14 +73,9 @@ def file_record(root: Path, relpath: str, label: int, class_name: str, split: st
         label=int(label),
         class_name=class_name,
         split=split,
-        read=functools.partial(_read_bytes, path),
+        read=functools.partial(read_local_file, path),
         source=path,
     )
-
-
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def check_files_exist(root: Path, records: list[Record], dataset: str) -> None:

@@ -27,7 +27,9 @@ def is_image_name(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _read_file(path: str) -> bytes:
+def read_local_file(path: str) -> bytes:
+    """The bytes of a local image file: what a record's ``read`` calls (a module-level function, so that a
+    ``functools.partial`` of it pickles to the processes that write shards)."""
     with open(path, "rb") as f:
         return f.read()
 
@@ -52,7 +54,7 @@ class LocalRoot:
         return str(self.path / rel)
 
     def reader(self, rel: str):
-        return functools.partial(_read_file, self.source(rel))
+        return functools.partial(read_local_file, self.source(rel))
 
     def real(self, rel: str) -> str:
         return os.path.realpath(self.path / rel)

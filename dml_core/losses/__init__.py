@@ -24,6 +24,7 @@ from dml_core.losses.registry import (  # noqa: F401 - re-exported: the package'
     register_wrapper,
 )
 from dml_core.losses.resolve import (  # noqa: F401 - re-exported: the package's public names
+    UnknownLossError,
     build_loss,
     check_plugin_losses,
     list_losses,

@@ -103,8 +103,6 @@ class Contrastive(PMLLoss):
     *non-zero* pairs (PML ``AvgNonZeroReducer``), the two averages added.
     """
 
-    name = "contrastive"
-
     def __init__(self, *, num_classes: int, embedding_dim: int, pos_margin: float = 0.0, neg_margin: float = 1.0):
         num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
         pos_margin = number(self.name, "pos_margin", pos_margin)
@@ -149,8 +147,6 @@ class Triplet(PMLLoss):
     The SEC paper's vanilla triplet is ``margin=1.0, squared=True, reduction="all"``.
     """
 
-    name = "triplet"
-
     def __init__(
         self,
         *,
@@ -190,8 +186,6 @@ class NTXent(PMLLoss):
     positive pairs (PML ``MeanReducer``).  PML subtracts the row maximum before exponentiating.
     """
 
-    name = "ntxent"
-
     def __init__(self, *, num_classes: int, embedding_dim: int, temperature: float = 0.07):
         num_classes, embedding_dim = sizes(self.name, num_classes, embedding_dim)
         temperature = positive(self.name, "temperature", temperature)
@@ -224,8 +218,6 @@ class Margin(PMLLoss):
     ``nn.Parameter`` trained by the loss's own optimiser (lr = ``loss_lr``; MLRC ran it
     without weight decay).  No distance-weighted sampling: MLRC used PML's all-triplets default.
     """
-
-    name = "margin"
 
     def __init__(
         self,
@@ -281,8 +273,6 @@ class MultiSimilarity(PMLLoss):
     log-sum-exps with ``torch.logsumexp`` (stable for β up to the MLRC bound 100).
     """
 
-    name = "multi_similarity"
-
     def __init__(
         self,
         *,
@@ -325,7 +315,6 @@ class NormalizedSoftmax(PMLLoss):
     parameter with its own optimiser (lr = ``loss_lr``).
     """
 
-    name = "normalized_softmax"
     checks_labels = checks_dim = True
 
     def __init__(self, *, num_classes: int, embedding_dim: int, temperature: float = 0.05):
@@ -353,7 +342,6 @@ class CosFace(PMLLoss):
     cos θ_{i,k} = ⟨f̂_i, ŵ_k⟩, m = ``margin``, s = ``scale``; W = ``self.loss.W`` is learnable.
     """
 
-    name = "cosface"
     checks_labels = checks_dim = True
 
     def __init__(self, *, num_classes: int, embedding_dim: int, margin: float = 0.35, scale: float = 64.0):
@@ -395,7 +383,6 @@ class ArcFace(PMLLoss):
     PML: the arccos input is clamped one ulp inside (−1, 1) (see :class:`_ClampedArcFaceLoss`).
     """
 
-    name = "arcface"
     checks_labels = checks_dim = True
 
     def __init__(self, *, num_classes: int, embedding_dim: int, margin: float = 28.6, scale: float = 64.0):

@@ -168,7 +168,7 @@ class GroupLoss(nn.Module):
       (they contribute ≈ 0), as in [C]; "non_anchors" averages over the unlabelled rows only.
     """
 
-    name = "group_loss"
+    name: str  # given by @register
 
     def __init__(
         self,

@@ -275,8 +275,6 @@ class MultiProxyAnchor(_MPAFamily):
     δ = ``delta`` (0.1), γ = ``gamma`` (0.1), τ = ``tau`` (0.2), K = ``num_proxies`` (10 CUB/Cars).
     """
 
-    name = "mpa"
-
     def similarity_loss(self, S: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return mpa_similarity_loss(S, labels, self.alpha, self.delta)
 
@@ -313,8 +311,6 @@ class MultiProxyAnchorDW(_DataWise):
     other batch samples (Eq. 14).  Same hyperparameters and defaults as ``mpa``.
     """
 
-    name = "mpa_dw"
-
     def per_sample_losses(self, S: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return mpa_dw_similarity_losses(S, labels, self.alpha, self.delta)
 
@@ -335,8 +331,6 @@ class MultiProxyAnchorAP(_DataWise):
     One soft-plus per sample couples the positive and negative similarities (P–N relations,
     Eq. 18).  Per sample ℓ_AP ≤ ℓ_DW.  Same hyperparameters and defaults as ``mpa``.
     """
-
-    name = "mpa_ap"
 
     def per_sample_losses(self, S: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return mpa_ap_similarity_losses(S, labels, self.alpha, self.delta)
@@ -363,8 +357,6 @@ class SoftTriple(MultiProxyLoss):
     matrix).  The regulariser uses ε = 1e-5 (SoftTriple's code) where MLRC-era PML used the
     smallest normal float; the values differ by < sqrt(1e-5)/2 ≈ 0.0016.
     """
-
-    name = "soft_triple"
 
     def __init__(
         self,
@@ -400,7 +392,7 @@ class SoftTriple(MultiProxyLoss):
 
 @register(
     "proxy_anchor",
-    paper=f"{PROXY_ANCHOR_PAPER}; settings: {MLRC_PAPER}-era PML ProxyAnchorLoss",
+    paper=f"{PROXY_ANCHOR_PAPER}, as PML ProxyAnchorLoss; batch and model: {MLRC_PAPER} (not one of its 14 methods)",
     learnable=True,
     own_optimizer=True,
     batch=MLRC_BATCH,
@@ -414,8 +406,6 @@ class ProxyAnchor(MultiProxyLoss):
     Names are PML's: α = ``alpha`` (32), δ = ``margin`` (0.1).  One proxy per class, initialised
     as PML/ProxyAnchor (``kaiming_normal_(mode='fan_out')``); no regulariser.
     """
-
-    name = "proxy_anchor"
 
     def __init__(self, *, num_classes: int, embedding_dim: int, alpha: float = 32.0, margin: float = 0.1):
         super().__init__(num_classes=num_classes, embedding_dim=embedding_dim, num_proxies=1, gamma=1.0, tau=0.0)

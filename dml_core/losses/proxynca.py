@@ -76,7 +76,7 @@ def proxy_nca_loss(
 class _ProxyNCABase(nn.Module):
     """Proxies ``self.proxies`` (C, D), temperature ``self.temperature``, switch ``self.prob``."""
 
-    name = "proxynca"
+    name: str  # given by @register on each loss
 
     def __init__(self, num_classes: int, embedding_dim: int, temperature: float, prob: bool, init_std: float):
         super().__init__()
@@ -133,8 +133,6 @@ class ProxyNCA(_ProxyNCABase):
     −log P via log-sum-exp.  The two agree whenever PML keeps every sample.
     """
 
-    name = "proxynca"
-
     def __init__(self, *, num_classes: int, embedding_dim: int, softmax_scale: float = 1.0, prob: bool = True):
         softmax_scale = positive(self.name, "softmax_scale", softmax_scale)
         super().__init__(num_classes, embedding_dim, 1.0 / softmax_scale, prob, init_std=1.0)
@@ -167,8 +165,6 @@ class ProxyNCAPlusPlus(_ProxyNCABase):
     The official code multiplies x̂ and p̂ by sqrt(1/T) = 3 before the squared distance;
     ||3x̂ − 3p̂||² = d/T is the same number (docs/losses/proxynca.md §Identities).
     """
-
-    name = "proxynca_pp"
 
     def __init__(self, *, num_classes: int, embedding_dim: int, temperature: float = 1 / 9, prob: bool = True):
         temperature = positive(self.name, "temperature", temperature)

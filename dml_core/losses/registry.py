@@ -43,8 +43,9 @@ from typing import Any, Callable
 
 import torch
 
-# The plugin machinery shared with the trunks; PluginDistribution is re-exported here and by dml_core.losses.
-from dml_core.plugins import PluginDistribution, PluginError
+# The plugin machinery shared with the trunks; PluginDistribution and LossPluginError are re-exported here and by
+# dml_core.losses.
+from dml_core.plugins import LossPluginError, PluginDistribution
 
 # The protocol's shared recipe lives in dml_core.protocol (imported by dml_core.train too); re-exported here.
 from dml_core.protocol import (
@@ -79,11 +80,6 @@ ENTRY_POINT_GROUP = "dml_reality_check.losses"
 _METADATA_ATTR = "__dml_loss_metadata__"
 #: Keys of a shipped search space, as in ``tune_spaces/*.yaml``.
 _SPACE_KEYS = ("loss", "space", "fixed", "paper_defaults")
-
-
-class LossPluginError(PluginError):
-    """A loss from outside this package (import path or entry point) cannot be used; the message is one line
-    that names the loss and what is wrong with it."""
 
 
 @dataclass(frozen=True)
@@ -139,14 +135,21 @@ def register(
     description: str = "",
     loss_weight_decay: float = MLRC_LOSS_WEIGHT_DECAY,
 ):
-    """Class/function decorator adding a loss factory to the registry.
+    """Class decorator adding a loss (an ``nn.Module`` class, a :class:`~dml_core.plugins.LossFactory`) to the
+    registry under ``name``, the one place the name is written: the decorator sets the class's ``name`` attribute
+    (which its error messages use), so a class must not set its own.
 
-    The factory is called as ``factory(num_classes=..., embedding_dim=..., **params)``.
+    The class is called as ``factory(num_classes=..., embedding_dim=..., **params)``.
     """
 
     def deco(factory):
         if name in _REGISTRY:
             raise ValueError(f"loss {name!r} registered twice")
+        if not isinstance(factory, type) or not issubclass(factory, torch.nn.Module):
+            raise TypeError(f"register({name!r}) decorates an nn.Module class, got {factory!r}")
+        if "name" in vars(factory):
+            raise ValueError(f"loss {name!r}: {factory.__name__} sets its own name; register() gives it")
+        factory.name = name
         _REGISTRY[name] = LossInfo(
             name=name,
             factory=factory,

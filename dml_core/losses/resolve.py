@@ -34,7 +34,13 @@ from dml_core.losses.registry import (
     LossPluginError,
     _own_metadata,
 )
-from dml_core.plugins import IMPORT_PATH, PluginDistribution, distribution_of_entry_point
+from dml_core.plugins import (
+    IMPORT_PATH,
+    LossFactory,
+    PluginDistribution,
+    distribution_of_entry_point,
+    keyword_parameters,
+)
 
 __all__ = [
     "resolve_loss",
@@ -46,7 +52,11 @@ __all__ = [
     "list_plugin_losses",
     "check_plugin_losses",
     "plugin_space",
+    "UnknownLossError",
 ]
+
+#: What the loss contract passes every factory by keyword: ("num_classes", "embedding_dim").
+_FACTORY_KEYWORDS = keyword_parameters(LossFactory)
 
 
 # --------------------------------------------------------------------------------------------------- name parsing
@@ -77,6 +87,28 @@ def list_losses() -> list[str]:
 
 def list_wrappers() -> list[str]:
     return sorted(_WRAPPERS)
+
+
+class UnknownLossError(ValueError):
+    """A name that is no built-in loss, no installed entry point and no import path.  ``str(e)`` is the one wording
+    of it (a config error prints :meth:`message` with its own way of showing the name); ``known`` lists the names
+    that would have worked, for a did-you-mean."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.known = list_losses()
+        self.wrappers = list_wrappers()
+        self.plugins = [n for n in list_plugin_losses() if n not in _REGISTRY]
+        super().__init__(self.message())
+
+    def message(self, shown: Callable[[Any], str] = repr) -> str:
+        """``unknown loss 'x' (known: ..., sec:<base>; plugins: ...; or an import path 'package.module:attribute')``."""
+        known = self.known + [f"{w}:<base>" for w in self.wrappers]
+        installed = f"; plugins: {', '.join(self.plugins)}" if self.plugins else ""
+        return (
+            f"unknown loss {shown(self.name)} (known: {', '.join(known)}{installed}; or an import path "
+            "'package.module:attribute')"
+        )
 
 
 # --------------------------------------------------------------------------------------------------- plugins
@@ -110,30 +142,42 @@ def _clash_message(name: str, eps: list[importlib.metadata.EntryPoint]) -> str:
     )
 
 
+def _shadow_message(name: str, eps: list[importlib.metadata.EntryPoint]) -> str:
+    dist = distribution_of_entry_point(eps[0]) or "(unknown distribution)"
+    return (
+        f"loss {name!r}: entry point of {dist} ({eps[0].value!r}, group {ENTRY_POINT_GROUP!r}) has the name "
+        f"of a built-in loss of {_builtin_distribution()}, which always wins; rename the entry point or name "
+        "the plugin's loss by its import path"
+    )
+
+
+def _lookup(name: str, *, builtin: bool = False) -> importlib.metadata.EntryPoint | None:
+    """The entry point of a loss name (:func:`dml_core.plugins.lookup_entry_point`, the trunks' lookup too)."""
+    return plugins.lookup_entry_point(
+        ENTRY_POINT_GROUP,
+        name,
+        error=LossPluginError,
+        clash=lambda eps: _clash_message(name, eps),
+        shadowed=(lambda eps: _shadow_message(name, eps)) if builtin else None,
+    )
+
+
 def check_plugin_losses() -> None:
     """Raise :class:`LossPluginError` for the first entry-point loss that cannot be named unambiguously: one
     exported by two distributions, one named like a built-in loss (which always wins, so the plugin's would never
     be used) or one whose name contains ``:`` (parsed as a wrapper or an import path).  Imports no plugin module.
     A sweep's preflight calls it so that a shadowed or ambiguous plugin is an error before anything runs."""
-    by_name: dict[str, list[importlib.metadata.EntryPoint]] = {}
+    by_name: dict[str, importlib.metadata.EntryPoint] = {}
     for ep in plugins.entry_points(ENTRY_POINT_GROUP):
-        by_name.setdefault(ep.name, []).append(ep)
+        by_name.setdefault(ep.name, ep)
     for name in sorted(by_name):
-        eps = plugins.distinct_entry_points(by_name[name])
-        dist = distribution_of_entry_point(eps[0]) or "(unknown distribution)"
-        if name in _REGISTRY:
-            raise LossPluginError(
-                f"loss {name!r}: entry point of {dist} ({eps[0].value!r}, group {ENTRY_POINT_GROUP!r}) has the name "
-                f"of a built-in loss of {_builtin_distribution()}, which always wins; rename the entry point or name "
-                "the plugin's loss by its import path"
-            )
-        if ":" in name:
+        if ":" in name:  # no built-in name has one
+            dist = distribution_of_entry_point(by_name[name]) or "(unknown distribution)"
             raise LossPluginError(
                 f"loss {name!r}: entry point of {dist} (group {ENTRY_POINT_GROUP!r}) has a ':' in "
                 "its name, which a loss name reads as a wrapper or an import path; rename it"
             )
-        if len(eps) > 1:
-            raise LossPluginError(_clash_message(name, eps))
+        _lookup(name, builtin=name in _REGISTRY)
 
 
 def _load_object(module_name: str, attr: str, where: str) -> Any:
@@ -148,8 +192,9 @@ def _load_object(module_name: str, attr: str, where: str) -> Any:
 
 
 def _check_factory(obj: Any, target: str, where: str) -> None:
-    """A loss factory is callable as ``obj(num_classes=..., embedding_dim=..., **hyperparameters)``."""
-    if not callable(obj):
+    """``obj`` fits :class:`~dml_core.plugins.LossFactory`: callable, taking its keywords (``num_classes``,
+    ``embedding_dim``) by name."""
+    if not isinstance(obj, LossFactory):
         raise LossPluginError(
             f"{where}: {target!r} is not callable ({type(obj).__name__}); a loss factory is a "
             "function or nn.Module class called as factory(num_classes=..., embedding_dim=..., "
@@ -166,7 +211,7 @@ def _check_factory(obj: Any, target: str, where: str) -> None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    missing = [n for n in ("num_classes", "embedding_dim") if n not in params or params[n].kind not in keyword]
+    missing = [n for n in _FACTORY_KEYWORDS if n not in params or params[n].kind not in keyword]
     if missing:
         raise LossPluginError(
             f"{where}: {target}{sig} does not take {' and '.join(missing)} as keyword argument"
@@ -209,12 +254,9 @@ def _resolve_import_path(base: str, name: str) -> LossInfo:
 
 
 def _resolve_entry_point(base: str, name: str) -> LossInfo | None:
-    eps = plugins.distinct_entry_points(plugins.entry_points(ENTRY_POINT_GROUP, base))
-    if not eps:
+    ep = _lookup(base)
+    if ep is None:
         return None
-    if len(eps) > 1:
-        raise LossPluginError(_clash_message(base, eps))
-    ep = eps[0]
     dist = distribution_of_entry_point(ep)
     where = f"loss {name!r} (entry point {ep.value!r} of {dist or '(unknown distribution)'})"
     if not ep.attr:
@@ -232,22 +274,17 @@ def _resolve_base(base: str, name: str) -> LossInfo:
     info = _resolve_entry_point(base, name)
     if info is not None:
         return info
-    plugins = [n for n in list_plugin_losses() if n not in _REGISTRY]
-    raise ValueError(
-        f"unknown loss {base!r}; known: {', '.join(sorted(_REGISTRY))}"
-        + (f"; plugins: {', '.join(plugins)}" if plugins else "")
-        + "; or an import path 'module:attribute'"
-    )
+    raise UnknownLossError(base)
 
 
 def resolve_loss(name: str) -> LossInfo:
     """The :class:`LossInfo` of any loss name: built-in, import path or entry point, behind any wrappers
     (``"sec:<base>"`` gives the base loss's metadata).
 
-    Built-in names are looked up first and never reach the plugin machinery.  Anything else imports the plugin's
-    module (so a config that names a plugin fails here, before training, when the plugin is broken).  Raises
-    ``ValueError`` for an unknown name and :class:`LossPluginError` (a ``ValueError``) for a plugin that cannot be
-    used, each with a one-line message.
+    Built-in names are looked up first and never reach the plugin machinery. Anything else imports the plugin's module
+    (so a config that names a plugin fails here, before training, when the plugin is broken). Raises
+    :class:`UnknownLossError` (a ``ValueError``) for an unknown name and :class:`LossPluginError` (a
+    ``ValueError``) for a plugin that cannot be used, each with a one-line message.
     """
     _, base = _split_wrappers(name)
     return _resolve_base(base, name)
@@ -324,7 +361,8 @@ def _check_params(
 
 
 def _check_call(where: str, factory: Callable, kwargs: dict[str, Any]) -> None:
-    """A plugin factory's required arguments are all given (``missing a required argument: 'margin'``)."""
+    """A plugin factory's required arguments are all given by the contract's keywords and the hyperparameters
+    (``missing a required argument: 'margin'``)."""
     try:
         sig = inspect.signature(factory)
     except (TypeError, ValueError):
@@ -360,9 +398,7 @@ def build_loss(name: str, *, num_classes: int, embedding_dim: int, **params: Any
         else:
             wrapper_params[owner][k] = v
     where = f"loss {info.name!r}"
-    _check_params(
-        where, info.factory, base_params, {"num_classes", "embedding_dim"}, LossPluginError if plugin else ValueError
-    )
+    _check_params(where, info.factory, base_params, set(_FACTORY_KEYWORDS), LossPluginError if plugin else ValueError)
     kwargs = dict(num_classes=num_classes, embedding_dim=embedding_dim, **base_params)
     if plugin:
         _check_call(where, info.factory, kwargs)

@@ -174,8 +174,6 @@ class EuclideanSoftmax(_EuclideanProxyLoss):
     Proxies (``self.proxies``) are trained by the loss's own optimiser (lr = ``loss_lr``).
     """
 
-    name = "euclidean_softmax"
-
     def __init__(self, *, num_classes: int, embedding_dim: int, scale: float = 4.525):
         super().__init__(num_classes, embedding_dim)
         self.scale = positive(self.name, "scale", scale)
@@ -221,7 +219,6 @@ class RealignedSoftmaxWarping(_EuclideanProxyLoss):
     phase); it counts every ``forward`` while ``self.training`` and never in eval mode.
     """
 
-    name = "rsw"
     step: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(

@@ -193,7 +193,7 @@ class SemihardTriplet(nn.Module):
     Paper setting: margin = 0.2 (App. B.1).
     """
 
-    name = "semihard_triplet"
+    name: str  # given by @register
 
     def __init__(self, *, num_classes: int, embedding_dim: int, margin: float = 0.2):
         super().__init__()
@@ -250,7 +250,7 @@ class NormalizedNPair(nn.Module):
     Paper setting: s = 25 (s = 64 was worse, App. B.1).
     """
 
-    name = "npair"
+    name: str  # given by @register
 
     def __init__(self, *, num_classes: int, embedding_dim: int, scale: float = 25.0):
         super().__init__()

@@ -6,12 +6,16 @@ The object named is a callable taking no required argument (it may take ``pretra
 ``num_features``, timm's name) — C.  An optional ``preprocessing`` (a :class:`Preprocessing` or a dict of its
 fields) on the callable, else on the module, declares its input convention; the ImageNet one otherwise.
 
-Every way this can go wrong is a ``ValueError`` with one message naming the trunk, never a traceback through this
-module: the module does not import (the plugin's exception type, message and the file:line it came from), no such
-attribute, not callable, required arguments, the call raises, a result that is not an ``nn.Module``, no usable
-feature dimension, a bad ``preprocessing``, an entry-point name exported by two distributions or clashing with a
-built-in trunk.  Importing, entry points and distributions go through :mod:`dml_core.plugins` (shared with the
-plugin losses); the wording of the messages is this module's.
+The contract is in code: :class:`~dml_core.plugins.TrunkFactory` (the callable) and
+:class:`~dml_core.plugins.TrunkModule` (what it returns); the probes here read their names from them.
+
+Every way this can go wrong is a :class:`~dml_core.plugins.TrunkPluginError` (a ``PluginError``, so a
+``ValueError``) with one message naming the trunk, never a traceback through this module: the module does not import
+(the plugin's exception type, message and the file:line it came from), no such attribute, not callable, required
+arguments, the call raises, a result that is not an ``nn.Module``, no usable feature dimension, a bad
+``preprocessing``, an entry-point name exported by two distributions or clashing with a built-in trunk. Importing,
+entry points and distributions go through :mod:`dml_core.plugins` (shared with the plugin losses); the wording of
+the messages is this module's.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from dml_core.plugins import (
     IMPORT_PATH,
     PluginAttributeError,
     PluginImportError,
-    distinct_entry_points,
+    TrunkFactory,
+    TrunkModule,
+    TrunkPluginError,
     distribution_of_entry_point,
     entry_points,
+    keyword_parameters,
+    lookup_entry_point,
     one_line,
     raised_at,
 )
@@ -37,6 +45,7 @@ from dml_core.trunks.preprocessing import Preprocessing
 __all__ = [
     "ENTRY_POINT_GROUP",
     "IMPORT_PATH",
+    "TrunkPluginError",
     "load_object",
     "entry_points_named",
     "installed_entry_points",
@@ -46,6 +55,10 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "dml_reality_check.trunks"
+#: The one argument the trunk contract may pass a factory: ("pretrained",).
+_FACTORY_KEYWORDS = keyword_parameters(TrunkFactory)
+#: Where a trunk module tells its channel count: the contract's attribute, then timm's name for it.
+_FEATURE_DIM_ATTRS = (*TrunkModule.__annotations__, "num_features")
 
 
 def load_object(module: str, attr: str, trunk: str, what: str):
@@ -54,19 +67,19 @@ def load_object(module: str, attr: str, trunk: str, what: str):
     try:
         obj = _load(module, attr, what=f"trunk {trunk!r}")
     except PluginImportError as e:
-        raise ValueError(
+        raise TrunkPluginError(
             f"trunk {trunk!r}: cannot import module {module!r} ({what}): {one_line(e.cause)}"
             f"{raised_at(e.cause, labelled=True)}"
         ) from None
     except PluginAttributeError as e:
         if e.cause is None:
-            raise ValueError(f"trunk {trunk!r}: {e.owner!r} has no attribute {e.part!r} ({what})") from None
-        raise ValueError(
+            raise TrunkPluginError(f"trunk {trunk!r}: {e.owner!r} has no attribute {e.part!r} ({what})") from None
+        raise TrunkPluginError(
             f"trunk {trunk!r}: looking up {e.part!r} in {e.owner!r} raised {one_line(e.cause)}"
             f"{raised_at(e.cause, labelled=True)}"
         ) from None
-    if not callable(obj):
-        raise ValueError(
+    if not isinstance(obj, TrunkFactory):
+        raise TrunkPluginError(
             f"trunk {trunk!r}: {module}:{attr} is a {type(obj).__name__}, not a callable returning the "
             f"trunk module ({what})"
         )
@@ -86,23 +99,30 @@ def distribution_of(ep) -> str:
 
 
 def entry_points_named(name: str, builtin: bool) -> list:
-    """The entry points called ``name``, at most one: two distributions exporting it, or one exporting the name of a
-    built-in trunk (``builtin``), is a ``ValueError`` naming both sides."""
-    eps = distinct_entry_points(installed_entry_points(name))
-    if builtin and eps:
-        sides = " and ".join(f"{distribution_of(ep)!r} ({ep.value})" for ep in eps)
-        raise ValueError(
-            f"trunk {name!r}: the entry point {name!r} of {sides} (group {ENTRY_POINT_GROUP}) "
+    """The entry points called ``name``, at most one (:func:`dml_core.plugins.lookup_entry_point`, the losses'
+    lookup too): two distributions exporting it, or one exporting the name of a built-in trunk (``builtin``), is a
+    :class:`TrunkPluginError` naming both sides."""
+
+    def sides(eps: list) -> str:
+        return " and ".join(f"{distribution_of(ep)!r} ({ep.value})" for ep in eps)
+
+    def shadowed(eps: list) -> str:
+        return (
+            f"trunk {name!r}: the entry point {name!r} of {sides(eps)} (group {ENTRY_POINT_GROUP}) "
             f"clashes with the built-in trunk {name!r} of 'dml-reality-check'; rename the entry point or "
             "uninstall that distribution"
         )
-    if len(eps) > 1:
-        sides = " and ".join(f"{distribution_of(ep)!r} ({ep.value})" for ep in eps)
-        raise ValueError(
-            f"trunk {name!r} is exported by two distributions: {sides} (entry point group "
+
+    def clash(eps: list) -> str:
+        return (
+            f"trunk {name!r} is exported by two distributions: {sides(eps)} (entry point group "
             f"{ENTRY_POINT_GROUP}); uninstall one, or name the trunk by its import path"
         )
-    return eps
+
+    ep = lookup_entry_point(
+        ENTRY_POINT_GROUP, name, error=TrunkPluginError, clash=clash, shadowed=shadowed if builtin else None
+    )
+    return [] if ep is None else [ep]
 
 
 def _signature(obj):
@@ -113,7 +133,8 @@ def _signature(obj):
 
 
 def check_signature(obj, ref: str, trunk: str) -> bool:
-    """Whether ``obj`` takes ``pretrained=``; a ``ValueError`` when it has required arguments besides it."""
+    """Whether ``obj`` takes ``pretrained=`` (the :class:`~dml_core.plugins.TrunkFactory` keyword); a
+    :class:`TrunkPluginError` when it has required arguments besides it."""
     sig = _signature(obj)
     if sig is None:
         return False
@@ -122,14 +143,14 @@ def check_signature(obj, ref: str, trunk: str) -> bool:
         p.name
         for p in params
         if p.default is inspect.Parameter.empty
-        and p.name != "pretrained"
+        and p.name not in _FACTORY_KEYWORDS
         and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     ]
     if required:
-        raise ValueError(
+        raise TrunkPluginError(
             f"trunk {trunk!r}: {ref} must be callable without arguments (pretrained= aside), but it requires {required}"
         )
-    return any(p.name == "pretrained" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any(p.name in _FACTORY_KEYWORDS or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def call_factory(obj, ref: str, trunk: str, pretrained: Path | None) -> tuple[nn.Module, bool]:
@@ -139,31 +160,33 @@ def call_factory(obj, ref: str, trunk: str, pretrained: Path | None) -> tuple[nn
     try:
         module = obj(pretrained=None if pretrained is None else str(pretrained)) if takes_pretrained else obj()
     except Exception as e:
-        raise ValueError(f"trunk {trunk!r}: {ref}() raised {one_line(e)}{raised_at(e, labelled=True)}") from None
+        raise TrunkPluginError(f"trunk {trunk!r}: {ref}() raised {one_line(e)}{raised_at(e, labelled=True)}") from None
     if not isinstance(module, nn.Module):
-        raise ValueError(f"trunk {trunk!r}: {ref}() returned a {type(module).__name__}, not a torch.nn.Module")
+        raise TrunkPluginError(f"trunk {trunk!r}: {ref}() returned a {type(module).__name__}, not a torch.nn.Module")
     return module, takes_pretrained
 
 
 def feature_dim_of(module: nn.Module, ref: str, trunk: str) -> int:
-    """The module's ``feature_dim`` (else ``num_features``): a positive int, or a ``ValueError``."""
-    for attr in ("feature_dim", "num_features"):
+    """The module's ``feature_dim`` (:class:`~dml_core.plugins.TrunkModule`; else timm's ``num_features``): a
+    positive int, or a :class:`TrunkPluginError`."""
+    for attr in _FEATURE_DIM_ATTRS:
         value = getattr(module, attr, None)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
+                raise TrunkPluginError(
                     f"trunk {trunk!r}: {ref}() returned a module whose {attr} is {value!r}, not a "
                     "positive int (the channel count of its feature map)"
                 )
             return value
-    raise ValueError(
+    raise TrunkPluginError(
         f"trunk {trunk!r}: {ref}() returned a {type(module).__name__} without an int feature_dim (or "
         "num_features) attribute: the channel count C of its (B, C, H, W) feature map"
     )
 
 
 def declared_preprocessing(obj, ref: str, trunk: str) -> Preprocessing | None:
-    """``obj.preprocessing`` as a :class:`Preprocessing` (``None`` when absent); a bad value is a ``ValueError``."""
+    """``obj.preprocessing`` as a :class:`Preprocessing` (``None`` when absent); a bad value is a ``ValueError``
+    (:meth:`Preprocessing.coerce`'s)."""
     value = getattr(obj, "preprocessing", None)
     if value is None or isinstance(value, property) or callable(value) and not isinstance(value, (Preprocessing, dict)):
         return None  # absent, or an instance property / method: read from the built module instead

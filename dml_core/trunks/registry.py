@@ -175,7 +175,7 @@ def resolve_trunk(name: str) -> TrunkSpec:
     dist = plugins.distribution_of(ep)
     what = f"entry point {name!r} = {ep.value!r} of {dist!r}"
     if not ep.attr or not plugins.IMPORT_PATH.fullmatch(f"{ep.module}:{ep.attr}"):
-        raise ValueError(f"trunk {name!r}: {what} must name 'package.module:callable'")
+        raise plugins.TrunkPluginError(f"trunk {name!r}: {what} must name 'package.module:callable'")
     return _plugin_spec(
         name, "entry_point", f"entry point of {dist}", ep.module, ep.attr, what, distribution_of_entry_point(ep)
     )

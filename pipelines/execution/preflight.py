@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dml_core.models import build_model
+from dml_core.protocol import MLRC_BATCH, MLRC_MODEL
 from dml_core.splits import FoldManifest
 from dml_core.train import TrainConfig
 from pipelines.config.schema import TRAIN_KEYS, ConfigError, LossSpec, SweepConfig
@@ -61,7 +62,7 @@ def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
     """``(classes_per_batch, m)``: ``protocol.train`` if set; else the protocol's shared batch (MLRC: 8 × 4 for
     every loss — the point of a fair comparison), or the loss paper's own batch with ``protocol.recipe: paper``."""
     # the loss zoo takes seconds to import: the sweep imports this module before the config is checked
-    from dml_core.losses import MLRC_BATCH, loss_info
+    from dml_core.losses import loss_info
 
     spec = loss_info(loss.name).batch if cfg.protocol.recipe == "paper" else MLRC_BATCH
     return (
@@ -249,15 +250,10 @@ def check_pretrained(cfg: SweepConfig) -> None:
         raise ConfigError("model.pretrained", one_line(e)) from None
 
 
-def preflight(cfg: SweepConfig) -> list[StudyPlan]:
-    """Check locations, load datasets, cut folds, check batches and build every loss; one :class:`StudyPlan` per
-    (dataset, loss).  Reads only: nothing is created before the config is known good."""
-    # the loss zoo: see batch_of
-    from dml_core.losses import MLRC_MODEL, check_plugin_losses, loss_info
+def _check_plugins_and_training(cfg: SweepConfig) -> None:
+    """No ambiguous plugin loss name is installed, and the protocol's training settings make a TrainConfig."""
+    from dml_core.losses import check_plugin_losses  # the loss zoo takes seconds to import: see batch_of
 
-    check_locations(cfg)
-    _check_environment()
-    check_package_sizes(cfg)
     try:
         check_plugin_losses()  # an installed entry point shadowed by a built-in or exported twice: ambiguous names
     except ValueError as e:
@@ -272,7 +268,11 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
         )
     except (TypeError, ValueError) as e:
         raise ConfigError(_train_config_field(str(e)), one_line(e)) from None
-    check_pretrained(cfg)
+
+
+def _check_batches(cfg: SweepConfig) -> dict[str, tuple[int, int]]:
+    """Each loss's (classes_per_batch, m), its global batch split evenly over the fold's workers, with at least 2
+    images per rank when BatchNorm trains."""
     w = cfg.resources.workers_per_fold
     batches = {ls.name: batch_of(cfg, ls) for ls in cfg.losses}
     for j, ls in enumerate(cfg.losses):
@@ -290,38 +290,49 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
                 f"{ls.name!r} (classes_per_batch × m = {cpb} × {m} = {cpb * m}): BatchNorm in training mode needs "
                 "at least 2 images per rank; use fewer workers_per_fold or a larger batch (or model.freeze_bn: true)",
             )
-    datasets: list[DatasetData] = []
-    for i, spec in enumerate(cfg.datasets):
-        where = f"datasets[{i}]"
-        table = load_table(spec, where)
-        if spec.kind == "parquet":
-            check_image_rows(spec.path, where)
-        need = max(batches.values())
-        try:
-            with warnings.catch_warnings():  # single-class folds: _check_classes says it once, as a config error
-                warnings.filterwarnings("ignore", message=".*single val class.*")
-                manifest = FoldManifest.from_labels(
-                    table.labels,
-                    cfg.protocol.folds,
-                    cfg.protocol.fold_layout,
-                    min_val_samples=2,
-                    min_train_classes=need[0],
-                )
-        except ValueError as e:
-            n = len(np.unique(table.labels))
-            worst = max(batches, key=lambda k: batches[k][0])
-            raise ConfigError(
-                where,
-                f"{n} classes are too few for {cfg.protocol.folds} folds × batches of classes_per_batch × m = "
-                f"{need[0]} × {need[1]} (loss {worst!r}): {one_line(e)}",
-            ) from None
-        for fold in manifest.folds:
-            if len(table.subset(fold.val_classes)) < w:
-                raise ConfigError(where, f"fold {fold.index} has fewer val images than the {w} workers embedding them")
-        _check_classes(table, manifest, max(m for _, m in batches.values()), where)
-        if len(manifest.test_classes) < 2:
-            raise ConfigError(where, f"only {len(manifest.test_classes)} test classes; need >= 2")
-        datasets.append(DatasetData(spec, i, table, manifest))
+    return batches
+
+
+def _load_dataset(cfg: SweepConfig, i: int, spec: Any, batches: dict[str, tuple[int, int]]) -> DatasetData:
+    """``datasets[i]`` loaded and cut into the protocol's folds, each fold able to feed every loss's batches."""
+    w = cfg.resources.workers_per_fold
+    where = f"datasets[{i}]"
+    table = load_table(spec, where)
+    if spec.kind == "parquet":
+        check_image_rows(spec.path, where)
+    need = max(batches.values())
+    try:
+        with warnings.catch_warnings():  # single-class folds: _check_classes says it once, as a config error
+            warnings.filterwarnings("ignore", message=".*single val class.*")
+            manifest = FoldManifest.from_labels(
+                table.labels,
+                cfg.protocol.folds,
+                cfg.protocol.fold_layout,
+                min_val_samples=2,
+                min_train_classes=need[0],
+            )
+    except ValueError as e:
+        n = len(np.unique(table.labels))
+        worst = max(batches, key=lambda k: batches[k][0])
+        raise ConfigError(
+            where,
+            f"{n} classes are too few for {cfg.protocol.folds} folds × batches of classes_per_batch × m = "
+            f"{need[0]} × {need[1]} (loss {worst!r}): {one_line(e)}",
+        ) from None
+    for fold in manifest.folds:
+        if len(table.subset(fold.val_classes)) < w:
+            raise ConfigError(where, f"fold {fold.index} has fewer val images than the {w} workers embedding them")
+    _check_classes(table, manifest, max(m for _, m in batches.values()), where)
+    if len(manifest.test_classes) < 2:
+        raise ConfigError(where, f"only {len(manifest.test_classes)} test classes; need >= 2")
+    return DatasetData(spec, i, table, manifest)
+
+
+def _plan_studies(
+    cfg: SweepConfig, datasets: list[DatasetData], batches: dict[str, tuple[int, int]]
+) -> list[StudyPlan]:
+    """One :class:`StudyPlan` per (dataset, loss), every loss built and every model checked to fit first."""
+    from dml_core.losses import loss_info  # the loss zoo takes seconds to import: see batch_of
 
     plans = []
     checked_models: set = set()
@@ -345,3 +356,16 @@ def preflight(cfg: SweepConfig) -> list[StudyPlan]:
                 )
             )
     return plans
+
+
+def preflight(cfg: SweepConfig) -> list[StudyPlan]:
+    """Check locations, load datasets, cut folds, check batches and build every loss; one :class:`StudyPlan` per
+    (dataset, loss).  Reads only: nothing is created before the config is known good."""
+    check_locations(cfg)
+    _check_environment()
+    check_package_sizes(cfg)
+    _check_plugins_and_training(cfg)
+    check_pretrained(cfg)
+    batches = _check_batches(cfg)
+    datasets = [_load_dataset(cfg, i, spec, batches) for i, spec in enumerate(cfg.datasets)]
+    return _plan_studies(cfg, datasets, batches)

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipelines.config.errors import ConfigError, FieldError
+from pipelines.config.errors import ConfigError, DocumentWords, FieldError, to_config_error
 from pipelines.config.loader import read_yaml_file
 from pipelines.config.strict import StrictModel
 from pipelines.config.uris import (
@@ -47,7 +48,6 @@ from pipelines.config.uris import (
     check_tracking_uri,
     check_uri,
     local_path,
-    redact_uri,
     shown,
 )
 from pipelines.names import ALIAS, HEADLINE_METRICS
@@ -266,71 +266,16 @@ _FIELD_PROBLEMS = {
 }
 
 
-def _where(loc: tuple) -> str:
-    """Pydantic's error location → ``models[0].alias`` / ``metrics[1]`` / ``datasets.cub200`` (the labels pydantic
-    gives the members of a union, such as ``int`` or ``function-after[...]``, dropped)."""
-    out = ""
-    for i, part in enumerate(loc):
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif i == 1 and loc[0] == "datasets":
-            # a user's dataset name, kept as it is unless it would break the one-line message
-            out += f".{part}" if re.fullmatch(r"[^\x00-\x1f\x7f]{1,80}", part) else f".{shown(part)}"
-        elif part in ReevalSpec.model_fields or part in ModelRef.model_fields:
-            out += f".{part}" if out else part
-    return out
+def _reeval_words(err: Mapping[str, Any], loc: tuple) -> str | None:
+    """A whole field of the wrong type or range in the re-evaluation's own words (:data:`_FIELD_PROBLEMS`)."""
+    if len(loc) == 1 and loc[0] in _FIELD_PROBLEMS and err["type"] != "missing":
+        return _FIELD_PROBLEMS[loc[0]].replace("{value}", shown(err.get("input")))
+    return None
 
 
-def _known(loc: tuple) -> str:
-    fields = ModelRef.model_fields if len(loc) > 1 and loc[0] == "models" else ReevalSpec.model_fields
-    return ", ".join(fields)
-
-
-def _to_config_error(e: ValidationError) -> ConfigError:
-    """The first pydantic error (an unknown top-level key first) as one ``<field>: <problem>``, plus how many more
-    there are."""
-    errors = sorted(
-        e.errors(include_url=False), key=lambda err: not (err["type"] == "extra_forbidden" and len(err["loc"]) == 1)
-    )
-    err = errors[0]
-    loc, kind, ctx, value = tuple(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
-    raised = ctx.get("error")
-    if isinstance(raised, ConfigError) and raised.field:  # raised with its own field (tracking_uri)
-        return raised
-    where = _where(loc)
-    if isinstance(raised, FieldError):
-        where = f"{where}{raised.path}" if raised.path.startswith("[") else f"{where}.{raised.path}"
-        problem = str(raised)
-    elif kind in ("value_error", "assertion_error"):
-        problem = str(raised or err["msg"])
-    elif kind == "missing":
-        problem = "is required"
-    elif kind == "extra_forbidden":
-        parent = _where(loc[:-1])
-        where = f"{parent}.{loc[-1]}" if parent else str(loc[-1])  # the unknown key itself, as written
-        problem = f"unknown key (known: {_known(loc)})"
-    elif kind == "literal_error" and len(loc) == 2 and loc[0] == "metrics":
-        problem = f"unknown metric {shown(value)} (known: {', '.join(KNOWN_METRICS)})"
-    elif len(loc) == 1 and loc[0] in _FIELD_PROBLEMS:
-        problem = _FIELD_PROBLEMS[loc[0]].replace("{value}", shown(value))
-    else:
-        problem = err["msg"] + (
-            f", got {shown(value)}"
-            if kind.endswith("_type")
-            or kind
-            in (
-                "finite_number",
-                "string_pattern_mismatch",
-                "greater_than",
-                "greater_than_equal",
-                "less_than",
-                "less_than_equal",
-            )
-            else ""
-        )
-    if len(errors) > 1:
-        problem += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return ConfigError(where or "config", redact_uri(problem))
+#: How the re-evaluation config's errors are worded (:func:`~pipelines.config.errors.to_config_error`, the sweep
+#: config's translator): the ``datasets`` keys are the user's dataset names.
+_WORDS = DocumentWords(root=ReevalSpec, user_keys=frozenset({"datasets"}), words=_reeval_words)
 
 
 # --------------------------------------------------------------------------------------------------- parsing
@@ -344,7 +289,7 @@ def parse_reeval_config(doc: Any, *, source: str = "config", schedule: str = "re
     try:
         spec = ReevalSpec.model_validate(doc)
     except ValidationError as e:
-        raise _to_config_error(e) from None
+        raise to_config_error(e, _WORDS) from None
     except RecursionError:
         raise ConfigError(source, "nested too deeply") from None
     return ReevalConfig(

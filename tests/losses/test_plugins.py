@@ -430,8 +430,8 @@ def test_an_unknown_name_lists_builtins_and_plugins(labmod):
     with pytest.raises(ValueError) as e:
         resolve_loss("nosuch")
     assert not isinstance(e.value, LossPluginError)
-    assert str(e.value).startswith("unknown loss 'nosuch'; known: ")
-    assert str(e.value).endswith("; plugins: circle; or an import path 'module:attribute'")
+    assert str(e.value).startswith("unknown loss 'nosuch' (known: ")
+    assert str(e.value).endswith("; plugins: circle; or an import path 'package.module:attribute')")
     assert "triplet" in str(e.value)
 
 

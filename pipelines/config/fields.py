@@ -1,0 +1,96 @@
+"""What the parts of the sweep config share: the field types (``Name``, ``Seed``, ``Path_``, ``Uri``), the checks
+behind them (local path or ``s3://``, made absolute), the training defaults (:class:`dml_core.train.TrainConfig`'s),
+a plugin's ``sys.exit()`` as a problem, and how the sweep config's errors are worded
+(:func:`sweep_words`, for :func:`pipelines.config.errors.to_config_error`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
+
+from dml_core.plugins import raised_at
+from dml_core.train import TrainConfig
+from pipelines.config.errors import ConfigError, DocumentWords
+from pipelines.config.uris import check_uri, local_path, redact_uri, shown
+
+__all__ = [
+    "DATASET_KINDS",
+    "SEED_MAX",
+    "TRAIN_DEFAULTS",
+    "Name",
+    "Seed",
+    "Path_",
+    "Uri",
+    "check_name",
+    "local_or_s3",
+    "absolute",
+    "plugin_exited",
+    "sweep_words",
+]
+
+#: Dataset kinds: generated data, the Omniglot zips, prepared parquet shards, an image folder, a CSV listing.
+DATASET_KINDS = ("synthetic", "omniglot", "parquet", "folder", "csv")
+#: numpy/Optuna seeds are 32-bit; every seed a sweep derives (folds, reproductions) must stay below this.
+SEED_MAX = 2**32 - 1
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: TrainConfig's field defaults: the single source of protocol training defaults.
+TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+def check_name(v: str) -> str:
+    if not _NAME_RE.fullmatch(v):  # fullmatch: "$" would let a trailing newline through
+        raise ValueError(f"{shown(v)}: use letters, digits, '_', '-', '.' (max 64, no '/')")
+    return v
+
+
+def local_or_s3(v: str) -> str:
+    try:
+        return check_uri(v, "")
+    except ConfigError as e:
+        raise ValueError(e.problem) from None
+
+
+def absolute(v: str) -> str:
+    """A local path made absolute (``~`` expanded; a symbolic-link loop is an error); ``s3://`` kept."""
+    if v.startswith("s3://"):
+        return v
+    try:
+        return str(local_path(v, ""))
+    except ConfigError as e:
+        raise ValueError(e.problem) from None
+
+
+Name = Annotated[str, AfterValidator(check_name)]
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+Path_ = Annotated[str, Field(min_length=1, max_length=4096)]
+#: A location that may carry credentials (``scheme://user:password@host``): written to disk and MLflow redacted.
+Uri = Annotated[str, Field(min_length=1, max_length=4096), PlainSerializer(redact_uri, when_used="json")]
+
+
+def plugin_exited(e: SystemExit, what: str) -> str:
+    """The problem of a plugin that called ``sys.exit()`` (raised ``SystemExit``) while it was imported or built."""
+    return f"{what}: its code called sys.exit({e.code!r}){raised_at(e)}; a plugin must raise an exception, not exit"
+
+
+def _own_words(err: Mapping[str, Any], loc: tuple) -> str | None:
+    """The sweep config's own wording: an empty ``datasets`` / ``losses`` list."""
+    if err["type"] == "too_short" and loc in (("datasets",), ("losses",)):
+        return f"needs at least one {'dataset' if loc[0] == 'datasets' else 'loss'}"
+    return None
+
+
+def sweep_words(root: type[BaseModel]) -> DocumentWords:
+    """How the sweep config's errors are worded (:func:`~pipelines.config.errors.to_config_error`); ``root``: the
+    model of the document (``SweepConfig``) or of the part validated on its own (``runtime_env``,
+    ``losses: {all: ...}``)."""
+    return DocumentWords(
+        root=root,
+        user_keys=frozenset({"params", "env_vars"}),
+        tags=DATASET_KINDS,
+        tag_noun="dataset",
+        words=_own_words,
+    )
