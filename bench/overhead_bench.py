@@ -303,27 +303,27 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
             "",
         )
         table = plan.dataset.table
-        torch.manual_seed(fc["train"]["seed"])
-        model = build_model(**fc["model"])
+        torch.manual_seed(fc.train["seed"])
+        model = build_model(**fc.model)
         loss = build_loss(
-            fc["loss"],
+            fc.loss,
             num_classes=len(fold.train_classes),
-            embedding_dim=fc["model"]["embedding_dim"],
-            **fc["loss_params"],
+            embedding_dim=fc.model["embedding_dim"],
+            **fc.loss_params,
         )
         res = train_fold(
             model,
             loss,
             ImageDataset(table.subset(list(fold.train_classes)), train_transform(ctx.image_size)),
             ImageDataset(table.subset(list(fold.val_classes)), eval_transform(ctx.image_size)),
-            TrainConfig(**fc["train"]),
+            TrainConfig(**fc.train),
         )
-        if fc["evaluate_test"] and res.status == "ok":
+        if fc.evaluate_test and res.status == "ok":
             model.load_state_dict(res.best_state["model"])
             embed(
                 model,
                 ImageDataset(table.subset(list(plan.dataset.manifest.test_classes)), eval_transform(ctx.image_size)),
-                batch_size=fc["train"].get("eval_batch_size", 128),
+                batch_size=fc.train.get("eval_batch_size", 128),
             )
     return time.time() - t0, len(folds)
 

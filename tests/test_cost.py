@@ -8,18 +8,21 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipelines.execution.fold_config import FoldOutcome
 from pipelines.execution.sweep import max_concurrent_studies, study_cost
 from pipelines.execution.trial import fold_cost
 from pipelines.results.study_results import StudySummary, ci_table
 
-OUTCOME = {"time_start": 100.0, "time_end": 130.0, "world_size": 2}
+OUTCOME = {"fold": 0, "status": "ok", "time_start": 100.0, "time_end": 130.0, "world_size": 2}
 
 
 def test_a_folds_cost_is_its_wall_time_times_what_its_workers_held():
-    c = fold_cost(OUTCOME, cpus_per_worker=1.5, gpus_per_worker=0.0)
+    c = fold_cost(FoldOutcome.from_dict(OUTCOME), cpus_per_worker=1.5, gpus_per_worker=0.0)
     assert c["wall_seconds"] == 30.0 and c["cpu_seconds"] == 90.0 and c["gpu_seconds"] == 0.0
     assert c["restarts"] == c["resumes"] == c["redone_iterations"] == 0.0  # outcome.json without restart fields
-    c = fold_cost({**OUTCOME, "restarts": 2, "resumed_from": [40, 80], "redone_iterations": 17}, 1.0, 0.5)
+    c = fold_cost(
+        FoldOutcome.from_dict({**OUTCOME, "restarts": 2, "resumed_from": [40, 80], "redone_iterations": 17}), 1.0, 0.5
+    )
     assert c["gpu_seconds"] == 30.0 and (c["restarts"], c["resumes"], c["redone_iterations"]) == (2.0, 2.0, 17.0)
 
 

@@ -81,7 +81,7 @@ outcome = {"status": "ok", "reason": "", "fold": 0, "best_metrics": best, "time_
 (d / OUTCOME_FILE).write_text(json.dumps(outcome))
 read, emb, labels = trial._read_outcome(str(d))
 summary = trial.reduce_folds([read, read])
-metrics = evaluation_metrics(read["history"][0])
+metrics = evaluation_metrics(read.history[0])
 cost = trial.fold_cost(read, 1.0, 0.0)
 torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 print(json.dumps({"map_at_r": summary["val.map_at_r.mean"], "epoch": metrics["epoch"], "wall": cost["wall_seconds"],

@@ -522,3 +522,41 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
     folds = search_all(c, c.get_experiment_by_name(r.experiment).experiment_id, "tags.stage = 'fold'")
     pids = [x.data.tags["pid"] for x in folds]
     assert max(pids.count(p) for p in set(pids)) >= 2, pids
+
+
+def test_outcome_json_keeps_its_format_and_files_of_earlier_versions_still_read():
+    """``outcome.json`` through :class:`FoldOutcome`: a fold's outcome is written with the same keys in the same order
+    as the dict it replaced (``test_metrics`` only when the test classes were evaluated), and a file written before
+    the restart and timing fields existed still reads (``--resume`` reads the stored results of finished folds)."""
+    from pipelines.execution.fold_config import FoldOutcome
+
+    best = {"map_at_r": 0.25, "r_precision": 0.3, "precision_at_1": 0.5}
+    written = {
+        "fold": 1,
+        "status": "ok",
+        "reason": "",
+        "best_epoch": 2,
+        "best_metrics": best,
+        "iterations": 40,
+        "epochs": 2,
+        "stopped_early": False,
+        "train_seconds": 3.5,
+        "time_start": 10.0,
+        "time_train_start": 11.0,
+        "time_end": 15.0,
+        "world_size": 2,
+        "pid": 123,
+        "node_id": "n",
+        "device": "cpu",
+        "rss_peak_mb": 512.0,
+        "restarts": 1,
+        "resumed_from": [20],
+        "redone_iterations": 4,
+        "history": [{"epoch": 1, "iteration": 20, "train_loss": 0.5, "metrics": best}],
+    }
+    assert FoldOutcome.from_json(json.dumps(written)).to_json() == json.dumps(written)
+    with_test = {**written, "test_metrics": best}
+    assert FoldOutcome.from_json(json.dumps(with_test)).to_json() == json.dumps(with_test)
+    old = {k: written[k] for k in ("fold", "status", "reason", "best_metrics", "time_start", "time_end", "history")}
+    read = FoldOutcome.from_json(json.dumps(old))
+    assert (read.time_train_start, read.restarts, read.resumed_from, read.world_size) == (10.0, 0, [], 1)

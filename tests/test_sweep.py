@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
+from pipelines.execution.fold_config import FoldOutcome
 from pipelines.execution.trial import reduce_folds
 from pipelines.names import OBJECTIVE, REPRODUCTION
 from pipelines.results.embeddings import concatenated_embeddings
@@ -31,12 +32,12 @@ METRICS = ("map_at_r", "r_precision", "precision_at_1")
 
 
 def _outcome(fold, status="ok", map_at_r=0.5, reason=""):
-    return {
-        "fold": fold,
-        "status": status,
-        "reason": reason,
-        "best_metrics": {"map_at_r": map_at_r, "r_precision": map_at_r + 0.1, "precision_at_1": 0.9},
-    }
+    return FoldOutcome(
+        fold=fold,
+        status=status,
+        reason=reason,
+        best_metrics={"map_at_r": map_at_r, "r_precision": map_at_r + 0.1, "precision_at_1": 0.9},
+    )
 
 
 def test_objective_is_the_fold_mean_with_its_sem():
@@ -520,3 +521,52 @@ def test_unreachable_s3_storage_is_one_error_naming_storage_before_ray_starts(tm
     err = capsys.readouterr().err
     assert rc != 0 and "storage" in err and "missing-bucket" in err, err
     assert not (tmp_path / "m.db").exists()  # MLflow was not touched
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_code_that_imports_on_the_driver_but_not_on_the_workers_is_one_line_and_writes_nothing(tmp_path):
+    """A plugin loss that the driver imports and Ray's workers do not (here: its module raises on import where the
+    config's ``runtime_env`` variable is set, as a missing native dependency would): the one ``config error`` line
+    naming the loss comes before anything MLflow prints, and no sweep folder or ``mlflow.db`` is left behind.  The
+    workers are asked before the tracking store is opened."""
+    import shutil
+
+    plugin = tmp_path / "plug"
+    shutil.copytree(ROOT / "examples" / "plugin" / "src" / "dmlrc_example", plugin / "dmlrc_example")
+    losses_py = plugin / "dmlrc_example" / "losses.py"
+    future = "from __future__ import annotations\n"
+    broken = (
+        "import os\n"
+        "if os.environ.get('DMLRC_TEST_ON_WORKER'):\n"
+        "    raise ModuleNotFoundError(\"No module named 'mylab_native'\")\n"
+    )
+    losses_py.write_text(losses_py.read_text().replace(future, future + broken, 1))
+    cfg_path = _sweep_config(
+        tmp_path, "", losses=["dmlrc_example.losses:CircleLoss"], trials=1, workers=1, concurrent=1, name="split"
+    )
+    doc = yaml.safe_load(cfg_path.read_text())
+    del doc["tracking"]  # the default store: runs/<name>/mlflow.db, next to the sweep's folder
+    doc["runtime_env"] = {"env_vars": {"DMLRC_TEST_ON_WORKER": "1"}}
+    doc["resources"]["num_cpus"] = 2
+    cfg_path.write_text(yaml.safe_dump(doc))
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg_path)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one stream, in the order it was written
+        text=True,
+        timeout=540,
+        env=env,
+    )
+    lines = proc.stdout.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("config error: ")]
+    assert proc.returncode == 2 and errors, proc.stdout[-3000:]
+    assert "losses[0].name" in lines[errors[0]] and "not on the Ray workers" in lines[errors[0]], lines[errors[0]]
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    mlflow_lines = [line for line in lines[: errors[0]] if "mlflow" in line.lower() or " INFO " in line]
+    assert mlflow_lines == [], mlflow_lines
+    assert not (tmp_path / "runs" / "split" / "mlflow.db").exists()
+    assert not (tmp_path / "runs" / "split").exists(), sorted(p.name for p in (tmp_path / "runs" / "split").iterdir())

@@ -40,7 +40,6 @@ tagged ``restarted=true`` (the partial run soft-deleted).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -48,6 +47,7 @@ import resource
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from dml_core.data import ImageDataset, eval_transform, train_transform
 from dml_core.distributed import broadcast_object
 from dml_core.models import build_model
 from dml_core.train import TrainConfig, embed, train_fold
+from pipelines.execution.fold_config import FoldConfig, FoldOutcome, s3_uri
 from pipelines.names import HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.tracking.evaluations import evaluation_metrics, logged_evaluations
 
@@ -217,149 +218,149 @@ class _Checkpoints:
             self._warn("storing the progress mark", e)
 
 
-def run_fold(
-    cfg: dict[str, Any], *, rank: int, world_size: int, device: str, out_dir: Path, node_id: str = ""
-) -> dict[str, Any]:
-    """Train and evaluate one fold (keys of ``cfg``: see :func:`pipelines.execution.trial._fold_config`).
+@dataclass
+class _FoldParts:
+    """What a fold trains and evaluates, built in its own process from the :class:`FoldConfig`."""
 
-    Every rank calls it; rank 0 writes the result directory ``out_dir``.  Returns the small summary every rank
-    reports (status, fold, best val metrics, time span).
-    """
-    # the loss zoo (seconds) and faiss: trial drivers and `dmlrc reeval` import this module without training
+    table: Any  # the study's dataset table
+    model: Any  # the embedding network
+    prep: Any  # the input convention of the trunk's weights
+    train_set: ImageDataset
+    val_set: ImageDataset
+    loss: Any
+    config: TrainConfig
+    num_classes: int  # train classes: the size of a proxy/classification loss
+
+
+def _build(cfg: FoldConfig, device: str) -> _FoldParts:
+    """Step 1: the dataset table (cached per process), the model, its datasets, the loss and the train config."""
+    # the loss zoo (seconds): trial drivers and `dmlrc reeval` import this module without training
     from dml_core.losses import build_loss
-    from dml_core.metrics import retrieval_metrics
 
-    torch.set_num_threads(max(1, int(cfg["threads"])))
-    torch.manual_seed(cfg["train"]["seed"])
-    time_start = time.time()
-
-    table = _table(cfg["table_ref"][0])
-    fold = cfg["fold"]
-    model = build_model(**cfg["model"])
+    table = _table(cfg.table_ref[0])
+    model = build_model(**cfg.model)
     prep = model.preprocessing  # the input convention of the trunk's weights (BGR / 0-255 for BN-Inception, ...)
-    train_set = ImageDataset(table.subset(fold["train_classes"]), train_transform(cfg["image_size"], prep))
-    val_set = ImageDataset(table.subset(fold["val_classes"]), eval_transform(cfg["image_size"], prep))
-
-    num_classes = len(fold["train_classes"])
-    loss = build_loss(
-        cfg["loss"], num_classes=num_classes, embedding_dim=cfg["model"]["embedding_dim"], **cfg["loss_params"]
+    train_set = ImageDataset(table.subset(list(cfg.fold.train_classes)), train_transform(cfg.image_size, prep))
+    val_set = ImageDataset(table.subset(list(cfg.fold.val_classes)), eval_transform(cfg.image_size, prep))
+    num_classes = len(cfg.fold.train_classes)
+    loss = build_loss(cfg.loss, num_classes=num_classes, embedding_dim=cfg.model["embedding_dim"], **cfg.loss_params)
+    return _FoldParts(
+        table, model, prep, train_set, val_set, loss, TrainConfig(**cfg.train, device=device), num_classes
     )
-    config = TrainConfig(**cfg["train"], device=device)
 
-    tracker = None
-    fold_run_id = cfg["fold_run_id"]
-    label = cfg["label"]
-    ckpt = _Checkpoints(
-        cfg.get("checkpoint_uri"),
-        enabled=bool(cfg.get("mid_fold_resume", True)),
-        label=f"[{label}] fold {fold['index']}",
-        rank=rank,
-    )
-    resume_state = ckpt.resume_state()  # every rank: the state rank 0's pointer names, or None
-    logged: set[int] = set()  # iterations the fold run already holds an evaluation for
-    if rank == 0:
+
+class _FoldLog:
+    """Rank 0's side of the fold's MLflow run: its tags, every evaluation logged once, a progress line each."""
+
+    def __init__(self, cfg: FoldConfig):
+        self.cfg = cfg
+        self.where = f"[{cfg.label}] fold {cfg.fold.index}"
+        self.tracker = None
+        self.run_id = cfg.fold_run_id
+        self.logged: set[int] = set()  # iterations the fold run already holds an evaluation for
+
+    def open(self, ckpt: _Checkpoints, resume_state: dict[str, Any] | None, tags: dict[str, Any]) -> None:
+        """Step 2 (rank 0): the fold run found (or, restarted without mid-fold resume, replaced), this start counted
+        in the checkpoint directory, the run tagged, and the evaluations checkpointed but never logged logged."""
         # MLflow only on rank 0, the rank that logs
         from pipelines.tracking.runs import Tracker
 
-        tracker = Tracker.from_uri(cfg["tracking_uri"], cfg["experiment_id"])
-        run = tracker.run(fold_run_id)
+        cfg = self.cfg
+        self.tracker = tracker = Tracker.from_uri(cfg.tracking_uri, cfg.experiment_id)
+        run = tracker.run(self.run_id)
         if run.data.metrics:
-            logged = logged_evaluations(tracker, fold_run_id)
-        last_logged = max(logged, default=0)  # how far a killed attempt is known to have got
+            self.logged = logged_evaluations(tracker, self.run_id)
+        last_logged = max(self.logged, default=0)  # how far a killed attempt is known to have got
         if run.data.metrics and not ckpt.enabled:
             # This fold is being run again after its process died (an OOM kill, a lost node; Ray retried the task
             # or restarted the worker group) and mid-fold resume is off: the fold starts from scratch, so it gets a
             # fresh run and the half-logged one is soft-deleted.
-            fold_run_id, _ = tracker.get_or_create(
-                cfg["fold_run_tags"],
-                parent=cfg["parent_run_id"],
-                run_name=f"fold {fold['index']}",
+            self.run_id, _ = tracker.get_or_create(
+                cfg.fold_run_tags,
+                parent=cfg.parent_run_id,
+                run_name=f"fold {cfg.fold.index}",
                 reuse_unfinished=False,
             )
-            tracker.set_tags(fold_run_id, {**cfg.get("fold_run_extra_tags", {}), "restarted": "true"})
-            logged = set()
-        tags: dict[str, Any] = {
-            "pid": os.getpid(),
-            "node_id": node_id,
-            "device": device,
-            "preprocessing": prep.describe(),
-        }
-        if device.startswith("cuda"):
-            tags["gpu_name"] = torch.cuda.get_device_name(torch.device(device))
-
-        if dist.is_available() and dist.is_initialized():  # a Ray Train fold: gloo on CPU, NCCL on GPUs
-            tags["dist_backend"] = str(dist.get_backend())
+            tracker.set_tags(self.run_id, {**cfg.fold_run_extra_tags, "restarted": "true"})
+            self.logged = set()
         ckpt.start(resume_state, last_logged)
         if ckpt.restarts:
             tags.update(resumes=ckpt.restarts, resumed_from=ckpt.resumed_from[-1])
             print(
-                f"[{label}] fold {fold['index']}: restart {ckpt.restarts}, continuing from iteration "
-                f"{ckpt.resumed_from[-1]}",
-                flush=True,
+                f"{self.where}: restart {ckpt.restarts}, continuing from iteration {ckpt.resumed_from[-1]}", flush=True
             )
-        tracker.set_tags(fold_run_id, tags)
+        tracker.set_tags(self.run_id, tags)
+        if resume_state is not None:
+            # Evaluations checkpointed but never logged (MLflow trouble, or a fresh run after `dmlrc sweep --resume`).
+            for record in resume_state["history"]:
+                if record["iteration"] not in self.logged:
+                    self.log_record(record)
 
-    def log_record(record: dict[str, Any]) -> None:
+    def log_record(self, record: dict[str, Any]) -> None:
         try:
-            tracker.log_metrics(fold_run_id, evaluation_metrics(record), step=record["iteration"])
-            logged.add(record["iteration"])
+            self.tracker.log_metrics(self.run_id, evaluation_metrics(record), step=record["iteration"])
+            self.logged.add(record["iteration"])
         except Exception as e:  # tracking trouble must not kill a training run
-            print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
+            print(f"{self.where}: MLflow logging failed: {e}", file=sys.stderr)
 
-    if rank == 0 and resume_state is not None:
-        # Evaluations checkpointed but never logged (MLflow trouble, or a fresh run after `dmlrc sweep --resume`).
-        for record in resume_state["history"]:
-            if record["iteration"] not in logged:
-                log_record(record)
-
-    def on_eval(record: dict[str, Any]) -> None:  # rank 0 only (train_fold's contract)
+    def on_eval(self, record: dict[str, Any]) -> None:  # rank 0 only (train_fold's contract)
         # An evaluation logged by the killed attempt after its last checkpoint is trained again: log it once.
-        if record["iteration"] not in logged:
-            log_record(record)
+        if record["iteration"] not in self.logged:
+            self.log_record(record)
         m = record["metrics"]
         print(
-            f"[{label}] fold {fold['index']} it {record['iteration']:>6} epoch {record['epoch']:>4} "
+            f"{self.where} it {record['iteration']:>6} epoch {record['epoch']:>4} "
             f"val MAP@R {m.get('map_at_r', float('nan')):.4f} P@1 {m.get('precision_at_1', float('nan')):.4f}"
             f"{'  (best)' if record['is_best'] else ''}",
             flush=True,
         )
 
-    time_train_start = time.time()
-    result = train_fold(
-        model,
-        loss,
-        train_set,
-        val_set,
-        config,
-        on_eval=on_eval,
-        on_checkpoint=ckpt.save if ckpt.enabled else None,
-        resume_state=resume_state,
-        on_epoch=ckpt.progress if ckpt.uri else None,
-    )
-    time_end = time.time()
+    def log_restarts(self, ckpt: _Checkpoints) -> None:
+        if not ckpt.restarts:
+            return
+        try:
+            self.tracker.log_metrics(
+                self.run_id, {"restarts": ckpt.restarts, "redone_iterations": ckpt.redone_iterations}
+            )
+        except Exception as e:  # the outcome holds them too
+            print(f"{self.where}: MLflow logging failed: {e}", file=sys.stderr)
 
-    outcome: dict[str, Any] = {
-        "fold": fold["index"],
-        "status": result.status,
-        "reason": result.reason,
-        "best_epoch": result.best_epoch,
-        "best_metrics": _finite(result.best_metrics),
-        "iterations": result.iterations,
-        "epochs": result.epochs,
-        "stopped_early": result.stopped_early,
-        "train_seconds": result.train_seconds,
-        "time_start": time_start,
-        "time_train_start": time_train_start,
-        "time_end": time_end,
-        "world_size": world_size,
-        "pid": os.getpid(),
-        "node_id": node_id,
-        "device": device,
-        "rss_peak_mb": _rss_peak_mb(),
-        "restarts": ckpt.restarts,
-        "resumed_from": ckpt.resumed_from,
-        "redone_iterations": ckpt.redone_iterations,
-        "history": [
+
+def _run_tags(device: str, node_id: str, prep) -> dict[str, Any]:
+    """The fold run's tags of this attempt: where it ran, on what, with which input convention."""
+    tags: dict[str, Any] = {"pid": os.getpid(), "node_id": node_id, "device": device, "preprocessing": prep.describe()}
+    if device.startswith("cuda"):
+        tags["gpu_name"] = torch.cuda.get_device_name(torch.device(device))
+    if dist.is_available() and dist.is_initialized():  # a Ray Train fold: gloo on CPU, NCCL on GPUs
+        tags["dist_backend"] = str(dist.get_backend())
+    return tags
+
+
+def _outcome(result, ckpt: _Checkpoints, fold: int, times: tuple[float, float, float], **where: Any) -> FoldOutcome:
+    """Step 4: the fold's outcome from ``train_fold``'s result (``where``: world_size, node_id, device)."""
+    time_start, time_train_start, time_end = times
+    return FoldOutcome(
+        fold=fold,
+        status=result.status,
+        reason=result.reason,
+        best_epoch=result.best_epoch,
+        best_metrics=_finite(result.best_metrics),
+        iterations=result.iterations,
+        epochs=result.epochs,
+        stopped_early=result.stopped_early,
+        train_seconds=result.train_seconds,
+        time_start=time_start,
+        time_train_start=time_train_start,
+        time_end=time_end,
+        world_size=where["world_size"],
+        pid=os.getpid(),
+        node_id=where["node_id"],
+        device=where["device"],
+        rss_peak_mb=_rss_peak_mb(),
+        restarts=ckpt.restarts,
+        resumed_from=ckpt.resumed_from,
+        redone_iterations=ckpt.redone_iterations,
+        history=[
             {
                 "epoch": r["epoch"],
                 "iteration": r["iteration"],
@@ -368,58 +369,96 @@ def run_fold(
             }
             for r in result.history
         ],
-    }
+    )
 
-    # Test-set embeddings of the best checkpoint (reproductions only): every rank embeds a shard (embed's contract).
-    test_emb = test_labels = None
-    if cfg["evaluate_test"] and result.status == "ok":
-        model.load_state_dict(result.best_state["model"])
-        test_set = ImageDataset(table.subset(cfg["test_classes"]), eval_transform(cfg["image_size"], prep))
-        emb, labels = embed(
-            model, test_set, batch_size=config.eval_batch_size, device=device, num_workers=config.num_workers
+
+def _evaluate_test(cfg: FoldConfig, parts: _FoldParts, result, outcome: FoldOutcome, rank: int, device: str):
+    """Step 5 (reproductions): the best checkpoint's test-set embeddings, every rank embedding a shard (embed's
+    contract); rank 0 gets ``(embeddings, labels)`` and the "separated" metrics in ``outcome``, others ``None``."""
+    if not (cfg.evaluate_test and result.status == "ok"):
+        return None
+    # faiss: loaded by the folds that evaluate the test classes only (reproductions), not by every fold process
+    from dml_core.metrics import retrieval_metrics
+
+    parts.model.load_state_dict(result.best_state["model"])
+    test_set = ImageDataset(parts.table.subset(list(cfg.test_classes)), eval_transform(cfg.image_size, parts.prep))
+    c = parts.config
+    emb, labels = embed(parts.model, test_set, batch_size=c.eval_batch_size, device=device, num_workers=c.num_workers)
+    if rank != 0:
+        return None
+    test_emb, test_labels = emb.numpy().astype(np.float32), labels.numpy()
+    # "separated" (docs/protocol.md §Test evaluation): this fold model alone on all test classes, compared to self.
+    outcome.test_metrics = _finite(retrieval_metrics(test_emb, test_labels))
+    return test_emb, test_labels
+
+
+def _write_result(out_dir: Path, cfg: FoldConfig, parts: _FoldParts, result, outcome: FoldOutcome, test) -> None:
+    """Step 6 (rank 0): the result directory — ``outcome.json``, the test embeddings, the best model."""
+    (out_dir / OUTCOME_FILE).write_text(outcome.to_json())
+    if test is not None:
+        np.save(out_dir / TEST_EMBEDDINGS, test[0])
+        np.save(out_dir / TEST_LABELS, test[1])
+    if cfg.save_model and result.status == "ok":
+        torch.save(
+            {
+                "model": result.best_state["model"],
+                "loss": result.best_state["loss"],
+                "model_kwargs": cfg.model,
+                "loss_name": cfg.loss,
+                "loss_params": cfg.loss_params,
+                "num_classes": parts.num_classes,
+                "fold": cfg.fold.as_dict(),
+            },
+            out_dir / MODEL_FILE,
         )
-        if rank == 0:
-            test_emb, test_labels = emb.numpy().astype(np.float32), labels.numpy()
-            # "separated" (docs/protocol.md §Test evaluation): this fold model alone on all test classes,
-            # compared to self.
-            outcome["test_metrics"] = _finite(retrieval_metrics(test_emb, test_labels))
 
+
+def run_fold(
+    cfg: FoldConfig, *, rank: int, world_size: int, device: str, out_dir: Path, node_id: str = ""
+) -> dict[str, Any]:
+    """Train and evaluate one fold.  Every rank calls it; rank 0 logs to the fold run and writes the result
+    directory ``out_dir``.  Returns the small summary every rank reports (status, fold, best val metrics, time span).
+    """
+    torch.set_num_threads(max(1, int(cfg.threads)))
+    torch.manual_seed(cfg.train["seed"])
+    time_start = time.time()
+    parts = _build(cfg, device)
+    index = cfg.fold.index
+    ckpt = _Checkpoints(cfg.checkpoint_uri, enabled=cfg.mid_fold_resume, label=f"[{cfg.label}] fold {index}", rank=rank)
+    resume_state = ckpt.resume_state()  # every rank: the state rank 0's pointer names, or None
+    log = _FoldLog(cfg)
     if rank == 0:
-        if ckpt.restarts:
-            try:
-                tracker.log_metrics(
-                    fold_run_id, {"restarts": ckpt.restarts, "redone_iterations": ckpt.redone_iterations}
-                )
-            except Exception as e:  # the outcome holds them too
-                print(f"[{label}] fold {fold['index']}: MLflow logging failed: {e}", file=sys.stderr)
-        (out_dir / OUTCOME_FILE).write_text(json.dumps(outcome))
-        if test_emb is not None:
-            np.save(out_dir / TEST_EMBEDDINGS, test_emb)
-            np.save(out_dir / TEST_LABELS, test_labels)
-        if cfg["save_model"] and result.status == "ok":
-            torch.save(
-                {
-                    "model": result.best_state["model"],
-                    "loss": result.best_state["loss"],
-                    "model_kwargs": cfg["model"],
-                    "loss_name": cfg["loss"],
-                    "loss_params": cfg["loss_params"],
-                    "num_classes": num_classes,
-                    "fold": fold,
-                },
-                out_dir / MODEL_FILE,
-            )
+        log.open(ckpt, resume_state, _run_tags(device, node_id, parts.prep))
+    time_train_start = time.time()
+    result = train_fold(
+        parts.model,
+        parts.loss,
+        parts.train_set,
+        parts.val_set,
+        parts.config,
+        on_eval=log.on_eval,
+        on_checkpoint=ckpt.save if ckpt.enabled else None,
+        resume_state=resume_state,
+        on_epoch=ckpt.progress if ckpt.uri else None,
+    )
+    time_end = time.time()
+    times = (time_start, time_train_start, time_end)
+    outcome = _outcome(result, ckpt, index, times, world_size=world_size, node_id=node_id, device=device)
+    test = _evaluate_test(cfg, parts, result, outcome, rank, device)
+    if rank == 0:
+        log.log_restarts(ckpt)
+        _write_result(out_dir, cfg, parts, result, outcome, test)
     return {
-        "status": outcome["status"],
-        "fold": fold["index"],
-        "train_seconds": outcome["train_seconds"],
+        "status": outcome.status,
+        "fold": index,
+        "train_seconds": outcome.train_seconds,
         "time_start": time_start,
         "time_end": time_end,
-        **{f"val_{k}": v for k, v in outcome["best_metrics"].items()},
+        **{f"val_{k}": v for k, v in outcome.best_metrics.items()},
     }
 
 
-def fold_worker(cfg: dict[str, Any]) -> None:
+def fold_worker(cfg: FoldConfig) -> None:
     """Ray Train ``train_loop_per_worker`` for one fold: :func:`run_fold` on every rank, rank 0's result directory
     as the run's checkpoint (Ray Train needs the same number of reports from all ranks).
 
@@ -436,11 +475,10 @@ def fold_worker(cfg: dict[str, Any]) -> None:
     if ray.train.get_checkpoint() is not None:
         return
     device = "cpu"
-    if cfg["use_gpu"]:
+    if cfg.use_gpu:
         device = str(ray.train.torch.get_device())
     rank = ctx.get_world_rank()
-    if not cfg.get("checkpoint_uri"):
-        cfg = {**cfg, "checkpoint_uri": checkpoint_uri_of(_train_run_dir(ctx))}
+    cfg = cfg.with_checkpoint_uri(checkpoint_uri_of(_train_run_dir(ctx)))
     with tempfile.TemporaryDirectory() as tmp:
         summary = run_fold(
             cfg,
@@ -454,16 +492,13 @@ def fold_worker(cfg: dict[str, Any]) -> None:
             ray.train.report(summary)
         else:
             ray.train.report(summary, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-            clear_checkpoints(cfg["checkpoint_uri"])  # the result is Train's checkpoint now
+            clear_checkpoints(cfg.checkpoint_uri)  # the result is Train's checkpoint now
 
 
 def _train_run_dir(ctx) -> str:
     """This Ray Train run's directory ``<storage_path>/<run name>`` as a local path or ``s3://`` URI."""
     storage = ctx.get_storage()
-    path = storage.storage_fs_path.rstrip("/") + "/" + storage.experiment_dir_name
-    if "s3" in storage.storage_filesystem.type_name:
-        return "s3://" + path.lstrip("/")
-    return path
+    return s3_uri(storage.storage_filesystem, storage.storage_fs_path.rstrip("/") + "/" + storage.experiment_dir_name)
 
 
 def worker_env() -> dict[str, str]:

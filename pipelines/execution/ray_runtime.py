@@ -6,7 +6,8 @@ the reachability checks for the sweep's storage and tracking store (each fails w
 check of the cluster's resources against the config (:func:`check_cluster_resources`).  Joining a cluster
 (``--address``) first asks it once (:func:`check_cluster_answers`): nothing listening and a cluster that refuses this
 driver's token are two different one-line errors.  Every worker of the job runs :data:`WORKER_SETUP_HOOK`, which
-scopes Ray's State API to the worker's own cluster (``pipelines/execution/worker_setup.py``).
+scopes Ray's State API to the worker's own cluster and lets a worker Ray stops with SIGTERM exit quietly
+(``pipelines/execution/worker_setup.py``).
 
 Security:
 
@@ -358,7 +359,7 @@ def start_ray(cfg: SweepConfig, address: str | None) -> bool:
 
 
 #: Ray's ``worker_process_setup_hook`` for every job :func:`init_ray` starts (module path: imported by each worker).
-WORKER_SETUP_HOOK = "pipelines.execution.worker_setup.scope_to_own_cluster"
+WORKER_SETUP_HOOK = "pipelines.execution.worker_setup.setup_worker"
 
 #: What a driver needs to join a cluster that has token authentication (Ray's ``RAY_AUTH_MODE=token``).
 _TOKEN_HELP = (
@@ -408,6 +409,7 @@ def check_cluster_answers(address: str, where: str) -> None:
     and addresses Ray cannot resolve are left to ``ray.init``."""
     if address.startswith("ray://"):
         return
+    # Ray is imported after RAY_ENV is set (Ray reads it at import): never at module level (see stop_ray)
     from ray._private import services
     from ray._private.authentication import authentication_token_setup as token_setup
     from ray._raylet import GcsClient
@@ -436,13 +438,20 @@ def check_cluster_answers(address: str, where: str) -> None:
 
 
 def init_ray(
-    address: str | None, *, num_cpus: int, env: dict[str, str] | None = None, user_env: dict[str, Any] | None = None
+    address: str | None,
+    *,
+    num_cpus: int,
+    env: dict[str, str] | None = None,
+    user_env: dict[str, Any] | None = None,
+    address_field: str = "--address",
 ) -> bool:
     """Start (or connect to) Ray for any ``dmlrc`` command (sweep, reeval); returns whether we started it (and so
     must shut it down with :func:`stop_ray`, which is also what undoes the credential and loopback settings below —
     call it either way).  ``num_cpus`` only applies to a Ray started here; ``env`` goes to every worker too.
     ``user_env``: the config's ``runtime_env`` (``py_modules``, ``working_dir``, ``pip``, ``env_vars``,
-    ``excludes``), merged into the job's runtime_env so that the user's code reaches every worker process."""
+    ``excludes``), merged into the job's runtime_env so that the user's code reaches every worker process.
+    ``address_field``: where the user set ``address`` (the sweep's ``--address``, reeval's ``ray_address``), named by
+    the one-line error for a cluster that does not answer or refuses this driver."""
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     s3_compat_env()
@@ -464,7 +473,8 @@ def init_ray(
         logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
         runtime_env={
             **{k: v for k, v in (user_env or {}).items() if k != "env_vars"},
-            # every worker's State API asks its own cluster, not another Ray on the same machine (worker_setup.py)
+            # every worker's State API asks its own cluster, not another Ray on the same machine, and a worker Ray
+            # stops with SIGTERM exits without an "Exception ignored" traceback (worker_setup.py)
             "worker_process_setup_hook": WORKER_SETUP_HOOK,
             "env_vars": {
                 **(user_env or {}).get("env_vars", {}),
@@ -476,7 +486,7 @@ def init_ray(
         },
     )
     if address:
-        where = "--address" if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
+        where = address_field if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
         check_cluster_answers(address, where)
         try:
             ray.init(address=address, **kwargs)

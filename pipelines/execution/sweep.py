@@ -39,8 +39,8 @@ delivers the signal to the main thread only; the study threads get the same ``Sw
 (:func:`_raise_in_thread`), so each ``Tuner.fit()`` leaves exactly as the single one of a sequential sweep did.
 
 Cost: every fold run records what it held and for how long (``cost.*``, :func:`pipelines.execution.trial.fold_cost`);
-trials and reproductions sum their folds; the study run sums its trials and reproductions (:func:`study_cost`), diverged
-trials' share also as ``cost.diverged.*``.
+trials and reproductions sum their folds; the study run sums its trials and reproductions
+(:func:`pipelines.execution.study_runs.study_cost`), diverged trials' share also as ``cost.diverged.*``.
 
 Resume: every Tuner lives at a fixed path under the sweep's storage, so ``--resume`` restores it
 (``Tuner.restore``: finished trials are kept with the searcher's history, unfinished ones rerun under the same
@@ -80,17 +80,17 @@ from pipelines.execution.ray_runtime import (
     scrub,
     start_ray,
     stop_ray,
-    trial_bundle,
     warn_multi_node,
 )
 from pipelines.execution.resources import check_cluster_resources
-from pipelines.execution.search import best_result, grid_rows, make_searcher
-from pipelines.execution.trial import StudyContext, run_trial
+from pipelines.execution.search import best_result, make_searcher
+from pipelines.execution.study_runs import open_study_run, retire_lost_trials, study_cost, summary_from_run
+from pipelines.execution.trial import StudyContext
+from pipelines.execution.tuners import fit_tuner, register_study_trainable, tune_config
 from pipelines.execution.worker_check import check_user_code_on_workers
 from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION, study_dirname
 from pipelines.results.bounds import ON_BOUND_TAG, format_tag, on_bound
 from pipelines.results.study_results import (
-    COST_KEYS,
     EPOCH0_NOTE,
     EPOCH0_TAG,
     StudySummary,
@@ -103,7 +103,7 @@ from pipelines.results.untrained import UNTRAINED_PREFIX, untrained_key, untrain
 from pipelines.results.visuals import log_study_visuals
 from pipelines.tracking.model_registry import on_study_end, on_study_start
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
-from pipelines.tracking.runs import PARENT, Tracker, git_commit
+from pipelines.tracking.runs import PARENT, Tracker
 from pipelines.tracking.ui import experiment_url, set_experiment_ui
 
 __all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies", "study_cost"]
@@ -187,79 +187,10 @@ def max_concurrent_studies(cfg: SweepConfig, address: str | None, resources: dic
     return max(1, min(n, n_studies))
 
 
-def study_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The study run's ``cost.*``: the sum over its trials' and reproductions' Tune results (each the sum of its
-    folds, :func:`pipelines.execution.trial.fold_cost`); ``cost.diverged.*`` is the part spent on diverged trials."""
-    out = {f"cost.{k}": 0.0 for k in COST_KEYS}
-    out.update({f"cost.diverged.{k}": 0.0 for k in COST_KEYS})
-    for r in rows:
-        for k in COST_KEYS:
-            v = r.get(f"cost_{k}")
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                out[f"cost.{k}"] += v
-                if r.get("status") == "diverged":
-                    out[f"cost.diverged.{k}"] += v
-    return out
-
-
-def retire_lost_trials(tracker, study_run_id: str, known: set[str]) -> int:
-    """RUNNING trial runs of a study whose trial Tune no longer knows (``known``: the search's trial ids, or the
-    trial directory names of trials that reported nothing): their trial started after the last experiment snapshot
-    that reached storage before the sweep driver died, so the restored search asked its searcher again and ran a
-    trial under a new id in its place (a seeded searcher: the same values).  Such a run (and its fold runs) would
-    stay RUNNING and double the trial in the MLflow tree: it is ended KILLED, tagged with the reason, and hidden.
-    Returns how many trials it retired."""
-
-    def is_known(tid: str | None) -> bool:  # a row's id is the trial id, or its directory name that holds it
-        return bool(tid) and any(tid == k or f"_{tid}_" in k for k in known)
-
-    lost = [
-        r
-        for r in tracker.find({PARENT: study_run_id, "stage": "trial"})
-        if r.info.status == "RUNNING" and not is_known(r.data.tags.get("trial_id"))
-    ]
-    for run in lost:
-        reason = (
-            f"trial {run.data.tags.get('trial_id')} started after the last Tune snapshot that reached storage "
-            "before the sweep driver died; the resumed search did not know it and asked its searcher for a "
-            "trial in its place (a seeded searcher: the same values under a new trial id)"
-        )
-        for fold in tracker.find({PARENT: run.info.run_id, "stage": "fold"}):
-            tracker.retire(fold, reason)
-        tracker.retire(run, reason)
-    return len(lost)
-
-
 def _raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
     """Raise ``exc_type`` in the thread ``ident`` at its next Python instruction (CPython's
     ``PyThreadState_SetAsyncExc``): how a study thread gets the Ctrl-C that only the main thread receives."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
-
-
-#: Tune's registries (``ray.tune.registry``: trainables, ``with_parameters`` objects) are process-wide dicts that
-#: are not safe to write from two threads at once (seen: "dictionary changed size during iteration" in
-#: ``flush_values`` when two studies' ``Tuner.fit()`` registered their trainables together).
-_REGISTRY_LOCK = threading.Lock()
-
-
-def _register_study_trainable(plan: StudyPlan, ctx: StudyContext) -> str:
-    """Register ``run_trial`` bound to this study under a name of its own and return the name, which the study's
-    Tuners are given instead of the function (so ``Tuner.fit()`` registers nothing itself).  Tune keys trainables by
-    name in one job-wide registry: concurrent studies under one name would run each other's context."""
-    # Ray: not at module level; the CLI imports this module before the config is checked, which must not load Ray
-    import ray
-    from ray import tune
-
-    def trial(config, ctx):
-        return run_trial(config, ctx)
-
-    name = "run_trial_" + study_dirname(plan.key)
-    trial.__name__ = trial.__qualname__ = name
-    bundle = trial_bundle(ray.cluster_resources())  # on the driver's node when it declares the driver resource
-    with _REGISTRY_LOCK:
-        trainable = tune.with_resources(tune.with_parameters(trial, ctx=ctx), tune.PlacementGroupFactory([bundle]))
-        tune.register_trainable(name, trainable)
-    return name
 
 
 # ------------------------------------------------------------------------------------------------------ the study
@@ -390,118 +321,84 @@ class _Sweep:
             mid_fold_resume=cfg.resources.mid_fold_resume,
         )
 
-    def _open_study_run(self, plan: StudyPlan) -> str:
-        t = self.tracker
-        run_id, created = t.get_or_create(
-            {"sweep": self.cfg.name, "study": plan.key, "stage": "study"}, run_name=plan.key
-        )
-        if created:
-            t.set_tags(
-                run_id,
-                {
-                    "loss": plan.loss.name,
-                    "dataset": plan.dataset.spec.name,
-                    "protocol": self.cfg.protocol.name,
-                    "fold_layout": self.cfg.protocol.fold_layout,
-                    "git_commit": git_commit(),
-                    "folds_hash": plan.dataset.manifest.content_hash,
-                    "sampler": self.cfg.protocol.sampler,
-                },
-            )
-            t.log_params(
-                run_id,
-                {
-                    **{f"space.{k}": p.describe() for k, p in plan.searched.items()},
-                    **{f"fixed.{k}": v for k, v in plan.fixed.items()},
-                    "classes_per_batch": plan.classes_per_batch,
-                    "m": plan.m,
-                    "trials": self.cfg.protocol.trials,
-                    "startup_trials": self.cfg.protocol.startup_trials,
-                    "reproductions": self.cfg.protocol.reproductions,
-                    "workers_per_fold": self.cfg.resources.workers_per_fold,
-                    **{f"model.{k}": v for k, v in plan.model_kwargs.items()},
-                },
-            )
-            t.log_text(run_id, plan.dataset.manifest.to_json(), "folds.json")
-            t.log_json(run_id, self.cfg.model_dump(mode="json"), "sweep_config.json")
-        return run_id
-
-    def _tuner(self, plan: StudyPlan, name: str, trainable, make):
-        # Ray: see _register_study_trainable
-        from ray import tune
-
-        path = self.study_storage(plan) + "/" + name
-        if tune.Tuner.can_restore(path):
-            self.say(f"[{plan.key}] resuming {name} from {path}")
-            return tune.Tuner.restore(
-                path, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
-            )
-        return make(path)
-
     def run_study(self, plan: StudyPlan) -> StudySummary:
-        # Ray: see _register_study_trainable
-        import ray
-        from ray import tune
-
-        # it imports Ray Tune: see _register_study_trainable
-        from pipelines.execution.progress import TrialProgress, format_duration
-
-        cfg, t = self.cfg, self.tracker
+        """One study: search, its best trial, reproductions of it, then the intervals, report and models."""
         t0 = time.time()
-        run_id = self._open_study_run(plan)
+        run_id = open_study_run(self.cfg, self.tracker, plan)
         summary = StudySummary(plan.key, plan.dataset.spec.name, plan.loss.name, run_id, "ok")
-        run = t.run(run_id)
+        run = self.tracker.run(run_id)
         if run.data.tags.get("done") == "true":
             self.say(f"[{plan.key}] already finished (MLflow run {run_id}); skipped")
-            return self._summary_from_run(summary, run)
-        t.set_tags(run_id, {"status": "running"})
+            return summary_from_run(summary, run)
+        trainable = self._prepare(plan, run, summary)
+        rows = self._search(plan, trainable, run_id)
+        summary.trials = len(rows)
+        best = best_result(rows)
+        if best is None:
+            self._log_cost(summary, rows)
+            return self._fail(summary, f"no trial finished ok ({failure_reason(rows)})", t0)
+        self._record_best(plan, summary, best, rows)
+        rep_rows = self._reproductions(plan, trainable, best, summary.best_params)
+        self._log_cost(summary, rows + rep_rows)
+        reps = [r for r in rep_rows if r.get("status") == "ok" and any(k.startswith("test_concat_") for k in r)]
+        reps.sort(key=lambda r: r[REPRODUCTION])
+        summary.n_reproductions = len(reps)
+        if not reps:
+            return self._fail(summary, "no reproduction finished ok", t0)
+        return self._summarise(plan, summary, reps, t0)
+
+    def _prepare(self, plan: StudyPlan, run, summary: StudySummary) -> str:
+        """The study run marked running, its untrained reference, the model registry's start, the dataset table in
+        Ray's object store and the study's trainable registered; returns the trainable's name."""
+        # Ray: see pipelines.execution.tuners.register_study_trainable
+        import ray
+
+        run_id = run.info.run_id
+        self.tracker.set_tags(run_id, {"status": "running"})
         summary.untrained = self._untrained_reference(plan, run)
-
-        on_study_start(t, run_id, plan)
-
+        on_study_start(self.tracker, run_id, plan)
         table_ref = ray.put(plan.dataset.table)
-        ctx = self._context(plan, run_id, table_ref)
-        trainable = _register_study_trainable(plan, ctx)
-        storage = self.study_storage(plan)
+        return register_study_trainable(plan.key, self._context(plan, run_id, table_ref))
+
+    def _fit(self, plan: StudyPlan, name: str, trainable: str, new) -> list[dict[str, Any]]:
+        """The study's Tuner ``name`` (:func:`pipelines.execution.tuners.fit_tuner`); stops here if the sweep is."""
+        rows = fit_tuner(
+            self.study_storage(plan),
+            name,
+            trainable,
+            new,
+            trial_retries=self.cfg.resources.trial_retries,
+            say=lambda m: self.say(f"[{plan.key}] {m}"),
+        )
+        self._check_stopping()
+        return rows
+
+    def _search(self, plan: StudyPlan, trainable: str, run_id: str) -> list[dict[str, Any]]:
+        """1. The Bayesian search: ``protocol.trials`` trials (one without a searched parameter)."""
+        # it imports Ray Tune: see pipelines.execution.tuners.register_study_trainable
+        from pipelines.execution.progress import TrialProgress
+
+        cfg = self.cfg
         trials = cfg.protocol.trials if plan.searched else 1
 
-        # 1. search --------------------------------------------------------------------------------------
-        def new_search(path):
+        def new():
             self.say(
                 f"[{plan.key}] search: {trials} trials, {cfg.protocol.startup_trials} random start-up, "
                 f"sampler {cfg.protocol.sampler}, ≤ {cfg.resources.max_concurrent_trials} concurrent"
             )
-            tune_cfg = tune.TuneConfig(
-                search_alg=make_searcher(plan, cfg) if plan.searched else None,
-                metric=OBJECTIVE,
-                mode="max",
-                num_samples=trials,
-                max_concurrent_trials=cfg.resources.max_concurrent_trials,
-                reuse_actors=True,
-            )
-            return tune.Tuner(
-                trainable,
-                param_space={},
-                tune_config=tune_cfg,
-                run_config=tune.RunConfig(
-                    name="search",
-                    storage_path=storage,
-                    verbose=0,
-                    callbacks=[TrialProgress(plan.key, trials)],
-                    failure_config=tune.FailureConfig(max_failures=cfg.resources.trial_retries),
-                ),
-            )
+            searcher = make_searcher(plan, cfg) if plan.searched else None
+            return {}, tune_config(cfg, trials, searcher), TrialProgress(plan.key, trials)
 
-        grid = self._tuner(plan, "search", trainable, new_search).fit()
-        self._check_stopping()
-        rows = grid_rows(grid)
-        retire_lost_trials(t, run_id, {r["trial_id"] for r in rows})
-        all_rows = list(rows)
-        summary.trials = len(rows)
-        best = best_result(rows)
-        if best is None:
-            self._log_cost(summary, all_rows)
-            return self._fail(summary, f"no trial finished ok ({failure_reason(rows)})", t0)
+        rows = self._fit(plan, "search", trainable, new)
+        retire_lost_trials(self.tracker, run_id, {r["trial_id"] for r in rows})
+        return rows
+
+    def _record_best(
+        self, plan: StudyPlan, summary: StudySummary, best: dict[str, Any], rows: list[dict[str, Any]]
+    ) -> None:
+        """2. The best trial (the highest observed mean) on the study run: its parameters and value, the search's
+        trial counts, and its parameters on an edge of their range (for the report)."""
+        t, run_id = self.tracker, summary.run_id
         params = {k: v for k, v in best["config"].items() if not k.startswith("__")}
         summary.best_trial, summary.best_params = best["trial_id"], params
         summary.best_val = (best[OBJECTIVE], best.get("val_map_at_r_sem", float("nan")))
@@ -522,41 +419,32 @@ class _Sweep:
             {"best_trial_id": best["trial_id"], "best_run_id": best.get("mlflow_run_id", ""), ON_BOUND_TAG: bounds},
         )
 
-        # 2. reproductions ----------------------------------------------------------------------------------
-        n = cfg.protocol.reproductions
+    def _reproductions(
+        self, plan: StudyPlan, trainable: str, best: dict[str, Any], params: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """3. ``protocol.reproductions`` retrainings of the best configuration, a grid over the reproduction index."""
+        # Ray: see pipelines.execution.tuners.register_study_trainable
+        from ray import tune
 
-        def new_reps(path):
+        # it imports Ray Tune: as above
+        from pipelines.execution.progress import TrialProgress
+
+        n = self.cfg.protocol.reproductions
+
+        def new():
             self.say(f"[{plan.key}] best trial {best['trial_id']} (val MAP@R {best[OBJECTIVE]:.4f}); {n} reproductions")
-            return tune.Tuner(
-                trainable,
-                param_space={REPRODUCTION: tune.grid_search(list(range(n))), PARAMS: params},
-                tune_config=tune.TuneConfig(
-                    num_samples=1,
-                    metric=OBJECTIVE,
-                    mode="max",
-                    max_concurrent_trials=cfg.resources.max_concurrent_trials,
-                    reuse_actors=True,
-                ),
-                run_config=tune.RunConfig(
-                    name="reproductions",
-                    storage_path=storage,
-                    verbose=0,
-                    callbacks=[TrialProgress(plan.key, n, "reproduction")],
-                    failure_config=tune.FailureConfig(max_failures=cfg.resources.trial_retries),
-                ),
-            )
+            space = {REPRODUCTION: tune.grid_search(list(range(n))), PARAMS: params}
+            return space, tune_config(self.cfg, 1), TrialProgress(plan.key, n, "reproduction")
 
-        rep_rows = grid_rows(self._tuner(plan, "reproductions", trainable, new_reps).fit())
-        self._check_stopping()
-        all_rows += rep_rows
-        self._log_cost(summary, all_rows)
-        reps = [r for r in rep_rows if r.get("status") == "ok" and any(k.startswith("test_concat_") for k in r)]
-        reps.sort(key=lambda r: r[REPRODUCTION])
-        summary.n_reproductions = len(reps)
-        if not reps:
-            return self._fail(summary, "no reproduction finished ok", t0)
+        return self._fit(plan, "reproductions", trainable, new)
 
-        # 3. confidence intervals, report, models -----------------------------------------------------------
+    def _summarise(self, plan: StudyPlan, summary: StudySummary, reps: list[dict[str, Any]], t0: float):
+        """4. Confidence intervals across the reproductions, the CI report, the fold models and the registered model
+        on the study run, which is then finished."""
+        # it imports Ray Tune: see pipelines.execution.tuners.register_study_trainable
+        from pipelines.execution.progress import format_duration
+
+        t, run_id = self.tracker, summary.run_id
         summary.ci = confidence_intervals(reps)
         metrics = {"test.n_reproductions": len(reps)}
         for mode, d in summary.ci.items():
@@ -576,8 +464,8 @@ class _Sweep:
             on_study_end(
                 t,
                 study_run_id=run_id,
-                experiment=cfg.experiment_name(),
-                sweep=cfg.name,
+                experiment=self.cfg.experiment_name(),
+                sweep=self.cfg.name,
                 plan=plan,
                 reps=reps,
                 ci=summary.ci,
@@ -644,7 +532,7 @@ class _Sweep:
     def _log_models(self, run_id: str, rep: dict[str, Any]) -> None:
         """Reproduction ``rep``'s fold models (written by rank 0 into its result directory or Ray Train checkpoint) →
         ``models/``."""
-        # Ray: see _register_study_trainable
+        # Ray: see pipelines.execution.tuners.register_study_trainable
         import ray.train
 
         for k, path in enumerate(rep.get("fold_checkpoints", [])):
@@ -662,35 +550,68 @@ class _Sweep:
         self.say(f"[{summary.study}] FAILED: {reason}")
         return summary
 
-    def _summary_from_run(self, summary: StudySummary, run) -> StudySummary:
-        m, tags = run.data.metrics, run.data.tags
-        summary.status = tags.get("status", "ok")
-        summary.reason = tags.get("reason", "")
-        summary.best_trial = tags.get("best_trial_id")
-        summary.best_params = {k[5:]: v for k, v in run.data.params.items() if k.startswith("best.")}
-        if "best.val.map_at_r.mean" in m:
-            summary.best_val = (m["best.val.map_at_r.mean"], m.get("best.val.map_at_r.sem", float("nan")))
-        summary.n_reproductions = int(m.get("test.n_reproductions", 0))
-        summary.cost = {k[len("cost.") :]: v for k, v in m.items() if k.startswith("cost.")}
-        summary.best_at_epoch_0 = tags.get(EPOCH0_TAG) == "true"
-        summary.untrained = untrained_metrics_of(m)
-        for key, v in m.items():
-            parts = key.split(".")
-            if len(parts) == 4 and parts[0] == "test" and parts[3] == "mean":
-                mode, metric = parts[1], parts[2]
-                summary.ci.setdefault(mode, {})[metric] = (
-                    v,
-                    m.get(f"test.{mode}.{metric}.ci_low", float("nan")),
-                    m.get(f"test.{mode}.{metric}.ci_high", float("nan")),
-                )
-        return summary
-
 
 # ------------------------------------------------------------------------------------------------------ entry
 
 
+def _start_checked_ray(cfg: SweepConfig, address: str | None, plans: list[StudyPlan]) -> bool:
+    """Start (or join) Ray and check what only Ray can tell — the cluster answers and admits this driver (in
+    :func:`pipelines.execution.ray_runtime.init_ray`), its resources fit one fold, the user's code imports on a
+    worker — before the tracking store or the sweep's folder is created, so that a config error leaves nothing
+    behind.  Returns whether Ray was started here; on any failure Ray is stopped and the error goes on."""
+    started = False
+    try:
+        started = start_ray(cfg, address)
+        install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: ours again, until stop_on_sigint
+        check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
+        check_user_code_on_workers(cfg, min(len(f.train_classes) for p in plans for f in p.dataset.manifest.folds))
+    except BaseException:
+        stop_ray(started)  # also undoes what start_ray changed in this process (credentials, loopback, retries)
+        raise
+    return started
+
+
+def _open_tracker(cfg: SweepConfig, resume: bool, uri: str, shown: str) -> Tracker:
+    """The sweep's folder and MLflow experiment; a new sweep must not reuse the name of one the experiment holds."""
+    cfg.local_dir().mkdir(parents=True, exist_ok=True)
+    tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
+    if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
+        raise ConfigError(
+            "name",
+            f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
+            f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name",
+        )
+    set_experiment_ui(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
+    return tracker
+
+
+def _store_config_or_reopen(cfg: SweepConfig, resume: bool, tracker: Tracker, out) -> None:
+    """A new sweep stores its config (what ``--resume`` compares with); a resumed one reopens its interrupted runs."""
+    local = cfg.local_dir()
+    if not (local / _CONFIG_FILE).exists():
+        if resume:
+            print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
+        (local / _CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True))
+    elif resume:
+        reopen_interrupted(tracker, cfg.name)
+
+
+def _close_after(e: BaseException, tracker: Tracker | None, cfg: SweepConfig, uri: str, out) -> None:
+    """The sweep's open runs after it stopped on ``e``: ``KILLED`` (interrupted) or ``FAILED`` with the error.  With
+    MLflow down they cannot be closed: they stay RUNNING, which is what ``--resume`` reuses."""
+    if tracker is None or isinstance(e, (ConfigError, TrackingUnavailable)):
+        return
+    try:
+        if isinstance(e, KeyboardInterrupt):
+            close_open_runs(tracker, cfg.name, reason=INTERRUPTED, status="KILLED")
+        else:
+            close_open_runs(tracker, cfg.name, reason=scrub(f"{type(e).__name__}: {e}", uri))
+    except Exception as close_error:  # e.g. the tracking store is what failed: report e
+        print(f"warning: could not close the sweep's MLflow runs ({type(close_error).__name__})", file=out, flush=True)
+
+
 def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = None, out=None) -> SweepOutcome:
-    """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything starts.
+    """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything is written.
 
     Ctrl-C stops it within seconds, closes the runs it leaves (``KILLED``, reason ``interrupted``) and raises
     :class:`pipelines.execution.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed
@@ -704,38 +625,14 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     shown = redact_uri(uri)  # what is printed: never a password
     check_tracking_reachable(uri)
     check_storage_reachable(cfg)
-
-    local = cfg.local_dir()
-    local.mkdir(parents=True, exist_ok=True)
-
-    tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
-    if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
-        raise ConfigError(
-            "name",
-            f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
-            f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name",
-        )
-    set_experiment_ui(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
-
-    watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
+    started = _start_checked_ray(cfg, address, plans)
+    tracker = watch = None
     try:
-        started = start_ray(cfg, address)
-        install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: ours again, until stop_on_sigint
-    except BaseException:
-        watch.stop()
-        stop_ray(False)  # undo what it changed in this process (credentials, loopback switch, MLflow retries)
-        raise
-    try:
-        check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
-        check_user_code_on_workers(cfg, min(len(f.train_classes) for p in plans for f in p.dataset.manifest.folds))
-        if not (local / _CONFIG_FILE).exists():
-            if resume:
-                print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
-            (local / _CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True))
-        elif resume:
-            reopen_interrupted(tracker, cfg.name)
+        tracker = _open_tracker(cfg, resume, uri, shown)
+        watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
+        _store_config_or_reopen(cfg, resume, tracker, out)
         warn_multi_node(cfg, uri, out)
-        # Ray: started by start_ray above; see _register_study_trainable
+        # Ray: started by start_ray above; see pipelines.execution.tuners.register_study_trainable
         import ray
 
         limit = max_concurrent_studies(cfg, address, ray.cluster_resources(), len(plans))
@@ -747,30 +644,19 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         )
         message = f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}"
         with stop_on_sigint(message, out):
-            sweep = _Sweep(cfg, plans, tracker, out, watch)
-            studies = sweep.run_all(limit)
+            studies = _Sweep(cfg, plans, tracker, out, watch).run_all(limit)
     except BaseException as e:
-        # Stop Ray first: no worker may write to a run after it is closed.
-        stop_ray(started)
+        stop_ray(started)  # first: no worker may write to a run after it is closed
         started = False
-        # With MLflow down the runs cannot be closed: they stay RUNNING, which is what --resume reuses.
-        if not isinstance(e, (ConfigError, TrackingUnavailable)):
-            try:
-                if isinstance(e, KeyboardInterrupt):
-                    close_open_runs(tracker, cfg.name, reason=INTERRUPTED, status="KILLED")
-                else:
-                    close_open_runs(tracker, cfg.name, reason=scrub(f"{type(e).__name__}: {e}", uri))
-            except Exception as close_error:  # e.g. the tracking store is what failed: report e
-                print(
-                    f"warning: could not close the sweep's MLflow runs ({type(close_error).__name__})",
-                    file=out,
-                    flush=True,
-                )
+        _close_after(e, tracker, cfg, uri, out)
         raise
     finally:
-        watch.stop()
+        if watch is not None:
+            watch.stop()
         stop_ray(started)
     for s in studies:
         if s.status != "ok":
             close_open_runs(tracker, cfg.name, study=s.study, reason=f"study failed: {s.reason}")
-    return SweepOutcome(cfg.name, local, shown, cfg.experiment_name(), tracker.experiment_id, studies, time.time() - t0)
+    return SweepOutcome(
+        cfg.name, cfg.local_dir(), shown, cfg.experiment_name(), tracker.experiment_id, studies, time.time() - t0
+    )

@@ -35,7 +35,7 @@ fold mean can land *after* it, making an intermediate value the trial's last res
 
 from __future__ import annotations
 
-import json
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +49,7 @@ from dml_core.splits import FoldManifest
 from dml_core.stats import fold_summary
 from dml_core.storage import open_storage
 from pipelines.config.spaces import LOSS_LR
+from pipelines.execution.fold_config import FoldClasses, FoldConfig, FoldOutcome, s3_uri
 from pipelines.execution.interrupts import error_text
 from pipelines.names import (
     HEADLINE_METRICS,
@@ -107,21 +108,21 @@ def fold_executor(ctx: StudyContext) -> str:
     return "warm" if ctx.workers_per_fold == 1 else "train"
 
 
-def fold_cost(outcome: dict[str, Any], cpus_per_worker: float, gpus_per_worker: float) -> dict[str, float]:
+def fold_cost(outcome: FoldOutcome, cpus_per_worker: float, gpus_per_worker: float) -> dict[str, float]:
     """What a fold held and for how long (its run's ``cost.*``): the fold function's wall time (``time_start`` →
     ``time_end`` in ``outcome.json``, the attempt that finished) × its ``world_size`` workers × CPUs / GPUs per worker
     (``gpus_per_worker`` = 0 without GPUs).  Restarted work is counted apart, from the fields a restarting fold
-    writes when it has them: ``restarts`` (process restarts), ``resumes`` (mid-fold resumes, ``resumed_from``) and
-    ``redone_iterations`` (iterations trained twice)."""
-    wall = max(0.0, float(outcome["time_end"]) - float(outcome["time_start"]))
-    workers = int(outcome.get("world_size") or 1)
+    writes (0 in an outcome written without them): ``restarts`` (process restarts), ``resumes`` (mid-fold resumes,
+    ``resumed_from``) and ``redone_iterations`` (iterations trained twice)."""
+    wall = max(0.0, float(outcome.time_end) - float(outcome.time_start))
+    workers = int(outcome.world_size or 1)
     return {
         "wall_seconds": wall,
         "cpu_seconds": wall * cpus_per_worker * workers,
         "gpu_seconds": wall * gpus_per_worker * workers,
-        "restarts": float(outcome.get("restarts", 0) or 0),
-        "resumes": float(len(outcome.get("resumed_from", []) or [])),
-        "redone_iterations": float(outcome.get("redone_iterations", 0) or 0),
+        "restarts": float(outcome.restarts or 0),
+        "resumes": float(len(outcome.resumed_from or [])),
+        "redone_iterations": float(outcome.redone_iterations or 0),
     }
 
 
@@ -135,41 +136,41 @@ def _fold_config(
     manifest,
     parent_run_id: str,
     extra_tags: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> FoldConfig:
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
     train = dict(ctx.train, seed=seed + fold.index)
     if LOSS_LR in values:
         train["loss_lr"] = float(values[LOSS_LR])
-    return {
-        "table_ref": ctx.table_ref,
-        "fold": {"index": fold.index, "train_classes": list(fold.train_classes), "val_classes": list(fold.val_classes)},
-        "test_classes": list(manifest.test_classes),
-        "image_size": ctx.image_size,
-        "model": ctx.model_kwargs,
-        "loss": ctx.loss,
-        "loss_params": loss_params,
-        "train": train,
-        "use_gpu": ctx.use_gpu,
-        "threads": max(1, int(ctx.cpus_per_worker)),
-        "tracking_uri": ctx.tracking_uri,
-        "experiment_id": ctx.experiment_id,
-        "fold_run_id": fold_run_id,
-        "fold_run_tags": _fold_tags(ctx, fold.index),
-        "fold_run_extra_tags": extra_tags or {},
-        "parent_run_id": parent_run_id,
-        "evaluate_test": reproduction,
-        "save_model": reproduction,
-        "mid_fold_resume": ctx.mid_fold_resume,
-        "label": ctx.study,
-    }
+    return FoldConfig(
+        table_ref=ctx.table_ref,
+        fold=FoldClasses(fold.index, tuple(fold.train_classes), tuple(fold.val_classes)),
+        test_classes=tuple(manifest.test_classes),
+        image_size=ctx.image_size,
+        model=ctx.model_kwargs,
+        loss=ctx.loss,
+        loss_params=loss_params,
+        train=train,
+        use_gpu=ctx.use_gpu,
+        threads=max(1, int(ctx.cpus_per_worker)),
+        tracking_uri=ctx.tracking_uri,
+        experiment_id=ctx.experiment_id,
+        fold_run_id=fold_run_id,
+        fold_run_tags=_fold_tags(ctx, fold.index),
+        fold_run_extra_tags=extra_tags or {},
+        parent_run_id=parent_run_id,
+        evaluate_test=reproduction,
+        save_model=reproduction,
+        mid_fold_resume=ctx.mid_fold_resume,
+        label=ctx.study,
+    )
 
 
 def _fold_tags(ctx: StudyContext, index: int) -> dict[str, Any]:
     return {"sweep": ctx.sweep, "study": ctx.study, "stage": "fold", "fold": index}
 
 
-def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
+def _fit_train(ctx: StudyContext, name: str, cfg: FoldConfig) -> str:
     """One fold = one ``TorchTrainer.fit()`` (called from a thread of the trial driver); returns the URI of rank 0's
     result directory (the run's checkpoint)."""
     # Ray: not at module level; the sweep imports this module before the config is checked, which must not load Ray
@@ -183,8 +184,7 @@ def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
     if ctx.use_gpu:
         resources["GPU"] = ctx.gpus_per_worker
     trainer = TorchTrainer(
-        fold_worker,
-        train_loop_config=cfg,
+        functools.partial(fold_worker, cfg),  # the FoldConfig itself, pickled with the function, not a dict
         scaling_config=ray.train.ScalingConfig(
             num_workers=ctx.workers_per_fold, use_gpu=ctx.use_gpu, resources_per_worker=resources
         ),
@@ -206,7 +206,7 @@ def _fit_train(ctx: StudyContext, name: str, cfg: dict[str, Any]) -> str:
 
 
 def _run_folds(
-    ctx: StudyContext, prefix: str, cfgs: dict[int, dict[str, Any]]
+    ctx: StudyContext, prefix: str, cfgs: dict[int, FoldConfig]
 ) -> tuple[dict[int, str], dict[int, tuple[float, float]], dict[int, BaseException]]:
     """Run every fold concurrently; ``(result URIs, (submit, done) wall times, errors)`` by fold index."""
     # Ray: see _fit_train
@@ -259,14 +259,14 @@ def _run_folds(
     return uris, spans, errors
 
 
-def _read_outcome(uri: str) -> tuple[dict[str, Any], np.ndarray | None, np.ndarray | None]:
+def _read_outcome(uri: str) -> tuple[FoldOutcome, np.ndarray | None, np.ndarray | None]:
     """A fold's result directory (local path or ``s3://``), whichever executor wrote it."""
     # Ray: see _fit_train
     import ray.train
 
     with ray.train.Checkpoint(uri).as_directory() as d:
         d = Path(d)
-        outcome = json.loads((d / OUTCOME_FILE).read_text())
+        outcome = FoldOutcome.from_json((d / OUTCOME_FILE).read_text())
         emb = np.load(d / TEST_EMBEDDINGS) if (d / TEST_EMBEDDINGS).exists() else None
         labels = np.load(d / TEST_LABELS) if (d / TEST_LABELS).exists() else None
     return outcome, emb, labels
@@ -275,157 +275,226 @@ def _read_outcome(uri: str) -> tuple[dict[str, Any], np.ndarray | None, np.ndarr
 def checkpoint_uri(ckpt) -> str:
     """Where a Ray Train checkpoint lives, in a form ``ray.train.Checkpoint(uri)`` opens again anywhere:
     ``s3://bucket/key`` on S3 storage (``Checkpoint.path`` alone drops the scheme), else the local path."""
-    fs = ckpt.filesystem
-    if fs is not None and "s3" in fs.type_name:
-        return "s3://" + ckpt.path.lstrip("/")
-    return ckpt.path
+    return s3_uri(ckpt.filesystem, ckpt.path)
 
 
-def reduce_folds(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+def reduce_folds(outcomes: list[FoldOutcome]) -> dict[str, Any]:
     """The trial's objective from its folds (docs/protocol.md §Objective): mean ± SEM of best val metrics; 0 if a fold
     diverged."""
-    diverged = [o for o in outcomes if o["status"] != "ok"]
+    diverged = [o for o in outcomes if o.status != "ok"]
     out: dict[str, Any] = {}
     if diverged:
         out["status"] = "diverged"
-        out["reason"] = "; ".join(f"fold {o['fold']}: {o['reason']}" for o in diverged)
+        out["reason"] = "; ".join(f"fold {o.fold}: {o.reason}" for o in diverged)
         for k in HEADLINE_METRICS:
             out[f"val.{k}.mean"], out[f"val.{k}.sem"] = 0.0, 0.0
         return out
     out["status"], out["reason"] = "ok", ""
     for k in HEADLINE_METRICS:
-        mean, sem = fold_summary([o["best_metrics"][k] for o in outcomes])
+        mean, sem = fold_summary([o.best_metrics[k] for o in outcomes])
         out[f"val.{k}.mean"], out[f"val.{k}.sem"] = mean, sem
     return out
 
 
-def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
-    """Ray Tune function trainable (wrapped with ``tune.with_parameters(run_trial, ctx=...)``)."""
-    # Ray: see _fit_train
-    import ray
-    from ray import tune
+@dataclass
+class _Trial:
+    """One trial or reproduction of a study, as :func:`run_trial` runs it."""
 
-    trial_id = tune.get_context().get_trial_id()
-    rep = config.get(REPRODUCTION)
-    reproduction = rep is not None
-    hparams = dict(config[PARAMS]) if reproduction else dict(config)
-    seed = reproduction_seed(ctx.base_seed, int(rep)) if reproduction else ctx.base_seed
-    manifest = FoldManifest.from_json(ctx.manifest_json)
-    tracker = Tracker.from_uri(ctx.tracking_uri, ctx.experiment_id)
+    ctx: StudyContext
+    trial_id: str
+    rep: int | None  # the reproduction's index, None for a search trial
+    hparams: dict[str, Any]  # the trial's values (a reproduction's: the best trial's)
+    seed: int
+    manifest: FoldManifest
+    tracker: Tracker
 
-    base = {"sweep": ctx.sweep, "study": ctx.study}
-    if reproduction:
-        run_id, _ = tracker.get_or_create(
-            {**base, "stage": "reproduction", "reproduction": int(rep)},
-            parent=ctx.study_run_id,
-            run_name=f"{ctx.study} reproduction {rep}",
+    @classmethod
+    def of(cls, config: dict[str, Any], ctx: StudyContext, trial_id: str) -> _Trial:
+        rep = config.get(REPRODUCTION)
+        return cls(
+            ctx=ctx,
+            trial_id=trial_id,
+            rep=None if rep is None else int(rep),
+            hparams=dict(config[PARAMS]) if rep is not None else dict(config),
+            seed=reproduction_seed(ctx.base_seed, int(rep)) if rep is not None else ctx.base_seed,
+            manifest=FoldManifest.from_json(ctx.manifest_json),
+            tracker=Tracker.from_uri(ctx.tracking_uri, ctx.experiment_id),
         )
-    else:
-        run_id, _ = tracker.get_or_create(
-            {**base, "stage": "trial", "trial_id": trial_id},
-            parent=ctx.study_run_id,
-            run_name=f"{ctx.study} {trial_id}",
+
+    @property
+    def reproduction(self) -> bool:
+        return self.rep is not None
+
+    @property
+    def prefix(self) -> str:
+        """The name its folds' runs and results are stored under."""
+        return f"rep{self.rep}" if self.reproduction else self.trial_id
+
+    def open_run(self, node_id: str) -> str:
+        """Step 1: the trial's run (``stage=trial``) or the reproduction's (``stage=reproduction``), tagged."""
+        ctx, base = self.ctx, {"sweep": self.ctx.sweep, "study": self.ctx.study}
+        if self.reproduction:
+            tags, name = (
+                {**base, "stage": "reproduction", "reproduction": self.rep},
+                f"{ctx.study} reproduction {self.rep}",
+            )
+        else:
+            tags, name = {**base, "stage": "trial", "trial_id": self.trial_id}, f"{ctx.study} {self.trial_id}"
+        run_id, _ = self.tracker.get_or_create(tags, parent=ctx.study_run_id, run_name=name)
+        self.tracker.set_tags(
+            run_id,
+            {
+                "loss": ctx.loss,
+                "dataset": ctx.dataset,
+                "trial_id": self.trial_id,
+                "seed": self.seed,
+                "status": "running",
+                "driver_node_id": node_id,
+            },
         )
-    tracker.set_tags(
-        run_id,
-        {
-            "loss": ctx.loss,
-            "dataset": ctx.dataset,
-            "trial_id": trial_id,
-            "seed": seed,
-            "status": "running",
-            "driver_node_id": ray.get_runtime_context().get_node_id(),
-        },
-    )
-    tracker.log_params(run_id, hparams)
+        self.tracker.log_params(run_id, self.hparams)
+        return run_id
 
-    fold_runs = {}
-    extra = {"loss": ctx.loss, "dataset": ctx.dataset, "trial_id": trial_id}
-    for fold in manifest.folds:
-        # With mid-fold resume a fold left unfinished (sweep killed, --resume) continues in its own run, from its
-        # checkpoint; without it the fold starts over, so its partial run is hidden and a fresh one made.
-        fid, _ = tracker.get_or_create(
-            _fold_tags(ctx, fold.index),
-            parent=run_id,
-            run_name=f"fold {fold.index}",
-            reuse_unfinished=ctx.mid_fold_resume,
-        )
-        tracker.set_tags(fid, extra)
-        log_fold_dataset_input(tracker, fid, ctx.study_run_id)  # the study's dataset as the run's MLflow input
-        fold_runs[fold.index] = fid
+    def extra_tags(self) -> dict[str, Any]:
+        return {"loss": self.ctx.loss, "dataset": self.ctx.dataset, "trial_id": self.trial_id}
 
-    prefix = f"rep{int(rep)}" if reproduction else trial_id
-    t0 = time.time()
-    cfgs = {
-        fold.index: _fold_config(ctx, fold, hparams, seed, fold_runs[fold.index], reproduction, manifest, run_id, extra)
-        for fold in manifest.folds
-    }
-    uris, fit_spans, errors = _run_folds(ctx, prefix, cfgs)
+    def open_fold_runs(self, run_id: str) -> dict[int, str]:
+        """Step 2: one ``stage=fold`` child run per fold, with the study's dataset as its MLflow input."""
+        fold_runs = {}
+        for fold in self.manifest.folds:
+            # With mid-fold resume a fold left unfinished (sweep killed, --resume) continues in its own run, from
+            # its checkpoint; without it the fold starts over, so its partial run is hidden and a fresh one made.
+            fid, _ = self.tracker.get_or_create(
+                _fold_tags(self.ctx, fold.index),
+                parent=run_id,
+                run_name=f"fold {fold.index}",
+                reuse_unfinished=self.ctx.mid_fold_resume,
+            )
+            self.tracker.set_tags(fid, self.extra_tags())
+            log_fold_dataset_input(self.tracker, fid, self.ctx.study_run_id)  # the study's dataset as MLflow input
+            fold_runs[fold.index] = fid
+        return fold_runs
 
-    # A fold run again after its process died logs to a replacement run (see run_fold): look the live ones up again.
-    for fold in manifest.folds:
-        live = tracker.find({**_fold_tags(ctx, fold.index), PARENT: run_id})
-        if live:
-            fold_runs[fold.index] = live[-1].info.run_id
+    def fold_configs(self, fold_runs: dict[int, str], run_id: str) -> dict[int, FoldConfig]:
+        m = self.manifest
+        return {
+            f.index: _fold_config(
+                self.ctx,
+                f,
+                self.hparams,
+                self.seed,
+                fold_runs[f.index],
+                self.reproduction,
+                m,
+                run_id,
+                self.extra_tags(),
+            )
+            for f in m.folds
+        }
 
-    if errors:
+    def live_fold_runs(self, fold_runs: dict[int, str], run_id: str) -> dict[int, str]:
+        """A fold run again after its process died logs to a replacement run (see run_fold): the live ones."""
+        out = dict(fold_runs)
+        for fold in self.manifest.folds:
+            live = self.tracker.find({**_fold_tags(self.ctx, fold.index), PARENT: run_id})
+            if live:
+                out[fold.index] = live[-1].info.run_id
+        return out
+
+    def fail(self, run_id: str, fold_runs: dict[int, str], errors: dict[int, BaseException]) -> None:
+        """A fold raised: its runs and the trial's end FAILED with the first fold's error, which is raised."""
         k = min(errors)
         reason = f"fold {k}: {error_text(errors[k])}"
         for fid in fold_runs.values():
-            if tracker.status(fid) == "RUNNING":
-                tracker.finish(fid, "FAILED")
-        tracker.set_tags(run_id, {"status": "failed", "reason": reason[:4000]})
-        tracker.finish(run_id, "FAILED")
+            if self.tracker.status(fid) == "RUNNING":
+                self.tracker.finish(fid, "FAILED")
+        self.tracker.set_tags(run_id, {"status": "failed", "reason": reason[:4000]})
+        self.tracker.finish(run_id, "FAILED")
         raise RuntimeError(
-            f"{ctx.study} {'reproduction ' + str(rep) if reproduction else trial_id}: {reason}"
+            f"{self.ctx.study} {'reproduction ' + str(self.rep) if self.reproduction else self.trial_id}: {reason}"
         ) from errors[k]
 
-    outcomes, embeddings, labels = [], [], []
-    cost: dict[str, float] = {}
-    gpus = ctx.gpus_per_worker if ctx.use_gpu else 0.0
-    for fold in manifest.folds:
-        outcome, emb, lab = _read_outcome(uris[fold.index])
-        outcomes.append(outcome)
-        if emb is not None:
-            embeddings.append(emb)
-            labels.append(lab)
-        one = fold_cost(outcome, ctx.cpus_per_worker, gpus)
-        _finish_fold_run(tracker, fold_runs[fold.index], outcome, uris[fold.index], fit_spans[fold.index], one)
-        for k, v in one.items():  # the trial's cost = the sum of its folds'
-            cost[k] = cost.get(k, 0.0) + v
+    def collect(self, uris: dict[int, str], spans: dict[int, tuple[float, float]], fold_runs: dict[int, str]):
+        """Step 4: every fold's outcome read and its run finished; ``(outcomes, embeddings, labels, cost)`` with the
+        trial's cost the sum of its folds'."""
+        ctx = self.ctx
+        outcomes, embeddings, labels = [], [], []
+        cost: dict[str, float] = {}
+        gpus = ctx.gpus_per_worker if ctx.use_gpu else 0.0
+        for fold in self.manifest.folds:
+            outcome, emb, lab = _read_outcome(uris[fold.index])
+            outcomes.append(outcome)
+            if emb is not None:
+                embeddings.append(emb)
+                labels.append(lab)
+            one = fold_cost(outcome, ctx.cpus_per_worker, gpus)
+            _finish_fold_run(self.tracker, fold_runs[fold.index], outcome, uris[fold.index], spans[fold.index], one)
+            for k, v in one.items():
+                cost[k] = cost.get(k, 0.0) + v
+        return outcomes, embeddings, labels, cost
 
-    summary = reduce_folds(outcomes)
-    metrics = {k: v for k, v in summary.items() if k.startswith("val.")}
-    metrics.update({f"cost.{k}": v for k, v in cost.items()})
-    details_uri = None
-    if reproduction and summary["status"] == "ok":
-        test_metrics, details = reproduction_test_metrics(outcomes, embeddings, labels)
-        metrics.update(test_metrics)
-        details_uri = _store_details(ctx, prefix, details)
-    tracker.log_metrics(run_id, metrics)
-    tracker.set_tags(run_id, {"status": summary["status"], "reason": summary["reason"][:4000]})
-    tracker.finish(run_id, "FINISHED")
+    def finish(self, run_id: str, outcomes: list[FoldOutcome], embeddings, labels, cost: dict[str, float]):
+        """Step 5: the folds reduced to the objective, a reproduction's test metrics, the trial's run finished;
+        returns ``(summary, metrics, details URI)``."""
+        summary = reduce_folds(outcomes)
+        metrics = {k: v for k, v in summary.items() if k.startswith("val.")}
+        metrics.update({f"cost.{k}": v for k, v in cost.items()})
+        details_uri = None
+        if self.reproduction and summary["status"] == "ok":
+            docs = [o.as_dict() for o in outcomes]  # outcome.json's form, which the test evaluation reads
+            test_metrics, details = reproduction_test_metrics(docs, embeddings, labels)
+            metrics.update(test_metrics)
+            details_uri = _store_details(self.ctx, self.prefix, details)
+        self.tracker.log_metrics(run_id, metrics)
+        self.tracker.set_tags(run_id, {"status": summary["status"], "reason": summary["reason"][:4000]})
+        self.tracker.finish(run_id, "FINISHED")
+        return summary, metrics, details_uri
 
+
+def _report(trial: _Trial, run_id: str, summary, metrics, outcomes: list[FoldOutcome], folds: dict) -> dict[str, Any]:
+    """The trial's one Tune result (``folds``: URIs, fit spans, details URI and start time)."""
     report = {k.replace(".", "_"): v for k, v in metrics.items()}
+    indices = [f.index for f in trial.manifest.folds]
     report.update(
         {
             OBJECTIVE: summary["val.map_at_r.mean"],
             "status": summary["status"],
             "reason": summary["reason"],
             "mlflow_run_id": run_id,
-            "fold_values": [o["best_metrics"].get("map_at_r", 0.0) if o["status"] == "ok" else 0.0 for o in outcomes],
-            "fold_spans": [[o["time_start"], o["time_end"]] for o in outcomes],
-            "fold_fit_spans": [list(fit_spans[f.index]) for f in manifest.folds],
-            "fold_train_seconds": [o["train_seconds"] for o in outcomes],
-            "fold_checkpoints": [uris[f.index] for f in manifest.folds],
-            "trial_seconds": time.time() - t0,
-            "seed": seed,
+            "fold_values": [o.best_metrics.get("map_at_r", 0.0) if o.status == "ok" else 0.0 for o in outcomes],
+            "fold_spans": [[o.time_start, o.time_end] for o in outcomes],
+            "fold_fit_spans": [list(folds["spans"][k]) for k in indices],
+            "fold_train_seconds": [o.train_seconds for o in outcomes],
+            "fold_checkpoints": [folds["uris"][k] for k in indices],
+            "trial_seconds": time.time() - folds["t0"],
+            "seed": trial.seed,
         }
     )
-    if reproduction:
-        report[REPRODUCTION] = int(rep)
-        report["concat_details"] = details_uri
-    tune.report(report)
+    if trial.reproduction:
+        report[REPRODUCTION] = trial.rep
+        report["concat_details"] = folds["details_uri"]
+    return report
+
+
+def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
+    """Ray Tune function trainable (wrapped with ``tune.with_parameters(run_trial, ctx=...)``): the module
+    docstring's steps."""
+    # Ray: see _fit_train
+    import ray
+    from ray import tune
+
+    trial = _Trial.of(config, ctx, tune.get_context().get_trial_id())
+    run_id = trial.open_run(ray.get_runtime_context().get_node_id())
+    fold_runs = trial.open_fold_runs(run_id)
+    t0 = time.time()
+    uris, spans, errors = _run_folds(ctx, trial.prefix, trial.fold_configs(fold_runs, run_id))
+    fold_runs = trial.live_fold_runs(fold_runs, run_id)
+    if errors:
+        trial.fail(run_id, fold_runs, errors)
+    outcomes, embeddings, labels, cost = trial.collect(uris, spans, fold_runs)
+    summary, metrics, details_uri = trial.finish(run_id, outcomes, embeddings, labels, cost)
+    folds = {"uris": uris, "spans": spans, "t0": t0, "details_uri": details_uri}
+    tune.report(_report(trial, run_id, summary, metrics, outcomes, folds))
 
 
 def _store_details(ctx: StudyContext, prefix: str, details) -> str:
@@ -438,7 +507,7 @@ def _store_details(ctx: StudyContext, prefix: str, details) -> str:
 def _finish_fold_run(
     tracker,
     fold_run_id: str,
-    outcome: dict[str, Any],
+    outcome: FoldOutcome,
     checkpoint: str,
     fit_span: tuple[float, float],
     cost: dict[str, float],
@@ -449,24 +518,24 @@ def _finish_fold_run(
     if run.info.status == "FINISHED" and "best_epoch" in run.data.metrics:
         return  # a fold that finished before a restart: already summarised
     logged = logged_evaluations(tracker, fold_run_id) if run.data.metrics else set()
-    for rec in outcome["history"]:
+    for rec in outcome.history:
         if rec["iteration"] not in logged:
             tracker.log_metrics(fold_run_id, evaluation_metrics(rec), step=rec["iteration"])
-    summary = {f"best.val.{k}": v for k, v in outcome["best_metrics"].items() if k in HEADLINE_METRICS}
-    summary.update({f"test.{k}": v for k, v in outcome.get("test_metrics", {}).items()})
+    summary = {f"best.val.{k}": v for k, v in outcome.best_metrics.items() if k in HEADLINE_METRICS}
+    summary.update({f"test.{k}": v for k, v in (outcome.test_metrics or {}).items()})
     # Wall-clock marks (s since the epoch) for the overhead benchmark: fold submitted (fit() called) → fold function
     # starts → train_fold starts → fold function ends → the trial has its result.
     summary.update(
         {
-            "best_epoch": outcome["best_epoch"],
-            "train_seconds": outcome["train_seconds"],
+            "best_epoch": outcome.best_epoch,
+            "train_seconds": outcome.train_seconds,
             "time.fit_start": fit_span[0],
-            "time.start": outcome["time_start"],
-            "time.train_start": outcome.get("time_train_start", outcome["time_start"]),
-            "time.end": outcome["time_end"],
+            "time.start": outcome.time_start,
+            "time.train_start": outcome.time_train_start,
+            "time.end": outcome.time_end,
             "time.fit_end": fit_span[1],
-            "iterations": outcome["iterations"],
-            "process.rss_peak_mb": outcome.get("rss_peak_mb"),
+            "iterations": outcome.iterations,
+            "process.rss_peak_mb": outcome.rss_peak_mb,
         }
     )
     summary.update({f"cost.{k}": v for k, v in cost.items()})  # what the fold held and for how long (fold_cost)
@@ -474,12 +543,12 @@ def _finish_fold_run(
     tracker.set_tags(
         fold_run_id,
         {
-            "status": outcome["status"],
-            "reason": outcome["reason"][:4000],
+            "status": outcome.status,
+            "reason": outcome.reason[:4000],
             "checkpoint": checkpoint,
-            "world_size": outcome["world_size"],
-            "pid": outcome.get("pid", ""),
-            "node_id": outcome.get("node_id", ""),
+            "world_size": outcome.world_size,
+            "pid": outcome.pid,
+            "node_id": outcome.node_id,
         },
     )
     tracker.finish(fold_run_id, "FINISHED")

@@ -32,6 +32,7 @@ from typing import Any
 import ray
 
 from dml_core.storage import open_storage
+from pipelines.execution.fold_config import FoldConfig
 from pipelines.names import OUTCOME_FILE
 
 __all__ = ["warm_fold_ref", "result_uri", "NOSET_CUDA"]
@@ -60,7 +61,7 @@ def _upload(local: Path, uri: str) -> None:
         store.put_file(p, p.name)
 
 
-def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
+def _warm_fold(cfg: FoldConfig, uri: str) -> str:
     """Body of the fold task: skip if already stored, else train and store; returns the result directory URI."""
     # torch and the fold code load in the fold's worker process, not in the trial's driver that submits the task
     import torch
@@ -70,11 +71,10 @@ def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
 
     if _stored(uri):
         return uri
-    if not cfg.get("checkpoint_uri"):
-        cfg = {**cfg, "checkpoint_uri": checkpoint_uri_of(_fold_dir(uri))}
+    cfg = cfg.with_checkpoint_uri(checkpoint_uri_of(_fold_dir(uri)))
     quiet_worker_logs()
     device = "cpu"
-    if cfg["use_gpu"]:
+    if cfg.use_gpu:
         gpu = int(ray.get_gpu_ids()[0])
         torch.cuda.set_device(gpu)
         device = f"cuda:{gpu}"
@@ -83,8 +83,8 @@ def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
             cfg, rank=0, world_size=1, device=device, out_dir=Path(tmp), node_id=ray.get_runtime_context().get_node_id()
         )
         _upload(Path(tmp), uri)  # raises on failure: a fold's result must be stored
-    clear_checkpoints(cfg["checkpoint_uri"])  # the result is stored: the mid-fold states are not needed any more
-    if cfg["use_gpu"]:
+    clear_checkpoints(cfg.checkpoint_uri)  # the result is stored: the mid-fold states are not needed any more
+    if cfg.use_gpu:
         torch.cuda.empty_cache()  # the next fold in this process may be given another GPU
     return uri
 
@@ -92,7 +92,7 @@ def _warm_fold(cfg: dict[str, Any], uri: str) -> str:
 _REMOTE = None
 
 
-def warm_fold_ref(cfg: dict[str, Any], uri: str, *, cpus: float, gpus: float, retries: int):
+def warm_fold_ref(cfg: FoldConfig, uri: str, *, cpus: float, gpus: float, retries: int):
     """Submit one warm fold; returns the ObjectRef of its result directory URI."""
     global _REMOTE
 
@@ -105,7 +105,7 @@ def warm_fold_ref(cfg: dict[str, Any], uri: str, *, cpus: float, gpus: float, re
         "max_retries": retries,
         "retry_exceptions": False,
         "scheduling_strategy": "DEFAULT",
-        "name": f"fold:{cfg['label']}:{cfg['fold']['index']}",
+        "name": f"fold:{cfg.label}:{cfg.fold.index}",
     }
     if gpus:
         options["num_gpus"] = gpus

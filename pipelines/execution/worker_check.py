@@ -46,7 +46,8 @@ def _package_bytes(path: Path, excludes: list[str], working_dir: bool) -> int | 
     config's ``excludes``, Ray's default excludes (``working_dir`` only) nor ``.gitignore`` / ``.rayignore`` files
     leave out, walked by Ray's own packaging code (Ray stores the files uncompressed).  ``None`` where that code is
     not there to ask."""
-    try:  # Ray's packaging module only (nothing starts): the rules must be exactly the ones the upload applies
+    try:
+        # Ray's packaging module only (nothing starts): the rules must be exactly the ones the upload applies
         from ray._private import ray_constants
         from ray._private.runtime_env import packaging
     except ImportError:
