@@ -52,16 +52,18 @@ deeper than k; ``_refine`` then re-keys the kept pairs as the BLAS's GEMM rounds
 block ``_gemm_k_block`` found) and re-sorts, and rows where a dropped pair could still cross the k-th place are
 searched again in full. So the results equal the fp32 mode's, near-ties included; ``prune=None`` uses bf16 only
 where that K block was found (an explicit ``prune="bf16"`` without one is exact for single-chain keys, which may
-differ from the GEMM's in the last bit, as faiss's BLAS and torch's may).
+differ from the GEMM's in the last bit, as faiss's BLAS and torch's may).  The pair dot products and rounding bounds
+of that mode (``_PairDots``, ``_fma_dots``, ``_widen``, ``_bf16_err``) are in ``dml_core/knn_dots.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import cast
 
 import torch
+
+from dml_core.knn_dots import _bf16_err, _fma_dots, _PairDots, _widen
 
 __all__ = ["self_knn", "chosen_prune", "TILE_CPU", "TILES_CUDA"]
 
@@ -110,7 +112,6 @@ ONEDNN_MIN_SPEEDUP = 1.2
 _BF16_TIMES: dict[tuple[int, int, int, int], tuple[float, float, float]] = {}
 _FP32_PRODUCT: dict[tuple[int, int, int, int], str] = {}
 _GEMM_K_BLOCK: dict[tuple[int, int, int, int], int | None] = {}
-_FUSED_ADDCMUL: bool | None = None
 
 _IDX_BITS = 32
 _IDX_MASK = (1 << _IDX_BITS) - 1
@@ -150,91 +151,6 @@ def _composite(keys: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     whose bits would sort first)."""
     keys = torch.where(keys > 0, keys, torch.zeros_like(keys))
     return (keys.view(torch.int32).to(torch.int64) << _IDX_BITS) | ref
-
-
-class _PairDots:
-    """float32 dot products x_i·x_j of pairs of rows, the bf16 mode's working keys: an elementwise product summed
-    by torch's row reduction, whose order depends only on D -- a pair gets the same value wherever its rows
-    sit and x_i·x_j = x_j·x_i bit for bit -- within 2·γ_D·‖x_i‖·‖x_j‖ of a GEMM's value (γ_D = D·2⁻²⁴/(1 − D·2⁻²⁴)),
-    but not always equal to it (13 % of random pairs are bit-equal).  The rows are gathered into two reused
-    buffers (fresh ones cost page faults)."""
-
-    def __init__(self, x: torch.Tensor):
-        self.x = x
-        self.a = self.b = torch.empty(0, x.shape[1], device=x.device)
-
-    def __call__(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        m = i.numel()
-        if m > self.a.shape[0]:
-            size = (max(m, 2 * self.a.shape[0]), self.x.shape[1])
-            self.a, self.b = torch.empty(size, device=self.x.device), torch.empty(size, device=self.x.device)
-        ga = torch.index_select(self.x, 0, i, out=self.a[:m])
-        return ga.mul_(torch.index_select(self.x, 0, j, out=self.b[:m])).sum(dim=1)
-
-
-def _fused_addcmul() -> bool:
-    """Whether ``torch.addcmul`` on CPU float32 is a fused multiply-add (the product exact, one rounding of the sum):
-    torch's vectorised kernel is compiled with FMA contraction on the builds checked (bench/README_metrics.md),
-    which no API promises, so it is checked once per process against the float64 emulation on 2¹⁶ random triples
-    whose unfused result differs in ~23 % of them."""
-    global _FUSED_ADDCMUL
-    if _FUSED_ADDCMUL is None:
-        gen = torch.Generator().manual_seed(3)
-        acc, a, b = (torch.randn(1 << 16, generator=gen) for _ in range(3))
-        _FUSED_ADDCMUL = torch.equal(torch.addcmul(acc, a, b), (acc.double() + a.double() * b.double()).float())
-    return _FUSED_ADDCMUL
-
-
-def _fma_dots(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, block: int | None = None) -> torch.Tensor:
-    """float32 dot products x_i·x_j of rows of ``x``, rounded as an SGEMM rounds them: within each K block of
-    ``block`` dimensions (``None``: all D at once) one chain of fused multiply-adds, each product exact and each
-    sum rounded once to float32, started at 0; the blocks' sums added to the result in order, each addition
-    rounded once.  That is the order of MKL's and OpenBLAS's micro-kernels; the block size depends on the BLAS,
-    the CPU and D (examples in bench/README_metrics.md), so ``_gemm_k_block`` finds the block of the BLAS at hand
-    (an elementwise product summed by ``torch.sum`` agrees on ~13 % of pairs).  The chain is ``torch.addcmul_`` in
-    float32 where that is a fused multiply-add (``_fused_addcmul``), else emulated in float64 (a product of two
-    floats is exact there; an f64 sum rounded to f32 differs from one rounding only at double-rounding ties, ~2⁻²⁸
-    of sums) at three times the passes over memory, several times slower (bench/README_metrics.md).  D steps are
-    vectorised over a cache-sized slice of pairs at a time.  On exact data (quantised) it is the exact dot
-    product, like every order."""
-    d = x.shape[1]
-    block = d if block is None else block
-    out = torch.empty(i.numel(), device=x.device)
-    fused = x.device.type == "cpu" and _fused_addcmul()
-    # pairs per slice: 16384 fit the cache best for addcmul_ (chosen by measurement, bench/README_metrics.md); the
-    # float64 emulation's slice grows with the threads
-    step = max(1, min(i.numel(), 16384 * (1 if fused else torch.get_num_threads())))
-    dt = torch.float32 if fused else torch.float64
-    pa = torch.empty(d, step, dtype=dt, device=x.device)
-    pb = torch.empty_like(pa)
-    tot = torch.empty(step, device=x.device)  # the sum of the K blocks so far
-    acc = None if fused else torch.empty(step, dtype=torch.float64, device=x.device)  # the f64 engine's chain
-    for s in range(0, i.numel(), step):
-        m = min(step, i.numel() - s)
-        # rows gathered (contiguous reads), then transposed so that each step reads one row
-        ga = pa[:, :m].copy_(x.index_select(0, i[s : s + m]).T)
-        gb = pb[:, :m].copy_(x.index_select(0, j[s : s + m]).T)
-        a32, t32 = out[s : s + m], tot[:m]
-        if fused:
-            for lo in range(0, d, block):
-                a32.zero_()
-                for r in range(lo, min(d, lo + block)):
-                    a32.addcmul_(ga[r], gb[r])  # one FMA per step
-                if lo:  # C += the block's sum, one rounding
-                    a32.add_(t32)
-                t32.copy_(a32)
-            continue
-        ga.mul_(gb)  # exact: 24-bit mantissas, 53 in f64
-        a = cast(torch.Tensor, acc)[:m]  # set wherever the chain is not fused
-        for lo in range(0, d, block):
-            a.zero_()
-            for row in ga[lo : lo + block]:
-                a32.copy_(a.add_(row))  # one rounding to float32 per step, as an FMA
-                a.copy_(a32)
-            if lo:  # C += the block's sum, one rounding
-                a32.copy_(a.add_(t32))
-            t32.copy_(a32)
-    return out
 
 
 def _gemm_k_block(d: int, panel: int, tile: int) -> int | None:
@@ -308,20 +224,6 @@ def _fp32_product(d: int, panel: int, tile: int) -> str:
                 if mm >= ONEDNN_MIN_SPEEDUP * onednn:
                     _FP32_PRODUCT[key] = "onednn"
     return _FP32_PRODUCT[key]
-
-
-def _widen(norms: torch.Tensor, d: int, mx: float) -> torch.Tensor:
-    """Most by which two float32 computations of a key n_i + n_j − 2·x_i·x_j can differ when their dot
-    products are summed in different orders: 2·(2·γ_D·‖x_i‖·max‖x‖) plus the keys' own rounding."""
-    return 4.04 * d * 2.0**-24 * norms.sqrt() * mx + 2.0**-20 * (norms + mx * mx)
-
-
-def _bf16_err(norms: torch.Tensor, d: int, mx: float) -> torch.Tensor:
-    """Most by which a bf16 panel product (bf16 inputs and output, fp32 accumulation) of row i with any row
-    can fall below its fp32 dot product: inputs rounded to bf16 (2·2⁻⁹ + 2⁻¹⁸ relative per term, Σ|x_i x_j| <=
-    ‖x_i‖·‖x_j‖), the output rounded to bf16 (2⁻⁹·|s|), fp32 accumulation on both sides (2·γ_D), denormal
-    products flushed to zero (D·2⁻¹²⁶)."""
-    return (2.0**-8 + 2.0**-9 + 2.0**-14 + 4.04 * d * 2.0**-24) * norms.sqrt() * mx + d * 2.0**-126
 
 
 def _refine(x: torch.Tensor, cand: torch.Tensor, k: int, block: int | None) -> torch.Tensor:
@@ -566,6 +468,150 @@ def chosen_prune(n: int, d: int, k: int, *, cuda: bool = False, tile: int | None
     return "bf16" if _bf16_pays(n, d, k, panel, tile) else "fp32"
 
 
+def _check_args(x: torch.Tensor, k: int, prune: str | None) -> None:
+    if x.ndim != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be a 2-D float32 tensor, got {tuple(x.shape)} {x.dtype}")
+    if not 1 <= k <= x.shape[0]:
+        raise ValueError(f"k must be in 1..{x.shape[0]}, got {k}")
+    if prune not in (None, "fp32", "bf16"):
+        raise ValueError(f"prune must be 'fp32', 'bf16' or None, got {prune!r}")
+    if prune == "bf16" and x.is_cuda:
+        raise ValueError("prune='bf16' is a CPU mode; CUDA tensors are searched in fp32")
+
+
+class _Bf16:
+    """The bf16 mode's operands: bf16 rows and a bf16 panel buffer for the off-diagonal products, the working keys'
+    dot products, and the rounding bounds of the diagonal keys (``widen``) and of the bf16 products (``err``)."""
+
+    def __init__(self, x: torch.Tensor, norms: torch.Tensor, panel: int, tile: int):
+        d, mx = x.shape[1], float(norms.max().sqrt())
+        self.x16, self.dots = x.to(torch.bfloat16), _PairDots(x)
+        self.s16 = torch.empty(panel, tile, dtype=torch.bfloat16)
+        self.widen = _widen(norms, d, mx)  # how far a diagonal GEMM key may sit from the working key
+        self.err = _bf16_err(norms, d, mx)
+
+
+class _Search:
+    """One ``self_knn`` search: the rows in block order (``perm``), padded to whole tiles, their norms and the reused
+    panel buffers; ``diagonal`` starts the running top-k, ``off_diagonal`` merges every other block pair into it."""
+
+    def __init__(self, x: torch.Tensor, tile: int, panel: int, how: str, depth: int, low: bool):
+        self.n, self.tile, self.panel, self.how, self.depth = x.shape[0], tile, panel, how, depth
+        self.nc = tile // CHUNK
+        self.perm = _cluster_order(x, tile)  # block order only; indices below are mapped back through perm
+        self.starts = range(0, self.n, tile)
+        # Every GEMM has the same panel × tile shape (x padded with zero rows, masked below): BLAS
+        # libraries pick kernels, and with them summation orders, by shape, and a pair's dot product
+        # must not depend on where it sits -- duplicated rows must give bit-identical keys to tie.
+        self.x = torch.nn.functional.pad(x[self.perm], (0, 0, 0, len(self.starts) * tile - self.n)).contiguous()
+        self.norms = (self.x * self.x).sum(dim=1)
+        self.bf16 = _Bf16(self.x, self.norms, panel, tile) if low else None
+        # One panel buffer for every torch.mm product (a fresh tensor per product costs page faults on first
+        # touch; oneDNN's products come as new tensors all the same, and are still faster where chosen).
+        dev = self.x.device
+        self.sbuf = torch.empty(panel, tile, device=dev)
+        self.smax = torch.empty(panel, self.nc, device=dev)  # row-chunk maxima (minima of keys on the diagonal)
+        self.cmax = torch.empty(panel // CHUNK, tile, device=dev)  # column-chunk maxima
+        self.kbuf = torch.empty(panel, tile, device=dev)  # keys of a diagonal panel
+
+    def diagonal(self) -> _TopK:
+        """Diagonal tiles first, in full: each row's bound (>= its k-th smallest key within its own block of near
+        rows, ``_cluster_order``) is an upper bound of its final k-th key and starts its threshold."""
+        x, norms, tile, panel, n, bf = self.x, self.norms, self.tile, self.panel, self.n, self.bf16
+        bound = torch.full((n,), float("inf"), device=x.device)
+        diag = []
+        for a in self.starts:
+            xa, na = x[a : a + tile], norms[a : a + tile]
+            ra = min(tile, n - a)
+            for p in range(0, ra, panel):
+                h = min(panel, ra - p)
+                s = _panel_mm(xa[p : p + panel], xa, self.sbuf, self.how)
+                keys = torch.add(na[p : p + h, None], na[None, :], out=self.kbuf[:h])  # _keys, in a reused buffer
+                keys.sub_(s[:h], alpha=2).clamp_min_(0)
+                if ra < tile:
+                    keys[:, ra:] = float("inf")
+                widen = bf.widen[a + p : a + p + h] if bf is not None else None
+                bd, i, j, v = _diag_panel(keys, self.depth, ra, self.smax, widen)
+                if bf is not None:  # the working keys of the candidates
+                    v = _keys(na[p + i], na[j], bf.dots(a + p + i, a + j))
+                bound[a + p : a + p + h] = bd
+                diag.append((i + (a + p), self.perm[j + a], v))
+        top = _TopK(n, self.depth, bound)
+        for cand in diag:
+            top.merge(*cand, grouped=True)
+        return top
+
+    def off_diagonal(self, top: _TopK) -> None:
+        """Every block pair a < b, nearest first: the candidates of both sides of its tile merged into ``top``."""
+        norms, n = self.norms, self.n
+        nmin = float(norms[:n].min())
+        slack = 2.0**-20 * (norms[:n] + float(norms.max()) + top.bound.clamp_max(torch.finfo(torch.float32).max))
+        for a, b in _pair_order(self.x, self.starts, self.tile, n):  # a < b: block a is never the ragged last one
+            rb = min(self.tile, n - b)
+            # rows of block a against the columns of block b (row chunks), and rows of block b against
+            # the columns of block a (column chunks), from the same tile
+            need_a = _need(norms[a : a + self.tile], top.thr[a : a + self.tile], nmin, slack[a : a + self.tile])
+            need_b = _need(norms[b : b + rb], top.thr[b : b + rb], nmin, slack[b : b + rb])
+            if self.bf16 is not None:  # the bf16 products may fall short of the exact ones by up to err
+                err = self.bf16.err
+                need_a, need_b = need_a - err[a : a + self.tile], need_b - err[b : b + rb]
+            rows, cols = self._gather(a, b, rb, need_a, need_b)
+            parts = self._candidates(a, b, rows, cols, need_a, need_b)
+            if parts:  # one merge for both sides: their targets are disjoint
+                merge_target, merge_ref, merge_keys = (torch.cat(z) for z in zip(*parts))
+                top.merge(merge_target, merge_ref, merge_keys, grouped=True)
+
+    def _gather(self, a: int, b: int, rb: int, need_a: torch.Tensor, need_b: torch.Tensor):
+        """The tile's row chunks and column chunks that can hold a candidate, panel by panel."""
+        x, tile, panel, nc, bf = self.x, self.tile, self.panel, self.nc, self.bf16
+        need_a2 = need_a[:, None]
+        need_b = torch.nn.functional.pad(need_b, (0, tile - rb), value=float("inf"))
+        rows, cols = _Gathered(), _Gathered()
+        for p in range(0, tile, panel):
+            if bf is not None:
+                _panel_mm(bf.x16[a + p : a + p + panel], bf.x16[b : b + tile], bf.s16, "mm")
+                s = self.sbuf.copy_(bf.s16)  # fp32 for the reductions below (a bf16 amax is several times slower)
+            else:
+                s = _panel_mm(x[a + p : a + p + panel], x[b : b + tile], self.sbuf, self.how)
+            if rb < tile:
+                s[:, rb:] = -float("inf")  # padding rows of x: never a neighbour
+            # chunk maxima right after the GEMM; only chunks that can hold a candidate are read again
+            rm = torch.amax(s.view(panel, nc, CHUNK), dim=2, out=self.smax)
+            live = (rm >= need_a2[p : p + panel]).view(-1).nonzero().squeeze(1)
+            rows.add(live, s.view(-1, CHUNK).index_select(0, live), p * nc)
+            cm = torch.amax(s.view(panel // CHUNK, CHUNK, tile), dim=1, out=self.cmax)
+            live = (cm >= need_b).view(-1).nonzero().squeeze(1)  # (row chunk, column), row-major
+            rc = live.div(tile, rounding_mode="floor")
+            col_chunks = s.as_strided((panel // CHUNK, tile, CHUNK), (CHUNK * tile, 1, tile))  # [row chunk, col]
+            cols.add(live, col_chunks[rc, live - rc * tile], p // CHUNK * tile)
+        return rows, cols
+
+    def _candidates(self, a: int, b: int, rows: _Gathered, cols: _Gathered, need_a, need_b) -> list:
+        """(target, reference, key) of the gathered entries that pass their target's threshold: rows of block a,
+        then rows of block b (sorted by target, for the merge)."""
+        na, nb = self.norms[a : a + self.tile], self.norms[b : b + self.tile]
+        nc, perm, bf = self.nc, self.perm, self.bf16
+        parts = []
+        got = rows.cat()
+        if got is not None:
+            live, vals = got
+            ri = live.div(nc, rounding_mode="floor")
+            q, o, v = _hits(vals, ri, need_a, below=False)
+            i, j = ri[q], (live[q] - ri[q] * nc) * CHUNK + o
+            parts.append((i + a, perm[j + b], _keys(na[i], nb[j], bf.dots(a + i, b + j) if bf is not None else v)))
+        got = cols.cat()
+        if got is not None:
+            live, vals = got
+            rc = live.div(self.tile, rounding_mode="floor")
+            cj = live - rc * self.tile
+            order = torch.sort(cj * nc + rc).indices  # by column (the target), for the merge
+            rc, cj, vals = rc[order], cj[order], vals.index_select(0, order)
+            q, o, v = _hits(vals, cj, need_b, below=False)
+            i, j = rc[q] * CHUNK + o, cj[q]
+            parts.append((j + b, perm[i + a], _keys(nb[j], na[i], bf.dots(b + j, a + i) if bf is not None else v)))
+        return parts
+
+
 def self_knn(
     x: torch.Tensor, k: int, *, tile: int | None = None, prune: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -578,15 +624,8 @@ def self_knn(
     products; ``None``: ``chosen_prune`` (bf16 on large CPU sets where it is faster and its keys round like the
     fp32 GEMM's, else fp32).
     """
-    if x.ndim != 2 or x.dtype != torch.float32:
-        raise ValueError(f"x must be a 2-D float32 tensor, got {tuple(x.shape)} {x.dtype}")
+    _check_args(x, k, prune)
     n = x.shape[0]
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in 1..{n}, got {k}")
-    if prune not in (None, "fp32", "bf16"):
-        raise ValueError(f"prune must be 'fp32', 'bf16' or None, got {prune!r}")
-    if prune == "bf16" and x.is_cuda:
-        raise ValueError("prune='bf16' is a CPU mode; CUDA tensors are searched in fp32")
     tile, panel = _tile_and_panel(n, tile, x.is_cuda, x.device)
     if prune is None:
         prune = chosen_prune(n, x.shape[1], k, cuda=x.is_cuda, tile=tile)
@@ -594,105 +633,12 @@ def self_knn(
     how = "mm" if x.is_cuda else _fp32_product(x.shape[1], panel, tile)  # the fp32 panel products
     # bf16: a deeper search on working keys, then _refine on the caller's rows (contiguous: one reduction order)
     x_in, depth = (x.contiguous(), min(n, k + BF16_EXTRA)) if low else (None, k)
-    inf = float("inf")
-    nc = tile // CHUNK
     with _ieee_fp32(x.device), torch.no_grad():
-        perm = _cluster_order(x, tile)  # block order only; indices below are mapped back through perm
-        starts = range(0, n, tile)
-        # Every GEMM has the same panel × tile shape (x padded with zero rows, masked below): BLAS
-        # libraries pick kernels, and with them summation orders, by shape, and a pair's dot product
-        # must not depend on where it sits -- duplicated rows must give bit-identical keys to tie.
-        x = torch.nn.functional.pad(x[perm], (0, 0, 0, len(starts) * tile - n)).contiguous()
-        norms = (x * x).sum(dim=1)
-        if low:
-            d, mx = x.shape[1], float(norms.max().sqrt())
-            x16, dots = x.to(torch.bfloat16), _PairDots(x)
-            s16 = torch.empty(panel, tile, dtype=torch.bfloat16)
-            widen = _widen(norms, d, mx)  # how far a diagonal GEMM key may sit from the working key
-            err = _bf16_err(norms, d, mx)
-        # One panel buffer for every torch.mm product (a fresh tensor per product costs page faults on first
-        # touch; oneDNN's products come as new tensors all the same, and are still faster where chosen).
-        sbuf = torch.empty(panel, tile, device=x.device)
-        smax = torch.empty(panel, nc, device=x.device)  # row-chunk maxima (minima of keys on the diagonal)
-        cmax = torch.empty(panel // CHUNK, tile, device=x.device)  # column-chunk maxima
-        kbuf = torch.empty(panel, tile, device=x.device)  # keys of a diagonal panel
-        # Diagonal tiles first, in full: each row's bound (>= its k-th smallest key within its own block
-        # of near rows, ``_cluster_order``) is an upper bound of its final k-th key and starts its threshold.
-        bound = torch.full((n,), inf, device=x.device)
-        diag = []
-        for a in starts:
-            xa, na = x[a : a + tile], norms[a : a + tile]
-            ra = min(tile, n - a)
-            for p in range(0, ra, panel):
-                h = min(panel, ra - p)
-                s = _panel_mm(xa[p : p + panel], xa, sbuf, how)
-                keys = torch.add(na[p : p + h, None], na[None, :], out=kbuf[:h])  # _keys, in a reused buffer
-                keys.sub_(s[:h], alpha=2).clamp_min_(0)
-                if ra < tile:
-                    keys[:, ra:] = inf
-                bd, i, j, v = _diag_panel(keys, depth, ra, smax, widen[a + p : a + p + h] if low else None)
-                if low:  # the working keys of the candidates
-                    v = _keys(na[p + i], na[j], dots(a + p + i, a + j))
-                bound[a + p : a + p + h] = bd
-                diag.append((i + (a + p), perm[j + a], v))
-        top = _TopK(n, depth, bound)
-        for cand in diag:
-            top.merge(*cand, grouped=True)
-        del diag
-        nmin = float(norms[:n].min())
-        slack = 2.0**-20 * (norms[:n] + float(norms.max()) + bound.clamp_max(torch.finfo(torch.float32).max))
-        for a, b in _pair_order(x, starts, tile, n):  # a < b: block a is never the ragged last one
-            xa, na, xb, nb = x[a : a + tile], norms[a : a + tile], x[b : b + tile], norms[b : b + tile]
-            rb = min(tile, n - b)
-            # rows of block a against the columns of block b (row chunks), and rows of block b against
-            # the columns of block a (column chunks), from the same tile
-            need_a = _need(na, top.thr[a : a + tile], nmin, slack[a : a + tile])
-            need_b = _need(nb[:rb], top.thr[b : b + rb], nmin, slack[b : b + rb])
-            if low:  # the bf16 products may fall short of the exact ones by up to err
-                need_a, need_b = need_a - err[a : a + tile], need_b - err[b : b + rb]
-            need_a2 = need_a[:, None]
-            need_b = torch.nn.functional.pad(need_b, (0, tile - rb), value=inf)
-            rows, cols = _Gathered(), _Gathered()
-            for p in range(0, tile, panel):
-                if low:
-                    _panel_mm(x16[a + p : a + p + panel], x16[b : b + tile], s16, "mm")
-                    s = sbuf.copy_(s16)  # fp32 for the reductions below (a bf16 amax is several times slower)
-                else:
-                    s = _panel_mm(xa[p : p + panel], xb, sbuf, how)
-                if rb < tile:
-                    s[:, rb:] = -inf  # padding rows of x: never a neighbour
-                # chunk maxima right after the GEMM; only chunks that can hold a candidate are read again
-                rm = torch.amax(s.view(panel, nc, CHUNK), dim=2, out=smax)
-                live = (rm >= need_a2[p : p + panel]).view(-1).nonzero().squeeze(1)
-                rows.add(live, s.view(-1, CHUNK).index_select(0, live), p * nc)
-                cm = torch.amax(s.view(panel // CHUNK, CHUNK, tile), dim=1, out=cmax)
-                live = (cm >= need_b).view(-1).nonzero().squeeze(1)  # (row chunk, column), row-major
-                rc = live.div(tile, rounding_mode="floor")
-                col_chunks = s.as_strided((panel // CHUNK, tile, CHUNK), (CHUNK * tile, 1, tile))  # [row chunk, col]
-                cols.add(live, col_chunks[rc, live - rc * tile], p // CHUNK * tile)
-            parts = []
-            got = rows.cat()
-            if got is not None:
-                live, vals = got
-                ri = live.div(nc, rounding_mode="floor")
-                q, o, v = _hits(vals, ri, need_a, below=False)
-                i, j = ri[q], (live[q] - ri[q] * nc) * CHUNK + o
-                parts.append((i + a, perm[j + b], _keys(na[i], nb[j], dots(a + i, b + j) if low else v)))
-            got = cols.cat()
-            if got is not None:
-                live, vals = got
-                rc = live.div(tile, rounding_mode="floor")
-                cj = live - rc * tile
-                order = torch.sort(cj * nc + rc).indices  # by column (the target), for the merge
-                rc, cj, vals = rc[order], cj[order], vals.index_select(0, order)
-                q, o, v = _hits(vals, cj, need_b, below=False)
-                i, j = rc[q] * CHUNK + o, cj[q]
-                parts.append((j + b, perm[i + a], _keys(nb[j], na[i], dots(b + j, a + i) if low else v)))
-            if parts:  # one merge for both sides: their targets are disjoint
-                merge_target, merge_ref, merge_keys = (torch.cat(z) for z in zip(*parts))
-                top.merge(merge_target, merge_ref, merge_keys, grouped=True)
+        search = _Search(x, tile, panel, how, depth, low)
+        top = search.diagonal()
+        search.off_diagonal(top)
         best = torch.empty_like(top.best)
-        best[perm] = top.best
+        best[search.perm] = top.best
         if low and x_in is not None:  # x_in is set wherever low is
             # final keys rounded like this BLAS's GEMM where _gemm_k_block finds its K block (prune=None
             # requires it); an explicit prune="bf16" without one keys by a single chain over D

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -406,37 +406,11 @@ def _evaluate(
 def _evaluate_checked(
     embeddings, labels, *, query_embeddings, query_labels, recall_ks, ndcg_ks, normalize, nmi, backend, details
 ):
-
     use_gpu = (_is_cuda(embeddings) or _is_cuda(query_embeddings)) and _gpu_available()
-    ref_t = _embedding_matrix(embeddings, "embeddings")
-    ref_labels = _label_vector(labels, "labels", ref_t.shape[0], "embeddings")
     loo = query_embeddings is None
-    if loo:
-        q_t, q_labels = ref_t, ref_labels
-    else:
-        q_t = _embedding_matrix(query_embeddings, "query_embeddings")
-        q_labels = _label_vector(query_labels, "query_labels", q_t.shape[0], "query_embeddings")
-        if q_t.shape[1] != ref_t.shape[1]:
-            raise ValueError(f"query_embeddings have {q_t.shape[1]} dims but embeddings have {ref_t.shape[1]}")
-
-    if normalize:
-        ref_t = F.normalize(ref_t, p=2, dim=1)
-        q_t = ref_t if loo else F.normalize(q_t, p=2, dim=1)
-    ref = np.ascontiguousarray(ref_t.cpu().numpy(), dtype=np.float32)
-    query = ref if loo else np.ascontiguousarray(q_t.cpu().numpy(), dtype=np.float32)
-    del q_t
+    ref_t, ref, query, q_labels, rel = _prepared(embeddings, labels, query_embeddings, query_labels, normalize)
     n_self = 1 if loo else 0
     n_q = len(query)
-
-    # R per query: reference count of its class, minus itself in leave-one-out mode.
-    classes, ref_codes, ref_counts = np.unique(ref_labels, return_inverse=True, return_counts=True)
-    ref_codes = ref_codes.ravel()
-    pos = np.clip(np.searchsorted(classes, q_labels), 0, len(classes) - 1)
-    known = classes[pos] == q_labels
-    q_codes = np.where(known, pos, -1)
-    r_all = np.where(known, ref_counts[pos], 0) - n_self
-    valid = r_all >= 1
-
     names = ["precision_at_1", "r_precision", "map_at_r"]
     names += [f"recall_at_{k}" for k in recall_ks] + [f"ndcg_at_{k}" for k in ndcg_ks]
     per_query = {name: np.full(n_q, np.nan) for name in names}
@@ -444,7 +418,8 @@ def _evaluate_checked(
     # kNN depth: PML's k="max_bin_count" (the largest R), deepened to the largest recall/nDCG k, never
     # more than the number of other references.  Details need every query's neighbours; the metrics
     # alone search only the queries they average over.
-    max_r = int(r_all[valid].max()) if valid.any() else 0
+    valid = rel.valid
+    max_r = int(rel.r_all[valid].max()) if valid.any() else 0
     depth = min(max(max_r, max(recall_ks + ndcg_ks, default=1)), len(ref) - n_self)
     if backend == "auto":
         big_enough = n_q >= SYMMETRIC_MIN_ROWS_CPU or ref_t.is_cuda
@@ -453,29 +428,11 @@ def _evaluate_checked(
     knn_idx = np.zeros((n_q, depth), dtype=np.int64) if details else None
     knn_sim = np.zeros((n_q, depth), dtype=np.float32) if details else None
     if depth >= 1 and len(searched):
-        if backend == "torch":
-            # one search of the whole set against itself, each pair's distance computed once
-            _, idx = self_knn(ref_t, depth + 1)
-            blocks = [(searched, idx.cpu().numpy())]
-        else:
-            search = _FlatL2Search(ref, depth + n_self, use_gpu)
-            blocks = (
-                (searched[b], search(query[searched[b]]))
-                for b in _query_blocks(len(searched), depth + n_self, ref.shape[1])
-            )
-        for rows, idx in blocks:
-            if loo:
-                idx = _remove_self(idx, rows)
+        for rows, idx in _neighbour_blocks(ref_t, ref, query, searched, depth, loo, backend, use_gpu):
             if details:
                 knn_idx[rows] = idx
                 knn_sim[rows] = _cosine(query, rows, ref, idx, normalized=normalize)
-            ok = valid[rows]
-            rows, idx = rows[ok], idx[ok]
-            if len(rows):
-                match = ref_codes[idx] == q_codes[rows][:, None]
-                for name, value in _per_query(match, r_all[rows], recall_ks, ndcg_ks).items():
-                    per_query[name][rows] = value
-        del blocks
+            _score(rows, idx, rel, recall_ks, ndcg_ks, per_query)
     del ref_t
 
     n_valid = int(valid.sum())
@@ -494,6 +451,76 @@ def _evaluate_checked(
         per_query=per_query,
         per_class=_per_class(per_query, q_labels, valid),
     )
+
+
+class _Relevance(NamedTuple):
+    """Which references are relevant to each query: class codes of the references and the queries (-1: a class
+    without references), R per query (its class's references, itself excluded in leave-one-out mode), and the
+    queries with R >= 1 (those the metrics average over)."""
+
+    ref_codes: np.ndarray
+    q_codes: np.ndarray
+    r_all: np.ndarray
+    valid: np.ndarray
+
+
+def _prepared(embeddings, labels, query_embeddings, query_labels, normalize):
+    """The checked inputs: the reference matrix as a tensor (for ``self_knn``) and as a float32 array, the query
+    array (the references themselves in leave-one-out mode), the query labels and their ``_Relevance``."""
+    ref_t = _embedding_matrix(embeddings, "embeddings")
+    ref_labels = _label_vector(labels, "labels", ref_t.shape[0], "embeddings")
+    loo = query_embeddings is None
+    if loo:
+        q_t, q_labels = ref_t, ref_labels
+    else:
+        q_t = _embedding_matrix(query_embeddings, "query_embeddings")
+        q_labels = _label_vector(query_labels, "query_labels", q_t.shape[0], "query_embeddings")
+        if q_t.shape[1] != ref_t.shape[1]:
+            raise ValueError(f"query_embeddings have {q_t.shape[1]} dims but embeddings have {ref_t.shape[1]}")
+
+    if normalize:
+        ref_t = F.normalize(ref_t, p=2, dim=1)
+        q_t = ref_t if loo else F.normalize(q_t, p=2, dim=1)
+    ref = np.ascontiguousarray(ref_t.cpu().numpy(), dtype=np.float32)
+    query = ref if loo else np.ascontiguousarray(q_t.cpu().numpy(), dtype=np.float32)
+    del q_t
+
+    # R per query: reference count of its class, minus itself in leave-one-out mode.
+    classes, ref_codes, ref_counts = np.unique(ref_labels, return_inverse=True, return_counts=True)
+    ref_codes = ref_codes.ravel()
+    pos = np.clip(np.searchsorted(classes, q_labels), 0, len(classes) - 1)
+    known = classes[pos] == q_labels
+    q_codes = np.where(known, pos, -1)
+    r_all = np.where(known, ref_counts[pos], 0) - (1 if loo else 0)
+    return ref_t, ref, query, q_labels, _Relevance(ref_codes, q_codes, r_all, r_all >= 1)
+
+
+def _neighbour_blocks(ref_t, ref, query, searched, depth, loo, backend, use_gpu):
+    """(query rows, their ``depth`` nearest references, the query itself removed in leave-one-out mode) for the
+    ``searched`` queries, block by block."""
+    n_self = 1 if loo else 0
+    if backend == "torch":
+        # one search of the whole set against itself, each pair's distance computed once
+        _, idx = self_knn(ref_t, depth + 1)
+        blocks = [(searched, idx.cpu().numpy())]
+    else:
+        search = _FlatL2Search(ref, depth + n_self, use_gpu)
+        blocks = (
+            (searched[b], search(query[searched[b]]))
+            for b in _query_blocks(len(searched), depth + n_self, ref.shape[1])
+        )
+    for rows, idx in blocks:
+        yield rows, (_remove_self(idx, rows) if loo else idx)
+
+
+def _score(rows, idx, rel: _Relevance, recall_ks, ndcg_ks, per_query: dict[str, np.ndarray]) -> None:
+    """The per-query metrics of the ``rows`` with R >= 1, from their neighbours ``idx``, into ``per_query``."""
+    ok = rel.valid[rows]
+    rows, idx = rows[ok], idx[ok]
+    if len(rows):
+        match = rel.ref_codes[idx] == rel.q_codes[rows][:, None]
+        for name, value in _per_query(match, rel.r_all[rows], recall_ks, ndcg_ks).items():
+            per_query[name][rows] = value
 
 
 def _cosine(query: np.ndarray, rows: np.ndarray, ref: np.ndarray, idx: np.ndarray, *, normalized: bool) -> np.ndarray:

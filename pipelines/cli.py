@@ -168,7 +168,7 @@ def _checked_report(run):
     return run_report
 
 
-def _finish(outcome, reference: str = "") -> int:
+def _finish(outcome) -> int:
     # pipelines.config and the results: see _check_report_args
     from pipelines.config.schema import redact_uri
     from pipelines.results.study_results import ci_table, params_table
@@ -178,9 +178,7 @@ def _finish(outcome, reference: str = "") -> int:
         f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
         "mean ± half-width of the 95 % t-interval across reproductions:"
     )
-    print(ci_table(outcome.studies))
-    if reference:
-        print(reference)
+    print(ci_table(outcome.studies))  # its "untrained network" row: each study's network before training
     print()
     print("Winning hyperparameters (best BO trial of each study):")
     print(params_table(outcome.studies))
@@ -230,22 +228,7 @@ def _run_demo(args) -> int:
         )
     _check_address(args)
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
-    outcome = run_sweep(cfg, resume=args.resume, address=args.address)
-    return _finish(outcome, _untrained_reference(cfg))
-
-
-def _untrained_reference(cfg) -> str:
-    """The demo's floor: the same network with its initial weights on the same test classes."""
-    # torch and the model zoo: see _check_report_args
-    from pipelines.execution.preflight import preflight
-    from pipelines.results.untrained import untrained_test_metrics
-
-    plan = preflight(cfg)[0]
-    m = untrained_test_metrics(plan, cfg.protocol.seed)
-    return (
-        f"untrained network (same architecture, initial weights) on the same test classes: "
-        f"P@1 {100 * m['precision_at_1']:.2f}  RP {100 * m['r_precision']:.2f}  MAP@R {100 * m['map_at_r']:.2f}"
-    )
+    return _finish(run_sweep(cfg, resume=args.resume, address=args.address))
 
 
 def main(argv: list[str] | None = None) -> int:

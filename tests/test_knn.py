@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import dml_core.knn as K
+import dml_core.knn_dots as KD
 import dml_core.metrics as M
 from dml_core.knn import self_knn
 from dml_core.metrics import retrieval_details, retrieval_metrics
@@ -360,13 +361,13 @@ def test_fma_dots_engines_give_the_same_bits(monkeypatch):
     g = torch.Generator().manual_seed(4)
     x = F.normalize(torch.randn(3000, 96, generator=g))
     i, j = torch.randint(0, 3000, (40000,), generator=g), torch.randint(0, 3000, (40000,), generator=g)
-    monkeypatch.setattr(K, "_FUSED_ADDCMUL", None)
-    fused = K._fused_addcmul()
-    monkeypatch.setattr(K, "_FUSED_ADDCMUL", False)
+    monkeypatch.setattr(KD, "_FUSED_ADDCMUL", None)
+    fused = KD._fused_addcmul()
+    monkeypatch.setattr(KD, "_FUSED_ADDCMUL", False)
     emulated = [K._fma_dots(x, i, j, block) for block in (None, 32, 40)]
     if not fused:
         pytest.skip("torch.addcmul is not a fused multiply-add on this build: only the float64 engine runs")
-    monkeypatch.setattr(K, "_FUSED_ADDCMUL", True)
+    monkeypatch.setattr(KD, "_FUSED_ADDCMUL", True)
     for block, want in zip((None, 32, 40), emulated):
         assert torch.equal(K._fma_dots(x, i, j, block), want)
 
@@ -374,10 +375,10 @@ def test_fma_dots_engines_give_the_same_bits(monkeypatch):
 def test_fused_addcmul_is_detected_not_assumed(monkeypatch):
     """An ``addcmul`` that rounds its product before the sum (what a build without FMA contraction computes) is
     seen as unfused, so ``_fma_dots`` falls back to the float64 engine instead of keying by another rounding."""
-    monkeypatch.setattr(K, "_FUSED_ADDCMUL", None)
+    monkeypatch.setattr(KD, "_FUSED_ADDCMUL", None)
     monkeypatch.setattr(torch, "addcmul", lambda acc, a, b: acc + a * b)
-    assert K._fused_addcmul() is False
-    assert K._FUSED_ADDCMUL is False  # once per process
+    assert KD._fused_addcmul() is False
+    assert KD._FUSED_ADDCMUL is False  # once per process
 
 
 def test_gemm_k_block_is_the_order_of_this_blas():

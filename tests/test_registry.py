@@ -32,6 +32,31 @@ def test_registered_model_name_is_readable_and_uri_safe():
     assert "/" not in registered_model_name("a/b", "c d", "e")
 
 
+def test_fold_weights_holding_pickled_objects_are_refused_without_torchs_advice(tmp_path):
+    """A reproduction fold's ``model.pt`` (read to register the model) and a registered model's fold file (read when
+    the pyfunc model loads) that hold pickled objects are refused saying what they hold, never with torch's advice to
+    retry with ``weights_only=False``."""
+    import pickle
+    import types
+
+    from pipelines.tracking.model_registry import _read_fold_checkpoint
+    from pipelines.tracking.pyfunc_model import FoldEnsembleEmbedder
+    from tests.test_weights_refusal import _no_advice, _pickled
+
+    (tmp_path / "ckpt").mkdir()
+    _pickled(tmp_path / "ckpt" / "model.pt")
+    with pytest.raises(pickle.UnpicklingError, match="^refused: the file holds more than tensors") as info:
+        _read_fold_checkpoint(str(tmp_path / "ckpt"))
+    _no_advice(str(info.value))
+
+    spec = tmp_path / "embedder.json"
+    spec.write_text(json.dumps({"folds": 1, "model_kwargs": {"trunk": "tiny", "embedding_dim": 8}}))
+    context = types.SimpleNamespace(artifacts={"embedder": str(spec), "fold_0": str(_pickled(tmp_path / "f0.pt"))})
+    with pytest.raises(pickle.UnpicklingError, match="^refused: the file holds more than tensors") as info:
+        FoldEnsembleEmbedder().load_context(context)
+    _no_advice(str(info.value))
+
+
 def test_dataset_digest_is_the_manifest_hash_or_the_generator_parameters(tmp_path):
     from pipelines.config.schema import ParquetDataset, SyntheticDataset
     from pipelines.tracking.datasets import dataset_info

@@ -98,3 +98,21 @@ def test_end_of_sweep_table_marks_epoch_0_and_has_the_reference_row():
     assert ref.split()[3:] == ["12.50", "6.25", "3.12"] * 2, "one reference row per network, both modes"
     assert any(line.startswith("* best at epoch 0: every fold of every reproduction") for line in table)
     assert "best at epoch 0" not in ci_table(studies[1:])
+
+
+def test_the_demo_prints_the_untrained_score_once_as_the_tables_reference_row(tmp_path, monkeypatch, capsys):
+    """``dmlrc demo``'s summary: the sweep's table with its untrained-network row, and no second line of its own."""
+    import pipelines.execution.sweep as sweep
+    from pipelines.cli import main
+
+    ci = {mode: {k: (0.5, 0.45, 0.55) for k in UNTRAINED} for mode in ("concat", "separated")}
+    studies = [StudySummary("synthetic/contrastive", "synthetic", "contrastive", "r", "ok", ci=ci, untrained=UNTRAINED)]
+
+    def fake_sweep(cfg, resume=False, address=None):
+        return sweep.SweepOutcome(cfg.name, tmp_path, "sqlite:///x.db", cfg.name, "1", studies, 60.0)
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_sweep)
+    assert main(["demo", "--storage", str(tmp_path), "--name", "once"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "untrained" in line]
+    assert len(lines) == 2, "\n".join(lines)  # the table's reference row and the note that explains it
+    assert lines[0].split()[:4] == ["synthetic", "untrained", "network", "12.50"] and lines[1].startswith("untrained")

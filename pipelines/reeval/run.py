@@ -539,7 +539,7 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
 def _start_ray(cfg: ReevalConfig) -> bool:
     """The sweep's Ray start-up (:func:`pipelines.execution.ray_runtime.init_ray`: loopback only, credentials kept out
     of Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
-    started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1))
+    started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1), address_field="ray_address")
     install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: a CronJob's SIGTERM stays ours
     # Ray: see embed_version
     import ray.data

@@ -7,7 +7,7 @@ the (dataset, loss) studies both have.  Per dataset, with the losses ranked by m
 * **Kendall's τ** (``scipy.stats.kendalltau``, τ-b) and **Spearman's ρ** (``scipy.stats.spearmanr``) of the two
   rankings, with their p-values (against "no association", not against "identical");
 * the **top group** of each run: the best loss and the losses *not distinguishable* from it (Holm–Bonferroni over
-  the comparisons against the best, :func:`pipelines.results.report.top_group`), and whether the two agree;
+  the comparisons against the best, :func:`pipelines.results.report_paired.top_group`), and whether the two agree;
 * every **pairwise conclusion** (paired t-test over the run's reproductions, Holm–Bonferroni over every pair of the
   dataset: "x better", "y better", "not distinguishable", "not testable" for identical values, "not tested" without
   two common seeds) that differs between the two runs.
@@ -30,7 +30,8 @@ from typing import Any
 import mlflow
 from mlflow.tracking import MlflowClient
 
-from pipelines.results.report import ALPHA, Study, collect_studies, paired_comparisons, paired_summary, top_group
+from pipelines.results.report_paired import ALPHA, paired_comparisons, paired_summary, top_group
+from pipelines.results.report_studies import Study, collect_studies
 
 __all__ = [
     "compare_studies",

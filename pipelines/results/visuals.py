@@ -327,14 +327,22 @@ def build_visuals(
         raise ValueError("test embeddings' labels do not match the dataset table's test rows")
     all_classes = np.unique(np.asarray(table.labels))
     names = {int(c): str(n) for c, n in zip(all_classes, table.class_names or [str(c) for c in all_classes])}
-    s = settings
-
     if details is None:
         details = _details(embeddings, labels)
     knn = np.asarray(details.knn_indices)
-    sims = np.asarray(details.knn_similarity) if details.knn_similarity is not None else None
+    gallery = _gallery(details, knn, labels, rows, names, settings)
+    needed = {q["table_row"] for q in gallery["queries"]}
+    needed |= {nb["table_row"] for q in gallery["queries"] for nb in q["neighbours"]}
+    images = {i: _thumb(table.images[i], settings.thumb) for i in sorted(needed)}
+    gallery_png = draw_gallery(gallery, images, title)
+    per_class = _per_class(details, knn, labels, names, settings)
+    map_png, map_json = _embedding_map(embeddings, labels, names, settings, title)
+    return StudyVisuals(gallery, per_class, gallery_png, map_png, map_json)
 
-    # gallery --------------------------------------------------------------------------------------------------
+
+def _gallery(details, knn: np.ndarray, labels: np.ndarray, rows: np.ndarray, names: dict[int, str], s: VisualSettings):
+    """The gallery's queries (``gallery_queries``) with their first ``s.k`` neighbours and per-query metrics."""
+    sims = np.asarray(details.knn_similarity) if details.knn_similarity is not None else None
     qrows = gallery_queries(labels, s.queries, s.seed)
     k = min(s.k, knn.shape[1])
     queries = []
@@ -365,18 +373,17 @@ def build_visuals(
                 **pq,
             }
         )
-    gallery = {
+    return {
         "seed": s.seed,
         "k": k,
         "n_test": int(len(labels)),
         "queries": queries,
         "embedding": "reproduction 0, concatenated fold embeddings (docs/protocol.md §Test evaluation)",
     }
-    needed = {q["table_row"] for q in queries} | {nb["table_row"] for q in queries for nb in q["neighbours"]}
-    images = {i: _thumb(table.images[i], s.thumb) for i in sorted(needed)}
-    gallery_png = draw_gallery(gallery, images, title)
 
-    # per-class metrics and confusions --------------------------------------------------------------------------
+
+def _per_class(details, knn: np.ndarray, labels: np.ndarray, names: dict[int, str], s: VisualSettings):
+    """Per-class metrics, worst first, each class with the classes its queries' first R neighbours confuse it with."""
     classes = _per_class_rows(details)
     counts = dict(zip(*[a.tolist() for a in np.unique(labels, return_counts=True)]))
     r = np.array([counts[int(l)] - 1 for l in labels.tolist()], dtype=np.int64)
@@ -385,21 +392,22 @@ def build_visuals(
         c["class_name"] = names[c["label"]]
         c["confused_with"] = [{"label": o, "class_name": names[o], "count": n} for o, n in conf.get(c["label"], [])]
     classes.sort(key=lambda c: (c["map_at_r"], c["label"]))
-    per_class = {
+    return {
         "global": {m: float(details.metrics[m]) for m in HEADLINE_METRICS},
         "classes": classes,
         "worst": [c["label"] for c in classes[: s.worst]],
         "confusion_window": "wrong neighbours within each query's first R (R = class size - 1)",
     }
 
-    # embedding map ----------------------------------------------------------------------------------------------
+
+def _embedding_map(embeddings: np.ndarray, labels: np.ndarray, names: dict[int, str], s: VisualSettings, title: str):
+    """The PCA map of the sampled classes' embeddings (L2-normalised) as PNG, and its JSON (rows, variance ratio)."""
     mrows = map_sample(labels, s.map_classes, s.map_points, s.seed)
     e = np.asarray(embeddings[mrows], dtype=np.float64)
     e /= np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
     xy, ratio = pca_2d(e)
     map_png = draw_map(xy, labels[mrows], names, ratio, title)
-    map_json = {"seed": s.seed, "test_index": mrows.tolist(), "explained_variance_ratio": ratio.tolist()}
-    return StudyVisuals(gallery, per_class, gallery_png, map_png, map_json)
+    return map_png, {"seed": s.seed, "test_index": mrows.tolist(), "explained_variance_ratio": ratio.tolist()}
 
 
 def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

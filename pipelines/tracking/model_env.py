@@ -46,6 +46,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pipelines
 from dml_core.plugins import PluginDistribution
 
 __all__ = [
@@ -190,8 +191,6 @@ def _cached(key: tuple[str, str], make) -> Path:
 
 def own_wheel() -> Path:
     """A wheel of this package as it runs here: built from its source tree, or taken from the installation."""
-    import pipelines
-
     root = Path(pipelines.__file__).resolve().parents[1]
     if (root / "pyproject.toml").is_file() and (root / "dml_core").is_dir():
         # the checkout's top-level files (pyproject.toml, README, LICENSE) and its packages: not the data, runs or

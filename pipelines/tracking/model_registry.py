@@ -33,6 +33,7 @@ import torch
 from mlflow.models import ModelSignature
 from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
 
+from dml_core.checkpoint import load_weights_only
 from dml_core.trunks import trunk_preprocessing
 from pipelines.names import ALIAS, HEADLINE_METRICS, MODES, REPRODUCTION
 from pipelines.tracking import pyfunc_model
@@ -90,7 +91,7 @@ def _read_fold_checkpoint(uri: str) -> dict[str, Any]:
         path = Path(d) / "model.pt"
         if not path.exists():
             raise FileNotFoundError(f"no model.pt in fold checkpoint {uri}")
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load_weights_only(path)
 
 
 def _signature(image_size: int, out_dim: int):

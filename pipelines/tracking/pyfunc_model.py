@@ -4,9 +4,9 @@
 This file is an MLflow *model from code*: :mod:`pipelines.tracking.model_registry` logs it with
 ``mlflow.pyfunc.log_model(python_model=<this file>, artifacts=...)``, MLflow copies the file into the model and
 executes it on load (``mlflow.models.set_model`` below).  Nothing is unpickled: the weights are ``fold_<k>.pt``
-state dicts read with ``torch.load(weights_only=True)`` and the architecture is ``embedder.json``
-(``dml_core.models.build_model`` keyword arguments).  Loading needs this project's ``dml_core`` importable: the
-model carries its wheel (``requirements.txt``, :mod:`pipelines.tracking.model_env`).
+state dicts read with ``torch.load(weights_only=True)`` (``dml_core.checkpoint.load_weights_only``) and the
+architecture is ``embedder.json`` (``dml_core.models.build_model`` keyword arguments).  Loading needs this project's
+``dml_core`` importable: the model carries its wheel (``requirements.txt``, :mod:`pipelines.tracking.model_env`).
 
 Input (:data:`INPUT_DESCRIPTION`; no MLflow input schema can state it, so :func:`as_batch` checks it): one image or
 a list of them, each encoded bytes (PNG, JPEG, …), a file path, a uint8 array ``(H, W)`` / ``(H, W, C)`` (C = 1, 3,
@@ -31,7 +31,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
+from dml_core.checkpoint import load_weights_only
+from dml_core.data import decode_image, eval_transform
 from dml_core.models import build_model
 from pipelines.results.embeddings import concatenated_embeddings
 
@@ -59,11 +62,6 @@ def preprocess(images, image_size: int, preprocessing: dict | None = None) -> np
     """Images (encoded bytes / paths / uint8 arrays / PIL images) → the model's input ``(B, 3, S, S)`` float32, with
     the sweep's eval transform and the trunk's input convention (``embedder.json``'s ``preprocessing``; ``None`` =
     ImageNet mean/std, RGB)."""
-    # PIL and the transforms only for callers with encoded images: a preprocessed batch does not need them
-    from PIL import Image
-
-    from dml_core.data import decode_image, eval_transform
-
     tf = eval_transform(image_size, preprocessing)
     out = []
     for i, im in enumerate(images):
@@ -153,7 +151,7 @@ class FoldEnsembleEmbedder(_Base):
         self.device = os.environ.get("DMLRC_PYFUNC_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
         self.models = []
         for k in range(int(spec["folds"])):
-            state = torch.load(context.artifacts[fold_artifact(k)], map_location="cpu", weights_only=True)
+            state = load_weights_only(context.artifacts[fold_artifact(k)])
             # The logged state dict holds every weight: the trunk's pretrained file is never needed (nor read).
             model = build_model(**{**spec["model_kwargs"], "pretrained": None})
             model.load_state_dict(state)
