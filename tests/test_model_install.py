@@ -127,7 +127,11 @@ def test_an_import_path_beside_a_stray_egg_info_travels_as_code(tmp_path, monkey
         assert (dist.name, dist.origin) == (PLUGIN_DIST, "unmanaged"), dist
         env = model_environment(f"{PLUGIN_MODULE}.losses:CircleLoss", trunk)
         assert [r for r in env.requirements if PLUGIN_DIST in r or "==" in r] == [], env.requirements
-        assert env.code_paths == [str((work / PLUGIN_MODULE).resolve())], env.code_paths
+        (code,) = env.code_paths  # a copy of the modules the loss and the trunk need, at their place in the package
+        copied = Path(code)
+        assert copied.name == PLUGIN_MODULE and not copied.is_relative_to(work), code
+        for name in ("__init__.py", "losses.py", "trunks.py"):
+            assert (copied / name).read_bytes() == (work / PLUGIN_MODULE / name).read_bytes(), name
         # a trunk found by an entry point of such metadata: code alone would not be found by name on load
         (egg / "entry_points.txt").write_text(
             f"[dml_reality_check.trunks]\nstray_tiny = {PLUGIN_MODULE}.trunks:wide_tiny\n"
@@ -322,3 +326,30 @@ def test_a_registered_model_installs_and_embeds_where_no_index_holds_our_package
     # bad bytes: one line naming the input by its size, never its content
     assert got["bad"].startswith("image 0 (950 bytes): UnidentifiedImageError"), got["bad"]
     assert "not an image" not in got["bad"] and "not an image" not in probe.stderr
+
+
+def test_an_import_path_plugin_carries_only_the_modules_it_needs_never_its_neighbours(tmp_path, monkeypatch):
+    """A plugin in a project's ``tests`` package (or any package with other files) carries its module, the
+    ``__init__.py`` files above it and the package modules it imports; a sibling holding a test fixture's password
+    stays behind."""
+    from pipelines.tracking.model_env import _module_code
+
+    pkg = tmp_path / "labcode"
+    (pkg / "plugins").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "util.py").write_text("SCALE = 2\n")
+    (pkg / "other.py").write_text("UNUSED = 1\n")
+    (pkg / "plugins" / "__init__.py").write_text("")
+    (pkg / "plugins" / "helper.py").write_text("from labcode.util import SCALE\n")
+    (pkg / "plugins" / "fixtures.py").write_text("PASSWORD = 'hunter2'\n")
+    (pkg / "plugins" / "myloss.py").write_text("import torch\nfrom . import helper\nfrom ..util import SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = Path(_module_code("labcode.plugins.myloss"))
+        got = sorted(str(p.relative_to(code)) for p in code.rglob("*.py"))
+        assert got == ["__init__.py", "plugins/__init__.py", "plugins/helper.py", "plugins/myloss.py", "util.py"], got
+        assert "hunter2" not in "".join(p.read_text() for p in code.rglob("*") if p.is_file())
+        assert _module_code("labcode.plugins.helper") == str(code)  # one copy per top-level package
+    finally:
+        for name in [m for m in sys.modules if m == "labcode" or m.startswith("labcode.")]:
+            del sys.modules[name]

@@ -24,6 +24,7 @@ distribution — or whose only metadata is an ``*.egg-info`` beside its code —
 
 from __future__ import annotations
 
+import ast
 import atexit
 import base64
 import csv
@@ -167,6 +168,8 @@ def model_environment(loss: str | None, trunk: str) -> ModelEnvironment:
 _CACHE: dict[tuple[str, str], Path] = {}
 _LOCK = threading.Lock()
 _WORK: list[Path] = []
+#: top-level package folder -> the copy of the modules of it that plugins need (:func:`_module_code`)
+_CODE: dict[Path, Path] = {}
 
 
 def _workdir() -> Path:
@@ -326,7 +329,12 @@ def _repack(dist: PluginDistribution, meta: Path, out: Path) -> Path:
 
 # ------------------------------------------------------------------------------------------------ plugin code
 def _module_code(module: str | None) -> str | None:
-    """The top-level package folder (or module file) that holds ``module``; ``None`` for the standard library."""
+    """The code an import-path plugin needs, for ``code_paths``: the module file alone when it is a top-level module;
+    inside a package, a copy of just that module, the ``__init__.py`` of each package above it and every module of
+    the same top-level package that these import (followed transitively), each at its place in the package.  Never
+    the whole package: a plugin that lives in a project's ``tests`` or ``scripts`` package must not carry its
+    neighbours (other code, credentials in test fixtures) into a model others download.  ``None`` for the standard
+    library."""
     if not module:
         return None
     mod = sys.modules.get(module) or importlib.import_module(module)
@@ -338,4 +346,69 @@ def _module_code(module: str | None) -> str | None:
     if file.is_relative_to(stdlib) and "site-packages" not in file.parts:
         return None
     depth = len(module.split(".")) - (1 if file.name == "__init__.py" else 2)
-    return str(file if depth < 0 else file.parents[depth])
+    if depth < 0:
+        return str(file)
+    top = file.parents[depth]  # the top-level package folder
+    with _LOCK:  # one copy per top-level package: a loss and a trunk from the same package share it
+        if top not in _CODE:
+            _CODE[top] = Path(tempfile.mkdtemp(prefix="dmlrc-code-", dir=_workdir())) / top.name
+        dest = _CODE[top]
+    for src in sorted(_package_closure(file, top)):
+        target = dest / src.relative_to(top)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+    return str(dest)
+
+
+def _package_closure(file: Path, top: Path) -> set[Path]:
+    """``file``, the ``__init__.py`` files from ``top`` down to it, and the files of ``top``'s modules it imports,
+    transitively (absolute imports of the top-level package and relative ones)."""
+    seen: set[Path] = set()
+    todo = [file]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for parent in f.parents:  # the package chain above the module
+            if parent == top.parent or not parent.is_relative_to(top):
+                break
+            init = parent / "__init__.py"
+            if init.is_file() and init not in seen:
+                todo.append(init)
+        todo.extend(_imported_files(f, top))
+    return seen
+
+
+def _imported_files(file: Path, top: Path) -> list[Path]:
+    """The files of ``top``'s package that ``file`` imports (``import top.x``, ``from top.x import y``, ``from . import
+    y``, ``from .x import y``; ``y`` counts when it is a module itself)."""
+    here = file.parent.relative_to(top.parent).parts  # the package ``file`` is in, as name parts
+    out: list[Path] = []
+
+    def resolve(parts: tuple[str, ...]) -> None:
+        if not parts or parts[0] != top.name:
+            return
+        base = top.parent.joinpath(*parts)
+        for cand in (base.with_suffix(".py"), base / "__init__.py"):
+            if cand.is_file():
+                out.append(cand.resolve())
+
+    try:
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return out
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                resolve(tuple(alias.name.split(".")))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                pkg = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                parts = pkg + tuple(node.module.split(".") if node.module else ())
+            else:
+                parts = tuple((node.module or "").split("."))
+            resolve(parts)
+            for alias in node.names:
+                resolve((*parts, alias.name))
+    return out
