@@ -486,39 +486,49 @@ def init_ray(
         },
     )
     if address:
-        where = address_field if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
-        check_cluster_answers(address, where)
-        try:
-            ray.init(address=address, **kwargs)
-        except ray.exceptions.AuthenticationError as e:  # Ray Client (ray://) refused, or no token here
-            raise ConfigError(where, _auth_problem(address, e.message)) from None
-        except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
-            raise ConfigError(where, _no_cluster(address, e)) from None
+        _join_cluster(ray, address, address_field, kwargs)
     else:
-        # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-        kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
-        kwargs["resources"] = {TRIAL_DRIVER_RESOURCE: _TRIAL_DRIVER_SLOTS}
-        if (
-            sys.platform.startswith("linux")
-            and os.path.exists("/sys/class/net/lo")
-            and "GLOO_SOCKET_IFNAME" not in os.environ
-        ):
-            # The folds' gloo (CPU DDP) connections between workers of one machine: over loopback only.
-            kwargs["runtime_env"]["env_vars"]["GLOO_SOCKET_IFNAME"] = "lo"
-        for attempt in range(3):
-            try:
-                ray.init(num_cpus=num_cpus, **kwargs)
-                break
-            except Exception as e:  # only Ray's start-up timeout is retried
-                # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.
-                if "timed out during startup" not in str(e) or attempt == 2:
-                    raise
-                ray.shutdown()
-                time.sleep(5)
+        _start_local(ray, num_cpus, kwargs)
     for name in ("ray.tune", "ray.train", "ray.air", "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
     return True
+
+
+def _join_cluster(ray: Any, address: str, address_field: str, kwargs: dict[str, Any]) -> None:
+    """``ray.init`` on a running cluster; one that does not answer, or refuses this driver, is one config error."""
+    where = address_field if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
+    check_cluster_answers(address, where)
+    try:
+        ray.init(address=address, **kwargs)
+    except ray.exceptions.AuthenticationError as e:  # Ray Client (ray://) refused, or no token here
+        raise ConfigError(where, _auth_problem(address, e.message)) from None
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
+        raise ConfigError(where, _no_cluster(address, e)) from None
+
+
+def _start_local(ray: Any, num_cpus: int, kwargs: dict[str, Any]) -> None:
+    """``ray.init`` of a Ray on this machine: the trial-driver slots, gloo over loopback, no preemption watcher."""
+    # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    kwargs["resources"] = {TRIAL_DRIVER_RESOURCE: _TRIAL_DRIVER_SLOTS}
+    if (
+        sys.platform.startswith("linux")
+        and os.path.exists("/sys/class/net/lo")
+        and "GLOO_SOCKET_IFNAME" not in os.environ
+    ):
+        # The folds' gloo (CPU DDP) connections between workers of one machine: over loopback only.
+        kwargs["runtime_env"]["env_vars"]["GLOO_SOCKET_IFNAME"] = "lo"
+    for attempt in range(3):
+        try:
+            ray.init(num_cpus=num_cpus, **kwargs)
+            return
+        except Exception as e:  # only Ray's start-up timeout is retried
+            # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            ray.shutdown()
+            time.sleep(5)
 
 
 def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
