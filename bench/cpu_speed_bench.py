@@ -80,10 +80,10 @@ def step_times(variant: dict, iters: int) -> list[float]:
     return out
 
 
-def data(use_omniglot: bool):
+def data(use_omniglot: bool, omniglot: Path = OMNIGLOT):
     if use_omniglot:
-        table = read_omniglot(OMNIGLOT)
-        name = "Omniglot (../shared/data/omniglot)"
+        table = read_omniglot(omniglot)
+        name = f"Omniglot ({omniglot})"
     else:
         table = synthetic(64, 20, IMAGE, 0)
         name = "synthetic (64 classes × 20)"

@@ -523,49 +523,20 @@ def child_decode(job: dict) -> dict:
 
 
 def child_accuracy(job: dict) -> dict:
-    """bench/cpu_speed_bench.py's accuracy check, on CUDA: one fold, final val MAP@R."""
+    """bench/cpu_speed_bench.py's accuracy check (its data and its ``accuracy``), on CUDA: final val MAP@R."""
     import torch
 
     import bench.cpu_speed_bench as cpu_bench
-    from dml_core.data import ImageDataset, eval_transform, read_omniglot, synthetic, train_transform
-    from dml_core.losses import build_loss
-    from dml_core.models import build_model
-    from dml_core.splits import FoldManifest
-    from dml_core.train import TrainConfig, train_fold
 
     torch.set_num_threads(1)
-    size, emb = cpu_bench.IMAGE, cpu_bench.EMB
     omni = Path(job["omniglot"])
-    table = read_omniglot(omni) if omni.is_dir() else synthetic(64, 20, size, 0)
-    fold = FoldManifest.from_labels(table.labels, 4, "mlrc").folds[0]
-    train = ImageDataset(table.subset(fold.train_classes), train_transform(size))
-    val = ImageDataset(table.subset(fold.val_classes), eval_transform(size))
-    torch.manual_seed(job["seed"])
-    model = build_model(trunk="tiny", embedding_dim=emb, freeze_bn=False)
-    loss = build_loss("contrastive", num_classes=len(fold.train_classes), embedding_dim=emb)
-    cfg = TrainConfig(
-        classes_per_batch=8,
-        m=4,
-        iters_per_epoch=100,
-        max_epochs=job["epochs"],
-        eval_every=job["epochs"],
-        patience=None,
-        optimizer="rmsprop",
-        trunk_lr=1e-4,
-        embedder_lr=1e-4,
-        momentum=0.0,
-        eval_batch_size=256,
-        seed=job["seed"],
-        device=job["device"],
-        amp=job["amp"],
-        num_workers=2,
-    )
-    t0 = time.perf_counter()
-    res = train_fold(model, loss, train, val, cfg)
+    _, train, val, n_train = cpu_bench.data(omni.is_dir(), omni)
+    variant = {"device": job["device"], "amp": job["amp"], "num_workers": 2}
+    map_at_r, seconds = cpu_bench.accuracy(train, val, n_train, variant, job["seed"], job["epochs"])
     return {
-        "status": res.status,
-        "map_at_r": res.history[-1]["metrics"].get("map_at_r") if res.history else None,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "status": "ok",
+        "map_at_r": map_at_r,
+        "seconds": round(seconds, 1),
         "data": "omniglot" if omni.is_dir() else "synthetic",
     }
 

@@ -4,37 +4,14 @@ spaces checked as strictly as the rest of the config."""
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from pipelines.config.presets import DEMO
-from pipelines.config.schema import ConfigError, parse_config
-
-
-def _cfg(**changes):
-    """The demo preset with dotted-path changes, e.g. ``_cfg(**{"protocol.trials": 0})``."""
-    doc = copy.deepcopy(DEMO)
-    for path, value in changes.items():
-        node = doc
-        keys = path.split(".")
-        for k in keys[:-1]:
-            node = node[int(k)] if isinstance(node, list) else node.setdefault(k, {})
-        if isinstance(node, list):
-            node[int(keys[-1])] = value
-        else:
-            node[keys[-1]] = value
-    return doc
-
-
-def _error(doc) -> ConfigError:
-    with pytest.raises(ConfigError) as info:
-        parse_config(doc)
-    return info.value
-
+from pipelines.config.schema import parse_config
+from tests.test_config import _cfg, _error
 
 # ------------------------------------------------------------------------------------------------ every problem
 

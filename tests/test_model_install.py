@@ -25,6 +25,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.test_packaging import venv_with_site_path
+
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "examples" / "plugin"
 PLUGIN_MODULE = "dmlrc_example"
@@ -261,15 +263,7 @@ def test_a_registered_model_installs_and_embeds_where_no_index_holds_our_package
 
     # a fresh venv: the public dependencies, neither this package nor the plugin, no index
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    py = venv / "bin" / "python"
-    site = subprocess.run(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    Path(site, "public-deps.pth").write_text(str(_public_site(tmp_path / "public")) + "\n")
+    py = venv_with_site_path(venv, _public_site(tmp_path / "public"))
     env = {**_pip_env(), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     elsewhere = tmp_path / "colleague"

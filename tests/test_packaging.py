@@ -85,11 +85,9 @@ def test_dmlrc_version_prints_the_distribution_version():
     assert r.returncode == 0 and r.stdout.strip() == f"dmlrc {importlib.metadata.version('dml-reality-check')}"
 
 
-def _isolated_python(tmp: Path, prefix: Path) -> tuple[Path, dict[str, str]]:
-    """A venv whose only site directory is its own; a ``.pth`` line adds the test environment's site-packages as a
-    plain path (its ``.pth`` files — the editable install's finder among them — are not run), so torch, Ray and
-    MLflow import but this checkout does not.  ``prefix`` (the installed wheels) comes first on PYTHONPATH."""
-    env_dir = tmp / "venv"
+def venv_with_site_path(env_dir: Path, path: str | Path) -> Path:
+    """A fresh venv without pip whose site directory holds one ``.pth`` line, ``path``: a folder added as a plain
+    path (no ``.pth`` file inside it runs).  Returns the venv's python."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
     py = env_dir / "bin" / "python"
     site = subprocess.run(
@@ -98,7 +96,16 @@ def _isolated_python(tmp: Path, prefix: Path) -> tuple[Path, dict[str, str]]:
         text=True,
         check=True,
     ).stdout.strip()
-    Path(site, "test-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    Path(site, "extra-site.pth").write_text(f"{path}\n")
+    return py
+
+
+def _isolated_python(tmp: Path, prefix: Path) -> tuple[Path, dict[str, str]]:
+    """A venv whose only site directory is its own; a ``.pth`` line adds the test environment's site-packages as a
+    plain path (its ``.pth`` files — the editable install's finder among them — are not run), so torch, Ray and
+    MLflow import but this checkout does not.  ``prefix`` (the installed wheels) comes first on PYTHONPATH."""
+    env_dir = tmp / "venv"
+    py = venv_with_site_path(env_dir, sysconfig.get_paths()["purelib"])
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH", "VIRTUAL_ENV")}
     env["PYTHONPATH"] = str(prefix)
     env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{prefix / 'bin'}{os.pathsep}{env.get('PATH', '')}"
