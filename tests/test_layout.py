@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.test_doc_paths import repo_files
+
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"ray", "mlflow"}
 
@@ -72,18 +74,9 @@ def test_the_five_top_level_folders_exist_with_a_readme():
 def machine_paths(root: Path = ROOT) -> tuple[list[str], int]:
     """(``file:line: text`` of every absolute machine path in the repository's text files, files read).  The files
     are what git holds or would add (`git ls-files`: tracked, plus new files not ignored)."""
-    names = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\0")
     found, read = [], 0
-    for name in names:
+    for name in repo_files(root):
         path = root / name
-        if not name or not path.is_file():
-            continue
         data = path.read_bytes()
         if b"\0" in data[:8192]:  # binary (images, parquet): no text to hold a path
             continue
