@@ -7,9 +7,9 @@ rule (evaluation interval, patience) would end each curve.
 
 One run = one loss × one recipe × one seed: fold 0 of the mlrc 4-fold layout on Omniglot (91 train / 30 validation
 classes; ``../shared/data/omniglot`` or ``--omniglot``), the zoo preset's network (``configs/omniglot-zoo.yaml``:
-tiny CNN from scratch, embedding 64, batches of 8 classes × 4), the loss at its paper defaults
-(``tune_spaces/<loss>.yaml``, ``loss_lr`` included), trained ``--iters`` iterations with the validation MAP@R
-every 100 (``train_fold``, no early stopping).  Runs go to separate processes, ``--jobs`` at a time.
+tiny CNN from scratch, embedding 64, batches of 8 classes × 4), the loss at its paper defaults and fixed values
+(``tune_spaces/<loss>.yaml``, ``loss_lr`` included), trained ``--iters`` iterations with the validation MAP@R every
+100 (``train_fold``, no early stopping).  Runs go to separate processes, ``--jobs`` at a time.
 
 Losses by default: one of each family — ``contrastive`` (pair), ``proxy_anchor`` (proxy), ``normalized_softmax``
 (classification).  Recipes (``RECIPES``): the published zoo's (RMSprop 1e-4 without momentum, constant), a larger
@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,10 +58,10 @@ EVAL_ITERS = 100
 
 
 def paper_defaults(loss: str) -> dict:
-    import yaml
+    """The loss's paper defaults with its space's fixed values (``tune_spaces/<loss>.yaml``, as a sweep reads it)."""
+    from pipelines.config.spaces import load_space
 
-    text = resources.files("tune_spaces").joinpath(f"{loss}.yaml").read_text()
-    return dict(yaml.safe_load(text).get("paper_defaults") or {})
+    return load_space(loss).defaults()
 
 
 def run_one(job: dict) -> dict:
