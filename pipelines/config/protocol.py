@@ -84,6 +84,14 @@ class ProtocolSpec(StrictModel):
     #: "protocol": every loss gets the reality check's batch (8 × 4) and model unless ``train``/``model`` say
     #: otherwise (a fair comparison); "paper": each loss's own BatchSpec/ModelRecipe (``loss_info``).
     recipe: Literal["protocol", "paper"] = "protocol"
+    pruning: Literal["asha"] | None = None
+    """Multi-fidelity search (docs/protocol.md §Pruning): asha = Ray Tune's ASHAScheduler stops clearly worse search
+    trials early on the fold-mean val MAP@R at each evaluation; null = every trial trains to the full budget (the
+    reality check).  Reproductions always do."""
+    pruning_grace_period: int = Field(1, ge=1, le=10**6)
+    """Evaluations (after the untrained one) every trial makes before it can be stopped."""
+    pruning_reduction_factor: float = Field(3.0, ge=1.5, le=100)
+    """ASHA's reduction factor: about 1 in this many trials goes on at each rung."""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -91,4 +99,11 @@ class ProtocolSpec(StrictModel):
             raise FieldError("folds", f"the mlrc layout has exactly 4 folds (got {self.folds}); use fold_layout: kfold")
         if self.max_epochs < self.eval_every:
             raise FieldError("max_epochs", f"{self.max_epochs} must be >= eval_every ({self.eval_every})")
+        evaluations = self.max_epochs // self.eval_every  # pipelines.execution.pruning.evaluations_per_fold
+        if self.pruning is not None and self.pruning_grace_period >= evaluations:
+            raise FieldError(
+                "pruning_grace_period",
+                f"{self.pruning_grace_period} must be < the evaluations per fold, max_epochs // eval_every = "
+                f"{evaluations} (else no trial can be stopped)",
+            )
         return self

@@ -315,6 +315,14 @@ class _FoldLog:
             flush=True,
         )
 
+    def started(self, time_start: float) -> None:
+        """The fold function's start, logged at once: a fold cancelled before its end (a pruned trial's,
+        :mod:`pipelines.execution.pruned_runs`) is costed from it."""
+        try:
+            self.tracker.log_metrics(self.run_id, {"time.start": time_start})
+        except Exception as e:  # tracking trouble must not kill a training run
+            print(f"{self.where}: MLflow logging failed: {e}", file=sys.stderr)
+
     def log_restarts(self, ckpt: _Checkpoints) -> None:
         if not ckpt.restarts:
             return
@@ -429,6 +437,7 @@ def run_fold(
     log = _FoldLog(cfg)
     if rank == 0:
         log.open(ckpt, resume_state, _run_tags(device, node_id, parts.prep))
+        log.started(time_start)
     time_train_start = time.time()
     result = train_fold(
         parts.model,

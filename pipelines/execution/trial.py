@@ -16,7 +16,9 @@ builds ``TorchTrainer``\\ s).  Per trial it
 4. for a reproduction, evaluates the best fold models on the test classes (docs/protocol.md §Test evaluation):
    *separated* = each fold model alone, metrics averaged over folds; *concatenated* = each fold's embedding
    L2-normalised, concatenated (4 × d) and normalised again (``retrieval_metrics(normalize=True)``);
-5. reports once to Tune.
+5. reports once to Tune — and, with pruning on (``protocol.pruning``, search trials of warm folds), before that
+   once per evaluation every fold reached (:class:`pipelines.execution.pruning.Rungs`, read from the fold runs'
+   MLflow history); a trial the scheduler stops there has its running folds cancelled (``ray.cancel``).
 
 A trial's driver loads torch only where it uses it: a search trial of warm folds submits Ray tasks and reduces their
 ``outcome.json`` (numpy, MLflow), so this module imports neither :mod:`pipelines.execution.fold` nor anything of
@@ -30,7 +32,8 @@ capacity-1 queue per Tune session and re-emits it as a Tune result.  With four T
 reports interleave as one stream, and a report still in that queue when the trial calls ``tune.report`` with the
 fold mean can land *after* it, making an intermediate value the trial's last result (read from
 ``ray/train/_internal/session.py::_get_result_from_queues``).  The per-evaluation history goes to MLflow instead
-(rank 0, explicit run ids), and Tune sees exactly one result per trial: the fold mean.
+(rank 0, explicit run ids), and Tune sees one result per trial, the fold mean (with pruning, the intermediate fold
+means before it: the trial reports them itself, from one thread, so no queue reorders them).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from dml_core.storage import open_storage
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.fold_config import FoldClasses, FoldConfig, FoldOutcome, s3_uri
 from pipelines.execution.interrupts import error_text
+from pipelines.execution.pruning import EVALUATION, PRUNING_KEY, Rungs, mlflow_history
 from pipelines.names import (
     HEADLINE_METRICS,
     OBJECTIVE,
@@ -205,10 +209,16 @@ def _fit_train(ctx: StudyContext, name: str, cfg: FoldConfig) -> str:
     return checkpoint_uri(ckpt)
 
 
+#: Seconds between a pruned search trial's reads of its folds' evaluations (docs/protocol.md §Pruning).
+RUNG_POLL_S = 2.0
+
+
 def _run_folds(
-    ctx: StudyContext, prefix: str, cfgs: dict[int, FoldConfig]
+    ctx: StudyContext, prefix: str, cfgs: dict[int, FoldConfig], rungs: Rungs | None = None
 ) -> tuple[dict[int, str], dict[int, tuple[float, float]], dict[int, BaseException]]:
-    """Run every fold concurrently; ``(result URIs, (submit, done) wall times, errors)`` by fold index."""
+    """Run every fold concurrently; ``(result URIs, (submit, done) wall times, errors)`` by fold index.  With
+    ``rungs`` (pruning, warm folds) the folds' evaluations are reported as they come; when Tune stops the trial
+    (``tune.report`` raises) the folds still running are cancelled."""
     # Ray: see _fit_train
     import ray
 
@@ -233,13 +243,21 @@ def _run_folds(
         }
         pending = {ref: k for k, ref in refs.items()}
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            k = pending.pop(done[0])
-            try:
-                uris[k] = ray.get(done[0])
-                spans[k] = (t_submit, time.time())
-            except BaseException as e:  # collected, re-raised after the other folds finished
-                errors[k] = e
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=RUNG_POLL_S if rungs else None)
+            for ref in done:
+                k = pending.pop(ref)
+                try:
+                    uris[k] = ray.get(ref)
+                    spans[k] = (t_submit, time.time())
+                except BaseException as e:  # collected, re-raised after the other folds finished
+                    errors[k] = e
+            if rungs is not None and pending and not errors:
+                try:
+                    rungs.poll(set(pending.values()))
+                except BaseException:  # the scheduler stopped the trial (SystemExit from tune.report)
+                    for ref in pending:
+                        ray.cancel(ref)  # a KeyboardInterrupt in the fold's task; its warm process is kept
+                    raise
         return uris, spans, errors
 
     lock = threading.Lock()
@@ -315,7 +333,8 @@ class _Trial:
             ctx=ctx,
             trial_id=trial_id,
             rep=None if rep is None else int(rep),
-            hparams=dict(config[PARAMS]) if rep is not None else dict(config),
+            # a search trial's config: the sampled values, and the search's own constants (``__``) that are not
+            hparams=dict(config[PARAMS]) if rep is not None else {k: v for k, v in config.items() if k[:2] != "__"},
             seed=reproduction_seed(ctx.base_seed, int(rep)) if rep is not None else ctx.base_seed,
             manifest=FoldManifest.from_json(ctx.manifest_json),
             tracker=Tracker.from_uri(ctx.tracking_uri, ctx.experiment_id),
@@ -473,6 +492,8 @@ def _report(trial: _Trial, run_id: str, summary, metrics, outcomes: list[FoldOut
     if trial.reproduction:
         report[REPRODUCTION] = trial.rep
         report["concat_details"] = folds["details_uri"]
+    if folds.get("rungs") is not None:  # the scheduler's time attribute: the trial reached the full budget
+        report[EVALUATION] = folds["rungs"].max_t
     return report
 
 
@@ -486,14 +507,18 @@ def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     trial = _Trial.of(config, ctx, tune.get_context().get_trial_id())
     run_id = trial.open_run(ray.get_runtime_context().get_node_id())
     fold_runs = trial.open_fold_runs(run_id)
+    rungs = None
+    if config.get(PRUNING_KEY) and not trial.reproduction and fold_executor(ctx) == "warm":
+        extra = {"mlflow_run_id": run_id, "seed": trial.seed}
+        rungs = Rungs(fold_runs, int(config[PRUNING_KEY]), mlflow_history(trial.tracker), tune.report, extra)
     t0 = time.time()
-    uris, spans, errors = _run_folds(ctx, trial.prefix, trial.fold_configs(fold_runs, run_id))
+    uris, spans, errors = _run_folds(ctx, trial.prefix, trial.fold_configs(fold_runs, run_id), rungs)
     fold_runs = trial.live_fold_runs(fold_runs, run_id)
     if errors:
         trial.fail(run_id, fold_runs, errors)
     outcomes, embeddings, labels, cost = trial.collect(uris, spans, fold_runs)
     summary, metrics, details_uri = trial.finish(run_id, outcomes, embeddings, labels, cost)
-    folds = {"uris": uris, "spans": spans, "t0": t0, "details_uri": details_uri}
+    folds = {"uris": uris, "spans": spans, "t0": t0, "details_uri": details_uri, "rungs": rungs}
     tune.report(_report(trial, run_id, summary, metrics, outcomes, folds))
 
 

@@ -42,14 +42,16 @@ def register_study_trainable(study: str, ctx: StudyContext) -> str:
     return name
 
 
-def tune_config(cfg, num_samples: int, search_alg=None):
+def tune_config(cfg, num_samples: int, search_alg=None, scheduler=None):
     """The TuneConfig of a study's Tuners: maximise the objective, ``max_concurrent_trials`` at a time, trial actors
-    reused (the trainable keeps no state)."""
+    reused (the trainable keeps no state); ``scheduler``: the search's ASHA with pruning on
+    (:mod:`pipelines.execution.pruning`), never the reproductions' (they train to the full budget)."""
     # Ray: see register_study_trainable
     from ray import tune
 
     return tune.TuneConfig(
         search_alg=search_alg,
+        scheduler=scheduler,
         metric=OBJECTIVE,
         mode="max",
         num_samples=num_samples,
@@ -60,7 +62,8 @@ def tune_config(cfg, num_samples: int, search_alg=None):
 
 def run_config(storage: str, name: str, progress, trial_retries: int):
     """The RunConfig of a study's Tuners: a fixed path ``<storage>/<name>`` (what ``--resume`` restores), Tune's own
-    output off (``progress`` prints ours), ``trial_retries`` restarts of a failed trial."""
+    output off (``progress`` prints ours; a list: more callbacks, e.g. the pruned trials' closing), ``trial_retries``
+    restarts of a failed trial."""
     # Ray: see register_study_trainable
     from ray import tune
 
@@ -68,14 +71,15 @@ def run_config(storage: str, name: str, progress, trial_retries: int):
         name=name,
         storage_path=storage,
         verbose=0,
-        callbacks=[progress],
+        callbacks=list(progress) if isinstance(progress, (list, tuple)) else [progress],
         failure_config=tune.FailureConfig(max_failures=trial_retries),
     )
 
 
 def fit_tuner(storage: str, name: str, trainable: str, new, *, trial_retries: int, say) -> list[dict[str, Any]]:
-    """Run the Tuner ``<storage>/<name>``: restored when it was started before, else built from ``new()`` →
-    ``(param_space, TuneConfig, progress callback)``; returns the rows of its results."""
+    """Run the Tuner ``<storage>/<name>``: restored when it was started before (with its scheduler's state and its
+    callbacks), else built from ``new()`` → ``(param_space, TuneConfig, progress callback or callbacks)``; returns the
+    rows of its results."""
     # Ray: see register_study_trainable
     from ray import tune
 
