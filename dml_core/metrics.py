@@ -52,7 +52,14 @@ from dml_core.knn import self_knn
 with openblas_core.for_faiss_import():  # faiss-cpu's OpenBLAS does not know recent Xeons (~3x slower kernels)
     import faiss
 
-__all__ = ["RetrievalDetails", "retrieval_details", "retrieval_metrics", "ndcg_at_k", "normalized_mutual_info"]
+__all__ = [
+    "METRICS_VERSION",
+    "RetrievalDetails",
+    "retrieval_details",
+    "retrieval_metrics",
+    "ndcg_at_k",
+    "normalized_mutual_info",
+]
 
 # Budget for one query block, in kNN-matrix entries (rows × neighbours).  The per-block arrays are a few
 # of these (int64 indices, bool matches, float sums), i.e. a few hundred MB at most.  Tests shrink it
@@ -312,6 +319,11 @@ BACKENDS = ("auto", "torch", "faiss")
 
 #: The symmetric torch search keeps every row's top-k in memory at once (int64): above this many
 #: entries (N × (depth + 1)) ``backend="auto"`` uses faiss's query-blocked search instead.
+#: The version of what these metrics compute.  A study's protocol fingerprint records it: two studies are comparable
+#: only under the same version.  Raise it with any change that alters a metric's value (tests/test_fingerprint.py
+#: pins the values of version 1 on a fixed input).
+METRICS_VERSION = 1
+
 SYMMETRIC_MAX_ENTRIES = 1 << 27
 
 #: Below this many rows, CPU leave-one-out goes through faiss under ``backend="auto"``: the symmetric

@@ -28,6 +28,12 @@ from pipelines.execution.interrupts import exit_status, install_startup_handlers
 __all__ = ["main", "build_parser"]
 
 
+_PLAN_HELP = (
+    "check the config, print the studies, trials, folds and iterations and the estimated CPU/GPU-hours and wall "
+    "time (a few seconds of calibration on this machine); start nothing (docs/plan.md)"
+)
+
+
 def _add_sweep(sub) -> None:
     p = sub.add_parser("sweep", help="run a reality-check sweep (Bayesian optimisation × 4 folds per loss and dataset)")
     p.add_argument("config", help="sweep config YAML (start from a built-in preset: dmlrc init)")
@@ -45,6 +51,15 @@ def _add_sweep(sub) -> None:
     p.add_argument(
         "--name", default=None, help="override the config's sweep name (e.g. a dated name for a scheduled re-run)"
     )
+    p.add_argument("--plan", action="store_true", help=_PLAN_HELP)
+    p.add_argument(
+        "--rerun",
+        action="append",
+        default=[],
+        metavar="LOSS",
+        help="run this loss's study again although it finished (repeatable; the old run is kept, marked superseded); "
+        "other finished studies of the experiment are reused (docs/compare.md)",
+    )
     p.set_defaults(func=_run_sweep)
 
 
@@ -54,6 +69,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--name", default=None, help="sweep name (default: demo-<timestamp>)")
     p.add_argument("--address", default=None, help="Ray cluster address; default: start a local Ray")
     p.add_argument("--resume", action="store_true", help="continue the demo sweep of this --name (after Ctrl-C)")
+    p.add_argument("--plan", action="store_true", help=_PLAN_HELP)
     p.set_defaults(func=_run_demo)
 
 
@@ -200,7 +216,18 @@ def _run_sweep(args) -> int:
     _check_address(args)
     check_local_gpus(cfg, args.address)
     check_local_workers(cfg, args.address)
-    return _finish(run_sweep(cfg, resume=args.resume, address=args.address))
+    if args.plan:
+        return _plan(cfg, args)
+    return _finish(run_sweep(cfg, resume=args.resume, address=args.address, rerun=frozenset(args.rerun)))
+
+
+def _plan(cfg, args) -> int:
+    """``--plan``: the sweep's checks, counts and cost estimate; nothing started."""
+    # torch and the loss zoo: see _check_report_args
+    from pipelines.execution.plan import plan_sweep
+
+    rerun = frozenset(getattr(args, "rerun", None) or ())  # sweep --rerun LOSS; demo has none
+    return plan_sweep(cfg, address=args.address, resume=args.resume, rerun=rerun)
 
 
 def _check_address(args) -> None:
@@ -228,6 +255,8 @@ def _run_demo(args) -> int:
         )
     _check_address(args)
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
+    if args.plan:
+        return _plan(cfg, args)
     return _finish(run_sweep(cfg, resume=args.resume, address=args.address))
 
 

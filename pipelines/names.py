@@ -45,6 +45,11 @@ MODEL_FILE = "model.pt"
 #: The alias of a study's latest registered model version.
 ALIAS = "reality-check"
 
+#: The ``stage`` tag of a study run that ``--rerun`` replaced: kept in the store and the UI, out of every table.
+SUPERSEDED_STAGE = "study-superseded"
+#: The experiment tag listing the results bundles its sweeps compared with (JSON list of URIs), read by the report.
+COMPARE_WITH_TAG = "dmlrc.compare_with"
+
 
 def study_key(dataset: str, loss: str) -> str:
     """``<dataset>/<loss>``: the MLflow ``study`` tag and (with ':' made safe) the study's storage folder."""

@@ -22,6 +22,7 @@ LONGEST_FIRST = (
     "test_sweep.py",
     "test_interrupt.py",
     "test_studies_sweep.py",
+    "test_reuse.py",
     "test_postgres_tracking.py",
     "test_mlflow_ui.py",
 )

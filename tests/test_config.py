@@ -297,19 +297,27 @@ def test_preflight_builds_one_plan_per_dataset_and_loss():
 
 
 def test_existing_sweep_needs_resume_and_resume_must_not_change_the_study(tmp_path):
-    from pipelines.execution.sweep import _check_resume
+    from pipelines.execution.continuation import check_restart, check_resume
 
     cfg = parse_config(_cfg(storage=str(tmp_path)))
     cfg.local_dir().mkdir(parents=True)
     (cfg.local_dir() / "sweep_config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
     with pytest.raises(ConfigError) as info:
-        _check_resume(cfg, resume=False)
+        check_restart(cfg, resume=False)  # the same sweep again without --resume: refused at once
     assert info.value.field == "name" and "--resume" in str(info.value)
-    _check_resume(cfg, resume=True)  # same config: fine
-    _check_resume(parse_config(_cfg(storage=str(tmp_path), **{"resources.max_concurrent_trials": 2})), True)
+    check_restart(cfg, resume=False, rerun={"contrastive"})  # ... unless a study is to run again
+    check_resume(cfg)  # same config: fine
+    check_resume(parse_config(_cfg(storage=str(tmp_path), **{"resources.max_concurrent_trials": 2})))
     with pytest.raises(ConfigError) as info:
-        _check_resume(parse_config(_cfg(storage=str(tmp_path), **{"protocol.trials": 9})), resume=True)
+        check_resume(parse_config(_cfg(storage=str(tmp_path), **{"protocol.trials": 9})))
     assert info.value.field == "protocol"
+    # a loss added: a new study, the others reused (with or without --resume); a loss removed or changed: refused
+    grown = parse_config(_cfg(storage=str(tmp_path), losses=[*DEMO["losses"], "triplet"]))
+    check_restart(grown, resume=False)
+    check_resume(grown)
+    with pytest.raises(ConfigError) as info:
+        check_resume(parse_config(_cfg(storage=str(tmp_path), losses=DEMO["losses"][:1])))
+    assert info.value.field == "losses" and "losses may only be added" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------- the CLI

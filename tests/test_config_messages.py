@@ -63,7 +63,7 @@ def test_an_unknown_key_lists_the_keys_allowed_there_and_the_closest():
     assert e.problem == (
         "unknown key (allowed here: classes, image_size, kind, name, num_classes, per_class, seed)"
     )  # the synthetic kind's keys
-    assert "(allowed here: datasets, losses, model, name, protocol" in _error(_cfg(sampler="gp")).problem
+    assert "(allowed here: compare_with, datasets, losses, model, name, protocol" in _error(_cfg(sampler="gp")).problem
     assert "workers_per_fold" in _error(_cfg(**{"resources.workers": 2})).problem
     assert "classes_per_batch" in _error(_cfg(**{"protocol.train.clases_per_batch": 2})).problem
     e = _error(_cfg(losses={"all": True, "exclud": []}))

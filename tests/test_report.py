@@ -94,7 +94,10 @@ def test_report_tables_chart_and_paired_test(tmp_path):
     exp = client.get_experiment_by_name("sweep-x")
     (logged,) = client.search_runs([exp.experiment_id], "tags.stage = 'report'")
     names = {a.path for a in client.list_artifacts(logged.info.run_id, "report")}
-    assert names == {f"report/report.{e}" for e in ("md", "csv", "html", "json", "png")} | {"report/paired_tests.csv"}
+    assert names == {f"report/report.{e}" for e in ("md", "csv", "html", "json", "png")} | {
+        "report/paired_tests.csv",
+        "report/results-bundle.json",
+    }
     (pair,) = list(csv.DictReader(paths["paired_csv"].open()))
     assert (pair["loss_a"], pair["loss_b"]) == ("contrastive", "mpa") and float(pair["p"]) == pytest.approx(p)
 

@@ -292,6 +292,18 @@ class ShardedTable:
     def manifest(self) -> dict:
         return self._source.manifest
 
+    def content_sha256(self) -> str:
+        """sha256 over every row of the dataset (not only this view's): its label, class name and image sha256, in
+        row order.  The same images prepared again — by another version, another pyarrow, another machine — give
+        the same value, where the shard files' own hashes would differ."""
+        h = hashlib.sha256()
+        source = self._source
+        for k in range(len(source.manifest["shards"])):
+            t = source.read_group(k, None, ["label", "class_name", "sha256"])
+            for label, name, digest in zip(*(t.column(c).to_pylist() for c in ("label", "class_name", "sha256"))):
+                h.update(f"{label}\t{name}\t{digest}\n".encode())
+        return h.hexdigest()
+
     @property
     def dataset(self) -> str:
         return self._source.manifest["dataset"]

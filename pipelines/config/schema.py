@@ -115,6 +115,10 @@ class SweepConfig(StrictModel):
     runtime_env: RuntimeEnvSpec = Field(default_factory=RuntimeEnvSpec)
     storage: Uri = "runs"
     """Local folder (<storage>/<name>/) or s3://bucket/prefix for Ray Tune/Train state."""
+    compare_with: list[Uri] = Field(default_factory=list, max_length=20)
+    """Results bundles (the results-bundle.json `dmlrc report` writes; a local file or s3:// URI, or a list): their
+    studies join this sweep's table, report and paired tests without running, once their protocol fingerprint equals
+    this config's (docs/compare.md)."""
 
     _source: str | None = PrivateAttr(default=None)
 
@@ -134,6 +138,25 @@ class SweepConfig(StrictModel):
             if v.startswith("~"):
                 v = str(Path(v).expanduser())  # "~/runs" is the home folder's runs/, not a folder named "~"
         return v
+
+    @field_validator("compare_with", mode="before")
+    @classmethod
+    def _one_bundle(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("compare_with")
+    @classmethod
+    def _bundles(cls, v: list[str]) -> list[str]:
+        out = []
+        for uri in v:
+            uri = local_or_s3(uri)
+            if not uri.startswith("s3://"):
+                path = Path(uri).expanduser()
+                if not path.exists():
+                    raise ValueError(f"no results bundle at {shown(uri)} (`dmlrc report` writes results-bundle.json)")
+                uri = str(path.resolve())
+            out.append(uri)
+        return out
 
     @field_validator("tune_spaces")
     @classmethod

@@ -9,21 +9,27 @@ from typing import Any
 
 from pipelines.config.schema import SweepConfig
 from pipelines.execution.preflight import StudyPlan
+from pipelines.names import study_key
+from pipelines.results.fingerprint import ARTIFACT as FINGERPRINT_ARTIFACT
+from pipelines.results.fingerprint import Fingerprint, fingerprint_tags
+from pipelines.results.report_studies import Study
 from pipelines.results.study_results import COST_KEYS, EPOCH0_TAG, StudySummary
 from pipelines.results.untrained import untrained_metrics_of
 from pipelines.tracking.runs import PARENT, git_commit
 
-__all__ = ["open_study_run", "summary_from_run", "retire_lost_trials", "study_cost"]
+__all__ = ["open_study_run", "summary_from_run", "summary_from_study", "retire_lost_trials", "study_cost"]
 
 
-def open_study_run(cfg: SweepConfig, tracker, plan: StudyPlan) -> str:
-    """The study's run (``stage=study``); a new one gets the study's tags, parameters, fold manifest and config."""
+def open_study_run(cfg: SweepConfig, tracker, plan: StudyPlan, fingerprint: Fingerprint) -> str:
+    """The study's run (``stage=study``); a new one gets the study's tags (its protocol fingerprint among them),
+    parameters, fold manifest, fingerprint and config."""
     run_id, created = tracker.get_or_create({"sweep": cfg.name, "study": plan.key, "stage": "study"}, run_name=plan.key)
     if not created:
         return run_id
     tracker.set_tags(
         run_id,
         {
+            **fingerprint_tags(fingerprint),
             "loss": plan.loss.name,
             "dataset": plan.dataset.spec.name,
             "protocol": cfg.protocol.name,
@@ -48,17 +54,30 @@ def open_study_run(cfg: SweepConfig, tracker, plan: StudyPlan) -> str:
         },
     )
     tracker.log_text(run_id, plan.dataset.manifest.to_json(), "folds.json")
+    tracker.log_json(run_id, fingerprint.to_json(), FINGERPRINT_ARTIFACT)
     tracker.log_json(run_id, cfg.model_dump(mode="json"), "sweep_config.json")
     return run_id
 
 
 def summary_from_run(summary: StudySummary, run) -> StudySummary:
-    """``summary`` filled from a finished study run (``--resume`` of a sweep whose study was done)."""
-    m, tags = run.data.metrics, run.data.tags
+    """``summary`` filled from a finished study run (``--resume`` of a sweep whose study was done, or a finished
+    study of the experiment that the sweep reuses)."""
+    return summary_from_values(summary, run.data.metrics, run.data.tags, run.data.params)
+
+
+def summary_from_study(study: Study) -> StudySummary:
+    """A study of a results bundle (or of the report's reading of MLflow) as the sweep's summary of a study."""
+    summary = StudySummary(study_key(study.dataset, study.loss), study.dataset, study.loss, study.run_id, "ok")
+    tags = {EPOCH0_TAG: str(study.best_at_epoch_0).lower(), "best_trial_id": study.best_trial or study.source}
+    return summary_from_values(summary, study.metrics, tags, {f"best.{k}": v for k, v in study.best_params.items()})
+
+
+def summary_from_values(summary: StudySummary, m: dict[str, float], tags: dict[str, str], params: dict[str, str]):
+    """``summary`` filled from a finished study's metrics, tags and parameters (as its MLflow run holds them)."""
     summary.status = tags.get("status", "ok")
     summary.reason = tags.get("reason", "")
     summary.best_trial = tags.get("best_trial_id")
-    summary.best_params = {k[5:]: v for k, v in run.data.params.items() if k.startswith("best.")}
+    summary.best_params = {k[5:]: v for k, v in params.items() if k.startswith("best.")}
     if "best.val.map_at_r.mean" in m:
         summary.best_val = (m["best.val.map_at_r.mean"], m.get("best.val.map_at_r.sem", float("nan")))
     summary.n_reproductions = int(m.get("test.n_reproductions", 0))
@@ -79,16 +98,19 @@ def summary_from_run(summary: StudySummary, run) -> StudySummary:
 
 def study_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The study run's ``cost.*``: the sum over its trials' and reproductions' Tune results (each the sum of its
-    folds, :func:`pipelines.execution.trial.fold_cost`); ``cost.diverged.*`` is the part spent on diverged trials."""
+    folds, :func:`pipelines.execution.trial.fold_cost`); ``cost.diverged.*`` is the part spent on diverged trials,
+    ``cost.pruned.*`` (only when some trial was pruned) the part spent on trials the scheduler stopped."""
     out = {f"cost.{k}": 0.0 for k in COST_KEYS}
     out.update({f"cost.diverged.{k}": 0.0 for k in COST_KEYS})
+    if any(r.get("status") == "pruned" for r in rows):
+        out.update({f"cost.pruned.{k}": 0.0 for k in COST_KEYS})
     for r in rows:
         for k in COST_KEYS:
             v = r.get(f"cost_{k}")
             if isinstance(v, (int, float)) and math.isfinite(v):
                 out[f"cost.{k}"] += v
-                if r.get("status") == "diverged":
-                    out[f"cost.diverged.{k}"] += v
+                if r.get("status") in ("diverged", "pruned"):
+                    out[f"cost.{r['status']}.{k}"] += v
     return out
 
 

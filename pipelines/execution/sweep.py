@@ -51,7 +51,6 @@ trial id); MLflow runs are found again by tags; folds that finished keep their r
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import sys
 import threading
@@ -62,13 +61,19 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config.schema import ConfigError, SweepConfig
+from pipelines.execution.continuation import (
+    check_continuation,
+    check_restart,
+    check_resume,
+    open_tracker,
+    store_config_or_reopen,
+)
 from pipelines.execution.interrupts import (
     INTERRUPTED,
     SweepInterrupted,
     close_open_runs,
     failure_reason,
     install_startup_handlers,
-    reopen_interrupted,
     resume_command,
     stop_on_sigint,
 )
@@ -83,12 +88,19 @@ from pipelines.execution.ray_runtime import (
     warn_multi_node,
 )
 from pipelines.execution.resources import check_cluster_resources
+from pipelines.execution.reuse import Reuse, find_reuse
 from pipelines.execution.search import best_result, make_searcher
-from pipelines.execution.study_runs import open_study_run, retire_lost_trials, study_cost, summary_from_run
+from pipelines.execution.study_runs import (
+    open_study_run,
+    retire_lost_trials,
+    study_cost,
+    summary_from_run,
+    summary_from_study,
+)
 from pipelines.execution.trial import StudyContext
 from pipelines.execution.tuners import fit_tuner, register_study_trainable, tune_config
 from pipelines.execution.worker_check import check_user_code_on_workers
-from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION, study_dirname
+from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION, SUPERSEDED_STAGE, study_dirname
 from pipelines.results.bounds import ON_BOUND_TAG, format_tag, on_bound
 from pipelines.results.study_results import (
     EPOCH0_NOTE,
@@ -104,14 +116,12 @@ from pipelines.results.visuals import log_study_visuals
 from pipelines.tracking.model_registry import on_study_end, on_study_start
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
 from pipelines.tracking.runs import PARENT, Tracker
-from pipelines.tracking.ui import experiment_url, set_experiment_ui
+from pipelines.tracking.ui import experiment_url
 
 __all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies", "study_cost"]
 
 #: How long an interrupted sweep waits for its study threads to leave their Tuners before Ray is shut down.
 _STUDY_STOP_WAIT_S = 20.0
-
-_CONFIG_FILE = "sweep_config.json"
 
 
 @dataclass
@@ -135,40 +145,6 @@ class SweepOutcome:
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
-
-
-def _artifact_location(cfg: SweepConfig) -> str | None:
-    """Artifacts next to the sweep's storage (``<storage>/<name>/mlartifacts``, on S3 when it is ``s3://``) for a
-    file/sqlite/postgres tracking DB; an HTTP server chooses its own (proxied) store."""
-    if cfg.tracking_uri().startswith(("http://", "https://")):
-        return None
-    if cfg.storage_is_s3:
-        return cfg.storage.rstrip("/") + "/" + cfg.name + "/mlartifacts"
-    return (cfg.local_dir() / "mlartifacts").as_uri()
-
-
-def _check_resume(cfg: SweepConfig, resume: bool) -> None:
-    """A new sweep must not silently reuse an old one's folder; ``--resume`` must not change what is studied."""
-    stored = cfg.local_dir() / _CONFIG_FILE
-    if not stored.exists():
-        return
-    if not resume:
-        raise ConfigError(
-            "name",
-            f"a sweep named {cfg.name!r} already exists in {cfg.local_dir()}; pass --resume to continue it, "
-            "or choose another name",
-        )
-    old = json.loads(stored.read_text())
-    new = json.loads(json.dumps(cfg.model_dump(mode="json")))
-    for key in sorted(set(old) | set(new)):
-        if key in ("resources", "tune_spaces", "runtime_env"):
-            continue  # may change between restarts (a bigger cluster, a moved checkout, a fixed plugin)
-        if old.get(key) != new.get(key):
-            raise ConfigError(
-                key,
-                f"differs from the sweep being resumed (stored in {stored}); "
-                "Tuner.restore cannot change what is searched",
-            )
 
 
 def max_concurrent_studies(cfg: SweepConfig, address: str | None, resources: dict[str, float], n_studies: int) -> int:
@@ -197,10 +173,14 @@ def _raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
 
 
 class _Sweep:
-    def __init__(self, cfg: SweepConfig, plans: list[StudyPlan], tracker, out=None, watch=None):
+    def __init__(self, cfg: SweepConfig, plans: list[StudyPlan], tracker, out=None, watch=None, reuse=None):
         self.cfg = cfg
         self.plans = plans
         self.tracker = tracker
+        #: finished and bundled studies the sweep takes instead of running (pipelines.execution.reuse)
+        self.reuse: Reuse = reuse if reuse is not None else Reuse({})
+        #: study key → the suffix of its storage folder (".rerun<N>" after N --rerun replacements)
+        self._storage_suffix: dict[str, str] = {}
         self.out = out or sys.stdout
         #: the tracking store's health (pipelines.tracking.outage.TrackingWatch), or None (sqlite)
         self.watch = watch
@@ -283,7 +263,9 @@ class _Sweep:
         print(msg, file=self.out, flush=True)
 
     def study_storage(self, plan: StudyPlan) -> str:
-        return self.cfg.ray_storage().rstrip("/") + "/" + study_dirname(plan.key)
+        """The study's Tuners and folds: a fixed path (what --resume restores), a new one per --rerun."""
+        suffix = self._storage_suffix.get(plan.key, "")
+        return self.cfg.ray_storage().rstrip("/") + "/" + study_dirname(plan.key) + suffix
 
     def _context(self, plan: StudyPlan, study_run_id: str, table_ref) -> StudyContext:
         cfg = self.cfg
@@ -322,9 +304,14 @@ class _Sweep:
         )
 
     def run_study(self, plan: StudyPlan) -> StudySummary:
-        """One study: search, its best trial, reproductions of it, then the intervals, report and models."""
+        """One study: search, its best trial, reproductions of it, then the intervals, report and models — or, for
+        a study finished in another sweep of the experiment or held by a bundle, that study's result."""
         t0 = time.time()
-        run_id = open_study_run(self.cfg, self.tracker, plan)
+        taken = self._taken(plan)
+        if taken is not None:
+            return taken
+        self._storage_suffix[plan.key] = self._supersede(plan)
+        run_id = open_study_run(self.cfg, self.tracker, plan, self.reuse.fingerprints[plan.key])
         summary = StudySummary(plan.key, plan.dataset.spec.name, plan.loss.name, run_id, "ok")
         run = self.tracker.run(run_id)
         if run.data.tags.get("done") == "true":
@@ -346,6 +333,47 @@ class _Sweep:
         if not reps:
             return self._fail(summary, "no reproduction finished ok", t0)
         return self._summarise(plan, summary, reps, t0)
+
+    def _taken(self, plan: StudyPlan) -> StudySummary | None:
+        """The study's result from a bundle or from a finished study of another sweep of the experiment (its
+        fingerprint checked before the sweep started), or None when this sweep runs (or ran) it."""
+        bundled = self.reuse.from_bundles.get(plan.key)
+        if bundled is not None:
+            self.say(f"[{plan.key}] from {bundled.source}; not run")
+            return summary_from_study(bundled)
+        run = self.reuse.finished.get(plan.key)
+        if run is None or plan.key in self.reuse.rerun or run.data.tags.get("sweep") == self.cfg.name:
+            return None
+        self.say(
+            f"[{plan.key}] finished in sweep {run.data.tags.get('sweep', '?')} (MLflow run {run.info.run_id}); reused"
+        )
+        summary = StudySummary(plan.key, plan.dataset.spec.name, plan.loss.name, run.info.run_id, "ok")
+        return summary_from_run(summary, run)
+
+    def _supersede(self, plan: StudyPlan) -> str:
+        """``--rerun``: the study's finished run leaves every table (``stage`` → superseded, kept in the store and
+        the UI); returns the suffix of the rerun's storage folder (one per replaced run of this sweep)."""
+        old = self.reuse.rerun.get(plan.key)
+        if old is not None and self.tracker.run(old.info.run_id).data.tags.get("stage") == "study":
+            self.tracker.set_tags(
+                old.info.run_id,
+                {"stage": SUPERSEDED_STAGE, "superseded_reason": f"--rerun {plan.loss.name} (sweep {self.cfg.name})"},
+            )
+            self.say(f"[{plan.key}] --rerun: MLflow run {old.info.run_id} superseded; the study runs again")
+        replaced = self.tracker.find({"sweep": self.cfg.name, "study": plan.key, "stage": SUPERSEDED_STAGE})
+        return f".rerun{len(replaced)}" if replaced else ""
+
+    def extra_studies(self) -> list[StudySummary]:
+        """Finished studies of the experiment and bundled studies on the sweep's datasets whose loss the config does
+        not list: they join the final table."""
+        planned = {p.key for p in self.plans}
+        out = [
+            summary_from_run(StudySummary(k, r.data.tags["dataset"], r.data.tags["loss"], r.info.run_id, "ok"), r)
+            for k, r in sorted(self.reuse.finished.items())
+            if k not in planned
+        ]
+        out += [summary_from_study(s) for k, s in sorted(self.reuse.from_bundles.items()) if k not in planned]
+        return out
 
     def _prepare(self, plan: StudyPlan, run, summary: StudySummary) -> str:
         """The study run marked running, its untrained reference, the model registry's start, the dataset table in
@@ -381,16 +409,31 @@ class _Sweep:
         cfg = self.cfg
         trials = cfg.protocol.trials if plan.searched else 1
 
+        # pruning (protocol.pruning; docs/protocol.md §Pruning): loads Ray Tune, as above
+        from pipelines.execution.pruned_runs import PrunedRuns, PrunedTrials, close_pruned_rows
+        from pipelines.execution.pruning import make_scheduler, pruning_on, search_space
+
+        pruned = PrunedRuns.of(cfg, self.tracker, self.study_storage(plan) + "/folds") if pruning_on(cfg) else None
+
         def new():
+            p = cfg.protocol
+            pruning = f", pruning {p.pruning} (grace {p.pruning_grace_period}, ×{p.pruning_reduction_factor:g})"
             self.say(
-                f"[{plan.key}] search: {trials} trials, {cfg.protocol.startup_trials} random start-up, "
-                f"sampler {cfg.protocol.sampler}, ≤ {cfg.resources.max_concurrent_trials} concurrent"
+                f"[{plan.key}] search: {trials} trials, {p.startup_trials} random start-up, "
+                f"sampler {p.sampler}, ≤ {cfg.resources.max_concurrent_trials} concurrent{pruning if pruned else ''}"
             )
+            if p.pruning and not pruned:
+                self.say(f"[{plan.key}] pruning off: its folds run on Ray Train, which a trial cannot cancel")
             searcher = make_searcher(plan, cfg) if plan.searched else None
-            return {}, tune_config(cfg, trials, searcher), TrialProgress(plan.key, trials)
+            if pruned is None:
+                return {}, tune_config(cfg, trials, searcher), TrialProgress(plan.key, trials)
+            callbacks = [TrialProgress(plan.key, trials), PrunedTrials(pruned)]
+            return search_space(cfg), tune_config(cfg, trials, searcher, make_scheduler(cfg)), callbacks
 
         rows = self._fit(plan, "search", trainable, new)
         retire_lost_trials(self.tracker, run_id, {r["trial_id"] for r in rows})
+        if pruned is not None:
+            close_pruned_rows(pruned, self.tracker, rows)  # runs still open, the rows' cost, the folds' checkpoints
         return rows
 
     def _record_best(
@@ -399,6 +442,7 @@ class _Sweep:
         """2. The best trial (the highest observed mean) on the study run: its parameters and value, the search's
         trial counts, and its parameters on an edge of their range (for the report)."""
         t, run_id = self.tracker, summary.run_id
+        pruning = self.cfg.protocol.pruning is not None  # trials.pruned only where the search could prune
         params = {k: v for k, v in best["config"].items() if not k.startswith("__")}
         summary.best_trial, summary.best_params = best["trial_id"], params
         summary.best_val = (best[OBJECTIVE], best.get("val_map_at_r_sem", float("nan")))
@@ -411,6 +455,7 @@ class _Sweep:
                 "trials.ok": sum(r.get("status") == "ok" for r in rows),
                 "trials.diverged": sum(r.get("status") == "diverged" for r in rows),
                 "trials.failed": sum(r.get("error") is not None for r in rows),
+                **({"trials.pruned": sum(r.get("status") == "pruned" for r in rows)} if pruning else {}),
             },
         )
         bounds = format_tag(on_bound(plan.searched, params))  # winners on an edge of their range, for the report
@@ -571,31 +616,6 @@ def _start_checked_ray(cfg: SweepConfig, address: str | None, plans: list[StudyP
     return started
 
 
-def _open_tracker(cfg: SweepConfig, resume: bool, uri: str, shown: str) -> Tracker:
-    """The sweep's folder and MLflow experiment; a new sweep must not reuse the name of one the experiment holds."""
-    cfg.local_dir().mkdir(parents=True, exist_ok=True)
-    tracker = Tracker.open(uri, cfg.experiment_name(), _artifact_location(cfg))
-    if not resume and tracker.find({"sweep": cfg.name, "stage": "study"}):
-        raise ConfigError(
-            "name",
-            f"MLflow experiment {cfg.experiment_name()!r} at {shown} already has runs of a "
-            f"sweep named {cfg.name!r}; pass --resume to continue it, or choose another name",
-        )
-    set_experiment_ui(tracker.client, tracker.experiment_id)  # once, before the studies run concurrently
-    return tracker
-
-
-def _store_config_or_reopen(cfg: SweepConfig, resume: bool, tracker: Tracker, out) -> None:
-    """A new sweep stores its config (what ``--resume`` compares with); a resumed one reopens its interrupted runs."""
-    local = cfg.local_dir()
-    if not (local / _CONFIG_FILE).exists():
-        if resume:
-            print(f"--resume: no sweep {cfg.name!r} in {local} yet; starting it", file=out, flush=True)
-        (local / _CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True))
-    elif resume:
-        reopen_interrupted(tracker, cfg.name)
-
-
 def _close_after(e: BaseException, tracker: Tracker | None, cfg: SweepConfig, uri: str, out) -> None:
     """The sweep's open runs after it stopped on ``e``: ``KILLED`` (interrupted) or ``FAILED`` with the error.  With
     MLflow down they cannot be closed: they stay RUNNING, which is what ``--resume`` reuses."""
@@ -610,8 +630,19 @@ def _close_after(e: BaseException, tracker: Tracker | None, cfg: SweepConfig, ur
         print(f"warning: could not close the sweep's MLflow runs ({type(close_error).__name__})", file=out, flush=True)
 
 
-def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = None, out=None) -> SweepOutcome:
+def run_sweep(
+    cfg: SweepConfig,
+    *,
+    resume: bool = False,
+    address: str | None = None,
+    out=None,
+    rerun: set[str] | frozenset[str] = frozenset(),
+) -> SweepOutcome:
     """Run (or with ``resume`` continue) a whole sweep.  Raises :class:`ConfigError` before anything is written.
+
+    Studies that finished in the experiment (this sweep's or another's) or that a ``compare_with`` bundle holds are
+    not run again but enter the results, once their protocol fingerprint equals the config's
+    (:mod:`pipelines.execution.reuse`); ``rerun`` names losses whose finished study runs again.
 
     Ctrl-C stops it within seconds, closes the runs it leaves (``KILLED``, reason ``interrupted``) and raises
     :class:`pipelines.execution.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed
@@ -619,18 +650,21 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
     """
     out = out or sys.stdout
     t0 = time.time()
-    _check_resume(cfg, resume)
+    check_restart(cfg, resume, rerun)
     plans = preflight(cfg)
     uri = cfg.tracking_uri()
     shown = redact_uri(uri)  # what is printed: never a password
     check_tracking_reachable(uri)
     check_storage_reachable(cfg)
+    reuse = find_reuse(cfg, plans, rerun)  # fingerprints compared first: they name a differing field precisely
+    check_resume(cfg)
+    check_continuation(cfg, resume, plans, reuse, shown)
     started = _start_checked_ray(cfg, address, plans)
     tracker = watch = None
     try:
-        tracker = _open_tracker(cfg, resume, uri, shown)
+        tracker = open_tracker(cfg, uri)
         watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
-        _store_config_or_reopen(cfg, resume, tracker, out)
+        store_config_or_reopen(cfg, resume, tracker, out)
         warn_multi_node(cfg, uri, out)
         # Ray: started by start_ray above; see pipelines.execution.tuners.register_study_trainable
         import ray
@@ -644,7 +678,8 @@ def run_sweep(cfg: SweepConfig, *, resume: bool = False, address: str | None = N
         )
         message = f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}"
         with stop_on_sigint(message, out):
-            studies = _Sweep(cfg, plans, tracker, out, watch).run_all(limit)
+            sweep = _Sweep(cfg, plans, tracker, out, watch, reuse)
+            studies = sweep.run_all(limit) + sweep.extra_studies()
     except BaseException as e:
         stop_ray(started)  # first: no worker may write to a run after it is closed
         started = False

@@ -36,7 +36,8 @@ import mlflow
 import numpy as np
 from mlflow.tracking import MlflowClient
 
-from pipelines.names import HEADLINE_METRICS, METRIC_LABELS, MODES
+from pipelines.names import COMPARE_WITH_TAG, HEADLINE_METRICS, METRIC_LABELS, MODES
+from pipelines.results.bundle import BUNDLE_FILE, write_bundle
 from pipelines.results.report_cells import bound_text, cost_json, worst_classes
 from pipelines.results.report_html import render_html
 from pipelines.results.report_markdown import render_markdown
@@ -99,17 +100,67 @@ def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> No
     plt.close(fig)
 
 
+def _with_bundles(client: MlflowClient, experiment: str, studies: list[Study], extra: list[str]) -> list[Study]:
+    """``studies`` and the studies of the bundles the experiment's sweeps compared with (its ``dmlrc.compare_with``
+    tag) and of ``extra``, on the experiment's datasets, each with the fingerprint of the experiment's studies;
+    a (dataset, loss) in two places is refused."""
+    # the sweep's reuse rules (pipelines.config): loaded only when the report has bundles to read
+    from pipelines.config.errors import ConfigError
+    from pipelines.results.bundle import read_bundles
+    from pipelines.results.fingerprint import first_difference
+
+    exp = client.get_experiment_by_name(experiment)
+    uris = json.loads(exp.tags.get(COMPARE_WITH_TAG, "[]")) if exp is not None else []
+    uris += [u for u in extra if u not in uris]
+    if not uris:
+        return studies
+    field = "--compare-with" if extra else "compare_with"
+    own = {(s.dataset, s.loss): s for s in studies}
+    reference = {s.dataset: s.fingerprint for s in studies}
+    merged = list(studies)
+    for bundle in read_bundles(uris, field):
+        for s in bundle.studies:
+            if s.dataset not in reference:
+                continue  # a dataset the experiment did not study
+            if (s.dataset, s.loss) in own:
+                raise ConfigError(
+                    field,
+                    f"two studies of loss {s.loss!r} on {s.dataset!r}: MLflow run {own[(s.dataset, s.loss)].run_id} "
+                    f"and {bundle.shown}",
+                )
+            ref = reference[s.dataset]
+            diff = None if s.fingerprint is None or ref is None else first_difference(ref, s.fingerprint)
+            if s.fingerprint is None or ref is None or diff is not None:
+                what = (
+                    "a study without a protocol fingerprint"
+                    if diff is None
+                    else f"{diff[0]}: {diff[1]!r} vs {diff[2]!r}"
+                )
+                raise ConfigError(
+                    field, f"{bundle.shown}: study {s.loss!r} on {s.dataset!r} is not comparable ({what})"
+                )
+            merged.append(s)
+    return sorted(merged, key=lambda s: (s.dataset, s.loss))
+
+
 def write_report(
-    tracking_uri: str, experiment: str, out_dir: str | Path, *, log_to_mlflow: bool = True
+    tracking_uri: str,
+    experiment: str,
+    out_dir: str | Path,
+    *,
+    log_to_mlflow: bool = True,
+    compare_with: list[str] | None = None,
 ) -> dict[str, Path]:
-    """Write report.{md,csv,html,json,png} and paired_tests.csv into ``out_dir`` and (optionally) log them as a
-    ``stage=report`` run."""
+    """Write report.{md,csv,html,json,png}, paired_tests.csv and results-bundle.json into ``out_dir`` and
+    (optionally) log them as a ``stage=report`` run.  The studies of the bundles the experiment's sweeps compared
+    with, and of ``compare_with``, take part like the experiment's own."""
     client = MlflowClient(tracking_uri=tracking_uri)
     studies = collect_studies(client, experiment)
     if not studies:
         raise ValueError(
             f"--experiment {experiment!r}: no finished study runs (tag stage=study with test.* metrics) yet"
         )
+    studies = _with_bundles(client, experiment, studies, list(compare_with or []))
     comparisons = paired_comparisons(studies)
     summary = paired_summary(studies, comparisons)
     collect_visuals(client, studies)
@@ -117,6 +168,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     paths = {ext: out / f"report.{ext}" for ext in ("md", "csv", "html", "json", "png")}
     paths["paired_csv"] = out / "paired_tests.csv"
+    paths["bundle"] = write_bundle(experiment, studies, out / BUNDLE_FILE)
     paths["md"].write_text(render_markdown(studies, comparisons))
     paths["html"].write_text(render_html(studies, comparisons))
     _write_csv(studies, paths["csv"])
@@ -138,6 +190,8 @@ def write_report(
                         "training": s.training,
                         "best_at_epoch_0": s.best_at_epoch_0,
                         "untrained": s.untrained,
+                        "source": s.source,
+                        "fingerprint": s.fingerprint.to_json() if s.fingerprint is not None else None,
                         **({"worst_classes": worst_classes(s, 10)} if worst_classes(s, 1) else {}),
                     }
                     for s in studies
@@ -166,6 +220,14 @@ def add_report_parser(subparsers) -> None:
     p.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
     p.add_argument("--out", default="report", help="output directory (default: ./report)")
     p.add_argument("--no-log", action="store_true", help="do not log the report to MLflow")
+    p.add_argument(
+        "--compare-with",
+        action="append",
+        default=[],
+        metavar="BUNDLE",
+        help="a results-bundle.json (file or s3://) whose studies join the table (repeatable; the bundles the "
+        "experiment's sweeps named in compare_with are read anyway)",
+    )
     p.set_defaults(func=run_report)
 
 
@@ -173,7 +235,9 @@ def run_report(args) -> int:
     # One progress bar per downloaded artifact would bury the table under two bars per study.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = args.tracking_uri or mlflow.get_tracking_uri()
-    paths = write_report(uri, args.experiment, args.out, log_to_mlflow=not args.no_log)
+    paths = write_report(
+        uri, args.experiment, args.out, log_to_mlflow=not args.no_log, compare_with=list(args.compare_with)
+    )
     print(paths["md"].read_text())
     print("written: " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 from pipelines.names import MODES
+from pipelines.results.fingerprint import first_difference
 from pipelines.results.report_cells import (
     BOUND_NOTE,
     bound_text,
@@ -48,12 +49,38 @@ def _summary_lines(summary: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _protocol_lines(studies: list[Study]) -> list[str]:
+    """Per dataset, the protocol fingerprint its studies share — or, where they differ, a warning naming the first
+    differing field: such rows do not compare like for like."""
+    lines = []
+    for dataset, group in itertools.groupby(sorted(studies, key=lambda s: s.dataset), key=lambda s: s.dataset):
+        group = list(group)
+        known = [s for s in group if s.fingerprint is not None]
+        hashes = {s.fingerprint.hash for s in known}
+        bundles = sorted({s.source for s in group if s.source != "mlflow"})
+        source = f"; with the studies of {', '.join(bundles)}" if bundles else ""
+        if len(hashes) == 1 and len(known) == len(group):
+            lines.append(f"Protocol fingerprint on {dataset}: `{hashes.pop()}` (every study){source}.")
+        elif len(hashes) > 1:
+            a = known[0]
+            b = next(s for s in known if s.fingerprint.hash != a.fingerprint.hash)
+            field, vb, va = first_difference(a.fingerprint, b.fingerprint)
+            lines.append(
+                f"**Not comparable on {dataset}**: the studies ran {len(hashes)} different protocols, e.g. {a.loss} "
+                f"and {b.loss} differ in `{field}` ({va!r} vs {vb!r}); read rows of different protocols apart."
+            )
+        else:
+            lines.append(f"Protocol fingerprint on {dataset}: not recorded by every study (runs that predate it).")
+    return [*lines, ""] if lines else []
+
+
 def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
     lines = [
         "# Reality-check report",
         "",
         "Values are ×100, mean ± half-width of the 95 % t-interval across reproductions.",
         "",
+        *_protocol_lines(studies),
     ]
     for mode in MODES:
         header, rows = result_rows(studies, mode)

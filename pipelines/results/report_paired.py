@@ -17,21 +17,18 @@ __all__ = ["ALPHA", "BASELINE", "paired_comparisons", "paired_summary", "top_gro
 
 
 def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str = "map_at_r") -> list[dict[str, Any]]:
-    """Paired t-tests between every two losses of a dataset over reproductions with the same seed; ``p_holm`` is p
-    adjusted by Holm–Bonferroni over every pair of the dataset (the family of ``paired_tests.csv``)."""
+    """Paired t-tests between every two losses of a dataset over their reproductions, paired by reproduction seed;
+    ``p_holm`` is p adjusted by Holm–Bonferroni over every pair of the dataset (the family of ``paired_tests.csv``)."""
     out = []
     for dataset, group in itertools.groupby(studies, key=lambda s: s.dataset):
         for a, b in itertools.combinations(list(group), 2):
             key = f"test.{mode}.{metric}"
-            common = sorted(
-                i
-                for i in set(a.reproductions) & set(b.reproductions)
-                if a.seeds.get(i) == b.seeds.get(i) and key in a.reproductions[i] and key in b.reproductions[i]
-            )
+            va, vb = a.by_seed(key), b.by_seed(key)
+            common = sorted(set(va) & set(vb), key=lambda seed: (len(seed), seed))  # paired by reproduction seed
             if len(common) < 2:
                 continue
-            xa = [a.reproductions[i][key] for i in common]
-            xb = [b.reproductions[i][key] for i in common]
+            xa = [va[seed] for seed in common]
+            xb = [vb[seed] for seed in common]
             t, p = paired_t_test(xa, xb)
             out.append(
                 {

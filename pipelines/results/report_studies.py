@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.names import study_key
 from pipelines.results.bounds import ON_BOUND_TAG, BoundHit, on_bound, params_from_descriptions, parse_tag
+from pipelines.results.fingerprint import Fingerprint, fingerprint_of_tags
 from pipelines.results.study_results import EPOCH0_TAG
 from pipelines.results.untrained import untrained_metrics_of
 from pipelines.tracking.runs import search_all
@@ -53,6 +54,17 @@ class Study:
     untrained: dict[str, float] = field(default_factory=dict)
     #: the winning values on a bound of their searched range (pipelines.results.bounds)
     on_bound: list[BoundHit] = field(default_factory=list)
+    #: the study's protocol fingerprint (pipelines.results.fingerprint); None for a run that predates them
+    fingerprint: Fingerprint | None = None
+    #: the winning trial's id (the study run's ``best_trial_id`` tag)
+    best_trial: str = ""
+    #: where the study comes from: "mlflow" (the experiment's own run) or "bundle <uri>" (a results bundle)
+    source: str = "mlflow"
+
+    def by_seed(self, key: str) -> dict[str, float]:
+        """Reproduction seed → that reproduction's value of ``key`` (what paired tests pair on); a reproduction
+        without a recorded seed pairs by its index."""
+        return {self.seeds.get(i) or f"index {i}": r[key] for i, r in self.reproductions.items() if key in r}
 
     def cell(self, mode: str, metric: str) -> tuple[float, float, float]:
         key = f"test.{mode}.{metric}"
@@ -84,6 +96,8 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
             best_at_epoch_0=tags.get(EPOCH0_TAG) == "true",
             untrained=untrained_metrics_of(run.data.metrics),
             on_bound=_bound_hits(run),
+            fingerprint=fingerprint_of_tags(tags),
+            best_trial=tags.get("best_trial_id", ""),
         )
     by_id = {s.run_id: s for s in studies.values()}
     for run in search_all(client, exp.experiment_id, "tags.stage = 'reproduction'"):
@@ -139,6 +153,8 @@ _VISUALS = {
 def collect_visuals(client: MlflowClient, studies: list[Study]) -> None:
     """Fill ``study.visuals`` from each study run's ``visuals/`` artifacts (absent for sweeps that predate them)."""
     for s in studies:
+        if s.source != "mlflow":
+            continue  # a bundle's study: its visuals stayed in its own experiment
         have = {a.path for a in client.list_artifacts(s.run_id, "visuals")}
         with tempfile.TemporaryDirectory() as tmp:
             for key, path in _VISUALS.items():

@@ -1,0 +1,215 @@
+"""Results bundles: a finished experiment's studies in one JSON file, to compare against without its MLflow store.
+
+``dmlrc report`` writes ``results-bundle.json`` beside the report: per study, the per-reproduction test metrics with
+their seeds, the study run's metrics (test intervals, cost, the untrained reference), the winning configuration, its
+values on a bound, how its folds ended, and its protocol fingerprint (:mod:`pipelines.results.fingerprint`).  A sweep
+config names bundles in ``compare_with`` (a local path or s3:// URI): their studies join the sweep's final table, the
+report and the paired tests exactly as the experiment's own studies do, once their fingerprint matches the config's.
+
+The file carries a format name, a schema version, the version of the package that wrote it and a sha256 checksum of
+its content (canonical JSON of everything but the checksum): a file that is not a bundle, of another schema, from a
+newer package or edited by hand is refused in one line naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines.config.errors import ConfigError
+from pipelines.config.redact import redact_uri
+from pipelines.results.bounds import BoundHit
+from pipelines.results.fingerprint import Fingerprint
+from pipelines.results.report_studies import Study
+
+__all__ = ["BUNDLE_FILE", "SCHEMA_VERSION", "Bundle", "bundle_doc", "write_bundle", "read_bundle", "read_bundles"]
+
+BUNDLE_FILE = "results-bundle.json"
+FORMAT = "dml-reality-check results bundle"
+SCHEMA_VERSION = 1
+#: Bundles above this size are not read (a results bundle of hundreds of studies is a few MB).
+MAX_BYTES = 64 << 20
+
+
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def checksum(doc: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of the canonical JSON of ``doc`` without its ``checksum`` key."""
+    return "sha256:" + hashlib.sha256(_canonical({k: v for k, v in doc.items() if k != "checksum"})).hexdigest()
+
+
+def _package_version() -> str:
+    from dml_core import __version__  # the package's one version (pyproject reads it from there)
+
+    return __version__
+
+
+def _study_doc(s: Study) -> dict[str, Any]:
+    return {
+        "dataset": s.dataset,
+        "loss": s.loss,
+        "source_run_id": s.run_id,
+        "sweep": s.sweep,
+        "fingerprint": s.fingerprint.to_json() if s.fingerprint is not None else None,
+        "metrics": dict(sorted(s.metrics.items())),
+        "best_params": dict(s.best_params),
+        "best_trial": s.best_trial,
+        "on_bound": [{"param": h.param, "side": h.side, "bound": h.bound} for h in s.on_bound],
+        "best_at_epoch_0": s.best_at_epoch_0,
+        "training": dict(s.training),
+        "reproductions": [
+            {"index": i, "seed": s.seeds.get(i, ""), "test": dict(sorted(s.reproductions[i].items()))}
+            for i in sorted(s.reproductions)
+        ],
+    }
+
+
+def bundle_doc(experiment: str, studies: list[Study]) -> dict[str, Any]:
+    """The bundle of ``studies`` (those of ``experiment`` and any they were compared with), with its checksum."""
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "package_version": _package_version(),
+        "experiment": experiment,
+        "studies": [_study_doc(s) for s in studies],
+    }
+    doc["checksum"] = checksum(doc)
+    return doc
+
+
+def write_bundle(experiment: str, studies: list[Study], path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(bundle_doc(experiment, studies), indent=1, sort_keys=True, allow_nan=True))
+    return path
+
+
+@dataclass
+class Bundle:
+    uri: str
+    experiment: str
+    studies: list[Study]
+
+    @property
+    def shown(self) -> str:
+        return redact_uri(self.uri)
+
+
+def _read_bytes(uri: str, field: str) -> bytes:
+    # dml_core.storage: boto3 for s3:// URIs, only when a bundle is read
+    from dml_core.storage import is_s3_uri, open_storage, read_errors
+
+    try:
+        if is_s3_uri(uri):
+            parent, _, key = uri.rstrip("/").rpartition("/")
+            data = open_storage(parent).get_bytes(key)
+        else:
+            p = Path(uri).expanduser()
+            if p.is_dir():
+                p = p / BUNDLE_FILE
+            if p.stat().st_size > MAX_BYTES:
+                raise ConfigError(field, f"{redact_uri(uri)}: larger than {MAX_BYTES >> 20} MiB, not a results bundle")
+            data = p.read_bytes()
+    except ConfigError:
+        raise
+    except read_errors() as e:
+        raise ConfigError(field, f"cannot read results bundle {redact_uri(uri)}: {' '.join(str(e).split())}") from None
+    return data
+
+
+def _version_tuple(v: str) -> tuple:
+    # packaging: pip's own version parser, installed wherever pip is
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return (Version(v),)
+    except InvalidVersion:
+        return ()
+
+
+def _parse(uri: str, data: bytes, field: str) -> dict[str, Any]:
+    where = redact_uri(uri)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(field, f"{where} is not a results bundle (not JSON: {e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ConfigError(field, f"{where} is not a results bundle (no format {FORMAT!r}); `dmlrc report` writes one")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ConfigError(
+            field,
+            f"{where}: results-bundle schema version {doc.get('schema_version')!r}; this dml-reality-check reads "
+            f"version {SCHEMA_VERSION}",
+        )
+    wrote, ours = str(doc.get("package_version", "")), _package_version()
+    if _version_tuple(wrote) and _version_tuple(wrote) > _version_tuple(ours):
+        raise ConfigError(
+            field,
+            f"{where} was written by dml-reality-check {wrote}, newer than this {ours}: upgrade to read it",
+        )
+    if doc.get("checksum") != checksum(doc):
+        raise ConfigError(
+            field, f"{where}: checksum mismatch — the file was changed after `dmlrc report` wrote it; use the original"
+        )
+    return doc
+
+
+def _study(entry: dict[str, Any], uri: str) -> Study:
+    fp = entry.get("fingerprint")
+    reps = {int(r["index"]): {k: float(v) for k, v in r["test"].items()} for r in entry["reproductions"]}
+    return Study(
+        run_id=str(entry.get("source_run_id", "")),
+        dataset=str(entry["dataset"]),
+        loss=str(entry["loss"]),
+        metrics={k: float(v) for k, v in entry["metrics"].items()},
+        reproductions=reps,
+        seeds={int(r["index"]): str(r.get("seed", "")) for r in entry["reproductions"]},
+        best_params={str(k): str(v) for k, v in entry.get("best_params", {}).items()},
+        best_trial=str(entry.get("best_trial", "")),
+        sweep=str(entry.get("sweep", "")),
+        training=dict(entry.get("training", {})),  # counts stay integers, as collect_studies gives them
+        best_at_epoch_0=bool(entry.get("best_at_epoch_0", False)),
+        untrained={k[len("untrained.") :]: v for k, v in entry["metrics"].items() if k.startswith("untrained.")},
+        on_bound=[BoundHit(h["param"], h["side"], float(h["bound"])) for h in entry.get("on_bound", [])],
+        fingerprint=Fingerprint.from_json(fp) if fp else None,
+        source=f"bundle {redact_uri(uri)}",
+    )
+
+
+def read_bundle(uri: str, field: str = "compare_with") -> Bundle:
+    """The bundle at ``uri`` (a file, a folder holding ``results-bundle.json``, or s3://), checked; any problem is
+    one :class:`ConfigError` on ``field``."""
+    doc = _parse(uri, _read_bytes(uri, field), field)
+    try:
+        studies = [_study(e, uri) for e in doc["studies"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(field, f"{redact_uri(uri)}: a study entry is malformed ({type(e).__name__}: {e})") from None
+    seen: dict[tuple[str, str], int] = {}
+    for i, s in enumerate(studies):
+        if (s.dataset, s.loss) in seen:
+            raise ConfigError(
+                field,
+                f"{redact_uri(uri)}: studies {seen[(s.dataset, s.loss)]} and {i} are both {s.loss!r} on {s.dataset!r}",
+            )
+        seen[(s.dataset, s.loss)] = i
+    return Bundle(uri, str(doc.get("experiment", "")), studies)
+
+
+def read_bundles(uris: list[str], field: str = "compare_with") -> list[Bundle]:
+    """Every bundle of ``uris``; the same (dataset, loss) in two of them is refused."""
+    bundles = [read_bundle(u, f"{field}[{i}]" if len(uris) > 1 else field) for i, u in enumerate(uris)]
+    owner: dict[tuple[str, str], Bundle] = {}
+    for b in bundles:
+        for s in b.studies:
+            other = owner.get((s.dataset, s.loss))
+            if other is not None:
+                raise ConfigError(
+                    field,
+                    f"two studies of loss {s.loss!r} on {s.dataset!r}: in {other.shown} and in {b.shown}; keep one",
+                )
+            owner[(s.dataset, s.loss)] = b
+    return bundles

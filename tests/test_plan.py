@@ -1,0 +1,118 @@
+"""``dmlrc sweep CONFIG --plan`` / ``dmlrc demo --plan``: the sweep's checks, its counts and a calibrated cost
+estimate, with nothing started (no Ray, no sweep folder, no MLflow DB)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import ray
+import yaml
+
+from pipelines.cli import main
+from pipelines.config.presets import DEMO
+from pipelines.config.schema import parse_config
+from pipelines.execution.plan import count_study
+
+
+def _small(tmp_path, **protocol) -> dict:
+    """The demo preset cut to one loss and a short protocol, stored under ``tmp_path``."""
+    doc = copy.deepcopy(DEMO)
+    doc["losses"] = [{"name": "contrastive"}]
+    doc["storage"] = str(tmp_path / "runs")
+    doc["protocol"].update(trials=2, startup_trials=1, reproductions=2, **protocol)
+    return doc
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """A sweep would start Ray: make that fail loudly."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("--plan started Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def _nothing_created(tmp_path) -> None:
+    assert not (tmp_path / "runs").exists()  # no sweep folder (and so no runs/<name>/mlflow.db)
+    assert not list(tmp_path.rglob("mlflow.db"))
+    assert not ray.is_initialized()
+
+
+def test_sweep_plan_prints_counts_and_estimate_and_starts_nothing(tmp_path, no_ray, capsys):
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(_small(tmp_path)))
+    assert main(["sweep", str(path), "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "plan of sweep 'demo': 1 studies, 0 already covered" in out
+    # 2 trials + 2 reproductions × 4 folds = 16 fold runs; 8 epochs × 12 iterations = 96 per fold; 1 + 8 / 2 evaluations
+    row = next(line for line in out.splitlines() if line.strip().startswith("synthetic/contrastive"))
+    assert row.split()[1:6] == ["2", "2", "16", "1,536", "80"]
+    assert "≤ 1,536 training iterations" in out and "8 test embedding passes" in out
+    assert "CPU-hours ≈" in out and "wall time ≈" in out and "ms/iteration" in out
+    _nothing_created(tmp_path)
+
+
+def test_demo_plan_counts_the_demo_and_starts_nothing(tmp_path, no_ray, capsys):
+    assert main(["demo", "--plan", "--storage", str(tmp_path / "runs"), "--name", "d"]) == 0
+    out = capsys.readouterr().out
+    assert "plan of sweep 'd': 3 studies" in out
+    # 3 studies × (2 trials + 3 reproductions) = 15 trials, 60 fold runs, 96 iterations each
+    assert "total: 3 studies, 15 trials (6 search + 9 reproductions), 60 fold runs, ≤ 5,760 training iterations" in out
+    _nothing_created(tmp_path)
+
+
+def test_plan_of_a_bad_config_is_one_config_error(tmp_path, no_ray, capsys):
+    doc = _small(tmp_path)
+    doc["protocol"]["trials"] = 0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["sweep", str(path), "--plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: protocol.trials: ")
+    _nothing_created(tmp_path)
+
+
+ZOO = dict(trials=10, startup_trials=4, reproductions=3, iters_per_epoch=40, eval_every=1, patience=1, max_epochs=3)
+DEMO_P = dict(trials=2, startup_trials=1, reproductions=3, iters_per_epoch=12, eval_every=2, patience=4, max_epochs=8)
+ODD = dict(trials=7, startup_trials=1, reproductions=2, iters_per_epoch=5, eval_every=3, patience=20, max_epochs=9)
+
+
+@pytest.mark.parametrize(
+    "protocol, searched, expected",
+    [
+        # the omniglot zoo's protocol: 10 trials + 3 reproductions × 4 folds; 3 epochs × 40 iterations at the cap;
+        # earliest stop: epoch 2 (patience 1, evaluation every epoch); evaluations at epochs 0..3
+        (
+            ZOO,
+            True,
+            dict(fold_runs=52, iterations=6240, iterations_min=4160, evaluations=208, evaluations_min=156, tests=12),
+        ),
+        # the demo's: earliest stop at epoch 6 (patience 4, evaluations every 2 epochs), cap 8
+        (
+            DEMO_P,
+            True,
+            dict(fold_runs=20, iterations=1920, iterations_min=1440, evaluations=100, evaluations_min=80, tests=12),
+        ),
+        # nothing searched: one trial of the fixed values; patience beyond the cap: the cap is the earliest stop
+        (
+            ODD,
+            False,
+            dict(fold_runs=12, iterations=540, iterations_min=540, evaluations=48, evaluations_min=48, tests=8),
+        ),
+    ],
+)
+def test_counts_match_hand_computed_numbers(tmp_path, protocol, searched, expected):
+    doc = copy.deepcopy(DEMO)
+    doc["protocol"].update(protocol)
+    cfg = parse_config(doc)
+    plan = SimpleNamespace(key="synthetic/contrastive", searched={"x": None} if searched else {})
+    c = count_study(cfg, plan)
+    assert c.fold_runs == expected["fold_runs"]
+    assert c.iterations() == expected["iterations"]
+    assert c.iterations(capped=False) == expected["iterations_min"]
+    assert c.evaluations() == expected["evaluations"]
+    assert c.evaluations(capped=False) == expected["evaluations_min"]
+    assert c.test_passes == expected["tests"]
