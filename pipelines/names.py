@@ -38,6 +38,9 @@ OBJECTIVE = "val_map_at_r_mean"
 
 #: What a finished fold leaves in its result directory (``outcome.json`` last: it marks a complete result).
 OUTCOME_FILE = "outcome.json"
+#: The fold run's tag holding when its fold function last began (s since the epoch): set at each start, so that a fold
+#: cancelled before its end (a pruned trial's) can be costed; ``time.start`` stays one metric logged with the result.
+FOLD_STARTED_TAG = "started_at"
 TEST_EMBEDDINGS = "test_embeddings.npy"
 TEST_LABELS = "test_labels.npy"
 MODEL_FILE = "model.pt"

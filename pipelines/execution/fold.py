@@ -61,7 +61,7 @@ from dml_core.distributed import broadcast_object
 from dml_core.models import build_model
 from dml_core.train import TrainConfig, embed, train_fold
 from pipelines.execution.fold_config import FoldConfig, FoldOutcome, s3_uri
-from pipelines.names import HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
+from pipelines.names import FOLD_STARTED_TAG, HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.tracking.evaluations import evaluation_metrics, logged_evaluations
 
 __all__ = [
@@ -316,10 +316,11 @@ class _FoldLog:
         )
 
     def started(self, time_start: float) -> None:
-        """The fold function's start, logged at once: a fold cancelled before its end (a pruned trial's,
+        """The fold function's start, as a tag at once (each start overwrites it: no metric history, so
+        ``time.start`` is still logged once, with the result): a fold cancelled before its end (a pruned trial's,
         :mod:`pipelines.execution.pruned_runs`) is costed from it."""
         try:
-            self.tracker.log_metrics(self.run_id, {"time.start": time_start})
+            self.tracker.set_tags(self.run_id, {FOLD_STARTED_TAG: repr(time_start)})
         except Exception as e:  # tracking trouble must not kill a training run
             print(f"{self.where}: MLflow logging failed: {e}", file=sys.stderr)
 

@@ -76,7 +76,7 @@ TRIAL_S = 0.9
 #: and its result directory: a fold's wall time beyond ``train_fold``'s own seconds.
 FOLD_S = 0.18
 #: Per fold on the Ray Train executor (``workers_per_fold`` > 1): the worker group's start-up (controller, helper
-#: actors, workers, each importing Ray and torch), bench/README_overhead.md (median 59.7 s on a 2-core VM).
+#: actors, workers, each importing Ray and torch), bench/README_overhead.md (median 59.7 s on a 2-core machine).
 TRAIN_FOLD_S = 59.7
 
 #: Calibration: validation images embedded (fold 0's val classes, whole classes up to this count) and the wall time

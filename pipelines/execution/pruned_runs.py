@@ -22,7 +22,7 @@ from dml_core.storage import open_storage
 from pipelines.execution.fold_config import FoldOutcome
 from pipelines.execution.pruning import EVALUATION, PRUNED
 from pipelines.execution.trial import fold_cost
-from pipelines.names import OBJECTIVE, OUTCOME_FILE
+from pipelines.names import FOLD_STARTED_TAG, OBJECTIVE, OUTCOME_FILE
 from pipelines.results.study_results import COST_KEYS
 from pipelines.tracking.runs import PARENT, Tracker
 
@@ -56,15 +56,16 @@ class PrunedRuns:
 
 def _fold_cost(where: PrunedRuns, fold_run, trial_id: str, end: float) -> dict[str, float]:
     """A fold's cost: a fold that finished before the stop, from its ``outcome.json``; a cancelled one from its start
-    (``time.start``, logged when the fold began) to ``end``; one that never started costs nothing."""
+    (its ``started_at`` tag, set when the fold began) to ``end``; one that never started costs nothing."""
     k = int(fold_run.data.tags["fold"])
     result = open_storage(where.fold_dir(trial_id, k) + "/result")
     if result.exists(OUTCOME_FILE):
         outcome = FoldOutcome.from_json(result.get_bytes(OUTCOME_FILE).decode())
     else:
-        start = fold_run.data.metrics.get("time.start")
-        if start is None:
+        tag = fold_run.data.tags.get(FOLD_STARTED_TAG)
+        if tag is None:
             return {key: 0.0 for key in COST_KEYS}
+        start = float(tag)
         outcome = FoldOutcome(
             fold=k, status=PRUNED, time_start=start, time_end=max(start, end), world_size=where.workers_per_fold
         )
