@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from tests.ports import PortInUse, bind_failure, free_ports, start_on_free_ports
+from tests.ports import PortInUse, SlowStart, bind_failure, free_ports, start_on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -72,8 +72,13 @@ def vendored_psutil():
     return importlib.import_module("psutil")
 
 
-#: How often a node whose ports were taken by other processes before it bound them is started again on fresh ones.
+#: How often a node is started again (on fresh ports) when its start failed for a reason of the moment: another
+#: process took one of its ports before it bound them, or, on a busy machine, its raylet did not register with the
+#: GCS within the 30 s that ``ray start`` allows (hard-coded in ray/_private/node.py; no setting raises it).
 _START_TRIES = 4
+
+#: What ``ray start`` prints when the node's raylet did not register with the GCS in time.
+_SLOW_START = "timed out during startup"
 
 
 @dataclass
@@ -155,9 +160,9 @@ class LocalCluster:
             if ids:
                 new.node_id = ids[0]
                 return new.node_id
-            if new.proc.poll() is not None and restarts < _START_TRIES - 1 and _lost_ports(new):
+            if new.proc.poll() is not None and restarts < _START_TRIES - 1 and _start_failure(new):
                 restarts += 1
-                _stop_node(new)  # it lost one of its ports to another process: again on fresh ones
+                _stop_node(new)  # it lost a port, or its raylet registered too late: again on fresh ports
                 new = _start_node(i, old.args, self.base_env, self.workdir / "cluster-logs", f".replaced{restarts}")
                 self.nodes[i] = new
                 continue
@@ -244,9 +249,25 @@ def _lost_ports(node: Node) -> str:
     return ""
 
 
+def _slow_start(node: Node) -> str:
+    """The line of ``ray start``'s output saying that Ray gave up waiting for the node's raylet, or ``""``."""
+    with contextlib.suppress(OSError):
+        for line in node.log_path.read_text(errors="replace").splitlines():
+            if _SLOW_START in line:
+                return f"{node.log_path.name}: {line.strip()}"
+    return ""
+
+
+def _start_failure(node: Node) -> str:
+    """Why a node that stopped is worth starting again: it lost one of its ports, or Ray gave up waiting for its
+    raylet on a busy machine; ``""`` for any other failure, which is not retried."""
+    return _lost_ports(node) or _slow_start(node)
+
+
 def _start_head(args: list[str], env: dict[str, str], logs: Path, timeout: float) -> tuple[Node, str]:
     """The head node and the address it prints for workers (``ray start --address='<ip>:<port>'``); a head that
-    stopped because another process took one of its ports raises :class:`PortInUse` (and is cleaned up)."""
+    stopped because another process took one of its ports raises :class:`PortInUse`, one whose raylet registered
+    too late :class:`SlowStart` (and is cleaned up)."""
     attempt = len(list(logs.glob("node0*.log")))
     node = _start_node(0, args, env, logs, suffix=f".retry{attempt}" if attempt else "")
     deadline = time.monotonic() + timeout
@@ -260,6 +281,9 @@ def _start_head(args: list[str], env: dict[str, str], logs: Path, timeout: float
                 failure = _lost_ports(node)
                 if failure:
                     raise PortInUse(f"Ray head: {failure}")
+                failure = _slow_start(node)
+                if failure:
+                    raise SlowStart(f"Ray head: {failure}")
                 raise RuntimeError(f"Ray head did not start: {text[-3000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Ray head did not start: {text[-3000:]}")
@@ -411,12 +435,13 @@ def local_cluster(
                 break
             dead = [n.index for n in nodes if n.proc.poll() is not None]
             for i in list(dead):
-                # a worker that lost one of its ports to another process: the same node again on fresh ports
-                if i > 0 and restarts[i] < _START_TRIES - 1 and _lost_ports(nodes[i]):
+                # a worker that lost a port, or whose raylet registered too late: the same node again on fresh ports
+                if i > 0 and restarts[i] < _START_TRIES - 1 and _start_failure(nodes[i]):
                     restarts[i] += 1
                     _stop_node(nodes[i])
                     nodes[i] = _start_node(i, nodes[i].args, env, logs, suffix=f".retry{restarts[i]}")
                     dead.remove(i)
+                    deadline = max(deadline, time.monotonic() + 60)  # the restarted node's own time to join
             if dead or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"Ray nodes {dead or '?'} did not join {address}: "

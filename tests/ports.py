@@ -126,8 +126,16 @@ def free_port() -> int:
     return free_port_pairs(1)[0]
 
 
-class PortInUse(RuntimeError):
+class StartAgain(RuntimeError):
+    """A server's start failed for a reason of the moment: starting it again on fresh ports may well succeed."""
+
+
+class PortInUse(StartAgain):
     """A server could not bind a port chosen for it: another process took it after the check."""
+
+
+class SlowStart(StartAgain):
+    """A server gave up within a time limit of its own that a busy machine overran (Ray's raylet registering)."""
 
 
 _BIND_FAILURE = re.compile(
@@ -146,15 +154,16 @@ def bind_failure(log_text: str) -> str:
 
 
 def start_on_free_ports(start: Callable[[], T], what: str, tries: int = 4) -> T:
-    """``start()`` (which chooses fresh ports each call), again after each :class:`PortInUse`, at most ``tries``
-    times."""
+    """``start()`` (which chooses fresh ports each call), again after each :class:`StartAgain` (a lost port, a slow
+    start), at most ``tries`` times."""
     for attempt in range(1, tries + 1):
         try:
             return start()
-        except PortInUse as e:
+        except StartAgain as e:
             if attempt == tries:
+                cause = "its ports were taken by other processes" if isinstance(e, PortInUse) else "it failed"
                 raise RuntimeError(
-                    f"{what} could not start: its ports were taken by other processes {tries} times in a row "
+                    f"{what} could not start: {cause} {tries} times in a row "
                     f"(ports from {PORT_RANGE[0]}..{PORT_RANGE[1] - 1}); last: {e}"
                 ) from e
     raise AssertionError("unreachable")

@@ -4,6 +4,7 @@ that loses a port to another process between the choice and the bind is made aga
 from __future__ import annotations
 
 import socket
+import subprocess
 
 import pytest
 
@@ -113,6 +114,21 @@ def test_start_on_free_ports_retries_a_lost_race_and_then_gives_up_clearly():
     with pytest.raises(RuntimeError, match=r"the thing could not start: its ports were taken .* 3 times in a row"):
         ports.start_on_free_ports(always_loses, "the thing", tries=3)
 
+    def slow_once():
+        calls.append(1)
+        if len(calls) < 2:
+            raise ports.SlowStart("The current node timed out during startup.")
+        return "up"
+
+    calls.clear()
+    assert ports.start_on_free_ports(slow_once, "the thing") == "up" and len(calls) == 2
+
+    def always_slow():
+        raise ports.SlowStart("The current node timed out during startup.")
+
+    with pytest.raises(RuntimeError, match=r"the thing could not start: it failed 2 times in a row .* timed out"):
+        ports.start_on_free_ports(always_slow, "the thing", tries=2)
+
     def broken():
         calls.append(1)
         raise ValueError("not a port problem")
@@ -194,3 +210,27 @@ def test_ddp_workers_rendezvous_on_another_port_when_theirs_is_taken(monkeypatch
     finally:
         for s in squatters:
             s.close()
+
+
+@pytest.mark.parametrize(
+    "log, retried",
+    [
+        # Ray gives a node's raylet 30 s to register with the GCS; a busy machine overruns it
+        (
+            "Exception: The current node timed out during startup. This could happen because some of the raylet "
+            "failed to startup or the GCS has become overloaded.\n",
+            True,
+        ),
+        ("Check failed: server_ Failed to start the grpc server. ... `Address already in use` ...\n", True),
+        ("RuntimeError: Version mismatch: The cluster was started with Ray 2.59\n", False),
+    ],
+)
+def test_a_ray_node_that_lost_a_port_or_started_too_slowly_is_started_again(tmp_path, log, retried):
+    from tests import cluster
+
+    log_path = tmp_path / "node1.log"
+    log_path.write_text("Local node IP: 10.0.0.2\n" + log)
+    stopped = subprocess.Popen(["true"])  # a `ray start` that exited
+    stopped.wait()
+    node = cluster.Node(index=1, resource="node_1", proc=stopped, temp_dir=str(tmp_path / "none"), log_path=log_path)
+    assert bool(cluster._start_failure(node)) is retried
