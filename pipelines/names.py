@@ -20,6 +20,7 @@ __all__ = [
     "ALIAS",
     "study_key",
     "study_dirname",
+    "reproduction_seed",
 ]
 
 #: The reality check's three headline metrics (docs/protocol.md §Test evaluation), in the order tables show them.
@@ -62,3 +63,8 @@ def study_key(dataset: str, loss: str) -> str:
 def study_dirname(key: str) -> str:
     """A study key as a folder name (``/`` and ``:`` replaced)."""
     return key.replace("/", "__").replace(":", "-")
+
+
+def reproduction_seed(base_seed: int, i: int) -> int:
+    """Seed of reproduction ``i``: the same for every loss, so ``dmlrc report`` can pair runs across losses."""
+    return base_seed + 1000 * (i + 1)

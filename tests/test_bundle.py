@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipelines.config.errors import ConfigError
-from pipelines.results.bundle import checksum, read_bundle, read_bundles
+from pipelines.results.bundle import checksum, comparable_studies, read_bundle, read_bundles
 from pipelines.results.fingerprint import Fingerprint, fingerprint_tags
 from pipelines.results.report import write_report
 from tests.test_report import _populate
@@ -96,7 +96,24 @@ def test_a_bundle_of_another_protocol_is_refused_naming_the_field(tmp_path, bund
     with pytest.raises(ConfigError) as info:
         write_report(mine, "mine", tmp_path / "mine", log_to_mlflow=False, compare_with=[str(bundle_x)])
     assert info.value.field == "--compare-with"
-    assert "not comparable (protocol.max_epochs: 3 vs 30)" in str(info.value)
+    assert "not comparable (protocol.max_epochs: 3 vs 30, the bundle's value first)" in str(info.value)
+
+
+def test_the_sweep_and_the_report_admit_a_bundles_studies_by_one_rule(bundle_x):
+    """pipelines.results.bundle.comparable_studies: what reuse (the sweep) and the report both call."""
+    bundles = read_bundles([str(bundle_x)])
+    got = comparable_studies(bundles, "compare_with", {"synthetic"}, lambda d, loss: FP, {})
+    assert [s.loss for s in got] == ["x", "y"]
+    assert comparable_studies(bundles, "compare_with", {"cub"}, lambda d, loss: FP, {}) == []  # another dataset
+    refusals = [
+        ({("synthetic", "y"): "MLflow run abc"}, FP, "two studies of loss 'y' on 'synthetic': MLflow run abc and"),
+        ({}, None, "is not comparable (one of the two records no protocol fingerprint"),
+        ({}, Fingerprint({**FP.fields, "dataset.name": "other"}), "(dataset.name: synthetic vs other, the bundle's"),
+    ]
+    for held, ours, expected in refusals:
+        with pytest.raises(ConfigError) as info:
+            comparable_studies(bundles, "compare_with", {"synthetic"}, lambda d, loss, fp=ours: fp, held)
+        assert info.value.field == "compare_with" and expected in str(info.value), str(info.value)
 
 
 def _rewrite(path, change, *, fix_checksum: bool):

@@ -11,12 +11,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pipelines.config.errors import ConfigError
 from pipelines.execution.pruning import EVALUATION, PRUNED, Rungs
 from pipelines.execution.search import best_result
 from pipelines.names import OBJECTIVE
+from tests.tiny_sweep import tiny_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,22 +110,19 @@ TRIALS, MAX_EPOCHS, ITERS = 6, 6, 6
 def _config(tmp: Path, uri: str) -> Path:
     from tests.paced_trunk import PACED_TRUNK
 
-    doc = {
-        "name": "prune",
-        "seed": 5,
-        "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 16, "per_class": 6, "image_size": 16}],
-        "losses": ["contrastive"],
+    return tiny_sweep(
+        tmp,
+        "prune",
+        ["contrastive"],
+        seed=5,
+        datasets=[{"name": "synthetic", "kind": "synthetic", "num_classes": 16, "per_class": 6, "image_size": 16}],
         # steps that wait without CPU (tests/paced_trunk.py): folds long enough for the trial to see each evaluation
-        "model": {"trunk": PACED_TRUNK, "embedding_dim": 8, "freeze_bn": False},
-        "protocol": {
-            "folds": 2,
-            "fold_layout": "kfold",
+        model={"trunk": PACED_TRUNK, "embedding_dim": 8, "freeze_bn": False},
+        protocol={
             "trials": TRIALS,
             "startup_trials": TRIALS,
             "sampler": "tpe",
-            "reproductions": 2,
             "iters_per_epoch": ITERS,
-            "eval_every": 1,
             "patience": MAX_EPOCHS,  # no early stop: a full budget is max_epochs × iters_per_epoch iterations
             "max_epochs": MAX_EPOCHS,
             "pruning": "asha",
@@ -133,13 +130,9 @@ def _config(tmp: Path, uri: str) -> Path:
             "pruning_reduction_factor": 2,
             "train": {"classes_per_batch": 4, "m": 2, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
         },
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "num_cpus": 2},
-        "tracking": {"uri": uri, "experiment": "prune-experiment"},
-        "storage": str(tmp / "runs"),
-    }
-    path = tmp / "prune.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+        resources={"workers_per_fold": 1, "max_concurrent_trials": 1, "num_cpus": 2},
+        tracking={"uri": uri, "experiment": "prune-experiment"},
+    )
 
 
 @pytest.mark.slow

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
+
+from tests.tiny_sweep import tiny_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -24,32 +25,16 @@ PLUGIN = "dmlrc_example.losses:CircleLoss"
 
 
 def _config(tmp: Path, name: str, losses: list[str], *, max_epochs: int = 2, **extra) -> Path:
-    doc = {
-        "name": name,
-        "seed": 3,
-        "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
-        "losses": losses,
-        "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
-        "protocol": {
-            "folds": 2,
-            "fold_layout": "kfold",
-            "trials": 1,
-            "startup_trials": 1,
-            "reproductions": 2,
-            "iters_per_epoch": 4,
-            "eval_every": 1,
-            "patience": 1,
-            "max_epochs": max_epochs,
-            "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
-        },
-        "runtime_env": {"py_modules": [str(ROOT / "examples/plugin/src/dmlrc_example")]},
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "num_cpus": 4},
-        "storage": str(tmp / "runs"),
+    return tiny_sweep(
+        tmp,
+        name,
+        losses,
+        filename=f"{name}-{len(losses)}-{max_epochs}.yaml",
+        protocol={"max_epochs": max_epochs},
+        runtime_env={"py_modules": [str(ROOT / "examples/plugin/src/dmlrc_example")]},
+        resources={"workers_per_fold": 1, "max_concurrent_trials": 1, "num_cpus": 4},
         **extra,
-    }
-    path = tmp / f"{name}-{len(losses)}-{max_epochs}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    )
 
 
 def _cli(tmp: Path, *argv: str) -> subprocess.CompletedProcess:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+
+from tests.tiny_sweep import tiny_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -35,32 +36,14 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _config(tmp: Path, uri: str) -> Path:
-    doc = {
-        "name": "viz",
-        "seed": 3,
-        "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
-        "losses": LOSSES,
-        "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
-        "protocol": {
-            "folds": 2,
-            "fold_layout": "kfold",
-            "trials": 1,
-            "startup_trials": 1,
-            "reproductions": 2,
-            "iters_per_epoch": 4,
-            "eval_every": 1,
-            "patience": 1,
-            "max_epochs": 2,
-            "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
-        },
+    return tiny_sweep(
+        tmp,
+        "viz",
+        LOSSES,
         # default max_concurrent_studies on a local Ray of 6 CPUs: 6 // (1 trial × 2 folds × 1 worker × 1 CPU) = 3
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1, "num_cpus": 6},
-        "tracking": {"uri": uri, "experiment": "viz-experiment"},
-        "storage": str(tmp / "runs"),
-    }
-    path = tmp / "viz.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+        resources={"workers_per_fold": 1, "max_concurrent_trials": 1, "num_cpus": 6},
+        tracking={"uri": uri, "experiment": "viz-experiment"},
+    )
 
 
 @pytest.fixture(scope="module")

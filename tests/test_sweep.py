@@ -23,6 +23,7 @@ from pipelines.execution.fold_config import FoldOutcome
 from pipelines.execution.trial import reduce_folds
 from pipelines.names import OBJECTIVE, REPRODUCTION
 from pipelines.results.embeddings import concatenated_embeddings
+from tests.tiny_sweep import tiny_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("map_at_r", "r_precision", "precision_at_1")
@@ -188,31 +189,14 @@ def test_trials_a_restored_search_no_longer_knows_are_ended_and_hidden(tmp_path)
 def _sweep_config(
     tmp_path: Path, tracking_uri: str, *, losses, trials, workers, concurrent, name="e2e", folds: int = 4
 ) -> Path:
-    doc = {
-        "name": name,
-        "seed": 3,
-        "datasets": [{"name": "synthetic", "kind": "synthetic", "num_classes": 32, "per_class": 8, "image_size": 16}],
-        "losses": losses,
-        "model": {"trunk": "tiny", "embedding_dim": 16, "freeze_bn": False},
-        "protocol": {
-            "folds": folds,
-            "fold_layout": "mlrc" if folds == 4 else "kfold",
-            "trials": trials,
-            "startup_trials": 1,
-            "reproductions": 2,
-            "iters_per_epoch": 4,
-            "eval_every": 1,
-            "patience": 1,
-            "max_epochs": 2,
-            "train": {"classes_per_batch": 8, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
-        },
-        "resources": {"workers_per_fold": workers, "max_concurrent_trials": concurrent},
-        "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
-        "storage": str(tmp_path / "runs"),
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    return tiny_sweep(
+        tmp_path,
+        name,
+        losses,
+        protocol={"folds": folds, "fold_layout": "mlrc" if folds == 4 else "kfold", "trials": trials},
+        resources={"workers_per_fold": workers, "max_concurrent_trials": concurrent},
+        tracking={"uri": tracking_uri, "experiment": f"{name}-experiment"},
+    )
 
 
 def _run_cli(

@@ -176,7 +176,7 @@ class SweepConfig(StrictModel):
                 seen[n] = i
         p = self.protocol
         base = p.seed if p.seed is not None else self.seed
-        top = base + 1000 * p.reproductions + p.folds - 1  # pipelines.execution.trial.reproduction_seed + fold index
+        top = base + 1000 * p.reproductions + p.folds - 1  # pipelines.names.reproduction_seed + fold index
         if top > SEED_MAX:
             raise FieldError(
                 "protocol.seed" if p.seed is not None else "seed",

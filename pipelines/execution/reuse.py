@@ -11,7 +11,6 @@ here only reads: no experiment, sqlite DB or folder is created.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,14 @@ from pipelines.config.errors import ConfigError
 from pipelines.config.schema import SweepConfig
 from pipelines.execution.preflight import StudyPlan
 from pipelines.names import study_key
-from pipelines.results.bundle import Bundle, read_bundles
-from pipelines.results.fingerprint import Fingerprint, fingerprint_of_tags, first_difference, study_fingerprints
+from pipelines.results.bundle import Bundle, comparable_studies, read_bundles
+from pipelines.results.fingerprint import (
+    Fingerprint,
+    fingerprint_of_tags,
+    first_difference,
+    shown_value,
+    study_fingerprints,
+)
 from pipelines.results.report_studies import Study
 from pipelines.tracking.runs import search_all
 
@@ -73,16 +78,11 @@ def _experiment_study_runs(cfg: SweepConfig) -> list:
     return search_all(client, exp.experiment_id, "tags.stage = 'study'")
 
 
-def _shown(v: Any) -> str:
-    text = v if isinstance(v, str) else json.dumps(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _check(expected: Fingerprint, found: Fingerprint | None, what: str, advice: str) -> None:
     diff = None if found is None else first_difference(expected, found)
     if diff is not None:
         key, old, new = diff
-        raise ConfigError(key, f"differs from {what} ({_shown(old)} vs {_shown(new)}); {advice}")
+        raise ConfigError(key, f"differs from {what} ({shown_value(old)} vs {shown_value(new)}); {advice}")
 
 
 def _expected(fps: dict[str, Fingerprint], plans: list[StudyPlan], key: str, dataset: str) -> Fingerprint:
@@ -137,34 +137,26 @@ def _check_finished(cfg: SweepConfig, plans: list[StudyPlan], reuse: Reuse) -> N
 def _take_bundles(cfg: SweepConfig, plans: list[StudyPlan], reuse: Reuse) -> None:
     if not cfg.compare_with:
         return
-    datasets = {p.dataset.spec.name for p in plans}
     reuse.bundles = read_bundles(list(cfg.compare_with))
-    for b in reuse.bundles:
-        for s in b.studies:
-            if s.dataset not in datasets:
-                continue
-            key = study_key(s.dataset, s.loss)
-            if key in reuse.finished and key not in reuse.rerun:
-                run = reuse.finished[key]
-                raise ConfigError(
-                    "compare_with",
-                    f"two studies of loss {s.loss!r} on {s.dataset!r}: the finished MLflow run {run.info.run_id} "
-                    f"(sweep {run.data.tags.get('sweep', '?')}) and {b.shown}; compare in another experiment, or drop "
-                    "the bundle",
-                )
-            if s.loss in reuse.rerun_losses:
-                raise ConfigError(
-                    "--rerun", f"{s.loss!r} on {s.dataset!r} comes from {b.shown}: a bundle's study is not rerun here"
-                )
-            if s.fingerprint is None:
-                raise ConfigError("compare_with", f"{b.shown}: study {key} records no protocol fingerprint")
-            _check(
-                _expected(reuse.fingerprints, plans, key, s.dataset),
-                s.fingerprint,
-                f"the studies of results bundle {b.shown}",
-                "set it back to compare with them, or drop compare_with",
+    held = {
+        (run.data.tags.get("dataset", "?"), run.data.tags.get("loss", "?")): (
+            f"the finished MLflow run {run.info.run_id} (sweep {run.data.tags.get('sweep', '?')})"
+        )
+        for key, run in reuse.finished.items()
+        if key not in reuse.rerun
+    }
+    for s in comparable_studies(
+        reuse.bundles,
+        "compare_with",
+        {p.dataset.spec.name for p in plans},
+        lambda dataset, loss: _expected(reuse.fingerprints, plans, study_key(dataset, loss), dataset),
+        held,
+    ):
+        if s.loss in reuse.rerun_losses:
+            raise ConfigError(
+                "--rerun", f"{s.loss!r} on {s.dataset!r} comes from {s.source}: a bundle's study is not rerun here"
             )
-            reuse.from_bundles[key] = s
+        reuse.from_bundles[study_key(s.dataset, s.loss)] = s
 
 
 def find_reuse(cfg: SweepConfig, plans: list[StudyPlan], rerun: set[str] | frozenset[str] = frozenset()) -> Reuse:

@@ -68,7 +68,7 @@ def summary_from_run(summary: StudySummary, run) -> StudySummary:
 def summary_from_study(study: Study) -> StudySummary:
     """A study of a results bundle (or of the report's reading of MLflow) as the sweep's summary of a study."""
     summary = StudySummary(study_key(study.dataset, study.loss), study.dataset, study.loss, study.run_id, "ok")
-    tags = {EPOCH0_TAG: str(study.best_at_epoch_0).lower(), "best_trial_id": study.best_trial or study.source}
+    tags = {EPOCH0_TAG: str(study.best_at_epoch_0).lower(), "best_trial_id": study.best_trial}
     return summary_from_values(summary, study.metrics, tags, {f"best.{k}": v for k, v in study.best_params.items()})
 
 

@@ -14,7 +14,7 @@ For each study (docs/protocol.md):
 2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.execution.search.best_result`,
    docs/protocol.md §Best trial).
 3. **Reproductions** — a second ``Tuner`` runs ``reproductions`` retrainings of the best config (grid over the
-   reproduction index; each a full 4-fold trial with seed ``pipelines.execution.trial.reproduction_seed(seed, i)``),
+   reproduction index; each a full 4-fold trial with seed ``pipelines.names.reproduction_seed(seed, i)``),
    each tested on the test classes, separated and concatenated (docs/protocol.md §Test evaluation).
 4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.stats.confidence_interval``), written to the
    study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints); a study whose

@@ -63,18 +63,14 @@ from pipelines.names import (
     REPRODUCTION,
     TEST_EMBEDDINGS,
     TEST_LABELS,
+    reproduction_seed,
 )
 from pipelines.results.embeddings import details_to_bytes, reproduction_test_metrics
 from pipelines.tracking.datasets import log_fold_dataset_input
 from pipelines.tracking.evaluations import evaluation_metrics, logged_evaluations
 from pipelines.tracking.runs import PARENT, Tracker
 
-__all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost", "reproduction_seed"]
-
-
-def reproduction_seed(base_seed: int, i: int) -> int:
-    """Seed of reproduction ``i``: the same for every loss, so ``dmlrc report`` can pair runs across losses."""
-    return base_seed + 1000 * (i + 1)
+__all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost"]
 
 
 @dataclass

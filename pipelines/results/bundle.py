@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,19 @@ from typing import Any
 from pipelines.config.errors import ConfigError
 from pipelines.config.redact import redact_uri
 from pipelines.results.bounds import BoundHit
-from pipelines.results.fingerprint import Fingerprint
+from pipelines.results.fingerprint import Fingerprint, first_difference, shown_value
 from pipelines.results.report_studies import Study
 
-__all__ = ["BUNDLE_FILE", "SCHEMA_VERSION", "Bundle", "bundle_doc", "write_bundle", "read_bundle", "read_bundles"]
+__all__ = [
+    "BUNDLE_FILE",
+    "SCHEMA_VERSION",
+    "Bundle",
+    "bundle_doc",
+    "write_bundle",
+    "read_bundle",
+    "read_bundles",
+    "comparable_studies",
+]
 
 BUNDLE_FILE = "results-bundle.json"
 FORMAT = "dml-reality-check results bundle"
@@ -213,3 +223,46 @@ def read_bundles(uris: list[str], field: str = "compare_with") -> list[Bundle]:
                 )
             owner[(s.dataset, s.loss)] = b
     return bundles
+
+
+def comparable_studies(
+    bundles: list[Bundle],
+    field: str,
+    datasets: Collection[str],
+    expected: Callable[[str, str], Fingerprint | None],
+    held: Mapping[tuple[str, str], str],
+) -> list[Study]:
+    """The studies of ``bundles`` on ``datasets`` that may join a table beside the studies of one's own, which the
+    sweep (pipelines.execution.reuse) and the report (pipelines.results.report) both admit by these rules:
+
+    * a (dataset, loss) that ``held`` already names (→ where that study is) is refused: two studies of one loss;
+    * a study must carry the fingerprint ``expected(dataset, loss)`` gives; one without a fingerprint, or one whose
+      first differing field differs, is refused naming that field and both values.
+
+    Each refusal is one :class:`ConfigError` on ``field``."""
+    admitted = []
+    for b in bundles:
+        for s in b.studies:
+            if s.dataset not in datasets:
+                continue  # a dataset of the bundle that this table does not have
+            if (s.dataset, s.loss) in held:
+                raise ConfigError(
+                    field,
+                    f"two studies of loss {s.loss!r} on {s.dataset!r}: {held[(s.dataset, s.loss)]} and {b.shown}; "
+                    "compare in another experiment, or drop the bundle",
+                )
+            ours = expected(s.dataset, s.loss)
+            diff = None if s.fingerprint is None or ours is None else first_difference(ours, s.fingerprint)
+            if s.fingerprint is None or ours is None:
+                why = "one of the two records no protocol fingerprint"
+            elif diff is not None:
+                why = f"{diff[0]}: {shown_value(diff[1])} vs {shown_value(diff[2])}"
+            else:
+                admitted.append(s)
+                continue
+            raise ConfigError(
+                field,
+                f"{b.shown}: study {s.loss!r} on {s.dataset!r} is not comparable ({why}, the bundle's value first); "
+                "run the bundle's protocol, or drop the bundle",
+            )
+    return admitted

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipelines.names import reproduction_seed
+
 if TYPE_CHECKING:  # the sweep's plan and config: typing only (this module is also read by the report)
     from pipelines.config.schema import SweepConfig
     from pipelines.execution.preflight import StudyPlan
@@ -31,6 +33,7 @@ __all__ = [
     "study_fingerprint",
     "study_fingerprints",
     "first_difference",
+    "shown_value",
     "fingerprint_of_tags",
     "fingerprint_tags",
     "HASH_TAG",
@@ -190,7 +193,6 @@ def study_fingerprint(cfg: SweepConfig, plan: StudyPlan, data: dict[str, Any] | 
     """The protocol fingerprint of ``plan``'s study under ``cfg`` (module docstring); ``data``: its dataset's fields
     when already known."""
     from dml_core.metrics import METRICS_VERSION  # faiss: see _train_fields
-    from pipelines.execution.trial import reproduction_seed  # the sweep's trial code: only the sweep builds these
 
     base = cfg.protocol.seed if cfg.protocol.seed is not None else cfg.seed
     fields: dict[str, Any] = {
@@ -214,6 +216,13 @@ def first_difference(expected: Fingerprint, found: Fingerprint) -> tuple[str, An
         if a != b:
             return key, a, b
     return None
+
+
+def shown_value(v: Any) -> str:
+    """A fingerprint field's value as an error line shows it: strings as they are, the rest as JSON, cut to 60
+    characters."""
+    text = v if isinstance(v, str) else json.dumps(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def fingerprint_tags(fp: Fingerprint) -> dict[str, str]:

@@ -104,42 +104,22 @@ def _with_bundles(client: MlflowClient, experiment: str, studies: list[Study], e
     """``studies`` and the studies of the bundles the experiment's sweeps compared with (its ``dmlrc.compare_with``
     tag) and of ``extra``, on the experiment's datasets, each with the fingerprint of the experiment's studies;
     a (dataset, loss) in two places is refused."""
-    # the sweep's reuse rules (pipelines.config): loaded only when the report has bundles to read
-    from pipelines.config.errors import ConfigError
-    from pipelines.results.bundle import read_bundles
-    from pipelines.results.fingerprint import first_difference
+    # read only when the experiment compared with bundles: a plain report stays free of the bundle reader
+    from pipelines.results.bundle import comparable_studies, read_bundles
 
     exp = client.get_experiment_by_name(experiment)
     uris = json.loads(exp.tags.get(COMPARE_WITH_TAG, "[]")) if exp is not None else []
     uris += [u for u in extra if u not in uris]
     if not uris:
         return studies
-    field = "--compare-with" if extra else "compare_with"
-    own = {(s.dataset, s.loss): s for s in studies}
     reference = {s.dataset: s.fingerprint for s in studies}
-    merged = list(studies)
-    for bundle in read_bundles(uris, field):
-        for s in bundle.studies:
-            if s.dataset not in reference:
-                continue  # a dataset the experiment did not study
-            if (s.dataset, s.loss) in own:
-                raise ConfigError(
-                    field,
-                    f"two studies of loss {s.loss!r} on {s.dataset!r}: MLflow run {own[(s.dataset, s.loss)].run_id} "
-                    f"and {bundle.shown}",
-                )
-            ref = reference[s.dataset]
-            diff = None if s.fingerprint is None or ref is None else first_difference(ref, s.fingerprint)
-            if s.fingerprint is None or ref is None or diff is not None:
-                what = (
-                    "a study without a protocol fingerprint"
-                    if diff is None
-                    else f"{diff[0]}: {diff[1]!r} vs {diff[2]!r}"
-                )
-                raise ConfigError(
-                    field, f"{bundle.shown}: study {s.loss!r} on {s.dataset!r} is not comparable ({what})"
-                )
-            merged.append(s)
+    merged = list(studies) + comparable_studies(
+        read_bundles(uris, "--compare-with" if extra else "compare_with"),
+        "--compare-with" if extra else "compare_with",
+        set(reference),
+        lambda dataset, loss: reference[dataset],
+        {(s.dataset, s.loss): f"MLflow run {s.run_id}" for s in studies},
+    )
     return sorted(merged, key=lambda s: (s.dataset, s.loss))
 
 

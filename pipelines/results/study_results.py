@@ -221,7 +221,7 @@ def params_table(studies: list[StudySummary]) -> str:
     lines = []
     for s in studies:
         params = ", ".join(f"{k}={_fmt_param(v)}" for k, v in sorted(s.best_params.items())) or "(nothing searched)"
-        lines.append(f"  {s.dataset}/{s.loss}: " + (params if s.best_trial else s.status))
+        lines.append(f"  {s.dataset}/{s.loss}: " + (params if s.status == "ok" else s.status))
     return "\n".join(lines)
 
 
