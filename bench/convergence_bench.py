@@ -99,6 +99,10 @@ def run_one(job: dict) -> dict:
         device=job["device"],
         num_workers=job["workers"],
         amp=job["device"] != "cpu",
+        # the zoo preset's CPU precision (bf16 autocast + channels-last) where asked: fast only where the CPU has
+        # bf16 instructions (avx512_bf16 / amx_bf16), see bench/README_cpu_speed.md
+        cpu_amp=job["device"] == "cpu" and job.get("cpu_amp", False),
+        channels_last=job["device"] == "cpu" and job.get("cpu_amp", False),
         **recipe,
     )
     t0 = time.perf_counter()
@@ -179,6 +183,9 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--workers", type=int, default=1, help="DataLoader workers per run")
     ap.add_argument("--device", default="auto", help="auto = cuda where torch sees a GPU, else cpu")
+    ap.add_argument(
+        "--cpu-amp", action="store_true", help="on a CPU: bf16 autocast + channels-last, as configs/omniglot-zoo.yaml"
+    )
     ap.add_argument("--omniglot", type=Path, default=ROOT.parent / "shared" / "data" / "omniglot")
     ap.add_argument("--deadline", type=float, default=None, help="seconds after which no further run starts")
     ap.add_argument("--summarise", type=Path, default=None, help="print the tables of a curves.jsonl and exit")
@@ -207,6 +214,7 @@ def main() -> int:
             "iters": a.iters,
             "device": a.device,
             "workers": a.workers,
+            "cpu_amp": a.cpu_amp,
             "omniglot": str(a.omniglot.resolve()),
         }
         for s in range(a.seeds)

@@ -12,10 +12,9 @@ import pytest
 #: folds paced by tests/paced_trunk.py, outages): started first, their waiting overlaps the CPU-bound unit tests of
 #: the other worker instead of being the suite's tail.  Modules that wait alternate with ones that compute.
 LONGEST_FIRST = (
-    "test_security.py",
+    "test_resume.py",
     "test_reeval.py",
     "test_faults.py",
-    "test_resume.py",
     "test_faults_services.py",
     "test_packaging.py",
     "test_faults_driver_host.py",

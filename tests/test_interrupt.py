@@ -26,7 +26,7 @@ import pytest
 
 from tests.paced_trunk import PACE_FILE_ENV, PACED_TRUNK, pace_file
 from tests.test_resume import sweep_started
-from tests.test_security import files_containing, ray_tmpdir, sweep_env, tiny_sweep_config
+from tests.tiny_sweep import files_containing, ray_tmpdir, smallest_sweep, sweep_env
 
 #: Seconds from the signal to exit, Ray shutdown and closing the runs included: a hang guard, not a speed target.
 #: Alone on 2 cores a sweep stops in seconds; beside the other pytest worker's 3-node cluster it has taken over 45 s.
@@ -80,7 +80,7 @@ def _catches(pid: int, sig: int) -> bool:
 def test_a_signal_while_the_cli_starts_is_one_line_and_its_exit_status(tmp_path, sig, status):
     """Before the banner (torch, the schema and Ray are still importing): one line, 128 + the signal, nothing
     written."""
-    cfg = tiny_sweep_config(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", name="early")
+    cfg = smallest_sweep(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", name="early")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.cli", "sweep", str(cfg)],
         cwd=tmp_path,
@@ -149,7 +149,7 @@ def test_sigterm_stops_the_sweep_closes_its_runs_leaves_no_process_and_resume_fi
     ray_tmp = ray_tmpdir()
     # Long enough folds that the signal lands mid-trial (each fold then takes several seconds, waiting: the paced
     # trunk).
-    cfg = tiny_sweep_config(tmp_path, uri, name="stopme", max_epochs=4, iters_per_epoch=40, trunk=PACED_TRUNK)
+    cfg = smallest_sweep(tmp_path, uri, name="stopme", max_epochs=4, iters_per_epoch=40, trunk=PACED_TRUNK)
     pace = pace_file(tmp_path)  # steps wait until the SIGTERM mid-fold
     env = sweep_env(ray_tmp, **{PACE_FILE_ENV: str(pace)})
     proc = None

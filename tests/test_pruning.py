@@ -141,7 +141,7 @@ def test_a_pruned_sweep_records_pruned_trials_with_their_cost_and_reproduces_at_
 
     from pipelines.tracking.runs import PARENT, search_all
     from tests.mlflow_server import mlflow_server
-    from tests.test_security import sweep_env
+    from tests.tiny_sweep import sweep_env
 
     with mlflow_server(tmp_path / "server") as uri, tempfile.TemporaryDirectory(prefix="ray") as ray_tmp:
         cfg = _config(tmp_path, uri)

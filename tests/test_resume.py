@@ -1,8 +1,10 @@
 """Fault tolerance of a local sweep, both executors, in one sweep each: a fold's process SIGKILLed mid-training (what
 an OOM kill does), then the sweep driver SIGKILLed mid-study, then ``dmlrc sweep CONFIG --resume`` finishes it.
 :func:`kill_and_resume` runs such a sweep and :func:`check_killed_and_resumed` checks it: here with warm folds;
-the Ray Train executor's sweep (DDP folds of 2 gloo workers) is tests/test_security.py's, whose security checks then
-cover both driver sessions and a killed worker group.
+the Ray Train executor's sweep (DDP folds of 2 gloo workers) runs against a real ``mlflow server`` with fake AWS
+credentials in its environment, so that tests/test_security.py's questions are asked of a real sweep here too: no
+credential anywhere Ray or MLflow wrote, across both driver sessions and a restarted worker group, and Ray's sockets
+on loopback (one sweep for both: a Ray Train sweep costs minutes).
 
 **The killed fold.**  ``resources.fold_retries`` is Ray's own retry: the warm executor's fold task is resubmitted by
 Ray (``max_retries``) onto another worker process; Ray Train's ``FailureConfig(max_failures)`` starts the fold's
@@ -30,12 +32,16 @@ here is restarts, and half the folds halve the test's time.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import pickle
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +52,7 @@ import pytest
 import yaml
 
 from tests.paced_trunk import PACE_FILE_ENV, PACED_TRUNK, pace_file
+from tests.tiny_sweep import files_containing, ray_tmpdir, sweep_env
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Folds per trial: k-fold, two (see the module docstring).
@@ -507,7 +514,7 @@ def check_killed_and_resumed(r: KilledAndResumed) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
-    """Warm folds (the Ray Train executor's kill-and-resume sweep is tests/test_security.py's DDP sweep)."""
+    """Warm folds (the Ray Train executor's sweep: ``test_ddp_sweep_killed_and_resumed_end_to_end_...`` below)."""
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs /proc to find the sweep's fold processes and the killed driver's children")
     from mlflow.tracking import MlflowClient
@@ -522,6 +529,169 @@ def test_a_killed_fold_resumes_in_its_run_and_a_killed_sweep_resumes_without_rer
     folds = search_all(c, c.get_experiment_by_name(r.experiment).experiment_id, "tags.stage = 'fold'")
     pids = [x.data.tags["pid"] for x in folds]
     assert max(pids.count(p) for p in set(pids)) >= 2, pids
+
+
+# ------------------------------------------------------------------------------------------------ Ray Train folds
+
+
+def _process_tree(pid: int) -> set[int]:
+    from tests.cluster import vendored_psutil
+
+    psutil = vendored_psutil()
+
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)} | {pid}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _listening(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, process title, address, port) of every TCP socket in LISTEN state owned by one of ``pids``."""
+    from tests.cluster import vendored_psutil
+
+    psutil = vendored_psutil()
+
+    out = []
+    for c in psutil.net_connections("inet"):
+        if c.pid in pids and c.status == psutil.CONN_LISTEN:
+            try:
+                proc = psutil.Process(c.pid)
+                title = f"{proc.name()} {' '.join(proc.cmdline())[:100]}"
+            except psutil.NoSuchProcess:
+                title = "?"
+            out.append((c.pid, title, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+@pytest.fixture(scope="module")
+def train_sweep_with_credentials(tmp_path_factory):
+    """The Ray Train executor's kill-and-resume sweep (module docstring) with fake AWS credentials in its
+    environment, against an ``mlflow server`` whose files live in the sweep's tmp dir; the sockets of both driver
+    sessions' process trees sampled while they run."""
+    from tests.mlflow_server import mlflow_server
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to find the sweep's fold processes and the killed driver's children")
+    tmp = tmp_path_factory.mktemp("secure")
+    ray_tmp = ray_tmpdir()
+    secret = {
+        "AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
+        "AWS_SECRET_ACCESS_KEY": "fake-secret-" + secrets.token_hex(16),
+        "AWS_SESSION_TOKEN": "fake-token-" + secrets.token_hex(16),
+    }
+    sockets: set[tuple[int, str, str, int]] = set()
+    with mlflow_server(tmp / "server") as uri:
+        # 2 workers per fold (Ray Train): the gloo connections between them are checked too
+        run = kill_and_resume(
+            tmp,
+            executor="train",
+            workers=2,
+            name="secure",
+            tracking_uri=uri,
+            env=sweep_env(ray_tmp, **secret),
+            watch=lambda pid: sockets.update(_listening(_process_tree(pid))),
+        )
+        yield {
+            "run": run,
+            "rc": run.resume_rc,
+            "out": (run.first_output + run.resume_output).encode(),
+            "tmp": tmp,
+            "ray_tmp": Path(ray_tmp),
+            "secret": secret,
+            "sockets": sockets,
+            "uri": uri,
+        }
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(1800)
+def test_ddp_sweep_killed_and_resumed_end_to_end_against_an_mlflow_server(train_sweep_with_credentials):
+    """One trial + 2 reproductions of one loss as DDP folds (Ray Train, 2 gloo workers each), against a real
+    ``mlflow server``, a fold's worker group and then the driver SIGKILLed, ``--resume`` finishing the study:
+    tests/test_resume.py's checks (the killed folds resumed in their runs, nothing finished rerun, the optimiser's
+    history kept), then the whole MLflow tree with Tune's results = MLflow's metrics (tests/test_sweep.py's check).
+    Two k-fold folds per trial and one trial: the Ray Train path's properties depend neither on the number of folds
+    nor on the search, and every Ray Train job costs a worker group's start-up; the reality check's 4 folds in the
+    ``mlrc`` layout and a Bayesian search run end to end in test_sweep.py's PostgreSQL sweep (warm folds)."""
+    from tests.test_sweep import _check_run_tree
+
+    s = train_sweep_with_credentials
+    out = s["out"].decode(errors="replace")
+    assert s["rc"] == 0, out[-5000:]
+    assert "mlflow ui" not in out and s["uri"] in out  # the server to browse
+    assert "[synthetic/contrastive] done in" in out
+    check_killed_and_resumed(s["run"])
+    _check_run_tree(
+        s["uri"],
+        "secure",
+        losses=["contrastive"],
+        trials=1,
+        workers=2,
+        storage=s["tmp"] / "runs",
+        name="secure",
+        n_folds=2,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_aws_credentials_never_reach_ray_logs_mlflow_or_the_sweep_folder(train_sweep_with_credentials):
+    s = train_sweep_with_credentials
+    assert s["rc"] == 0, s["out"].decode(errors="replace")[-5000:]
+    sessions = list((s["ray_tmp"] / "ray").glob("session_2*"))
+    assert sessions, "the sweep's Ray did not use the test's RAY_TMPDIR"
+    assert any(sessions[0].rglob("runtime_env_agent.log")), "no runtime-env agent log: nothing was checked"
+    needles = [v.encode() for v in s["secret"].values()]
+    for root in (s["ray_tmp"], s["tmp"]):  # Ray's whole session dir; MLflow DB, artifacts, Ray storage, config
+        assert files_containing(root, needles) == []
+    assert not any(n in s["out"] for n in needles)
+    # the private credentials files the sweep used while Ray ran are gone: the resumed session's (deleted when it
+    # stopped) and the killed one's (deleted when the resumed session started)
+    leftovers = [
+        p for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d) for p in Path(d).glob("dmlrc-aws-*")
+    ]
+    assert files_containing_any(leftovers, needles) == []
+
+
+def files_containing_any(paths: list[Path], needles: list[bytes]) -> list[str]:
+    hits = []
+    for p in paths:
+        hits += files_containing(p, needles) if p.is_dir() else []
+    return hits
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_sweeps_own_ray_listens_on_loopback_only(train_sweep_with_credentials):
+    s = train_sweep_with_credentials
+    assert s["rc"] == 0, s["out"].decode(errors="replace")[-5000:]
+    titles = " | ".join(sorted({t for _, t, _, _ in s["sockets"]}))
+    # GCS, raylet, the runtime-env agent and Train workers must have been seen, or the sampling checked nothing
+    for process in ("gcs_server", "raylet", "RuntimeEnvAgent", "RayTrainWo"):
+        assert process in titles, titles
+    # A process's title changes with the task it runs (a Train worker shows "ray::RayTrainWorker", then e.g.
+    # "ray::execute._setup_torch_process_group"): classify processes by every title seen for their pid.
+    titles_of: dict[int, set[str]] = {}
+    for pid, title, _, _ in s["sockets"]:
+        titles_of.setdefault(pid, set()).add(title)
+    public = sorted({(pid, ip, port) for pid, _, ip, port in s["sockets"] if not _is_loopback(ip)})
+    # The one known exception: each fold's torch.distributed rendezvous store (a TCPStore that rank 0 of the Train
+    # worker group opens; torch has no bind-address option for it) — at most one such socket per Train worker,
+    # and never anywhere else.
+    per_pid: dict[int, int] = {}
+    for pid, ip, port in public:
+        assert any("RayTrainWo" in t for t in titles_of[pid]), [(p, i, o, titles_of[p]) for p, i, o in public]
+        per_pid[pid] = per_pid.get(pid, 0) + 1
+    assert all(n == 1 for n in per_pid.values()), public
 
 
 def test_outcome_json_keeps_its_format_and_files_of_earlier_versions_still_read():
