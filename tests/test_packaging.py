@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.tiny_sweep import tiny_sweep
+
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "examples" / "plugin"
 
@@ -173,29 +175,20 @@ def test_installed_wheel_sweeps_an_entry_point_plugin_and_its_model_loads_anywhe
     torch.save(module.state_dict(), pretrained)
 
     uri = f"sqlite:///{work / 'mlflow.db'}"
-    doc = {
-        "name": "pkg",
-        "seed": 3,
-        "datasets": [{"name": "shapes", "kind": "parquet", "path": data, "image_size": 16}],
-        "losses": ["contrastive", "circle"],
-        "model": {"trunk": "wide_tiny", "embedding_dim": 8, "freeze_bn": False, "pretrained": str(pretrained)},
-        "protocol": {
-            "folds": 2,
-            "fold_layout": "kfold",
-            "trials": 1,
-            "startup_trials": 1,
-            "reproductions": 2,
+    tiny_sweep(
+        work,
+        "pkg",
+        ["contrastive", "circle"],
+        datasets=[{"name": "shapes", "kind": "parquet", "path": data, "image_size": 16}],
+        model={"trunk": "wide_tiny", "embedding_dim": 8, "freeze_bn": False, "pretrained": str(pretrained)},
+        protocol={
             "iters_per_epoch": 2,
-            "eval_every": 1,
-            "patience": 1,
             "max_epochs": 1,
             "train": {"classes_per_batch": 4, "m": 4, "eval_batch_size": 64},
         },
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
-        "tracking": {"uri": uri, "experiment": "pkg-experiment"},
-        "storage": str(work / "runs"),
-    }
-    (work / "pkg.yaml").write_text(yaml.safe_dump(doc))
+        resources={"workers_per_fold": 1, "max_concurrent_trials": 1},
+        tracking={"uri": uri, "experiment": "pkg-experiment"},
+    )
     out = _run(py, ["-m", "pipelines.cli", "sweep", "pkg.yaml"], work, env)
     log = out.stdout[-6000:] + out.stderr[-4000:]
     assert out.returncode == 0, log

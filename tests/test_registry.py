@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+
+from tests.tiny_sweep import tiny_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,33 +138,22 @@ def parquet_dataset(
 
 
 def sweep_config(tmp_path: Path, tracking_uri: str, data_uri: str, *, name: str = "reg") -> Path:
-    doc = {
-        "name": name,
-        "seed": 3,
-        "datasets": [{"name": "shapes", "kind": "parquet", "path": data_uri, "image_size": 16}],
-        "losses": ["contrastive"],
-        "model": {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
-        "protocol": {
-            # two k-fold folds: a registered model of several fold models is the subject here; the protocol's
-            # four mlrc folds are tests/test_sweep.py's PostgreSQL sweep's
-            "folds": 2,
-            "fold_layout": "kfold",
-            "trials": 1,
-            "startup_trials": 1,
-            "reproductions": 2,
+    # two k-fold folds: a registered model of several fold models is the subject here; the protocol's four mlrc
+    # folds are tests/test_sweep.py's PostgreSQL sweep's
+    return tiny_sweep(
+        tmp_path,
+        name,
+        ["contrastive"],
+        datasets=[{"name": "shapes", "kind": "parquet", "path": data_uri, "image_size": 16}],
+        model={"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False},
+        protocol={
             "iters_per_epoch": 2,
-            "eval_every": 1,
-            "patience": 1,
             "max_epochs": 1,
             "train": {"classes_per_batch": 4, "m": 4, "trunk_lr": 1e-3, "embedder_lr": 1e-3, "eval_batch_size": 64},
         },
-        "resources": {"workers_per_fold": 1, "max_concurrent_trials": 1},
-        "tracking": {"uri": tracking_uri, "experiment": f"{name}-experiment"},
-        "storage": str(tmp_path / "runs"),
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+        resources={"workers_per_fold": 1, "max_concurrent_trials": 1},
+        tracking={"uri": tracking_uri, "experiment": f"{name}-experiment"},
+    )
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 900, extra_env: dict | None = None):
