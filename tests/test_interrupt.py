@@ -103,6 +103,24 @@ def test_a_signal_while_the_cli_starts_is_one_line_and_its_exit_status(tmp_path,
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+def test_the_stop_message_is_printed_once_where_output_and_errors_go_to_one_place(tmp_path, monkeypatch):
+    """Ctrl-C in a terminal (stdout and stderr the same terminal) or ``> log 2>&1``: one message, not two; a sweep
+    output written elsewhere (a log file) gets it too."""
+    from pipelines.execution.interrupts import SweepInterrupted, stop_on_sigint
+
+    def stop(out_path, err_path):
+        with open(err_path, "a") as err, open(out_path, "a") as out:
+            monkeypatch.setattr(sys, "stderr", err)
+            with pytest.raises(SweepInterrupted), stop_on_sigint("stopping", out):
+                signal.raise_signal(signal.SIGINT)
+
+    one = tmp_path / "both.log"
+    stop(one, one)  # two descriptors of one file, as 2>&1 gives
+    assert one.read_text().count("stopping") == 1
+    stop(tmp_path / "out.log", tmp_path / "err.log")
+    assert (tmp_path / "out.log").read_text() == (tmp_path / "err.log").read_text() == "stopping\n"
+
+
 @pytest.mark.parametrize("sigint_before", ["default_int_handler", "SIG_IGN"])
 def test_both_signals_get_the_same_handler_during_a_sweep(sigint_before):
     """Within the sweep both signals stop it; afterwards the handlers from before are back -- also ``SIG_IGN``, which

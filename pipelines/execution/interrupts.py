@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -86,6 +87,15 @@ def resume_command(cfg) -> str:
     return f"dmlrc demo --name {shlex.quote(cfg.name)} --storage {shlex.quote(str(cfg.storage))} --resume"
 
 
+def _same_destination(a: Any, b: Any) -> bool:
+    """Whether two streams write to the same file or terminal (``2>&1``, or both on one terminal)."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a StringIO): the same object or not
+        return a is b
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 @contextlib.contextmanager
 def stop_on_sigint(message: str, out=None) -> Iterator[None]:
     """Within the block, the first SIGINT or SIGTERM prints ``message`` and raises :class:`SweepInterrupted`; the
@@ -107,7 +117,9 @@ def stop_on_sigint(message: str, out=None) -> Iterator[None]:
     def handler(signum, frame):
         restore()
         name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        for stream in {id(s): s for s in (out, sys.stderr) if s is not None}.values():
+        # stderr, and the sweep's output too where that is somewhere else (a log file): once on a terminal
+        streams = [sys.stderr] + ([out] if out is not None and not _same_destination(out, sys.stderr) else [])
+        for stream in streams:
             print(f"{message} ({name})" if signum == signal.SIGTERM else message, file=stream, flush=True)
         stop = SweepInterrupted(message, signum)
         stop.announced = True
