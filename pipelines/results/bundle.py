@@ -252,14 +252,14 @@ def comparable_studies(
                     "compare in another experiment, or drop the bundle",
                 )
             ours = expected(s.dataset, s.loss)
-            diff = None if s.fingerprint is None or ours is None else first_difference(ours, s.fingerprint)
             if s.fingerprint is None or ours is None:
                 why = "one of the two records no protocol fingerprint"
-            elif diff is not None:
-                why = f"{diff[0]}: {shown_value(diff[1])} vs {shown_value(diff[2])}"
             else:
-                admitted.append(s)
-                continue
+                diff = first_difference(ours, s.fingerprint)
+                if diff is None:
+                    admitted.append(s)
+                    continue
+                why = f"{diff[0]}: {shown_value(diff[1])} vs {shown_value(diff[2])}"
             raise ConfigError(
                 field,
                 f"{b.shown}: study {s.loss!r} on {s.dataset!r} is not comparable ({why}, the bundle's value first); "

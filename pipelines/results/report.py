@@ -112,10 +112,11 @@ def _with_bundles(client: MlflowClient, experiment: str, studies: list[Study], e
     uris += [u for u in extra if u not in uris]
     if not uris:
         return studies
+    field = "--compare-with" if extra else "compare_with"
     reference = {s.dataset: s.fingerprint for s in studies}
     merged = list(studies) + comparable_studies(
-        read_bundles(uris, "--compare-with" if extra else "compare_with"),
-        "--compare-with" if extra else "compare_with",
+        read_bundles(uris, field),
+        field,
         set(reference),
         lambda dataset, loss: reference[dataset],
         {(s.dataset, s.loss): f"MLflow run {s.run_id}" for s in studies},
