@@ -16,248 +16,13 @@ status 3; its state is kept for ``--resume`` (:mod:`pipelines.tracking.outage`).
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from pathlib import Path
 
 # Only the standard library and the signal handling at import: the console script imports this module first, and a
 # Ctrl-C or SIGTERM while torch, Ray and MLflow load must end in one line (main() installs the handlers first).
 from pipelines.execution.interrupts import exit_status, install_startup_handlers
 
-__all__ = ["main", "build_parser"]
-
-
-_PLAN_HELP = (
-    "check the config, print the studies, trials, folds and iterations and the estimated CPU/GPU-hours and wall "
-    "time (a few seconds of calibration on this machine); start nothing (docs/plan.md)"
-)
-
-
-def _add_sweep(sub) -> None:
-    p = sub.add_parser("sweep", help="run a reality-check sweep (Bayesian optimisation × 4 folds per loss and dataset)")
-    p.add_argument("config", help="sweep config YAML (start from a built-in preset: dmlrc init)")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the sweep of this config's name: finished trials are kept, unfinished ones rerun",
-    )
-    p.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address: head:6379 (the head's GCS), ray://head:10001 (Ray Client) or auto; with token "
-        "authentication set RAY_AUTH_MODE=token and the token (README, cluster); default: start a local Ray",
-    )
-    p.add_argument(
-        "--name", default=None, help="override the config's sweep name (e.g. a dated name for a scheduled re-run)"
-    )
-    p.add_argument("--plan", action="store_true", help=_PLAN_HELP)
-    p.add_argument(
-        "--rerun",
-        action="append",
-        default=[],
-        metavar="LOSS",
-        help="run this loss's study again although it finished (repeatable; the old run is kept, marked superseded); "
-        "other finished studies of the experiment are reused (docs/compare.md)",
-    )
-    p.set_defaults(func=_run_sweep)
-
-
-def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="smoke sweep on synthetic data with the built-in demo preset (a few minutes)")
-    p.add_argument("--storage", default=None, help="parent folder of the sweep (default: ./runs)")
-    p.add_argument("--name", default=None, help="sweep name (default: demo-<timestamp>)")
-    p.add_argument("--address", default=None, help="Ray cluster address; default: start a local Ray")
-    p.add_argument("--resume", action="store_true", help="continue the demo sweep of this --name (after Ctrl-C)")
-    p.add_argument("--plan", action="store_true", help=_PLAN_HELP)
-    p.set_defaults(func=_run_demo)
-
-
-def _add_init(sub) -> None:
-    p = sub.add_parser(
-        "init", help="list the built-in sweep presets, or copy one to a file to edit and run with dmlrc sweep"
-    )
-    p.add_argument("preset", nargs="?", default=None, help="preset name (none: list them)")
-    p.add_argument("dest", nargs="?", default=None, help="file or folder to copy it to (default: ./PRESET.yaml)")
-    p.set_defaults(func=_run_init)
-
-
-def _run_init(args) -> int:
-    # the presets read YAML: see _check_report_args
-    from pipelines.config.presets import copy_preset, preset_summary, presets
-
-    if args.preset is None:
-        print("built-in sweep presets (dmlrc init PRESET [DEST] copies one to start from):")
-        for name in presets():
-            print(f"  {name:14s} {preset_summary(name)}")
-        return 0
-    target = copy_preset(args.preset, args.dest)
-    print(f"wrote {target}: edit it (datasets, losses, storage), then run  dmlrc sweep {target}")
-    return 0
-
-
-def _version() -> str:
-    """The installed distribution's version (``dml-reality-check``)."""
-    # importlib.metadata takes tens of ms: not before main() has installed the signal handlers
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("dml-reality-check")
-    except PackageNotFoundError:
-        return "(not installed: running from a source tree)"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dmlrc", description="Metric Learning Reality Check sweeps on Ray + MLflow")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_sweep(sub)
-    _add_demo(sub)
-    _add_init(sub)
-    # the subcommands' modules (torch, MLflow): only after main() has installed the signal handlers
-    from pipelines.data_cli import add_data_parser
-    from pipelines.reeval.run import add_reeval_parser
-    from pipelines.results.compare import add_compare_option
-    from pipelines.results.report import add_report_parser
-
-    add_data_parser(sub)
-    add_report_parser(sub)
-    add_reeval_parser(sub)
-    report = sub.choices["report"]
-    add_compare_option(report)  # dmlrc report --compare EXP_A EXP_B
-    report.set_defaults(func=_checked_report(report.get_default("func")))
-    return parser
-
-
-def _check_report_args(args) -> None:
-    """What ``dmlrc report`` is given, checked before MLflow is asked (which would retry an unreachable server
-    for minutes, or create an empty sqlite DB at a mistyped path)."""
-    # pipelines.config loads the schema (torch, pydantic): never at module level, see this module's imports
-    from pipelines.config import ConfigError, check_tracking_uri
-    from pipelines.execution.locations import check_dir_writable
-    from pipelines.tracking.server import check_mlflow_server
-
-    if args.compare:
-        from pipelines.results.compare import check_compare_args  # loaded with the parser already
-
-        check_compare_args(args)
-    elif not str(args.experiment or "").strip():
-        raise ConfigError("--experiment", "required and must not be empty (or --compare EXP_A EXP_B)")
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    where = "--tracking-uri" if args.tracking_uri else "MLFLOW_TRACKING_URI"
-    if not uri:  # MLflow's default store would be created empty in this folder before saying nothing is there
-        raise ConfigError(
-            "--tracking-uri",
-            "required (or set MLFLOW_TRACKING_URI): the MLflow store the sweep logged "
-            "to, e.g. sqlite:///runs/NAME/mlflow.db or http://host:5000",
-        )
-    check_tracking_uri(uri, where)
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///") :])
-        if not db.is_file():
-            raise ConfigError(where, f"no sqlite DB at {str(db)!r} (the report only reads)")
-        if not os.access(db, os.R_OK | os.W_OK):  # the report logs a run: MLflow would retry a read-only DB for minutes
-            raise ConfigError(where, f"sqlite DB {str(db)!r} is not writable (the report logs its run there)")
-    if uri.startswith(("http://", "https://")):
-        check_mlflow_server(uri, where)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError("--out", f"{str(out)!r} is a file, not a folder")
-    check_dir_writable(out.resolve(), "--out", "report folder")
-
-
-def _checked_report(run):
-    def run_report(args) -> int:
-        # pipelines.config: see _check_report_args
-        from pipelines.config import ConfigError
-
-        _check_report_args(args)
-        try:
-            return run(args)
-        except ValueError as e:  # the report's own input errors start with the option they are about
-            text = " ".join(str(e).split())
-            if not text.startswith("--"):
-                raise
-            option, _, problem = text.partition(" ")
-            raise ConfigError(option.rstrip(":"), problem) from None
-
-    return run_report
-
-
-def _finish(outcome) -> int:
-    # pipelines.config and the results: see _check_report_args
-    from pipelines.config.schema import redact_uri
-    from pipelines.results.study_results import ci_table, params_table
-
-    print()
-    print(
-        f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
-        "mean ± half-width of the 95 % t-interval across reproductions:"
-    )
-    print(ci_table(outcome.studies))  # its "untrained network" row: each study's network before training
-    print()
-    print("Winning hyperparameters (best BO trial of each study):")
-    print(params_table(outcome.studies))
-    print()
-    print("Next: browse the runs (study → trial → fold, reproductions) with")
-    print(f"  {redact_uri(outcome.mlflow_ui_command())}")  # a tracking URI may hold a password
-    print("and write one report over every study (markdown, CSV, HTML, paired comparisons) with")
-    print(f"  dmlrc report --experiment {outcome.experiment} --tracking-uri {redact_uri(outcome.tracking_uri)}")
-    return 0 if all(s.status == "ok" for s in outcome.studies) else 1
-
-
-def _run_sweep(args) -> int:
-    # the config schema and the sweep (torch, MLflow): see _check_report_args
-    from pipelines.config.schema import load_config
-    from pipelines.execution.resources import check_local_gpus, check_local_workers
-    from pipelines.execution.sweep import run_sweep
-
-    cfg = load_config(args.config, name=args.name)
-    _check_address(args)
-    check_local_gpus(cfg, args.address)
-    check_local_workers(cfg, args.address)
-    if args.plan:
-        return _plan(cfg, args)
-    return _finish(run_sweep(cfg, resume=args.resume, address=args.address, rerun=frozenset(args.rerun)))
-
-
-def _plan(cfg, args) -> int:
-    """``--plan``: the sweep's checks, counts and cost estimate; nothing started."""
-    # torch and the loss zoo: see _check_report_args
-    from pipelines.execution.plan import plan_sweep
-
-    rerun = frozenset(getattr(args, "rerun", None) or ())  # sweep --rerun LOSS; demo has none
-    return plan_sweep(cfg, address=args.address, resume=args.resume, rerun=rerun)
-
-
-def _check_address(args) -> None:
-    """``--address`` or ``$RAY_ADDRESS`` (which ``ray.init`` would read), checked before anything starts."""
-    # pipelines.config: see _check_report_args
-    from pipelines.config.uris import check_ray_address
-
-    if args.address is not None:
-        check_ray_address(args.address, "--address")
-    elif os.environ.get("RAY_ADDRESS"):
-        # ray.init would join that cluster anyway: treat it as --address from here on (no local-Ray settings)
-        args.address = check_ray_address(os.environ["RAY_ADDRESS"], "RAY_ADDRESS (environment)")
-
-
-def _run_demo(args) -> int:
-    # the config schema and the sweep: see _check_report_args
-    from pipelines.config import ConfigError
-    from pipelines.config.presets import demo_config
-    from pipelines.config.schema import parse_config
-    from pipelines.execution.sweep import run_sweep
-
-    if args.resume and not args.name:
-        raise ConfigError(
-            "--resume", "needs --name NAME: the demo sweep to continue (its name was printed with the resume command)"
-        )
-    _check_address(args)
-    cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
-    if args.plan:
-        return _plan(cfg, args)
-    return _finish(run_sweep(cfg, resume=args.resume, address=args.address))
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,29 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     mid-sweep (state kept), 130 / 143 stopped by Ctrl-C / SIGTERM (state kept; the ``--resume`` command printed)."""
     install_startup_handlers()
     try:
-        return _main(argv)
+        # the commands (torch, pydantic, MLflow: seconds of imports) load only once the handlers are in place
+        from pipelines.commands import run
+
+        return run(argv)
     except KeyboardInterrupt as e:
         if not getattr(e, "announced", False):  # a running sweep has already said how it stopped and how to resume
             print("interrupted", file=sys.stderr)
         return exit_status(e)
-
-
-def _main(argv: list[str] | None) -> int:
-    # Loaded after the signal handlers: torch, pydantic and the config schema take a few seconds.
-    from pipelines.config.errors import ConfigError
-    from pipelines.tracking.outage import TrackingUnavailable
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ConfigError as e:
-        for line in e.lines():  # one line per problem, each "config error: <field>: <problem>"
-            print("config error: " + line, file=sys.stderr)
-        return 2
-    except TrackingUnavailable as e:  # MLflow down longer than tracking.outage_timeout_s: stopped, state kept
-        print("tracking error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 3
 
 
 if __name__ == "__main__":

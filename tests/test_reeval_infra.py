@@ -50,7 +50,7 @@ def test_cronjob_is_a_valid_batch_v1_cronjob():
 
 
 def test_cronjob_runs_the_command_line_the_tests_run_on_a_valid_config():
-    from pipelines.cli import build_parser
+    from pipelines.commands import build_parser
     from pipelines.reeval.run import load_reeval_config
 
     pod = _cronjob()["spec"]["jobTemplate"]["spec"]["template"]["spec"]

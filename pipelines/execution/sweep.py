@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipelines.config.schema import ConfigError, SweepConfig
 from pipelines.execution.continuation import (
     check_continuation,
@@ -78,6 +80,7 @@ from pipelines.execution.interrupts import (
     stop_on_sigint,
 )
 from pipelines.execution.preflight import StudyPlan, preflight
+from pipelines.execution.pruning import make_scheduler, pruning_on, search_space
 from pipelines.execution.ray_runtime import (
     check_storage_reachable,
     check_tracking_reachable,
@@ -409,9 +412,8 @@ class _Sweep:
         cfg = self.cfg
         trials = cfg.protocol.trials if plan.searched else 1
 
-        # pruning (protocol.pruning; docs/protocol.md §Pruning): loads Ray Tune, as above
+        # pruning (protocol.pruning; docs/protocol.md §Pruning): its MLflow rows load Ray Tune, as above
         from pipelines.execution.pruned_runs import PrunedRuns, PrunedTrials, close_pruned_rows
-        from pipelines.execution.pruning import make_scheduler, pruning_on, search_space
 
         pruned = PrunedRuns.of(cfg, self.tracker, self.study_storage(plan) + "/folds") if pruning_on(cfg) else None
 
@@ -543,9 +545,6 @@ class _Sweep:
         key = untrained_key(plan)
         with self._untrained_lock:
             if key not in self._untrained:
-                # torch: the study threads' driver already holds it (preflight built the models)
-                import torch
-
                 device = "cuda" if self.cfg.resources.use_gpu and torch.cuda.is_available() else "cpu"
                 batch = int(self.cfg.protocol.train.get("eval_batch_size", 128))
                 t0 = time.time()

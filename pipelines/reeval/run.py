@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from dml_core.splits import FoldManifest
+from dml_core.stats import confidence_interval
 from pipelines.config.schema import ConfigError
 from pipelines.execution.fold import _finite
 from pipelines.execution.interrupts import install_startup_handlers
@@ -284,9 +285,6 @@ def regression_verdict(
     paired: bool = True,
 ) -> tuple[bool, str]:
     """``(regressed, why)`` for one metric — the rule in this module's docstring."""
-    # scipy: see resolve_versions
-    from dml_core.stats import confidence_interval
-
     drop = float(np.mean(registered) - np.mean(now))
     if drop <= tolerance:
         return False, f"drop {drop:+.4f} ≤ tolerance {tolerance}"

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packaging.version import InvalidVersion, Version  # pip's own version parser
+
+from dml_core import __version__
+from dml_core.storage import is_s3_uri, open_storage, read_errors
 from pipelines.config.errors import ConfigError
 from pipelines.config.redact import redact_uri
 from pipelines.results.bounds import BoundHit
@@ -54,9 +58,7 @@ def checksum(doc: dict[str, Any]) -> str:
 
 
 def _package_version() -> str:
-    from dml_core import __version__  # the package's one version (pyproject reads it from there)
-
-    return __version__
+    return __version__  # the package's one version (pyproject reads it from there)
 
 
 def _study_doc(s: Study) -> dict[str, Any]:
@@ -110,9 +112,6 @@ class Bundle:
 
 
 def _read_bytes(uri: str, field: str) -> bytes:
-    # dml_core.storage: boto3 for s3:// URIs, only when a bundle is read
-    from dml_core.storage import is_s3_uri, open_storage, read_errors
-
     try:
         if is_s3_uri(uri):
             parent, _, key = uri.rstrip("/").rpartition("/")
@@ -132,9 +131,6 @@ def _read_bytes(uri: str, field: str) -> bytes:
 
 
 def _version_tuple(v: str) -> tuple:
-    # packaging: pip's own version parser, installed wherever pip is
-    from packaging.version import InvalidVersion, Version
-
     try:
         return (Version(v),)
     except InvalidVersion:

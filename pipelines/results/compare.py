@@ -29,9 +29,12 @@ from typing import Any
 
 import mlflow
 from mlflow.tracking import MlflowClient
+from scipy import stats
 
+from pipelines.config import ConfigError, check_tracking_uri
 from pipelines.results.report_paired import ALPHA, paired_comparisons, paired_summary, top_group
 from pipelines.results.report_studies import Study, collect_studies
+from pipelines.tracking.server import check_mlflow_server
 
 __all__ = [
     "compare_studies",
@@ -59,8 +62,6 @@ def _studies(client: MlflowClient, experiment: str) -> list[Study]:
 def _rank_stats(xs: list[float], ys: list[float]) -> dict[str, float]:
     if len(xs) < 2:
         return {"kendall_tau": math.nan, "kendall_p": math.nan, "spearman_rho": math.nan, "spearman_p": math.nan}
-    from scipy import stats  # scipy.stats loads where it is used (about 0.5 s)
-
     with warnings.catch_warnings():  # a constant input: scipy warns and returns NaN, which is the answer
         warnings.simplefilter("ignore")
         tau, spearman = stats.kendalltau(xs, ys), stats.spearmanr(xs, ys)
@@ -249,10 +250,6 @@ def add_compare_option(report_parser) -> None:
 
 def check_compare_args(args) -> None:
     """What ``--compare`` is given, checked before MLflow is asked (as ``dmlrc report``'s own options are)."""
-    # pipelines.config loads the schema (torch, pydantic): only when a command is checked
-    from pipelines.config import ConfigError, check_tracking_uri
-    from pipelines.tracking.server import check_mlflow_server
-
     if args.experiment is not None:
         raise ConfigError("--compare", "give either --experiment (one report) or --compare EXP_A EXP_B, not both")
     if not all(str(name).strip() for name in args.compare):

@@ -37,7 +37,7 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 
 from pipelines.names import COMPARE_WITH_TAG, HEADLINE_METRICS, METRIC_LABELS, MODES
-from pipelines.results.bundle import BUNDLE_FILE, write_bundle
+from pipelines.results.bundle import BUNDLE_FILE, comparable_studies, read_bundles, write_bundle
 from pipelines.results.report_cells import bound_text, cost_json, worst_classes
 from pipelines.results.report_html import render_html
 from pipelines.results.report_markdown import render_markdown
@@ -104,9 +104,6 @@ def _with_bundles(client: MlflowClient, experiment: str, studies: list[Study], e
     """``studies`` and the studies of the bundles the experiment's sweeps compared with (its ``dmlrc.compare_with``
     tag) and of ``extra``, on the experiment's datasets, each with the fingerprint of the experiment's studies;
     a (dataset, loss) in two places is refused."""
-    # read only when the experiment compared with bundles: a plain report stays free of the bundle reader
-    from pipelines.results.bundle import comparable_studies, read_bundles
-
     exp = client.get_experiment_by_name(experiment)
     uris = json.loads(exp.tags.get(COMPARE_WITH_TAG, "[]")) if exp is not None else []
     uris += [u for u in extra if u not in uris]
