@@ -278,7 +278,7 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
     from dml_core.models import build_model
     from dml_core.train import TrainConfig, embed, train_fold
     from pipelines.execution.preflight import preflight
-    from pipelines.execution.sweep import _Sweep
+    from pipelines.execution.sweep_studies import SweepStudies
     from pipelines.execution.trial import _fold_config
 
     plans = {p.key: p for p in preflight(cfg)}
@@ -289,7 +289,7 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
     for r in sorted(folds, key=lambda r: r.data.metrics["time.fit_start"]):
         parent = by_id[r.data.tags["mlflow.parentRunId"]]
         plan = plans[r.data.tags["study"]]
-        ctx = _Sweep(cfg, [plan], tracker=SimpleNamespace(uri="", experiment_id=""))._context(plan, "", None)
+        ctx = SweepStudies(cfg, [plan], tracker=SimpleNamespace(uri="", experiment_id=""))._context(plan, "", None)
         hparams = {k: _num(v) for k, v in parent.data.params.items()}
         fold = plan.dataset.manifest.folds[int(r.data.tags["fold"])]
         fc = _fold_config(

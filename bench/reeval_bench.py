@@ -7,7 +7,7 @@ Prepares the Omniglot zips as parquet shards (``dmlrc data prepare omniglot``) i
 pyfunc models (4 untrained fold models each, :mod:`pipelines.tracking.pyfunc_model`) to a local MLflow store, then runs
 ``dmlrc reeval``'s own steps on *every* class of the dataset as the test set:
 
-* embed: :func:`pipelines.reeval.embed_version` (Ray Data ``read_parquet`` → ``map_batches`` with model-holding
+* embed: :func:`pipelines.reeval.embed.embed_version` (Ray Data ``read_parquet`` → ``map_batches`` with model-holding
   actors; every image goes through every reproduction's 4 fold models) — reported as images/s and
   model-forward images/s (images × reproductions × folds);
 * metrics: :func:`pipelines.reeval.reproduction_metrics` per reproduction (the sweep's test step).
@@ -52,7 +52,9 @@ def main() -> int:
 
     from dml_core.models import build_model
     from dml_core.shards import read_manifest
-    from pipelines.reeval.run import ReevalConfig, Target, embed_version, reproduction_metrics
+    from pipelines.reeval.config import ReevalConfig, Target
+    from pipelines.reeval.embed import embed_version
+    from pipelines.reeval.run import reproduction_metrics
     from pipelines.tracking import pyfunc_model
     from pipelines.tracking.model_registry import _signature
 
@@ -113,12 +115,12 @@ def main() -> int:
         target = Target("bench", "1", {"image_size": str(args.size)}, str(tmp / "shards"), manifest, classes, reps)
         cfg = ReevalConfig(schedule="bench", tracking_uri=uri, models=[], datasets={}, batch_size=args.batch)
 
-        from pipelines.reeval.run import _start_ray
+        from pipelines.reeval.embed import start_ray
 
         os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
         ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="WARNING")
         try:
-            _start_ray(cfg)
+            start_ray(cfg)
             outputs, labels, seconds = embed_version(target, cfg)
         finally:
             ray.shutdown()

@@ -21,7 +21,7 @@ from pipelines.execution.locations import check_dir_writable
 from pipelines.execution.plan import plan_sweep
 from pipelines.execution.resources import check_local_gpus, check_local_workers
 from pipelines.execution.sweep import run_sweep
-from pipelines.reeval.run import add_reeval_parser
+from pipelines.reeval.config import load_reeval_config
 from pipelines.results.compare import add_compare_option, check_compare_args
 from pipelines.results.report import add_report_parser
 from pipelines.results.study_results import ci_table, params_table
@@ -113,11 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_init(sub)
     add_data_parser(sub)
     add_report_parser(sub)
-    add_reeval_parser(sub)
+    _add_reeval(sub)
     report = sub.choices["report"]
     add_compare_option(report)  # dmlrc report --compare EXP_A EXP_B
     report.set_defaults(func=_checked_report(report.get_default("func")))
     return parser
+
+
+def _add_reeval(sub) -> None:
+    p = sub.add_parser(
+        "reeval",
+        help="re-evaluate registered models on the current test data "
+        "(exit 0 ok, 3 regression, 1 failure, 2 bad config)",
+    )
+    p.add_argument("config", help="reeval config YAML (see infra/reeval/ and docs/architecture.md)")
+    p.set_defaults(func=_run_reeval)
+
+
+def _run_reeval(args) -> int:
+    cfg = load_reeval_config(args.config)
+    # Ray and Ray Data (seconds of imports) load for this command only, once its config has been read
+    from pipelines.reeval.run import run_reeval
+
+    return run_reeval(cfg)
 
 
 def _check_report_args(args) -> None:

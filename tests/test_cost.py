@@ -9,7 +9,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipelines.execution.fold_config import FoldOutcome
-from pipelines.execution.sweep import max_concurrent_studies, study_cost
+from pipelines.execution.study_runs import study_cost
+from pipelines.execution.sweep import max_concurrent_studies
 from pipelines.execution.trial import fold_cost
 from pipelines.results.study_results import StudySummary, ci_table
 

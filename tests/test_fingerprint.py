@@ -10,13 +10,13 @@ import pytest
 
 from pipelines.config.presets import demo_config
 from pipelines.config.schema import parse_config
+from pipelines.execution.fingerprints import study_fingerprints
 from pipelines.execution.preflight import preflight
 from pipelines.results.fingerprint import (
     Fingerprint,
     fingerprint_of_tags,
     fingerprint_tags,
     first_difference,
-    study_fingerprints,
 )
 
 

@@ -20,10 +20,10 @@ _START = textwrap.dedent(
 
     from pipelines.config import ConfigError
     from pipelines.execution.ray_runtime import stop_ray
-    from pipelines.reeval.run import _start_ray
+    from pipelines.reeval.embed import start_ray
 
     try:
-        stop_ray(_start_ray(types.SimpleNamespace(ray_address=sys.argv[1])))
+        stop_ray(start_ray(types.SimpleNamespace(ray_address=sys.argv[1])))
     except ConfigError as e:
         stop_ray(False)
         print(f"config error: {e}", file=sys.stderr)

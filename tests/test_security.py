@@ -115,7 +115,7 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
     import ray
 
     from pipelines.config.schema import ConfigError, parse_config
-    from pipelines.execution import sweep
+    from pipelines.execution import sweep, sweep_studies
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     doc = yaml.safe_load(
@@ -125,7 +125,7 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
     started = []
     monkeypatch.setattr(sweep, "start_ray", lambda cfg, address: started.append(address) or False)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
-    monkeypatch.setattr(sweep._Sweep, "run_study", lambda self, plan: pytest.fail("a study started"))
+    monkeypatch.setattr(sweep_studies.SweepStudies, "run_study", lambda self, plan: pytest.fail("a study started"))
     with pytest.raises(ConfigError) as e:
         sweep.run_sweep(cfg, address="ray://cluster:10001")
     assert started == ["ray://cluster:10001"]

@@ -216,9 +216,9 @@ def test_every_study_records_the_untrained_reference_and_whether_its_best_is_epo
     exactly when every reproduction fold's best_epoch is 0."""
     from pipelines.config.schema import load_config
     from pipelines.execution.preflight import preflight
+    from pipelines.execution.untrained_reference import untrained_test_metrics
     from pipelines.results.report import write_report
     from pipelines.results.study_results import EPOCH0_TAG
-    from pipelines.results.untrained import untrained_test_metrics
     from pipelines.tracking.runs import PARENT
 
     uri, tmp, cfg_path, stdout = swept

@@ -159,7 +159,7 @@ def test_trials_a_restored_search_no_longer_knows_are_ended_and_hidden(tmp_path)
     """A sweep driver killed before Tune's last snapshot reached storage: ``--resume`` reran a suggestion under a new
     trial id.  The lost trial's RUNNING run and its folds are ended KILLED with the reason and hidden; trials Tune
     knows (by id, or by the directory name of a trial that reported nothing) and finished runs stay."""
-    from pipelines.execution.sweep import retire_lost_trials
+    from pipelines.execution.study_runs import retire_lost_trials
     from pipelines.tracking.runs import Tracker
 
     t = Tracker.open(f"sqlite:///{tmp_path / 'm.db'}", "exp", (tmp_path / "art").as_uri())

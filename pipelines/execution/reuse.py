@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.config.errors import ConfigError
 from pipelines.config.schema import SweepConfig
+from pipelines.execution.fingerprints import study_fingerprints
 from pipelines.execution.preflight import StudyPlan
 from pipelines.names import study_key
 from pipelines.results.bundle import Bundle, comparable_studies, read_bundles
@@ -27,7 +28,6 @@ from pipelines.results.fingerprint import (
     fingerprint_of_tags,
     first_difference,
     shown_value,
-    study_fingerprints,
 )
 from pipelines.results.report_studies import Study
 from pipelines.tracking.runs import search_all

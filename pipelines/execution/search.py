@@ -13,6 +13,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import optuna
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from ray.tune.search.optuna import OptunaSearch
+
 from pipelines.names import OBJECTIVE
 
 __all__ = ["optuna_space", "make_searcher", "best_result", "grid_rows"]
@@ -20,9 +24,6 @@ __all__ = ["optuna_space", "make_searcher", "best_result", "grid_rows"]
 
 def optuna_space(searched: dict) -> dict:
     """``pipelines.config.spaces.Param`` → Optuna distributions (log-uniform / uniform / int / categorical)."""
-    # optuna loads with the search, not when the CLI imports this module (via the sweep) to check a config
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
     out = {}
     for name, p in searched.items():
         if p.type == "categorical":
@@ -36,10 +37,6 @@ def optuna_space(searched: dict) -> dict:
 
 def make_searcher(plan, cfg):
     """OptunaSearch with GPSampler (default) or TPESampler; ``startup_trials`` random trials first; seeded."""
-    # optuna and Ray Tune: see optuna_space (Ray must not load before the config is checked)
-    import optuna
-    from ray.tune.search.optuna import OptunaSearch
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     seed = cfg.protocol.seed

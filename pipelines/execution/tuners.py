@@ -8,6 +8,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import ray
+from ray import tune
+
 from pipelines.execution.ray_runtime import trial_bundle
 from pipelines.execution.search import grid_rows
 from pipelines.execution.trial import StudyContext, run_trial
@@ -26,9 +29,6 @@ def register_study_trainable(study: str, ctx: StudyContext) -> str:
     """Register ``run_trial`` bound to this study under a name of its own and return the name, which the study's
     Tuners are given instead of the function (so ``Tuner.fit()`` registers nothing itself).  Tune keys trainables by
     name in one job-wide registry: concurrent studies under one name would run each other's context."""
-    # Ray: not at module level; the CLI imports this module before the config is checked, which must not load Ray
-    import ray
-    from ray import tune
 
     def trial(config, ctx):
         return run_trial(config, ctx)
@@ -46,9 +46,6 @@ def tune_config(cfg, num_samples: int, search_alg=None, scheduler=None):
     """The TuneConfig of a study's Tuners: maximise the objective, ``max_concurrent_trials`` at a time, trial actors
     reused (the trainable keeps no state); ``scheduler``: the search's ASHA with pruning on
     (:mod:`pipelines.execution.pruning`), never the reproductions' (they train to the full budget)."""
-    # Ray: see register_study_trainable
-    from ray import tune
-
     return tune.TuneConfig(
         search_alg=search_alg,
         scheduler=scheduler,
@@ -64,9 +61,6 @@ def run_config(storage: str, name: str, progress, trial_retries: int):
     """The RunConfig of a study's Tuners: a fixed path ``<storage>/<name>`` (what ``--resume`` restores), Tune's own
     output off (``progress`` prints ours; a list: more callbacks, e.g. the pruned trials' closing), ``trial_retries``
     restarts of a failed trial."""
-    # Ray: see register_study_trainable
-    from ray import tune
-
     return tune.RunConfig(
         name=name,
         storage_path=storage,
@@ -80,9 +74,6 @@ def fit_tuner(storage: str, name: str, trainable: str, new, *, trial_retries: in
     """Run the Tuner ``<storage>/<name>``: restored when it was started before (with its scheduler's state and its
     callbacks), else built from ``new()`` → ``(param_space, TuneConfig, progress callback or callbacks)``; returns the
     rows of its results."""
-    # Ray: see register_study_trainable
-    from ray import tune
-
     path = storage + "/" + name
     if tune.Tuner.can_restore(path):
         say(f"resuming {name} from {path}")

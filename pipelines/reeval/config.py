@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -53,6 +53,7 @@ from pipelines.config.uris import (
 from pipelines.names import ALIAS, HEADLINE_METRICS
 
 __all__ = [
+    "Target",
     "ReevalConfig",
     "ReevalSpec",
     "ModelRef",
@@ -311,3 +312,20 @@ def load_reeval_config(path: str | os.PathLike) -> ReevalConfig:
     MLflow).  A missing, unreadable, oversized, non-UTF-8 or unparsable file, a duplicate key or an alias bomb is a
     :class:`ConfigError` naming the file; the schedule defaults to the file's name without its suffix."""
     return parse_reeval_config(read_yaml_file(path), source=str(path), schedule=Path(path).stem)
+
+
+@dataclass
+class Target:
+    """One model version to re-evaluate, with what it is compared against."""
+
+    name: str
+    version: str
+    tags: dict[str, str]
+    dataset_uri: str
+    manifest: dict
+    test_classes: list[int]
+    reproductions: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} version {self.version}"

@@ -5,13 +5,11 @@ the pydantic schema, the hardened loader and the published JSON Schema ``docs/re
 :func:`load_reeval_config` and :class:`ReevalConfig` are re-exported here.
 
 Per model version (:func:`evaluate_version`): the test classes come from the study's fold manifest
-(``folds.json``); Ray Data streams the dataset's parquet shards (``read_parquet`` → filter to the test classes →
-``map_batches`` with actors that hold every reproduction's pyfunc model, one actor per GPU with ``use_gpu``) and
-returns only the embeddings to the driver; the metrics are the sweep's own test step
-(``retrieval_metrics`` per fold model → ``pipelines.execution.trial.reproduction_test_metrics``, concatenated with
-``pipelines.execution.trial.concatenated_embeddings``), the intervals
-``pipelines.results.study_results.confidence_intervals`` (95 % Student-t across reproductions,
-docs/protocol.md §Test evaluation).
+(``folds.json``); Ray Data (:mod:`pipelines.reeval.embed`) streams the dataset's parquet shards through actors that
+hold every reproduction's pyfunc model and returns only the embeddings to the driver; the metrics are the sweep's own
+test step (``retrieval_metrics`` per fold model → ``pipelines.results.embeddings.reproduction_test_metrics``,
+separated and concatenated), the intervals ``pipelines.results.study_results.confidence_intervals`` (95 % Student-t
+across reproductions, docs/protocol.md §Test evaluation).
 
 Regression rule (per compared metric, concatenated and separated).  The re-evaluated models are the registered
 models themselves, so reproduction ``i`` now and at registration share the seed: the comparison is **paired**.
@@ -41,46 +39,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import numpy as np
+from mlflow.entities import LoggedModelInput, Metric
+from mlflow.tracking import MlflowClient
 
+from dml_core.metrics import retrieval_metrics
+from dml_core.shards import read_manifest
 from dml_core.splits import FoldManifest
 from dml_core.stats import confidence_interval
 from pipelines.config.schema import ConfigError
 from pipelines.execution.fold import _finite
-from pipelines.execution.interrupts import install_startup_handlers
-from pipelines.execution.ray_runtime import check_tracking_reachable, init_ray, stop_ray
+from pipelines.execution.ray_runtime import check_tracking_reachable, stop_ray
 from pipelines.names import ALIAS, MODES, REPRODUCTION
-from pipelines.reeval.config import ReevalConfig, load_reeval_config
+from pipelines.reeval.config import ReevalConfig, Target, load_reeval_config
+from pipelines.reeval.embed import embed_version, start_ray
 from pipelines.results.embeddings import reproduction_test_metrics, split_folds
 from pipelines.results.study_results import confidence_intervals
+from pipelines.tracking.datasets import log_dataset_input
+from pipelines.tracking.model_registry import fluent_tracking
+from pipelines.tracking.runs import git_commit
 
 __all__ = [
     "ReevalConfig",
     "load_reeval_config",
     "run_reeval",
-    "add_reeval_parser",
     "regression_verdict",
     "manifest_digest",
 ]
 
 # ------------------------------------------------------------------------------------------------ resolution
-
-
-@dataclass
-class Target:
-    """One model version to re-evaluate, with what it is compared against."""
-
-    name: str
-    version: str
-    tags: dict[str, str]
-    dataset_uri: str
-    manifest: dict
-    test_classes: list[int]
-    reproductions: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} version {self.version}"
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -91,12 +79,6 @@ def manifest_digest(manifest: dict) -> str:
 
 def resolve_versions(cfg: ReevalConfig) -> list[Target]:
     """Every version the config names, checked against MLflow and the datasets; ConfigError before Ray starts."""
-    # MLflow: pipelines.cli imports this module to build its parser, before any command runs
-    from mlflow.tracking import MlflowClient
-
-    # pyarrow: see the MLflow import above
-    from dml_core.shards import read_manifest
-
     for noisy in ("mlflow.store", "alembic"):  # a fresh sqlite store announces its migrations at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if cfg.tracking_uri.startswith(("http://", "https://")):
@@ -169,105 +151,12 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
     return targets
 
 
-# ------------------------------------------------------------------------------------------------ embedding
-
-
-class _Embedder:
-    """Ray Data actor: every reproduction's pyfunc model of one version, loaded once per actor."""
-
-    def __init__(self, tracking_uri: str, model_uris: list[str], image_size: int, batch_size: int):
-        # MLflow: see resolve_versions
-        import mlflow
-
-        # it imports MLflow's pyfunc: see resolve_versions
-        from pipelines.tracking.pyfunc_model import preprocess
-
-        mlflow.set_tracking_uri(tracking_uri)
-        self.models = [mlflow.pyfunc.load_model(u) for u in model_uris]
-        self.image_size, self.batch_size, self.preprocess = image_size, batch_size, preprocess
-        # the trunk's input convention, as the sweep trained it (embedder.json; ImageNet RGB for older versions)
-        self.preprocessing = self.models[0].unwrap_python_model().spec.get("preprocessing")
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        images = list(batch["image"])
-        for img, digest, rel in zip(images, batch["sha256"], batch["relpath"]):
-            if hashlib.sha256(img).hexdigest() != digest:
-                raise ValueError(f"{rel}: image bytes do not match their sha256 (corrupt shard)")
-        x = self.preprocess(images, self.image_size, self.preprocessing)
-        out = {"label": np.asarray(batch["label"], dtype=np.int64)}
-        for i, m in enumerate(self.models):
-            out[f"rep{i}"] = np.asarray(
-                m.predict(x, params={"output": "folds", "batch_size": self.batch_size}), dtype=np.float32
-            )
-        return out
-
-
-def _filesystem(uri: str):
-    """pyarrow filesystem + paths root for Ray Data (S3 endpoint from $AWS_ENDPOINT_URL[_S3] as the sweep uses it)."""
-    if not uri.startswith("s3://"):
-        return None, uri.rstrip("/")
-    # pyarrow's S3 filesystem only for s3:// datasets (and see resolve_versions)
-    import pyarrow.fs as pafs
-
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    kwargs: dict[str, Any] = {}
-    if endpoint:
-        scheme, _, host = endpoint.partition("://")
-        kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        kwargs["region"] = region
-    return pafs.S3FileSystem(**kwargs), uri[len("s3://") :].rstrip("/")
-
-
-def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.ndarray, float]:
-    """``([reproduction i's "folds" output (N, 4·d)], labels (N,), seconds)`` over the test classes, streamed."""
-    # Ray: pipelines.cli imports this module to build its parser; Ray loads once _start_ray started it
-    import ray
-    import ray.data
-
-    root = t.dataset_uri
-    if root.endswith(".json"):
-        root = root.rsplit("/", 1)[0]
-    fs, base = _filesystem(root)
-    paths = [f"{base}/{s['path']}" for s in t.manifest["shards"]]
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # the sweep embedded the test rows in shard order
-    classes = set(t.test_classes)
-    ds = ray.data.read_parquet(paths, filesystem=fs, columns=["image", "label", "sha256", "relpath"])
-    ds = ds.filter(lambda row: int(row["label"]) in classes)
-    n_gpu = int(ray.cluster_resources().get("GPU", 0)) if cfg.use_gpu else 0
-    actors = max(1, n_gpu) if cfg.use_gpu else max(1, min(2, int(ray.cluster_resources().get("CPU", 1)) // 2))
-    uris = [r["model_uri"] for r in t.reproductions]
-    t0 = time.time()
-    ds = ds.map_batches(
-        _Embedder,
-        fn_constructor_args=(cfg.tracking_uri, uris, int(t.tags.get("image_size", 227)), cfg.batch_size),
-        batch_size=cfg.batch_size,
-        concurrency=actors,
-        num_gpus=1 if cfg.use_gpu else 0,
-        batch_format="numpy",
-    )
-    labels, reps = [], [[] for _ in uris]
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-        labels.append(batch["label"])
-        for i in range(len(uris)):
-            reps[i].append(batch[f"rep{i}"])
-    seconds = time.time() - t0
-    if not labels:
-        raise RuntimeError(f"{t.dataset_uri}: no rows of the test classes")
-    return [np.concatenate(r) for r in reps], np.concatenate(labels), seconds
-
-
 # ------------------------------------------------------------------------------------------------ metrics
 
 
 def reproduction_metrics(folds_output: np.ndarray, labels: np.ndarray, n_folds: int) -> dict[str, float]:
     """The sweep's test step on one reproduction's embeddings: separated + concatenated
     (``pipelines.execution.trial``)."""
-    # faiss: see resolve_versions
-    from dml_core.metrics import retrieval_metrics
-
     parts = split_folds(folds_output, n_folds)
     # fold_worker's "separated" call, per fold model: retrieval_metrics(test_emb, test_labels)
     outcomes = [{"test_metrics": _finite(retrieval_metrics(p, labels))} for p in parts]
@@ -326,17 +215,11 @@ class VersionResult:
 def evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
     """Re-evaluate one version; MLflow's fluent API (``models:/`` URIs) points at ``cfg.tracking_uri`` meanwhile
     and is restored afterwards (the process may go on with another store)."""
-    # it imports MLflow (the sweep's modules import it too): see resolve_versions
-    from pipelines.tracking.model_registry import fluent_tracking
-
     with fluent_tracking(cfg.tracking_uri):
         return _evaluate_version(t, cfg)
 
 
 def _evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
-    # MLflow (the sweep's modules import it too): see resolve_versions
-    import mlflow
-
     t0 = time.time()
     # A missing or corrupt artifact fails here, on the driver, with the version named (not deep inside Ray).
     spec = None
@@ -460,13 +343,6 @@ def write_outputs(results: list[VersionResult], cfg: ReevalConfig) -> dict[str, 
 
 def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], commit: str) -> None:
     """The ``stage=reeval`` run (in the study's experiment) and the version's ``reeval.*`` tags."""
-    # MLflow: see resolve_versions
-    from mlflow.entities import LoggedModelInput
-    from mlflow.tracking import MlflowClient
-
-    # imports MLflow too
-    from pipelines.tracking.datasets import log_dataset_input
-
     c = MlflowClient(cfg.tracking_uri)
     t = r.target
     exp = c.get_run(t.tags["study_run_id"]).info.experiment_id
@@ -508,9 +384,6 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
         "test",
     )
     c.log_param(rid, "tolerance", cfg.tolerance)
-    # MLflow: see resolve_versions
-    from mlflow.entities import Metric
-
     now = int(time.time() * 1000)
     metrics = [
         Metric("reeval.images", r.images, now, 0),
@@ -534,24 +407,9 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
     c.set_model_version_tag(t.name, t.version, "reeval.last", f"{stamp} run {rid} schedule {cfg.schedule}")
 
 
-def _start_ray(cfg: ReevalConfig) -> bool:
-    """The sweep's Ray start-up (:func:`pipelines.execution.ray_runtime.init_ray`: loopback only, credentials kept out
-    of Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
-    started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1), address_field="ray_address")
-    install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: a CronJob's SIGTERM stays ours
-    # Ray: see embed_version
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    return started
-
-
 def run_reeval(cfg: ReevalConfig, out=None) -> int:
     """Resolve (ConfigError before Ray), evaluate every version, write and log the table; the exit status."""
     out = out or sys.stdout
-    # MLflow: see resolve_versions
-    from pipelines.tracking.runs import git_commit
-
     # Resolving reads each version's folds.json from MLflow: no download progress bars in a scheduled job's log.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     targets = resolve_versions(cfg)
@@ -560,7 +418,7 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
         file=out,
         flush=True,
     )
-    started = _start_ray(cfg)
+    started = start_ray(cfg)
     results = []
     try:
         for t in targets:
@@ -601,13 +459,3 @@ def run_reeval(cfg: ReevalConfig, out=None) -> int:
     if any(r.status == "regressed" for r in results):
         return 3
     return 0
-
-
-def add_reeval_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "reeval",
-        help="re-evaluate registered models on the current test data "
-        "(exit 0 ok, 3 regression, 1 failure, 2 bad config)",
-    )
-    p.add_argument("config", help="reeval config YAML (see infra/reeval/ and docs/architecture.md)")
-    p.set_defaults(func=lambda args: run_reeval(load_reeval_config(args.config)))
