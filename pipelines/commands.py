@@ -18,9 +18,7 @@ from pipelines.config.schema import load_config, parse_config, redact_uri
 from pipelines.config.uris import check_ray_address
 from pipelines.data_cli import add_data_parser
 from pipelines.execution.locations import check_dir_writable
-from pipelines.execution.plan import plan_sweep
 from pipelines.execution.resources import check_local_gpus, check_local_workers
-from pipelines.execution.sweep import run_sweep
 from pipelines.reeval.config import load_reeval_config
 from pipelines.results.compare import add_compare_option, check_compare_args
 from pipelines.results.report import add_report_parser
@@ -206,15 +204,20 @@ def _run_sweep(args) -> int:
     _check_address(args)
     check_local_gpus(cfg, args.address)
     check_local_workers(cfg, args.address)
-    if args.plan:
-        return _plan(cfg, args)
-    return _finish(run_sweep(cfg, resume=args.resume, address=args.address, rerun=frozenset(args.rerun)))
+    return _plan_or_sweep(cfg, args)
 
 
-def _plan(cfg, args) -> int:
-    """``--plan``: the sweep's checks, counts and cost estimate; nothing started."""
+def _plan_or_sweep(cfg, args) -> int:
+    """``--plan``: the sweep's checks, counts and cost estimate, nothing started; else the sweep itself."""
     rerun = frozenset(getattr(args, "rerun", None) or ())  # sweep --rerun LOSS; demo has none
-    return plan_sweep(cfg, address=args.address, resume=args.resume, rerun=rerun)
+    if args.plan:
+        # the sweep's modules (stores, Ray start-up, the loss zoo: 2 s of CPU) load for `sweep` and `demo` only
+        from pipelines.execution.plan import plan_sweep
+
+        return plan_sweep(cfg, address=args.address, resume=args.resume, rerun=rerun)
+    from pipelines.execution.sweep import run_sweep  # as for the plan above
+
+    return _finish(run_sweep(cfg, resume=args.resume, address=args.address, rerun=rerun))
 
 
 def _check_address(args) -> None:
@@ -233,9 +236,7 @@ def _run_demo(args) -> int:
         )
     _check_address(args)
     cfg = parse_config(demo_config(args.name, args.storage), source="built-in demo preset")
-    if args.plan:
-        return _plan(cfg, args)
-    return _finish(run_sweep(cfg, resume=args.resume, address=args.address))
+    return _plan_or_sweep(cfg, args)
 
 
 def run(argv: list[str] | None) -> int:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from dml_core.data import ImageDataset, eval_transform, train_transform
+from dml_core.losses import build_loss
 from dml_core.models import build_model
 from dml_core.train import TrainConfig, train_fold
 from pipelines.config.schema import SweepConfig
@@ -206,9 +207,6 @@ def _train_config(cfg: SweepConfig, plan: StudyPlan, device: str, iters: int, **
 def _fold_parts(plan: StudyPlan, device: str):
     """Fold 0's model, loss, train set and a validation set of whole val classes (about ``_VAL_IMAGES`` images), as
     :func:`pipelines.execution.fold.run_fold` builds them."""
-    # the loss zoo takes seconds to import: only when a plan is calibrated
-    from dml_core.losses import build_loss
-
     table, fold = plan.dataset.table, plan.dataset.manifest.folds[0]
     model = build_model(**plan.model_kwargs)
     prep, size = model.preprocessing, plan.dataset.spec.image_size
@@ -285,9 +283,6 @@ def calibrate_network(cfg: SweepConfig, plan: StudyPlan, device: str) -> Network
 def loss_step_seconds(plan: StudyPlan, device: str) -> float:
     """One forward and backward pass of ``plan``'s loss on a random batch of embeddings of the study's shape
     (``classes_per_batch × m``, ``m`` per class), median of ``_LOSS_REPEATS`` after two untimed ones."""
-    # the loss zoo: see _fold_parts
-    from dml_core.losses import build_loss
-
     params, _ = _loss_values(plan)
     fold = plan.dataset.manifest.folds[0]
     dim = plan.model_kwargs["embedding_dim"]

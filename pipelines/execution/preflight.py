@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dml_core.losses import build_loss, check_plugin_losses, loss_info
 from dml_core.models import build_model
 from dml_core.protocol import MLRC_BATCH, MLRC_MODEL
 from dml_core.splits import FoldManifest
@@ -61,9 +62,6 @@ class StudyPlan:
 def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
     """``(classes_per_batch, m)``: ``protocol.train`` if set; else the protocol's shared batch (MLRC: 8 × 4 for
     every loss — the point of a fair comparison), or the loss paper's own batch with ``protocol.recipe: paper``."""
-    # the loss zoo takes seconds to import: the sweep imports this module before the config is checked
-    from dml_core.losses import loss_info
-
     spec = loss_info(loss.name).batch if cfg.protocol.recipe == "paper" else MLRC_BATCH
     return (
         int(cfg.protocol.train.get("classes_per_batch", spec.classes_per_batch)),
@@ -75,9 +73,6 @@ def _check_loss_builds(cfg: SweepConfig, loss: LossSpec, where: str, num_classes
     """Build the loss at its defaults and at each bound of its search space (pinned params applied): unknown names,
     parameters the factory does not take and values it refuses fail here, not in a worker.  The loss built at its
     defaults is then called once on a batch of the study's shape (:func:`_check_loss_value`)."""
-    # the loss zoo: see batch_of
-    from dml_core.losses import build_loss, loss_info
-
     space = loss.search_space
     for label, values in space.corners():
         kwargs = {k: v for k, v in {**values, **loss.params}.items() if k != LOSS_LR}
@@ -252,8 +247,6 @@ def check_pretrained(cfg: SweepConfig) -> None:
 
 def _check_plugins_and_training(cfg: SweepConfig) -> None:
     """No ambiguous plugin loss name is installed, and the protocol's training settings make a TrainConfig."""
-    from dml_core.losses import check_plugin_losses  # the loss zoo takes seconds to import: see batch_of
-
     try:
         check_plugin_losses()  # an installed entry point shadowed by a built-in or exported twice: ambiguous names
     except ValueError as e:
@@ -332,8 +325,6 @@ def _plan_studies(
     cfg: SweepConfig, datasets: list[DatasetData], batches: dict[str, tuple[int, int]]
 ) -> list[StudyPlan]:
     """One :class:`StudyPlan` per (dataset, loss), every loss built and every model checked to fit first."""
-    from dml_core.losses import loss_info  # the loss zoo takes seconds to import: see batch_of
-
     plans = []
     checked_models: set = set()
     for d in datasets:

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dml_core.losses import build_loss, loss_info
 from dml_core.trunks import check_trunk, resolve_trunk
 from pipelines.config import ConfigError, SweepConfig
 from pipelines.config.spaces import LOSS_LR
@@ -26,9 +27,6 @@ def build_in_worker(
     losses: list[tuple[str, dict[str, Any]]], trunk: str, num_classes: int, embedding_dim: int
 ) -> tuple[str, str] | None:
     """The body of the worker task: ``(field, problem)`` of the first loss or trunk that fails, else ``None``."""
-    # the loss zoo takes seconds to import: the sweep imports this module before the config is checked
-    from dml_core.losses import build_loss
-
     try:
         check_trunk(trunk)
     except (Exception, SystemExit) as e:  # whatever the plugin raises (or exits with) is reported, not re-raised
@@ -95,9 +93,6 @@ def check_user_code_on_workers(cfg: SweepConfig, num_classes: int) -> None:
     """Run :func:`build_in_worker` as one Ray task (call after ``ray.init``).  Only plugin losses and trunks need it:
     built-in ones ship with this package."""
     import ray  # the caller has started Ray; this module is imported before that
-
-    # the loss zoo: see build_in_worker
-    from dml_core.losses import loss_info
 
     losses = [
         (ls.name, {k: v for k, v in {**ls.search_space.defaults(), **ls.params}.items() if k != LOSS_LR})

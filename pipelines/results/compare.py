@@ -29,7 +29,6 @@ from typing import Any
 
 import mlflow
 from mlflow.tracking import MlflowClient
-from scipy import stats
 
 from pipelines.config import ConfigError, check_tracking_uri
 from pipelines.results.report_paired import ALPHA, paired_comparisons, paired_summary, top_group
@@ -62,6 +61,8 @@ def _studies(client: MlflowClient, experiment: str) -> list[Study]:
 def _rank_stats(xs: list[float], ys: list[float]) -> dict[str, float]:
     if len(xs) < 2:
         return {"kendall_tau": math.nan, "kendall_p": math.nan, "spearman_rho": math.nan, "spearman_p": math.nan}
+    from scipy import stats  # scipy.stats (2 s of CPU) only for a --compare, not for every dmlrc command
+
     with warnings.catch_warnings():  # a constant input: scipy warns and returns NaN, which is the answer
         warnings.simplefilter("ignore")
         tau, spearman = stats.kendalltau(xs, ys), stats.spearmanr(xs, ys)
