@@ -108,7 +108,7 @@ def test_the_demo_prints_the_untrained_score_once_as_the_tables_reference_row(tm
     ci = {mode: {k: (0.5, 0.45, 0.55) for k in UNTRAINED} for mode in ("concat", "separated")}
     studies = [StudySummary("synthetic/contrastive", "synthetic", "contrastive", "r", "ok", ci=ci, untrained=UNTRAINED)]
 
-    def fake_sweep(cfg, resume=False, address=None):
+    def fake_sweep(cfg, resume=False, address=None, rerun=frozenset()):
         return sweep.SweepOutcome(cfg.name, tmp_path, "sqlite:///x.db", cfg.name, "1", studies, 60.0)
 
     monkeypatch.setattr(sweep, "run_sweep", fake_sweep)
