@@ -44,6 +44,7 @@ from dml_core.models import build_model
 from dml_core.train import TrainConfig, train_fold
 from pipelines.config.schema import SweepConfig
 from pipelines.config.spaces import LOSS_LR
+from pipelines.execution.continuation import check_continuation, check_restart, check_resume
 from pipelines.execution.preflight import StudyPlan, preflight
 from pipelines.execution.ray_runtime import (
     check_storage_reachable,
@@ -51,6 +52,8 @@ from pipelines.execution.ray_runtime import (
     default_num_cpus,
     redact_uri,
 )
+from pipelines.execution.reuse import find_reuse
+from pipelines.execution.sweep import max_concurrent_studies
 
 __all__ = [
     "StudyCount",
@@ -345,9 +348,6 @@ def _slots(cfg: SweepConfig, address: str | None, n_studies: int, load: float = 
     cores (GPUs), ``max_concurrent_studies`` studies; with ``address`` the cluster is assumed to hold the config's
     concurrency (every fold worker gets its reserved CPUs / GPUs).  ``load``: runnable processes this machine has
     besides the sweep (its load average before the plan), which share the cores with a local sweep's folds."""
-    # the sweep's own rule (pipelines.execution.sweep loads MLflow, which a plan does not need until here)
-    from pipelines.execution.sweep import max_concurrent_studies
-
     r = cfg.resources
     per_trial = cfg.protocol.folds * r.workers_per_fold
     threads = max(1, int(r.cpus_per_worker))
@@ -504,10 +504,6 @@ def _checked_plans(cfg: SweepConfig, resume: bool, rerun: frozenset[str]) -> tup
     """The sweep's checks before Ray, in its order (``run_sweep``): the same sweep started again, preflight, the
     tracking store and the storage answering, the finished and bundled studies against the config's fingerprint,
     the stored config, unfinished studies.  All of them only read.  Returns the plans and the covered studies."""
-    # the finished-study readers load MLflow, which the rest of a plan does without
-    from pipelines.execution.continuation import check_continuation, check_restart, check_resume
-    from pipelines.execution.reuse import find_reuse
-
     check_restart(cfg, resume, rerun)
     plans = preflight(cfg)
     check_tracking_reachable(cfg.tracking_uri())
