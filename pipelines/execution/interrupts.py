@@ -9,6 +9,11 @@
   seconds and finished folds keep their results (a warm fold's ``result/`` directory or a Ray Train checkpoint), so
   ``--resume`` continues as after a killed driver (unfinished trials rerun under their trial ids).  A second Ctrl-C
   interrupts the clean-up too.
+* **Study threads** (:func:`stop_threads`): only the main thread receives a signal; a sweep running studies in
+  threads raises the same :class:`SweepInterrupted` into each of them (CPython's ``PyThreadState_SetAsyncExc``).
+  Such an exception lands at the thread's next Python instruction, and if that instruction belongs to a finalizer (a
+  weakref callback, a ``__del__``) CPython swallows it ("Exception ignored in ...") and the thread goes on; a thread
+  whose stop was swallowed gets it again.
 * **Runs left RUNNING** (:func:`close_open_runs`): after Ray is down, every run of the sweep (or of one study) still
   RUNNING is closed — ``KILLED`` with tags ``status=interrupted`` / ``reason`` for an interruption, ``FAILED`` with the
   real reason otherwise.  ``--resume`` replaces killed fold runs (``Tracker.get_or_create(reuse_unfinished=False)``),
@@ -21,19 +26,23 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shlex
 import signal
 import sys
 import threading
+import time
+from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 __all__ = [
     "SweepInterrupted",
     "INTERRUPTED",
     "STOP_SIGNALS",
     "stop_on_sigint",
+    "stop_threads",
     "install_startup_handlers",
     "exit_status",
     "resume_command",
@@ -132,6 +141,50 @@ def stop_on_sigint(message: str, out=None) -> Iterator[None]:
     finally:
         if signal.getsignal(signal.SIGINT) is handler:
             restore()
+
+
+def _raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
+    """Raise ``exc_type`` in the thread ``ident`` at its next Python instruction."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+
+
+def stop_threads(
+    running: Callable[[], list[int]],
+    futures: list[Future],
+    timeout_s: float,
+    exc_type: type[BaseException] = SweepInterrupted,
+) -> set[Future]:
+    """Raise ``exc_type`` in each thread ``running()`` names and wait up to ``timeout_s`` for ``futures``; returns
+    those not done by then.  A thread whose exception a finalizer swallowed (seen through ``sys.unraisablehook``,
+    which is called in that thread) gets it again, so one unlucky instruction does not leave it running; the
+    swallowed exception is not printed (it is this stop, not an error)."""
+    swallowed: set[int] = set()
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, exc_type):
+            swallowed.add(threading.get_ident())
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        for ident in running():
+            _raise_in_thread(ident, exc_type)
+        deadline = time.monotonic() + timeout_s
+        left = {f for f in futures if not f.cancelled()}
+        while left:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            _, left = wait(left, timeout=min(0.2, remaining))
+            again = swallowed & set(running())
+            swallowed.difference_update(again)
+            for ident in again:
+                _raise_in_thread(ident, exc_type)
+        return left
+    finally:
+        sys.unraisablehook = previous
 
 
 def close_open_runs(tracker, sweep: str, *, reason: str, status: str = "FAILED", study: str | None = None) -> int:

@@ -37,7 +37,7 @@ own trial concurrency, at most ``max_concurrent_studies`` at a time (:func:`max_
 in Ray's one queue (a fold is a Ray task or a Train job reserving its own resources; a trial reserves no fold
 resource), so a cluster smaller than the demand only queues folds.  Why threads and not one Ray task per study driver:
 ``docs/architecture.md`` ("Studies in parallel").  Ctrl-C: Python delivers the signal to the main thread only; the
-study threads get the same ``SweepInterrupted`` raised into them (``sweep_studies._raise_in_thread``), so each
+study threads get the same ``SweepInterrupted`` raised into them (``interrupts.stop_threads``), so each
 ``Tuner.fit()`` leaves exactly as the single one of a sequential sweep did.
 
 Cost: every fold run records what it held and for how long (``cost.*``, :func:`pipelines.execution.trial.fold_cost`);

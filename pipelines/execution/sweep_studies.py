@@ -8,7 +8,6 @@ check has passed (a bad config is refused without loading them).  The steps of a
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from pipelines.execution.interrupts import (
     SweepInterrupted,
     failure_reason,
     resume_command,
+    stop_threads,
 )
 from pipelines.execution.preflight import StudyPlan
 from pipelines.execution.progress import TrialProgress, format_duration
@@ -67,12 +67,6 @@ __all__ = ["SweepStudies"]
 
 #: How long an interrupted sweep waits for its study threads to leave their Tuners before Ray is shut down.
 _STUDY_STOP_WAIT_S = 20.0
-
-
-def _raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
-    """Raise ``exc_type`` in the thread ``ident`` at its next Python instruction (CPython's
-    ``PyThreadState_SetAsyncExc``): how a study thread gets the Ctrl-C that only the main thread receives."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
 
 
 class SweepStudies:
@@ -137,11 +131,12 @@ class SweepStudies:
         self.stopping.set()
         for f in futures:
             f.cancel()
-        with self._threads_lock:
-            idents = list(self._threads.values())
-        for ident in idents:
-            _raise_in_thread(ident, SweepInterrupted)
-        _, left = wait([f for f in futures if not f.cancelled()], timeout=_STUDY_STOP_WAIT_S)
+
+        def running() -> list[int]:
+            with self._threads_lock:
+                return list(self._threads.values())
+
+        left = stop_threads(running, futures, _STUDY_STOP_WAIT_S)
         if left:
             print(
                 f"warning: {len(left)} studies still stopping after {_STUDY_STOP_WAIT_S:.0f} s; shutting Ray down",
