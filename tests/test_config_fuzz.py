@@ -150,19 +150,13 @@ def _tree(root: Path) -> set[str]:
 
 def _stub_launch(patch) -> None:
     """Ray start-up and MLflow raise :class:`Launched` (``patch(obj, name, value)`` sets an attribute)."""
-    import importlib
+    from pipelines.execution import ray_session
+    from pipelines.tracking.runs import Tracker
 
     def launched(*args, **kwargs):
         raise Launched("validation passed: Ray / MLflow would start now")
 
-    for module, name in (("pipelines.execution.sweep", "start_ray"), ("pipelines.execution.ray_runtime", "start_ray")):
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        if hasattr(mod, name):
-            patch(mod, name, launched)
-    from pipelines.tracking.runs import Tracker
+    patch(ray_session, "start_ray", launched)
 
     patch(Tracker, "open", classmethod(lambda cls, *a, **k: launched()))
     if "ray" in sys.modules:

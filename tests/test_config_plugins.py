@@ -89,19 +89,19 @@ def test_init_ray_puts_the_users_runtime_env_under_the_jobs(monkeypatch):
     """Every Ray process inherits the job's runtime_env: the user's py_modules / pip / env_vars next to ours."""
     import ray
 
-    from pipelines.execution import ray_runtime
+    from pipelines.execution import ray_session
 
     seen = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
     try:
-        ray_runtime.init_ray(
+        ray_session.init_ray(
             None,
             num_cpus=2,
             user_env={"py_modules": ["/x/mylab"], "pip": ["mylab==1.0"], "env_vars": {"MYLAB_MODE": "fast"}},
         )
     finally:
-        ray_runtime.stop_ray(False)
+        ray_session.stop_ray(False)
     env = seen["runtime_env"]
     assert env["py_modules"] == ["/x/mylab"] and env["pip"] == ["mylab==1.0"]
     assert env["env_vars"]["MYLAB_MODE"] == "fast" and "AWS_SECRET_ACCESS_KEY" not in env["env_vars"]

@@ -111,7 +111,7 @@ _CLEANER = textwrap.dedent(
     import ray
     from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
     from ray.util.placement_group import placement_group, placement_group_table
-    from pipelines.execution.ray_runtime import init_ray, stop_ray
+    from pipelines.execution.ray_session import init_ray, stop_ray
 
     started = init_ray(None, num_cpus=2)
     try:

@@ -63,13 +63,13 @@ def test_a_killed_drivers_credentials_folder_is_deleted_by_the_next_sweep_and_a_
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
     monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE", raising=False)
     try:
-        ray_runtime._hide_credentials()
+        ray_runtime.hide_credentials()
         mine = Path(os.environ["AWS_SHARED_CREDENTIALS_FILE"])
         assert mine.parent.parent == tmp_path and mine.parent.name.startswith(f"dmlrc-aws-{os.getpid()}-")
         assert "fake-secret" in mine.read_text() and "AWS_SECRET_ACCESS_KEY" not in os.environ
         assert not stale.exists() and live.exists() and unnamed.exists()
     finally:
-        ray_runtime.stop_ray(False)
+        ray_runtime.undo_settings()
     assert not mine.parent.exists() and os.environ["AWS_SECRET_ACCESS_KEY"] == "fake-secret"
 
 
@@ -115,7 +115,7 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
     import ray
 
     from pipelines.config.schema import ConfigError, parse_config
-    from pipelines.execution import sweep, sweep_studies
+    from pipelines.execution import ray_session, sweep, sweep_studies
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     doc = yaml.safe_load(
@@ -123,7 +123,7 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
     )
     cfg = parse_config(doc)
     started = []
-    monkeypatch.setattr(sweep, "start_ray", lambda cfg, address: started.append(address) or False)
+    monkeypatch.setattr(ray_session, "start_ray", lambda cfg, address: started.append(address) or False)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
     monkeypatch.setattr(sweep_studies.SweepStudies, "run_study", lambda self, plan: pytest.fail("a study started"))
     with pytest.raises(ConfigError) as e:

@@ -177,7 +177,7 @@ _RAY_WORKER = textwrap.dedent(
     import time
 
     import ray
-    from pipelines.execution.ray_runtime import init_ray, stop_ray
+    from pipelines.execution.ray_session import init_ray, stop_ray
 
     started = init_ray(None, num_cpus=1)
     try:

@@ -52,6 +52,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
+import ray.train
+import ray.train.torch
 import torch
 import torch.distributed as dist
 
@@ -67,7 +70,6 @@ from pipelines.tracking.evaluations import evaluation_metrics, logged_evaluation
 __all__ = [
     "run_fold",
     "fold_worker",
-    "worker_env",
     "CHECKPOINT_DIR",
     "checkpoint_uri_of",
     "clear_checkpoints",
@@ -105,10 +107,6 @@ def _finite(d: dict[str, Any]) -> dict[str, float]:
 
 
 def _table(ref) -> Any:
-    # not at module level: the CLI imports this module (through the sweep) before the config is checked, and a
-    # config error must not load Ray
-    import ray
-
     key = ref.hex()
     if key not in _TABLE_CACHE:
         _TABLE_CACHE.clear()  # one study's table at a time: bounded memory in a long-lived process
@@ -475,11 +473,6 @@ def fold_worker(cfg: FoldConfig) -> None:
     Resume: if Ray Train restored a checkpoint for this run name (the fold finished before the sweep was killed),
     the worker returns at once; ``TorchTrainer.fit()`` then returns the stored result without retraining.
     """
-    # Ray (Train): not at module level, as in _table
-    import ray
-    import ray.train
-    import ray.train.torch
-
     quiet_worker_logs()
     ctx = ray.train.get_context()
     if ray.train.get_checkpoint() is not None:
@@ -509,12 +502,3 @@ def _train_run_dir(ctx) -> str:
     """This Ray Train run's directory ``<storage_path>/<run name>`` as a local path or ``s3://`` URI."""
     storage = ctx.get_storage()
     return s3_uri(storage.storage_filesystem, storage.storage_fs_path.rstrip("/") + "/" + storage.experiment_dir_name)
-
-
-def worker_env() -> dict[str, str]:
-    """Environment for Ray workers: quiet, deterministic-enough, Train V2."""
-    return {
-        "RAY_TRAIN_V2_ENABLED": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ray.tune.schedulers import ASHAScheduler
+
 from pipelines.names import OBJECTIVE
 
 __all__ = [
@@ -65,9 +67,6 @@ def pruning_on(cfg) -> bool:
 def make_scheduler(cfg):
     """Ray Tune's ``ASHAScheduler`` on :data:`EVALUATION`; the metric and mode are the TuneConfig's (the objective,
     max)."""
-    # Ray Tune: not at module level; the CLI imports this module (via the sweep) before the config is checked
-    from ray.tune.schedulers import ASHAScheduler
-
     p = cfg.protocol
     return ASHAScheduler(
         time_attr=EVALUATION,

@@ -1,7 +1,7 @@
 """The reality-check sweep: per (dataset, loss) study, Bayesian optimisation → best config → reproductions → CIs.
 
 This module checks a sweep and starts it; the study loop is :mod:`pipelines.execution.sweep_studies`, and the parts
-it calls each live in their own module: Ray start-up, the searcher and
+it calls each live in their own module: Ray start-up (:mod:`pipelines.execution.ray_session`), the searcher and
 best-trial choice (:mod:`pipelines.execution.search`), one trial (:mod:`pipelines.execution.trial`), one fold
 (:mod:`pipelines.execution.fold`, :mod:`pipelines.execution.warm_folds`), the intervals and tables
 (:mod:`pipelines.results.study_results`).
@@ -69,23 +69,17 @@ from pipelines.execution.continuation import (
 from pipelines.execution.interrupts import (
     INTERRUPTED,
     close_open_runs,
-    install_startup_handlers,
     resume_command,
     stop_on_sigint,
 )
-from pipelines.execution.preflight import StudyPlan, preflight
+from pipelines.execution.preflight import preflight
 from pipelines.execution.ray_runtime import (
     check_storage_reachable,
     check_tracking_reachable,
     redact_uri,
     scrub,
-    start_ray,
-    stop_ray,
-    warn_multi_node,
 )
-from pipelines.execution.resources import check_cluster_resources
 from pipelines.execution.reuse import find_reuse
-from pipelines.execution.worker_check import check_user_code_on_workers
 from pipelines.results.study_results import StudySummary
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
 from pipelines.tracking.runs import Tracker
@@ -133,23 +127,6 @@ def max_concurrent_studies(cfg: SweepConfig, address: str | None, resources: dic
     return max(1, min(n, n_studies))
 
 
-def _start_checked_ray(cfg: SweepConfig, address: str | None, plans: list[StudyPlan]) -> bool:
-    """Start (or join) Ray and check what only Ray can tell — the cluster answers and admits this driver (in
-    :func:`pipelines.execution.ray_runtime.init_ray`), its resources fit one fold, the user's code imports on a
-    worker — before the tracking store or the sweep's folder is created, so that a config error leaves nothing
-    behind.  Returns whether Ray was started here; on any failure Ray is stopped and the error goes on."""
-    started = False
-    try:
-        started = start_ray(cfg, address)
-        install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: ours again, until stop_on_sigint
-        check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
-        check_user_code_on_workers(cfg, min(len(f.train_classes) for p in plans for f in p.dataset.manifest.folds))
-    except BaseException:
-        stop_ray(started)  # also undoes what start_ray changed in this process (credentials, loopback, retries)
-        raise
-    return started
-
-
 def _close_after(e: BaseException, tracker: Tracker | None, cfg: SweepConfig, uri: str, out) -> None:
     """The sweep's open runs after it stopped on ``e``: ``KILLED`` (interrupted) or ``FAILED`` with the error.  With
     MLflow down they cannot be closed: they stay RUNNING, which is what ``--resume`` reuses."""
@@ -193,19 +170,19 @@ def run_sweep(
     reuse = find_reuse(cfg, plans, rerun)  # fingerprints compared first: they name a differing field precisely
     check_resume(cfg)
     check_continuation(cfg, resume, plans, reuse, shown)
-    started = _start_checked_ray(cfg, address, plans)
+    # Ray and the study loop (Ray Tune and Train: seconds of imports) load only once every check above has passed;
+    # ray_session first: it sets the environment Ray reads as it is imported
+    from pipelines.execution.ray_session import cluster_resources, start_sweep_ray, stop_ray, warn_multi_node
+    from pipelines.execution.sweep_studies import SweepStudies
+
+    started = start_sweep_ray(cfg, address, min(len(f.train_classes) for p in plans for f in p.dataset.manifest.folds))
     tracker = watch = None
     try:
         tracker = open_tracker(cfg, uri)
         watch = TrackingWatch(uri, cfg.tracking.outage_timeout_s).start()
         store_config_or_reopen(cfg, resume, tracker, out)
         warn_multi_node(cfg, uri, out)
-        # Ray's libraries (Tune, Train: seconds of imports) load only once every check has passed and Ray runs
-        import ray
-
-        from pipelines.execution.sweep_studies import SweepStudies  # the study loop: Ray Tune and Train, as above
-
-        limit = max_concurrent_studies(cfg, address, ray.cluster_resources(), len(plans))
+        limit = max_concurrent_studies(cfg, address, cluster_resources(), len(plans))
         print(
             f"sweep {cfg.name!r}: {len(plans)} studies ({', '.join(p.key for p in plans)}), ≤ {limit} at once; "
             f"MLflow {shown} experiment {cfg.experiment_name()!r}; storage {cfg.ray_storage()}",

@@ -47,6 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
+import ray.train
+from ray import tune
 
 from dml_core.splits import FoldManifest
 from dml_core.stats import fold_summary
@@ -55,6 +58,7 @@ from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.fold_config import FoldClasses, FoldConfig, FoldOutcome, s3_uri
 from pipelines.execution.interrupts import error_text
 from pipelines.execution.pruning import EVALUATION, PRUNING_KEY, Rungs, mlflow_history
+from pipelines.execution.warm_folds import result_uri, warm_fold_ref
 from pipelines.names import (
     HEADLINE_METRICS,
     OBJECTIVE,
@@ -173,11 +177,10 @@ def _fold_tags(ctx: StudyContext, index: int) -> dict[str, Any]:
 def _fit_train(ctx: StudyContext, name: str, cfg: FoldConfig) -> str:
     """One fold = one ``TorchTrainer.fit()`` (called from a thread of the trial driver); returns the URI of rank 0's
     result directory (the run's checkpoint)."""
-    # Ray: not at module level; the sweep imports this module before the config is checked, which must not load Ray
-    import ray.train
+    # torch (ray.train.torch and the fold code): only a driver that fits Train folds loads it (module docstring)
     from ray.train.torch import TorchTrainer
 
-    # torch: only a driver that fits Train folds loads it (see the module docstring)
+    # (as said above)
     from pipelines.execution.fold import fold_worker
 
     resources = {"CPU": ctx.cpus_per_worker}
@@ -215,17 +218,11 @@ def _run_folds(
     """Run every fold concurrently; ``(result URIs, (submit, done) wall times, errors)`` by fold index.  With
     ``rungs`` (pruning, warm folds) the folds' evaluations are reported as they come; when Tune stops the trial
     (``tune.report`` raises) the folds still running are cancelled."""
-    # Ray: see _fit_train
-    import ray
-
     uris: dict[int, str] = {}
     spans: dict[int, tuple[float, float]] = {}
     errors: dict[int, BaseException] = {}
     t_submit = time.time()
     if fold_executor(ctx) == "warm":
-        # it imports Ray: see _fit_train
-        from pipelines.execution.warm_folds import result_uri, warm_fold_ref
-
         gpus = ctx.gpus_per_worker if ctx.use_gpu else 0.0
         refs = {
             k: warm_fold_ref(
@@ -275,9 +272,6 @@ def _run_folds(
 
 def _read_outcome(uri: str) -> tuple[FoldOutcome, np.ndarray | None, np.ndarray | None]:
     """A fold's result directory (local path or ``s3://``), whichever executor wrote it."""
-    # Ray: see _fit_train
-    import ray.train
-
     with ray.train.Checkpoint(uri).as_directory() as d:
         d = Path(d)
         outcome = FoldOutcome.from_json((d / OUTCOME_FILE).read_text())
@@ -496,10 +490,6 @@ def _report(trial: _Trial, run_id: str, summary, metrics, outcomes: list[FoldOut
 def run_trial(config: dict[str, Any], ctx: StudyContext) -> None:
     """Ray Tune function trainable (wrapped with ``tune.with_parameters(run_trial, ctx=...)``): the module
     docstring's steps."""
-    # Ray: see _fit_train
-    import ray
-    from ray import tune
-
     trial = _Trial.of(config, ctx, tune.get_context().get_trial_id())
     run_id = trial.open_run(ray.get_runtime_context().get_node_id())
     fold_runs = trial.open_fold_runs(run_id)

@@ -50,11 +50,13 @@ from dml_core.splits import FoldManifest
 from dml_core.stats import confidence_interval
 from pipelines.config.schema import ConfigError
 from pipelines.execution.fold import _finite
-from pipelines.execution.ray_runtime import check_tracking_reachable, stop_ray
+from pipelines.execution.ray_runtime import check_tracking_reachable
+from pipelines.execution.ray_session import stop_ray
 from pipelines.names import ALIAS, MODES, REPRODUCTION
 from pipelines.reeval.config import ReevalConfig, Target, load_reeval_config
 from pipelines.reeval.embed import embed_version, start_ray
 from pipelines.results.embeddings import reproduction_test_metrics, split_folds
+from pipelines.results.plotting import plt
 from pipelines.results.study_results import confidence_intervals
 from pipelines.tracking.datasets import log_dataset_input
 from pipelines.tracking.model_registry import fluent_tracking
@@ -322,12 +324,6 @@ def write_outputs(results: list[VersionResult], cfg: ReevalConfig) -> dict[str, 
         )
         + "</body></html>\n"
     )
-    # matplotlib (slow to import) only for the chart; the Agg backend must be chosen before pyplot is imported
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"), as said above
-
     fig, ax = plt.subplots(figsize=(min(30, 2 + 1.6 * len(head)), 1 + 0.4 * (len(rows) + 1)))
     ax.axis("off")
     tab = ax.table(cellText=rows or [["–"] * len(head)], colLabels=head, loc="center")

@@ -71,11 +71,8 @@ def _write_csv(studies: list[Study], path: Path) -> None:
 
 
 def _bar_chart(studies: list[Study], path: Path, metric: str = "map_at_r") -> None:
-    # matplotlib (slow to import) only for the chart; the Agg backend must be chosen before pyplot is imported
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"), as said above
+    # matplotlib (a second to import) only for the chart: the CLI imports this module to build its parser
+    from pipelines.results.plotting import plt
 
     # Horizontal bars, best loss on top: the figure grows in height with the number of losses, and the loss names
     # stay horizontal and readable however many there are.

@@ -36,12 +36,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import ray.train
 from PIL import Image
 
 from dml_core.data import decode_image
+from dml_core.metrics import retrieval_details
 from dml_core.storage import open_storage
 from pipelines.names import HEADLINE_METRICS, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.results.embeddings import concatenated_embeddings, details_from_bytes
+from pipelines.results.plotting import plt
 
 __all__ = [
     "ARTIFACT_DIR",
@@ -164,9 +167,6 @@ def confusions(
 def _details(embeddings: np.ndarray, labels: np.ndarray):
     """``dml_core.metrics.retrieval_details``: global metrics, neighbour indices (depth = max(largest R, 8)) and
     per-query/per-class values, from one search."""
-    # faiss loads where a search runs
-    from dml_core.metrics import retrieval_details
-
     # NMI (k-means) is not shown here and is the slow part on large sets; the kNN metrics are unaffected.
     return retrieval_details(embeddings, labels, normalize=True, nmi=False)
 
@@ -205,9 +205,6 @@ def _short(name: str, n: int = 16) -> str:
 
 def _png(fig, quantize: bool = False) -> bytes:
     """The figure as PNG; ``quantize`` stores it with a 256-colour palette (photo thumbnails: ~3× smaller)."""
-    # matplotlib only for drawing; draw_gallery / draw_map chose the Agg backend before
-    import matplotlib.pyplot as plt
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
@@ -221,12 +218,6 @@ def _png(fig, quantize: bool = False) -> bytes:
 
 def draw_gallery(gallery: dict[str, Any], images: dict[int, np.ndarray], title: str) -> bytes:
     """Rows = queries; column 0 the query (blue), then its k references (green ✓ hit / red ✗ miss)."""
-    # matplotlib (slow to import) only for drawing; the Agg backend must be chosen before pyplot is imported
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"), as said above
-
     qs, k = gallery["queries"], gallery["k"]
     fig, axes = plt.subplots(
         max(1, len(qs)), k + 1, figsize=(1.15 * (k + 1), 1.45 * max(1, len(qs)) + 0.5), squeeze=False
@@ -276,12 +267,6 @@ def pca_2d(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def draw_map(xy: np.ndarray, labels: np.ndarray, names: dict[int, str], ratio: np.ndarray, title: str) -> bytes:
-    # matplotlib: see draw_gallery
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"), as said above
-
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     cmap = plt.get_cmap("tab20")
     for i, c in enumerate(np.unique(labels)):
@@ -414,8 +399,6 @@ def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray
     """Concatenated test embeddings (docs/protocol.md §Test evaluation,
     :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a reproduction, from its folds' Ray Train
     checkpoints (local paths or ``s3://`` URIs)."""
-    # Ray: not at module level; the CLI imports this module (via the sweep) before the config is checked
-    import ray.train
 
     parts, labels = [], None
     for uri in fold_checkpoints:

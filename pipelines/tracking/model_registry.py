@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import mlflow
 import numpy as np
+import ray.train
 import torch
 from mlflow.models import ModelSignature
 from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
@@ -84,8 +85,6 @@ def registered_model_name(experiment: str, dataset: str, loss: str) -> str:
 def _read_fold_checkpoint(uri: str) -> dict[str, Any]:
     """``model.pt`` of a reproduction fold's result (a warm fold's ``result/`` directory or a Ray Train checkpoint;
     local path or s3://), weights-only."""
-    # Ray: not at module level; the CLI imports this module (via the sweep) before the config is checked
-    import ray.train
 
     with ray.train.Checkpoint(uri).as_directory() as d:
         path = Path(d) / "model.pt"

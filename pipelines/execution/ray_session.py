@@ -1,0 +1,327 @@
+"""Ray for a ``dmlrc`` command: start a local Ray or join a cluster, check what only a running Ray can answer, stop.
+
+This module imports Ray, so it is imported once a command's own checks have passed (a sweep's config, its storage,
+its tracking store: :mod:`pipelines.execution.ray_runtime`), and it sets :data:`ray_runtime.RAY_ENV` first: Ray reads
+some of those settings when it is imported.
+
+* **Joining a cluster** (``--address``) first asks it once (:func:`check_cluster_answers`): nothing listening and a
+  cluster that refuses this driver's token are two different one-line errors.
+* **Every worker** of the job runs :data:`ray_runtime.WORKER_SETUP_HOOK`, which scopes Ray's State API to the
+  worker's own cluster and lets a worker Ray stops with SIGTERM exit quietly (``pipelines/execution/worker_setup.py``).
+* **Loopback only.**  A Ray the sweep starts itself binds GCS, raylet, object manager, runtime-env agent, driver
+  and workers to 127.0.0.1: Ray's own switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (meant for laptops) makes
+  it pick the loopback address as the node IP, and every Ray server then listens on that address only.
+  (``ray.init(_node_ip_address="127.0.0.1")`` does not do it: Ray replaces a loopback address by the machine's
+  routable one.)  The folds' gloo connections use the loopback interface (``GLOO_SOCKET_IFNAME=lo``).  Connecting
+  to a cluster (``--address``) leaves the cluster's own settings alone.  Not covered: the rendezvous store of each
+  fold's ``torch.distributed`` group (a ``TCPStore`` on Train worker 0, set up by Ray Train) listens on all
+  interfaces — torch's TCPStore has no bind-address option, only a pre-bound socket that Ray Train does not pass.
+* **Credentials** are moved out of the environment while Ray runs and put back by :func:`stop_ray`
+  (:func:`pipelines.execution.ray_runtime.hide_credentials`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from pipelines.config import ConfigError, SweepConfig, redact_uri
+from pipelines.execution.interrupts import install_startup_handlers
+from pipelines.execution.ray_runtime import (
+    RAY_ENV,
+    S3_ENV,
+    TRIAL_DRIVER_RESOURCE,
+    TRIAL_DRIVER_SLOTS,
+    UNDO,
+    WORKER_SETUP_HOOK,
+    apply_ray_env,
+    default_num_cpus,
+    hide_credentials,
+    s3_compat_env,
+    undo_settings,
+    worker_env,
+)
+from pipelines.execution.resources import check_cluster_resources
+from pipelines.execution.worker_check import check_user_code_on_workers
+from pipelines.tracking.outage import apply_retry_env
+
+apply_ray_env()  # Ray reads some of these settings as it is imported: before the imports below
+
+import ray  # noqa: E402 - after apply_ray_env, as said above
+from ray._private import ray_constants, services  # noqa: E402 - as above
+from ray._private.authentication import authentication_token_setup as token_setup  # noqa: E402 - as above
+from ray._raylet import GcsClient  # noqa: E402 - as above
+from ray.exceptions import AuthenticationError  # noqa: E402 - as above
+
+__all__ = [
+    "init_ray",
+    "start_ray",
+    "start_sweep_ray",
+    "stop_ray",
+    "check_cluster_answers",
+    "warn_multi_node",
+    "cluster_resources",
+]
+
+#: Ray's switch that makes a local node use the loopback address (ray/_private/ray_constants.py).
+_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+#: What a driver needs to join a cluster that has token authentication (Ray's ``RAY_AUTH_MODE=token``).
+_TOKEN_HELP = (
+    "the cluster's token in RAY_AUTH_TOKEN_PATH (a file), RAY_AUTH_TOKEN or ~/.ray/auth_token "
+    "(`ray get-auth-token` on the head prints it)"
+)
+
+
+def _loopback_only() -> None:
+    """Make the local Ray about to start use 127.0.0.1 as its node address (module docstring)."""
+    previous = os.environ.get(_LOOPBACK_SWITCH)
+    os.environ[_LOOPBACK_SWITCH] = "0"
+    constant = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+    def undo() -> None:
+        ray_constants.ENABLE_RAY_CLUSTER = constant
+        if previous is None:
+            os.environ.pop(_LOOPBACK_SWITCH, None)
+        else:
+            os.environ[_LOOPBACK_SWITCH] = previous
+
+    UNDO.append(undo)
+
+
+def stop_ray(started: bool) -> None:
+    """Shut down the Ray :func:`start_ray` started (if it did) and undo its changes to this process."""
+    try:
+        if started:
+            ray.shutdown()
+    finally:
+        undo_settings()
+
+
+def start_ray(cfg: SweepConfig, address: str | None) -> bool:
+    """:func:`init_ray` for a sweep: a local Ray gets ``resources.num_cpus`` logical CPUs (default
+    :func:`default_num_cpus`); this process and every worker get MLflow HTTP retries that outlast
+    ``tracking.outage_timeout_s`` (:mod:`pipelines.tracking.outage`)."""
+    retries = apply_retry_env(cfg.tracking.outage_timeout_s, UNDO)
+    return init_ray(
+        address,
+        num_cpus=cfg.resources.num_cpus or default_num_cpus(cfg),
+        env=retries,
+        user_env=cfg.runtime_env.ray_runtime_env(),
+    )
+
+
+def start_sweep_ray(cfg: SweepConfig, address: str | None, min_train_classes: int) -> bool:
+    """Start (or join) Ray for a sweep and check what only Ray can tell — the cluster answers and admits this driver
+    (in :func:`init_ray`), its resources fit one fold, the user's code imports on a worker — before the tracking
+    store or the sweep's folder is created, so that a config error leaves nothing behind.  Returns whether Ray was
+    started here; on any failure Ray is stopped and the error goes on."""
+    started = False
+    try:
+        started = start_ray(cfg, address)
+        install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: ours again, until stop_on_sigint
+        check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
+        check_user_code_on_workers(cfg, min_train_classes)
+    except BaseException:
+        stop_ray(started)  # also undoes what start_ray changed in this process (credentials, loopback, retries)
+        raise
+    return started
+
+
+def _no_cluster(address: str, error: BaseException | str) -> str:
+    return f"no Ray cluster answers at {redact_uri(address)} ({' '.join(str(error).split())[:300]})"
+
+
+def _auth_problem(address: str, detail: str) -> str:
+    """One line for a cluster that answered and refused this driver (``detail``: Ray's reason)."""
+    reason = " ".join(str(detail).split()).removeprefix("RPC error: ").rstrip(".")[:200]
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
+        fix = f"set RAY_AUTH_MODE=token and {_TOKEN_HELP}"
+    else:
+        fix = f"set {_TOKEN_HELP}"
+    return (
+        f"the Ray cluster at {redact_uri(address)} refused this driver: it requires token authentication "
+        f"({reason}); {fix}"
+    )
+
+
+@contextlib.contextmanager
+def _native_stderr_muted():
+    """File descriptor 2 to /dev/null for the duration (Ray's C++ code writes there, not to ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def check_cluster_answers(address: str, where: str) -> None:
+    """Before ``ray.init`` joins ``address``: one ``config error`` line naming ``where`` when nothing listens there,
+    or when a Ray cluster answers there and refuses this driver's authentication (Ray 2.60's token authentication).
+
+    ``ray.init`` itself cannot tell the two apart: it retries (for minutes where nothing listens), printing a warning
+    a second, and then raises the same ``ConnectionError`` for both.  Asking the cluster's GCS once, as ``ray.init``
+    would (the same address resolution, the same token rules), answers at once.  ``ray://`` addresses (Ray Client)
+    and addresses Ray cannot resolve are left to ``ray.init``."""
+    if address.startswith("ray://"):
+        return
+    try:
+        gcs = services.canonicalize_bootstrap_address(address)
+        host, port = services.parse_address(gcs)
+    except Exception:  # no cluster found for "auto", an address Ray reads otherwise: ray.init says why
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(where, _no_cluster(address, e.strerror or e)) from None
+    try:
+        if address == "auto":  # ray.init takes a token file as "token mode on" for a local cluster found by "auto"
+            token_setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        # before any GCS client: one without a token, in token mode, aborts the process
+        token_setup.ensure_token_if_auth_enabled(None, create_token_if_missing=False)
+        with _native_stderr_muted():  # Ray's C++ client logs a warning line for the refusal we report
+            GcsClient(address=gcs)
+    except AuthenticationError as e:
+        raise ConfigError(where, _auth_problem(address, e.message)) from None
+    except Exception as e:  # something listens there, but no GCS answers: one line, the field named
+        raise ConfigError(where, _no_cluster(address, e)) from None
+
+
+def init_ray(
+    address: str | None,
+    *,
+    num_cpus: int,
+    env: dict[str, str] | None = None,
+    user_env: dict[str, Any] | None = None,
+    address_field: str = "--address",
+) -> bool:
+    """Start (or connect to) Ray for any ``dmlrc`` command (sweep, reeval); returns whether we started it (and so
+    must shut it down with :func:`stop_ray`, which is also what undoes the credential and loopback settings below —
+    call it either way).  ``num_cpus`` only applies to a Ray started here; ``env`` goes to every worker too.
+    ``user_env``: the config's ``runtime_env`` (``py_modules``, ``working_dir``, ``pip``, ``env_vars``,
+    ``excludes``), merged into the job's runtime_env so that the user's code reaches every worker process.
+    ``address_field``: where the user set ``address`` (the sweep's ``--address``, reeval's ``ray_address``), named by
+    the one-line error for a cluster that does not answer or refuses this driver."""
+    apply_ray_env()  # where Ray was imported before this module (the settings read at import are then late)
+    s3_compat_env()
+    hide_credentials()
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None  # ray.init would join it: no local-Ray settings
+    if not address:
+        _loopback_only()
+    kwargs: dict[str, Any] = dict(
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+        # Workers, Train controllers and their placement-group cleaners log at INFO/WARNING a lot (the cleaners
+        # poll the State API, which needs the dashboard we do not start); our progress lines are prints.
+        logging_config=ray.LoggingConfig(log_level=os.environ.get("DMLRC_RAY_LOG_LEVEL", "ERROR")),
+        runtime_env={
+            **{k: v for k, v in (user_env or {}).items() if k != "env_vars"},
+            # every worker's State API asks its own cluster, not another Ray on the same machine, and a worker Ray
+            # stops with SIGTERM exits without an "Exception ignored" traceback (worker_setup.py)
+            "worker_process_setup_hook": WORKER_SETUP_HOOK,
+            "env_vars": {
+                **(user_env or {}).get("env_vars", {}),
+                **worker_env(),
+                **{k: os.environ[k] for k in RAY_ENV},
+                **{k: os.environ[k] for k in S3_ENV if k in os.environ},
+                **(env or {}),
+            },
+        },
+    )
+    if address:
+        _join_cluster(address, address_field, kwargs)
+    else:
+        _start_local(num_cpus, kwargs)
+    for name in ("ray.tune", "ray.train", "ray.air", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return True
+
+
+def _join_cluster(address: str, address_field: str, kwargs: dict[str, Any]) -> None:
+    """``ray.init`` on a running cluster; one that does not answer, or refuses this driver, is one config error."""
+    where = address_field if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
+    check_cluster_answers(address, where)
+    try:
+        ray.init(address=address, **kwargs)
+    except ray.exceptions.AuthenticationError as e:  # Ray Client (ray://) refused, or no token here
+        raise ConfigError(where, _auth_problem(address, e.message)) from None
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
+        raise ConfigError(where, _no_cluster(address, e)) from None
+
+
+def _start_local(num_cpus: int, kwargs: dict[str, Any]) -> None:
+    """``ray.init`` of a Ray on this machine: the trial-driver slots, gloo over loopback, no preemption watcher."""
+    # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    kwargs["resources"] = {TRIAL_DRIVER_RESOURCE: TRIAL_DRIVER_SLOTS}
+    if (
+        sys.platform.startswith("linux")
+        and os.path.exists("/sys/class/net/lo")
+        and "GLOO_SOCKET_IFNAME" not in os.environ
+    ):
+        # The folds' gloo (CPU DDP) connections between workers of one machine: over loopback only.
+        kwargs["runtime_env"]["env_vars"]["GLOO_SOCKET_IFNAME"] = "lo"
+    for attempt in range(3):
+        try:
+            ray.init(num_cpus=num_cpus, **kwargs)
+            return
+        except Exception as e:  # only Ray's start-up timeout is retried
+            # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            ray.shutdown()
+            time.sleep(5)
+
+
+def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
+    """On a multi-node cluster, local storage and a sqlite/file tracking store only work through a shared mount."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return
+    if TRIAL_DRIVER_RESOURCE not in ray.cluster_resources():
+        print(
+            f"note: no node declares the custom resource {TRIAL_DRIVER_RESOURCE!r}, so trial drivers (0.01 CPU each) "
+            "may land on any node, lose a fold slot there, and die with it; declare it on the head "
+            f"(ray start --head --resources '{{\"{TRIAL_DRIVER_RESOURCE}\": {TRIAL_DRIVER_SLOTS}}}')"
+            + (
+                ""
+                if cfg.resources.trial_retries
+                else ", or set resources.trial_retries >= 1 so that Tune reruns a trial whose node died (its folds "
+                "resume from their checkpoints)"
+            ),
+            file=out,
+            flush=True,
+        )
+    if not cfg.storage_is_s3:
+        print(
+            f"warning: storage: {cfg.ray_storage()} is a local path on a {len(nodes)}-node cluster; it must be a "
+            "shared mount (NFS) on every node, else use s3://",
+            file=out,
+            flush=True,
+        )
+    if not uri.startswith(("http://", "https://", "postgresql")):
+        print(
+            f"warning: tracking.uri: {redact_uri(uri)} on a {len(nodes)}-node cluster; "
+            "fold workers on other nodes log to MLflow too — use an MLflow server (http(s)://)",
+            file=out,
+            flush=True,
+        )
+
+
+def cluster_resources() -> dict[str, float]:
+    """The logical resources of the Ray this driver runs on (``ray.cluster_resources``)."""
+    return ray.cluster_resources()
