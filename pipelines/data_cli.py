@@ -19,7 +19,9 @@ import sys
 import zipfile
 
 from dml_core.datasets import DATASETS, KINDS, prepare, reader
+from dml_core.shards import verify_shards
 from dml_core.storage import read_errors
+from pipelines.config import redact_uri
 
 __all__ = ["add_data_parser", "run_data"]
 
@@ -93,9 +95,6 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
 def run_data(args: argparse.Namespace) -> int:
     """`dmlrc data ...`; a bad source, destination or shard is one line ``data error: <file>[: row N]: <problem>``
     on stderr and exit status 2 (the readers name the file; where an error does not, the argument is named)."""
-    # pipelines.config loads the config schema (torch, pydantic): pipelines.cli imports this module to build its parser
-    from pipelines.config import redact_uri
-
     errors = read_errors()
     try:
         return _run_data(args)
@@ -146,9 +145,6 @@ def _run_data(args: argparse.Namespace) -> int:
             )
         return 0
     if args.data_command == "verify":
-        # pyarrow: pipelines.cli imports this module to build its parser
-        from dml_core.shards import verify_shards
-
         summary = verify_shards(
             args.uri,
             endpoint_url=args.endpoint_url,

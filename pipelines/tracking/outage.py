@@ -30,6 +30,8 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
+from pipelines.tracking.server import health_url
+
 __all__ = ["TrackingUnavailable", "TrackingWatch", "mlflow_retry_env", "apply_retry_env", "MLFLOW_RETRY_KEYS"]
 
 MLFLOW_RETRY_KEYS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR")
@@ -66,9 +68,6 @@ def _probe_target(uri: str) -> tuple[str, str | tuple[str, int]] | None:
     """``("http", health URL)``, ``("tcp", (host, port))`` for a PostgreSQL store, or None (sqlite: nothing to
     watch)."""
     if uri.startswith(("http://", "https://")):
-        # it imports pipelines.config (torch, pydantic): pipelines.cli imports this module before parsing its arguments
-        from pipelines.tracking.server import health_url
-
         return "http", health_url(uri)
     if uri.startswith("postgresql"):
         parts = urlsplit(uri)
