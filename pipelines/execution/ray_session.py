@@ -30,7 +30,10 @@ import sys
 import time
 from typing import Any
 
+from dml_core.losses import loss_info
+from dml_core.trunks import resolve_trunk
 from pipelines.config import ConfigError, SweepConfig, redact_uri
+from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.interrupts import install_startup_handlers
 from pipelines.execution.ray_runtime import (
     RAY_ENV,
@@ -47,7 +50,7 @@ from pipelines.execution.ray_runtime import (
     worker_env,
 )
 from pipelines.execution.resources import check_cluster_resources
-from pipelines.execution.worker_check import check_user_code_on_workers
+from pipelines.execution.worker_check import build_in_worker
 from pipelines.tracking.outage import apply_retry_env
 
 apply_ray_env()  # Ray reads some of these settings as it is imported: before the imports below
@@ -66,6 +69,7 @@ __all__ = [
     "check_cluster_answers",
     "warn_multi_node",
     "cluster_resources",
+    "check_user_code_on_workers",
 ]
 
 #: Ray's switch that makes a local node use the loopback address (ray/_private/ray_constants.py).
@@ -126,12 +130,53 @@ def start_sweep_ray(cfg: SweepConfig, address: str | None, min_train_classes: in
     try:
         started = start_ray(cfg, address)
         install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: ours again, until stop_on_sigint
-        check_cluster_resources(cfg)  # before the sweep's config or any run is written, before any trial
+        check_cluster_resources(cfg, cluster_resources())  # before the sweep's config or any run, before any trial
         check_user_code_on_workers(cfg, min_train_classes)
     except BaseException:
         stop_ray(started)  # also undoes what start_ray changed in this process (credentials, loopback, retries)
         raise
     return started
+
+
+#: How long the check of the user's code may wait for a worker (Ray installs a runtime_env's pip packages on first
+#: use).
+USER_CODE_TIMEOUT_S = 600.0
+
+
+def check_user_code_on_workers(cfg: SweepConfig, num_classes: int) -> None:
+    """Run :func:`build_in_worker` as one Ray task (call after ``ray.init``).  Only plugin losses and trunks need it:
+    built-in ones ship with this package."""
+    losses = [
+        (ls.name, {k: v for k, v in {**ls.search_space.defaults(), **ls.params}.items() if k != LOSS_LR})
+        for ls in cfg.losses
+    ]
+    plugin = [loss_info(name).origin != "builtin" for name, _ in losses]
+    trunk_plugin = resolve_trunk(cfg.model.trunk).kind in ("import", "entry_point")
+    if not any(plugin) and not trunk_plugin:
+        return
+    # Built-in losses are passed too (cheap), so that a failing index names the config's own entry.
+    task = ray.remote(num_cpus=0, max_retries=0)(build_in_worker)
+    ref = task.remote(losses, cfg.model.trunk, num_classes, cfg.model.embedding_dim)
+    try:
+        found = ray.get(ref, timeout=USER_CODE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise ConfigError(
+            "runtime_env",
+            f"no Ray worker could import the sweep's code within {USER_CODE_TIMEOUT_S:.0f} s "
+            "(runtime_env set-up still running or failing)",
+        ) from None
+    except ray.exceptions.RuntimeEnvSetupError as e:
+        raise ConfigError(
+            "runtime_env", "Ray could not set it up on a worker: " + " ".join(str(e).split())[-500:]
+        ) from None
+    if found is not None:
+        field, problem = found
+        raise ConfigError(
+            field,
+            f"imports on the driver but not on the Ray workers: {problem} (ship it with "
+            "runtime_env: py_modules / working_dir / pip, or install it on every node)",
+        )
 
 
 def _no_cluster(address: str, error: BaseException | str) -> str:

@@ -63,15 +63,11 @@ def check_local_workers(cfg: SweepConfig, address: str | None = None, memory: fl
         )
 
 
-def check_cluster_resources(cfg: SweepConfig, resources: Mapping[str, float] | None = None) -> None:
+def check_cluster_resources(cfg: SweepConfig, resources: Mapping[str, float]) -> None:
     """Right after Ray starts (also a cluster's, with ``--address``), before any trial: the config's resources against
-    ``resources`` (default ``ray.cluster_resources()``): a fold that cannot be placed would make Ray Train retry its
+    ``resources`` (``ray.cluster_resources()``): a fold that cannot be placed would make Ray Train retry its
     worker-group start-up forever.  Names ``resources.use_gpu`` / ``resources.cpus_per_worker``
     and what the cluster has.  (An autoscaling cluster may grow later; this checks what it has now.)"""
-    if resources is None:
-        import ray  # only here: the config checks above run before Ray is imported
-
-        resources = ray.cluster_resources()
     r = cfg.resources
     gpus, cpus = float(resources.get("GPU", 0)), float(resources.get("CPU", 0))
     _gpu_error(cfg, gpus, cpus, "the Ray cluster")

@@ -1,5 +1,7 @@
-"""The user's code checked where the folds will run: right after Ray starts, one Ray task imports every loss and the
-trunk of the sweep and builds each loss at its defaults, in a worker process with the sweep's ``runtime_env``.  A
+"""The user's code checked where the folds will run: right after Ray starts, one Ray task
+(:func:`build_in_worker`, submitted by :func:`pipelines.execution.ray_session.check_user_code_on_workers`) imports
+every loss and the trunk of the sweep and builds each loss at its defaults, in a worker process with the sweep's
+``runtime_env``.  A
 plugin that imports on the driver but not on the workers (not installed there, a ``py_modules`` entry missing) is
 then one :class:`ConfigError` naming the loss or trunk before any trial starts, not a failed fold minutes in.
 
@@ -12,15 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dml_core.losses import build_loss, loss_info
-from dml_core.trunks import check_trunk, resolve_trunk
+from dml_core.losses import build_loss
+from dml_core.trunks import check_trunk
 from pipelines.config import ConfigError, SweepConfig
-from pipelines.config.spaces import LOSS_LR
 
-__all__ = ["check_user_code_on_workers", "check_package_sizes", "build_in_worker"]
-
-#: How long the check may wait for a worker (Ray installs a runtime_env's pip packages on first use).
-TIMEOUT_S = 600.0
+__all__ = ["check_package_sizes", "build_in_worker"]
 
 
 def build_in_worker(
@@ -87,41 +85,3 @@ def check_package_sizes(cfg: SweepConfig) -> None:
                 f"{GCS_STORAGE_MAX_SIZE / 2**20:.0f} MiB: leave data and environments out (runtime_env.excludes, "
                 ".gitignore or .rayignore) or install the code on the nodes",
             )
-
-
-def check_user_code_on_workers(cfg: SweepConfig, num_classes: int) -> None:
-    """Run :func:`build_in_worker` as one Ray task (call after ``ray.init``).  Only plugin losses and trunks need it:
-    built-in ones ship with this package."""
-    import ray  # the caller has started Ray; this module is imported before that
-
-    losses = [
-        (ls.name, {k: v for k, v in {**ls.search_space.defaults(), **ls.params}.items() if k != LOSS_LR})
-        for ls in cfg.losses
-    ]
-    plugin = [loss_info(name).origin != "builtin" for name, _ in losses]
-    trunk_plugin = resolve_trunk(cfg.model.trunk).kind in ("import", "entry_point")
-    if not any(plugin) and not trunk_plugin:
-        return
-    # Built-in losses are passed too (cheap), so that a failing index names the config's own entry.
-    task = ray.remote(num_cpus=0, max_retries=0)(build_in_worker)
-    ref = task.remote(losses, cfg.model.trunk, num_classes, cfg.model.embedding_dim)
-    try:
-        found = ray.get(ref, timeout=TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        ray.cancel(ref, force=True)
-        raise ConfigError(
-            "runtime_env",
-            f"no Ray worker could import the sweep's code within {TIMEOUT_S:.0f} s "
-            "(runtime_env set-up still running or failing)",
-        ) from None
-    except ray.exceptions.RuntimeEnvSetupError as e:
-        raise ConfigError(
-            "runtime_env", "Ray could not set it up on a worker: " + " ".join(str(e).split())[-500:]
-        ) from None
-    if found is not None:
-        field, problem = found
-        raise ConfigError(
-            field,
-            f"imports on the driver but not on the Ray workers: {problem} (ship it with "
-            "runtime_env: py_modules / working_dir / pip, or install it on every node)",
-        )
