@@ -276,7 +276,7 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
     from dml_core.data import ImageDataset, eval_transform, train_transform
     from dml_core.losses import build_loss
     from dml_core.models import build_model
-    from dml_core.train import TrainConfig, embed, train_fold
+    from dml_core.train import embed, train_fold
     from pipelines.execution.preflight import preflight
     from pipelines.execution.sweep_studies import SweepStudies
     from pipelines.execution.trial import _fold_config
@@ -303,7 +303,7 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
             "",
         )
         table = plan.dataset.table
-        torch.manual_seed(fc.train["seed"])
+        torch.manual_seed(fc.train.seed)
         model = build_model(**fc.model)
         loss = build_loss(
             fc.loss,
@@ -316,14 +316,14 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
             loss,
             ImageDataset(table.subset(list(fold.train_classes)), train_transform(ctx.image_size)),
             ImageDataset(table.subset(list(fold.val_classes)), eval_transform(ctx.image_size)),
-            TrainConfig(**fc.train),
+            fc.train,
         )
         if fc.evaluate_test and res.status == "ok":
             model.load_state_dict(res.best_state["model"])
             embed(
                 model,
                 ImageDataset(table.subset(list(plan.dataset.manifest.test_classes)), eval_transform(ctx.image_size)),
-                batch_size=fc.train.get("eval_batch_size", 128),
+                batch_size=fc.train.eval_batch_size,
             )
     return time.time() - t0, len(folds)
 

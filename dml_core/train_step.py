@@ -25,12 +25,10 @@ from dml_core.distributed import (
     is_distributed,
 )
 
-__all__ = ["AMP_DTYPES", "LR_SCHEDULES", "Ranks", "Precision", "lr_scheduler"]
+__all__ = ["AMP_DTYPES", "Ranks", "Precision", "lr_scheduler"]
 
-#: ``TrainConfig.amp_dtype`` values and the autocast dtype each names.
+#: The autocast dtype each ``TrainConfig.amp_dtype`` value (``dml_core.train_config.AMP_DTYPE_NAMES``) names.
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-#: ``TrainConfig.lr_schedule`` values.
-LR_SCHEDULES = ("constant", "cosine")
 
 
 def lr_scheduler(

@@ -398,6 +398,7 @@ def test_recipe_paper_gives_each_loss_its_papers_model_and_batch():
 def test_loss_weight_decay_follows_the_loss_unless_configured():
     from types import SimpleNamespace
 
+    from dml_core.train_config import TrainConfig
     from pipelines.execution.trial import _fold_config
 
     fold = SimpleNamespace(index=0, train_classes=(0, 1), val_classes=(2, 3))
@@ -406,7 +407,7 @@ def test_loss_weight_decay_follows_the_loss_unless_configured():
     def wd(train):
         ctx = SimpleNamespace(
             fixed_params={},
-            train=train,
+            train=TrainConfig(**train),
             loss="margin",
             table_ref=None,
             image_size=16,
@@ -419,7 +420,7 @@ def test_loss_weight_decay_follows_the_loss_unless_configured():
             sweep="x",
             mid_fold_resume=True,
         )
-        return _fold_config(ctx, fold, {}, 0, "run", False, manifest, "parent").train.get("loss_weight_decay")
+        return _fold_config(ctx, fold, {}, 0, "run", False, manifest, "parent").train.loss_weight_decay
 
     # unset: train_fold applies the loss's own (0 for Margin's beta, as MLRC ran it; tests/test_library.py)
     assert wd({}) is None

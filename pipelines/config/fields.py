@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
 
 from dml_core.plugins import raised_at
-from dml_core.train import TrainConfig
+from dml_core.train_config import TrainConfig
 from pipelines.config.errors import ConfigError, DocumentWords
 from pipelines.config.uris import check_uri, local_path, redact_uri, shown
 

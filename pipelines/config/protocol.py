@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, PlainSerializer, model_validator
 
-from dml_core.train import _AMP_DTYPES, _LR_SCHEDULES, _OPTIMIZERS
+from dml_core.train_config import AMP_DTYPE_NAMES, LR_SCHEDULES, OPTIMIZERS
 from pipelines.config.errors import FieldError
 from pipelines.config.fields import TRAIN_DEFAULTS as _TC  # short: the defaults of every field below
 from pipelines.config.fields import Seed
@@ -37,13 +37,13 @@ class TrainSpec(StrictModel):
     num_workers: int = Field(_TC["num_workers"], ge=0, le=256)
     loss_weight_decay: float | None = Field(None, ge=0, le=100)
     """Weight decay of the loss's own parameters (null = the loss's metadata, else TrainConfig's)."""
-    optimizer: Literal[_OPTIMIZERS] = _TC["optimizer"]  # type: ignore[valid-type]  # a Literal over the tuple's values
+    optimizer: Literal[OPTIMIZERS] = _TC["optimizer"]  # type: ignore[valid-type]  # a Literal over the tuple's values
     lr_warmup_iters: int = Field(_TC["lr_warmup_iters"], ge=0, le=10**9)
     """Iterations of linear learning-rate warm-up from 0 (0 = none, the reality check's)."""
-    lr_schedule: Literal[_LR_SCHEDULES] = _TC["lr_schedule"]  # type: ignore[valid-type]  # a Literal over the values
+    lr_schedule: Literal[LR_SCHEDULES] = _TC["lr_schedule"]  # type: ignore[valid-type]  # a Literal over the values
     """After the warm-up: constant (the reality check's) or cosine (decay to 0 at max_epochs × iters_per_epoch)."""
     amp: bool = _TC["amp"]
-    amp_dtype: Literal[tuple(_AMP_DTYPES)] = _TC["amp_dtype"]  # type: ignore[valid-type]  # a Literal over the values
+    amp_dtype: Literal[AMP_DTYPE_NAMES] = _TC["amp_dtype"]  # type: ignore[valid-type]  # a Literal over the values
     cpu_amp: bool = _TC["cpu_amp"]
     """bfloat16 autocast of the training forward on CPU (not exact; faster only with native bf16: AVX512-BF16/AMX)."""
     channels_last: bool = _TC["channels_last"]

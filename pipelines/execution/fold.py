@@ -47,7 +47,7 @@ import resource
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -242,9 +242,7 @@ def _build(cfg: FoldConfig, device: str) -> _FoldParts:
     val_set = ImageDataset(table.subset(list(cfg.fold.val_classes)), eval_transform(cfg.image_size, prep))
     num_classes = len(cfg.fold.train_classes)
     loss = build_loss(cfg.loss, num_classes=num_classes, embedding_dim=cfg.model["embedding_dim"], **cfg.loss_params)
-    return _FoldParts(
-        table, model, prep, train_set, val_set, loss, TrainConfig(**cfg.train, device=device), num_classes
-    )
+    return _FoldParts(table, model, prep, train_set, val_set, loss, replace(cfg.train, device=device), num_classes)
 
 
 class _FoldLog:
@@ -427,7 +425,7 @@ def run_fold(
     directory ``out_dir``.  Returns the small summary every rank reports (status, fold, best val metrics, time span).
     """
     torch.set_num_threads(max(1, int(cfg.threads)))
-    torch.manual_seed(cfg.train["seed"])
+    torch.manual_seed(cfg.train.seed)
     time_start = time.time()
     parts = _build(cfg, device)
     index = cfg.fold.index

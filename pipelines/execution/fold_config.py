@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from dml_core.train_config import TrainConfig
+
 __all__ = ["FoldClasses", "FoldConfig", "FoldOutcome", "s3_uri"]
 
 
@@ -48,7 +50,7 @@ class FoldConfig:
     model: dict[str, Any]  # keyword arguments of dml_core.models.build_model
     loss: str  # loss name, as dml_core.losses.build_loss takes it
     loss_params: dict[str, Any]  # the loss's parameters (fixed and searched; loss_lr excluded)
-    train: dict[str, Any]  # keyword arguments of dml_core.train.TrainConfig except device, seed included
+    train: TrainConfig  # the fold's training settings, its seed included (the device is set where the fold runs)
     use_gpu: bool  # the fold trains on a GPU Ray assigned
     threads: int  # torch threads per worker process (the worker's CPUs)
     tracking_uri: str  # the MLflow tracking URI (absolute)

@@ -30,7 +30,7 @@ from dml_core.losses import build_loss, check_plugin_losses, loss_info
 from dml_core.models import build_model
 from dml_core.protocol import MLRC_BATCH, MLRC_MODEL
 from dml_core.splits import FoldManifest
-from dml_core.train import TrainConfig
+from dml_core.train_config import TrainConfig
 from pipelines.config.schema import TRAIN_KEYS, ConfigError, LossSpec, SweepConfig
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.datasets import DatasetData, check_image_rows, load_table, one_line

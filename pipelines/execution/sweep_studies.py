@@ -20,6 +20,7 @@ import ray.train
 import torch
 from ray import tune
 
+from dml_core.train_config import TrainConfig
 from pipelines.config.schema import SweepConfig
 from pipelines.execution.interrupts import (
     SweepInterrupted,
@@ -167,15 +168,15 @@ class SweepStudies:
 
     def _context(self, plan: StudyPlan, study_run_id: str, table_ref) -> StudyContext:
         cfg = self.cfg
-        train = {
-            "classes_per_batch": plan.classes_per_batch,
-            "m": plan.m,
-            "iters_per_epoch": cfg.protocol.iters_per_epoch,
-            "max_epochs": cfg.protocol.max_epochs,
-            "eval_every": cfg.protocol.eval_every,
-            "patience": cfg.protocol.patience,
+        train = TrainConfig(
+            classes_per_batch=plan.classes_per_batch,
+            m=plan.m,
+            iters_per_epoch=cfg.protocol.iters_per_epoch,
+            max_epochs=cfg.protocol.max_epochs,
+            eval_every=cfg.protocol.eval_every,
+            patience=cfg.protocol.patience,
             **{k: v for k, v in cfg.protocol.train.items() if k not in ("classes_per_batch", "m")},
-        }
+        )
         return StudyContext(
             sweep=cfg.name,
             study=plan.key,

@@ -42,7 +42,7 @@ import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from ray import tune
 from dml_core.splits import FoldManifest
 from dml_core.stats import fold_summary
 from dml_core.storage import open_storage
+from dml_core.train_config import TrainConfig
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.fold_config import FoldClasses, FoldConfig, FoldOutcome, s3_uri
 from pipelines.execution.interrupts import error_text
@@ -93,7 +94,7 @@ class StudyContext:
     manifest_json: str
     model_kwargs: dict[str, Any]
     fixed_params: dict[str, Any]
-    train: dict[str, Any]  # TrainConfig kwargs except seed / loss_lr / device
+    train: TrainConfig  # the study's training settings; each fold sets its seed and the searched loss_lr
     image_size: int
     workers_per_fold: int
     use_gpu: bool
@@ -143,9 +144,9 @@ def _fold_config(
 ) -> FoldConfig:
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
-    train = dict(ctx.train, seed=seed + fold.index)
+    train = replace(ctx.train, seed=seed + fold.index)
     if LOSS_LR in values:
-        train["loss_lr"] = float(values[LOSS_LR])
+        train = replace(train, loss_lr=float(values[LOSS_LR]))
     return FoldConfig(
         table_ref=ctx.table_ref,
         fold=FoldClasses(fold.index, tuple(fold.train_classes), tuple(fold.val_classes)),
