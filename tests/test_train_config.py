@@ -48,3 +48,62 @@ def test_a_fold_config_carries_a_checked_train_config_across_a_pickle():
     assert replace(back.train, device="cuda").device == "cuda"
     with pytest.raises(ValueError, match="TrainConfig.max_epochs"):
         replace(back.train, max_epochs=0)
+
+
+#: The fields a calibration shortens or a fold sets for itself; every other field is the study's.
+_PER_RUN = {"lr_schedule", "lr_warmup_iters", "iters_per_epoch", "eval_every", "max_epochs", "patience"}
+_PER_RUN |= {"seed", "device", "loss_lr"}
+
+
+@pytest.mark.parametrize("recipe", ["protocol", "paper"])
+def test_the_sweep_its_calibration_and_its_fingerprint_mean_one_study_train_config(tmp_path, recipe):
+    import copy
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from pipelines.config.presets import DEMO
+    from pipelines.config.schema import parse_config
+    from pipelines.execution.fingerprints import study_fingerprint
+    from pipelines.execution.plan import _train_config
+    from pipelines.execution.preflight import preflight, study_train_config
+    from pipelines.execution.sweep_studies import SweepStudies
+
+    doc = copy.deepcopy(DEMO)
+    doc["losses"] = [{"name": "proxynca_pp"}]
+    doc["storage"] = str(tmp_path / "runs")
+    doc["protocol"]["recipe"] = recipe
+    if recipe == "paper":  # the loss paper's batch, not the preset's
+        doc["protocol"]["train"].pop("classes_per_batch")
+        doc["protocol"]["train"].pop("m")
+    doc["protocol"]["train"].update(weight_decay=1e-4, lr_schedule="cosine", lr_warmup_iters=3, eval_batch_size=64)
+    cfg = parse_config(doc)
+    (plan,) = preflight(cfg)
+    train = study_train_config(cfg, plan)
+    assert (train.classes_per_batch, train.m) == (plan.classes_per_batch, plan.m)
+    p = cfg.protocol
+    assert (train.iters_per_epoch, train.max_epochs, train.eval_every, train.patience) == (
+        p.iters_per_epoch,
+        p.max_epochs,
+        p.eval_every,
+        p.patience,
+    )
+    assert (train.weight_decay, train.lr_schedule, train.lr_warmup_iters) == (1e-4, "cosine", 3)
+
+    # what every trial's folds start from
+    sweep = SimpleNamespace(cfg=cfg, tracker=SimpleNamespace(uri="sqlite:///x.db", experiment_id="1"))
+    sweep.study_storage = lambda plan: str(tmp_path / "study")
+    assert SweepStudies._context(sweep, plan, "run", "table").train == train
+
+    # the calibration: the study's settings, on a short schedule
+    calibration = asdict(_train_config(cfg, plan, "cpu", 5))
+    assert (calibration["iters_per_epoch"], calibration["max_epochs"], calibration["lr_schedule"]) == (5, 2, "constant")
+    assert {k: v for k, v in calibration.items() if k not in _PER_RUN} == {
+        k: v for k, v in asdict(train).items() if k not in _PER_RUN
+    }
+
+    # the fingerprint records the same values (the batch as "the loss paper's" under recipe: paper)
+    recorded = study_fingerprint(cfg, plan).fields
+    assert recorded["protocol.train.weight_decay"] == 1e-4 and recorded["protocol.train.lr_schedule"] == "cosine"
+    expected_batch = plan.classes_per_batch if recipe == "protocol" else "the loss paper's"
+    assert recorded["protocol.train.classes_per_batch"] == expected_batch
+    assert recorded["protocol.eval_every"] == train.eval_every

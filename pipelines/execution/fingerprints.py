@@ -16,11 +16,10 @@ from typing import Any
 
 from dml_core.data import eval_transform, train_transform
 from dml_core.metrics import METRICS_VERSION
-from dml_core.train_config import TrainConfig
 from dml_core.trunks import trunk_preprocessing
 from dml_core.trunks.weights import local_weights
 from pipelines.config.schema import SweepConfig
-from pipelines.execution.preflight import StudyPlan
+from pipelines.execution.preflight import StudyPlan, study_train_config
 from pipelines.names import reproduction_seed
 from pipelines.results.fingerprint import Fingerprint
 from pipelines.tracking.datasets import dataset_info
@@ -56,23 +55,10 @@ def _weights_hash(pretrained: str | None, trunk: str) -> str | None:
 def _train_fields(cfg: SweepConfig, plan: StudyPlan) -> dict[str, Any]:
     """The resolved training recipe and budget of the study's folds: TrainConfig with the protocol's values, its
     defaults where the config is silent, so that a value written out and the same value left unset agree."""
-    p = cfg.protocol
-    paper = p.recipe == "paper"
-    train = {k: v for k, v in p.train.items() if not (paper and k in ("classes_per_batch", "m"))}
-    if not paper:  # the protocol's shared batch; with recipe: paper each loss has its own (the recipe says so)
-        train.update(classes_per_batch=plan.classes_per_batch, m=plan.m)
-    resolved = dataclasses.asdict(
-        TrainConfig(
-            **train,
-            iters_per_epoch=p.iters_per_epoch,
-            max_epochs=p.max_epochs,
-            eval_every=p.eval_every,
-            patience=p.patience,
-        )
-    )
-    if paper:
+    resolved = dataclasses.asdict(study_train_config(cfg, plan))
+    if cfg.protocol.recipe == "paper":  # each loss has its own batch (the recipe says so), unless the config sets one
         for k in ("classes_per_batch", "m"):
-            resolved[k] = p.train.get(k, "the loss paper's")
+            resolved[k] = cfg.protocol.train.get(k, "the loss paper's")
     in_protocol = set(cfg.protocol.model_dump())  # iters_per_epoch, max_epochs, ...: recorded as protocol.<name>
     return {
         f"protocol.train.{k}": v

@@ -152,17 +152,16 @@ def stop_threads(
     running: Callable[[], list[int]],
     futures: list[Future],
     timeout_s: float,
-    exc_type: type[BaseException] = SweepInterrupted,
 ) -> set[Future]:
-    """Raise ``exc_type`` in each thread ``running()`` names and wait up to ``timeout_s`` for ``futures``; returns
-    those not done by then.  A thread whose exception a finalizer swallowed (seen through ``sys.unraisablehook``,
-    which is called in that thread) gets it again, so one unlucky instruction does not leave it running; the
-    swallowed exception is not printed (it is this stop, not an error)."""
+    """Raise :class:`SweepInterrupted` in each thread ``running()`` names and wait up to ``timeout_s`` for
+    ``futures``; returns those not done by then.  A thread whose exception a finalizer swallowed (seen through
+    ``sys.unraisablehook``, which is called in that thread) gets it again, so one unlucky instruction does not leave
+    it running; the swallowed exception is not printed (it is this stop, not an error)."""
     swallowed: set[int] = set()
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, exc_type):
+        if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, SweepInterrupted):
             swallowed.add(threading.get_ident())
             return
         previous(unraisable)
@@ -170,7 +169,7 @@ def stop_threads(
     sys.unraisablehook = hook
     try:
         for ident in running():
-            _raise_in_thread(ident, exc_type)
+            _raise_in_thread(ident, SweepInterrupted)
         deadline = time.monotonic() + timeout_s
         left = {f for f in futures if not f.cancelled()}
         while left:
@@ -181,7 +180,7 @@ def stop_threads(
             again = swallowed & set(running())
             swallowed.difference_update(again)
             for ident in again:
-                _raise_in_thread(ident, exc_type)
+                _raise_in_thread(ident, SweepInterrupted)
         return left
     finally:
         sys.unraisablehook = previous

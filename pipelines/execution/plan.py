@@ -32,7 +32,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,7 @@ from dml_core.train import TrainConfig, train_fold
 from pipelines.config.schema import SweepConfig
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.continuation import check_continuation, check_restart, check_resume
-from pipelines.execution.preflight import StudyPlan, preflight
+from pipelines.execution.preflight import StudyPlan, preflight, study_train_config
 from pipelines.execution.ray_runtime import (
     check_storage_reachable,
     check_tracking_reachable,
@@ -186,25 +186,23 @@ def _loss_values(plan: StudyPlan) -> tuple[dict[str, Any], float | None]:
     return {k: v for k, v in values.items() if k != LOSS_LR}, values.get(LOSS_LR)
 
 
-def _train_config(cfg: SweepConfig, plan: StudyPlan, device: str, iters: int, **changes: Any) -> TrainConfig:
-    """The study's fold TrainConfig (as the sweep builds it) with a calibration's short schedule."""
-    train = {k: v for k, v in cfg.protocol.train.items() if k not in ("classes_per_batch", "m")}
+def _train_config(cfg: SweepConfig, plan: StudyPlan, device: str, iters: int) -> TrainConfig:
+    """The study's fold TrainConfig (:func:`~pipelines.execution.preflight.study_train_config`) at the loss's
+    default learning rate, with a calibration's short schedule."""
     _, loss_lr = _loss_values(plan)
-    if loss_lr is not None:
-        train["loss_lr"] = float(loss_lr)
-    train.update(lr_schedule="constant", lr_warmup_iters=0)  # a schedule's cost is nil; its length would not fit
-    return TrainConfig(
-        **train,
-        classes_per_batch=plan.classes_per_batch,
-        m=plan.m,
+    short: dict[str, Any] = dict(
+        lr_schedule="constant",  # a schedule's cost is nil; its length would not fit
+        lr_warmup_iters=0,
         iters_per_epoch=iters,
         eval_every=2,
         max_epochs=2,
         patience=None,
         seed=cfg.protocol.seed,
         device=device,
-        **changes,
     )
+    if loss_lr is not None:
+        short["loss_lr"] = float(loss_lr)
+    return replace(study_train_config(cfg, plan), **short)
 
 
 def _fold_parts(plan: StudyPlan, device: str):

@@ -38,7 +38,7 @@ from pipelines.execution.locations import check_locations
 from pipelines.execution.worker_check import check_package_sizes
 from pipelines.names import study_key
 
-__all__ = ["StudyPlan", "preflight", "batch_of", "check_pretrained"]
+__all__ = ["StudyPlan", "study_train_config", "preflight", "batch_of", "check_pretrained"]
 
 
 @dataclass
@@ -57,6 +57,24 @@ class StudyPlan:
     @property
     def key(self) -> str:
         return study_key(self.dataset.spec.name, self.loss.name)
+
+
+def study_train_config(cfg: SweepConfig, plan: StudyPlan | None = None) -> TrainConfig:
+    """The :class:`~dml_core.train_config.TrainConfig` every fold of ``plan``'s study starts from: ``protocol.train``
+    with the protocol's schedule and the study's batch (without a plan, ``protocol.train``'s own batch or
+    TrainConfig's).  A fold then sets its seed and the loss's own learning rate; a calibration shortens the
+    schedule; the study's fingerprint records it.  One definition, so that each of them means the same folds."""
+    p = cfg.protocol
+    train = dict(p.train)
+    if plan is not None:
+        train.update(classes_per_batch=plan.classes_per_batch, m=plan.m)
+    return TrainConfig(
+        **train,
+        iters_per_epoch=p.iters_per_epoch,
+        max_epochs=p.max_epochs,
+        eval_every=p.eval_every,
+        patience=p.patience,
+    )
 
 
 def batch_of(cfg: SweepConfig, loss: LossSpec) -> tuple[int, int]:
@@ -252,13 +270,7 @@ def _check_plugins_and_training(cfg: SweepConfig) -> None:
     except ValueError as e:
         raise ConfigError("losses", " ".join(str(e).split())) from None
     try:
-        TrainConfig(
-            **cfg.protocol.train,
-            iters_per_epoch=cfg.protocol.iters_per_epoch,
-            max_epochs=cfg.protocol.max_epochs,
-            eval_every=cfg.protocol.eval_every,
-            patience=cfg.protocol.patience,
-        )
+        study_train_config(cfg)
     except (TypeError, ValueError) as e:
         raise ConfigError(_train_config_field(str(e)), one_line(e)) from None
 

@@ -20,7 +20,6 @@ import ray.train
 import torch
 from ray import tune
 
-from dml_core.train_config import TrainConfig
 from pipelines.config.schema import SweepConfig
 from pipelines.execution.interrupts import (
     SweepInterrupted,
@@ -28,7 +27,7 @@ from pipelines.execution.interrupts import (
     resume_command,
     stop_threads,
 )
-from pipelines.execution.preflight import StudyPlan
+from pipelines.execution.preflight import StudyPlan, study_train_config
 from pipelines.execution.progress import TrialProgress, format_duration
 from pipelines.execution.pruned_runs import PrunedRuns, PrunedTrials, close_pruned_rows
 from pipelines.execution.pruning import make_scheduler, pruning_on, search_space
@@ -168,15 +167,6 @@ class SweepStudies:
 
     def _context(self, plan: StudyPlan, study_run_id: str, table_ref) -> StudyContext:
         cfg = self.cfg
-        train = TrainConfig(
-            classes_per_batch=plan.classes_per_batch,
-            m=plan.m,
-            iters_per_epoch=cfg.protocol.iters_per_epoch,
-            max_epochs=cfg.protocol.max_epochs,
-            eval_every=cfg.protocol.eval_every,
-            patience=cfg.protocol.patience,
-            **{k: v for k, v in cfg.protocol.train.items() if k not in ("classes_per_batch", "m")},
-        )
         return StudyContext(
             sweep=cfg.name,
             study=plan.key,
@@ -190,7 +180,7 @@ class SweepStudies:
             manifest_json=plan.dataset.manifest.to_json(),
             model_kwargs=plan.model_kwargs,
             fixed_params=plan.fixed,
-            train=train,
+            train=study_train_config(cfg, plan),
             image_size=plan.dataset.spec.image_size,
             workers_per_fold=cfg.resources.workers_per_fold,
             use_gpu=cfg.resources.use_gpu,

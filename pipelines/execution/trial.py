@@ -144,9 +144,8 @@ def _fold_config(
 ) -> FoldConfig:
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
-    train = replace(ctx.train, seed=seed + fold.index)
-    if LOSS_LR in values:
-        train = replace(train, loss_lr=float(values[LOSS_LR]))
+    own_lr = {"loss_lr": float(values[LOSS_LR])} if LOSS_LR in values else {}
+    train = replace(ctx.train, seed=seed + fold.index, **own_lr)
     return FoldConfig(
         table_ref=ctx.table_ref,
         fold=FoldClasses(fold.index, tuple(fold.train_classes), tuple(fold.val_classes)),
