@@ -30,3 +30,21 @@ def test_ray_is_imported_after_its_settings_and_not_by_the_checks():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["ray_before"] is False, "the sweep's checks imported Ray"
     assert out["dedup"] is False, "Ray was imported before RAY_ENV (RAY_DEDUP_LOGS=0) was set"
+
+
+_REEVAL_PROBE = """
+import json
+import pipelines.reeval.run  # what dmlrc reeval loads
+from ray._private import ray_constants
+print(json.dumps({"dedup": ray_constants.RAY_DEDUP_LOGS}))
+"""
+
+
+def test_reeval_imports_ray_after_its_settings():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TUNE_"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", _REEVAL_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["dedup"] is False, "dmlrc reeval imported Ray before RAY_ENV (RAY_DEDUP_LOGS=0) was set"

@@ -41,7 +41,6 @@ tagged ``restarted=true`` (the partial run soft-deleted).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import resource
 import sys
@@ -65,7 +64,7 @@ from dml_core.models import build_model
 from dml_core.train import TrainConfig, embed, train_fold
 from pipelines.execution.fold_config import FoldConfig, FoldOutcome, s3_uri
 from pipelines.names import FOLD_STARTED_TAG, HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
-from pipelines.tracking.evaluations import evaluation_metrics, logged_evaluations
+from pipelines.tracking.evaluations import evaluation_metrics, finite_metrics, logged_evaluations
 
 __all__ = [
     "run_fold",
@@ -100,10 +99,6 @@ def clear_checkpoints(uri: str | None) -> None:
 #: The dataset table of the last fold this process ran, by object-ref id: a reused (warm) worker fetches and
 #: deserialises it once per study, not once per fold.
 _TABLE_CACHE: dict[str, Any] = {}
-
-
-def _finite(d: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
 
 
 def _table(ref) -> Any:
@@ -349,7 +344,7 @@ def _outcome(result, ckpt: _Checkpoints, fold: int, times: tuple[float, float, f
         status=result.status,
         reason=result.reason,
         best_epoch=result.best_epoch,
-        best_metrics=_finite(result.best_metrics),
+        best_metrics=finite_metrics(result.best_metrics),
         iterations=result.iterations,
         epochs=result.epochs,
         stopped_early=result.stopped_early,
@@ -370,7 +365,7 @@ def _outcome(result, ckpt: _Checkpoints, fold: int, times: tuple[float, float, f
                 "epoch": r["epoch"],
                 "iteration": r["iteration"],
                 "train_loss": r.get("train_loss"),
-                "metrics": _finite({k: v for k, v in r["metrics"].items() if k in HEADLINE_METRICS}),
+                "metrics": finite_metrics({k: v for k, v in r["metrics"].items() if k in HEADLINE_METRICS}),
             }
             for r in result.history
         ],
@@ -393,7 +388,7 @@ def _evaluate_test(cfg: FoldConfig, parts: _FoldParts, result, outcome: FoldOutc
         return None
     test_emb, test_labels = emb.numpy().astype(np.float32), labels.numpy()
     # "separated" (docs/protocol.md §Test evaluation): this fold model alone on all test classes, compared to self.
-    outcome.test_metrics = _finite(retrieval_metrics(test_emb, test_labels))
+    outcome.test_metrics = finite_metrics(retrieval_metrics(test_emb, test_labels))
     return test_emb, test_labels
 
 

@@ -49,7 +49,6 @@ from dml_core.shards import read_manifest
 from dml_core.splits import FoldManifest
 from dml_core.stats import confidence_interval
 from pipelines.config.schema import ConfigError
-from pipelines.execution.fold import _finite
 from pipelines.execution.ray_runtime import check_tracking_reachable
 from pipelines.execution.ray_session import stop_ray
 from pipelines.names import ALIAS, MODES, REPRODUCTION
@@ -59,6 +58,7 @@ from pipelines.results.embeddings import reproduction_test_metrics, split_folds
 from pipelines.results.plotting import plt
 from pipelines.results.study_results import confidence_intervals
 from pipelines.tracking.datasets import log_dataset_input
+from pipelines.tracking.evaluations import finite_metrics
 from pipelines.tracking.model_registry import fluent_tracking
 from pipelines.tracking.runs import git_commit
 
@@ -161,7 +161,7 @@ def reproduction_metrics(folds_output: np.ndarray, labels: np.ndarray, n_folds: 
     (``pipelines.execution.trial``)."""
     parts = split_folds(folds_output, n_folds)
     # fold_worker's "separated" call, per fold model: retrieval_metrics(test_emb, test_labels)
-    outcomes = [{"test_metrics": _finite(retrieval_metrics(p, labels))} for p in parts]
+    outcomes = [{"test_metrics": finite_metrics(retrieval_metrics(p, labels))} for p in parts]
     metrics, _ = reproduction_test_metrics(outcomes, parts, [labels] * n_folds)  # (metrics, the concat search)
     return metrics
 
