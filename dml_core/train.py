@@ -389,7 +389,9 @@ class _FoldLoop:
         _check_resume_state(state, self.config, self.ranks.world)
         self.model.load_state_dict(state["model"])
         self.loss.load_state_dict(state["loss"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # torch's Optimizer.load_state_dict keeps the given tensors where they already have the parameter's device
+        # and dtype (on the CPU, all of them) and then updates them in place: train a copy, not the caller's state.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.precision.load_state_dict(state.get("scaler"))
         if self.scheduler is not None:  # a state without a schedule was refused above (its config differs)
             self.scheduler.load_state_dict(state["scheduler"])

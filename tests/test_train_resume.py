@@ -285,3 +285,30 @@ def test_fold_checkpoints_count_restarts_and_survive_storage_trouble(tmp_path, c
     third = _Checkpoints(uri, enabled=True, label="f", rank=0)
     third.start(third.resume_state(), last_logged=0)
     assert (third.restarts, third.resumed_from, third.redone_iterations) == (2, [3, 3], 2)
+
+
+def test_resuming_leaves_the_callers_state_as_it_was(tmp_path):
+    """The state a fold resumes from is read, not trained in: resuming twice from one state object (a retry in the
+    same process) starts twice from the same point."""
+    config = _config(max_epochs=4, optimizer="adam")
+    with pytest.raises(Killed):
+        _run("proxynca_pp", config, tmp_path, kill_after=2)
+    state = CheckpointDir(str(tmp_path)).load()
+    before = {k: v.clone() for k, v in _tensors(state).items()}
+    train, val = _data()
+    model, loss = _fresh("proxynca_pp", init_seed=99)
+    train_fold(model, loss, train, val, config, resume_state=state)
+    after = _tensors(state)
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    assert not changed, f"train_fold changed the resume state it was given: {changed[:5]}"
+
+
+def _tensors(obj, prefix="") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested dict/list, by its path."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(_tensors(v, f"{prefix}/{k}"))
+    return out
