@@ -167,3 +167,27 @@ def test_ray_client_addresses_are_accepted():
 
     assert get_ray_client_dependency_error() is None
     assert check_ray_address("ray://head-svc:10001", "--address") == "ray://head-svc:10001"
+
+
+@pytest.mark.parametrize("token_before", [None, 0o644], ids=["new token", "a token readable by all"])
+def test_a_local_ray_keeps_its_token_readable_by_this_user_only(tmp_path, token_before):
+    """Ray writes a new local cluster's token to ~/.ray/auth_token with the umask (commonly 0644): anyone on the
+    machine could read it and run code in this user's Ray.  The sweep's local Ray leaves it owner-only."""
+    home = tmp_path / "home"
+    home.mkdir()
+    token = home / ".ray" / "auth_token"
+    if token_before is not None:
+        token.parent.mkdir(mode=0o755)
+        token.write_text(secrets.token_hex(16))
+        token.chmod(token_before)
+    code = "from pipelines.execution.ray_session import init_ray, stop_ray; stop_ray(init_ray(None, num_cpus=1))"
+    env = _clean_env(home)
+    env.pop("RAY_AUTH_MODE", None)  # Ray's default: token authentication for a new local cluster
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, umask=0o022
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert token.is_file(), "the local Ray wrote no token (token authentication off?)"
+    assert token.stat().st_mode & 0o777 == 0o600
+    if token_before is None:
+        assert token.parent.stat().st_mode & 0o777 == 0o700

@@ -307,8 +307,28 @@ def _join_cluster(address: str, address_field: str, kwargs: dict[str, Any]) -> N
         raise ConfigError(where, _no_cluster(address, e)) from None
 
 
+def _token_folder_owner_only() -> None:
+    """A local Ray with token authentication (Ray's default for a new cluster) writes its token to
+    ``~/.ray/auth_token`` when there is none, with this process's umask: commonly readable by every user of the
+    machine, who could then join this user's Ray and run code in it.  Create ``~/.ray`` owner-only where Ray is
+    about to create it; :func:`_token_file_owner_only` narrows the file itself once Ray has written it."""
+    folder = token_setup._get_default_token_path().parent
+    with contextlib.suppress(OSError):  # no home folder: Ray's own error, if any, is the one to show
+        folder.mkdir(mode=0o700, exist_ok=False)
+
+
+def _token_file_owner_only() -> None:
+    """Make this user's ``~/.ray/auth_token`` readable by its owner only (:func:`_token_folder_owner_only`)."""
+    token = token_setup._get_default_token_path()
+    with contextlib.suppress(OSError):  # no token (authentication disabled), or not ours to change
+        st = token.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            token.chmod(0o600)
+
+
 def _start_local(num_cpus: int, kwargs: dict[str, Any]) -> None:
-    """``ray.init`` of a Ray on this machine: the trial-driver slots, gloo over loopback, no preemption watcher."""
+    """``ray.init`` of a Ray on this machine: the trial-driver slots, gloo over loopback, no preemption watcher, its
+    authentication token readable by this user only."""
     # One machine cannot be preempted node by node: skip Train's per-run preemption-watcher actor.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     kwargs["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
@@ -320,9 +340,11 @@ def _start_local(num_cpus: int, kwargs: dict[str, Any]) -> None:
     ):
         # The folds' gloo (CPU DDP) connections between workers of one machine: over loopback only.
         kwargs["runtime_env"]["env_vars"]["GLOO_SOCKET_IFNAME"] = "lo"
+    _token_folder_owner_only()
     for attempt in range(3):
         try:
             ray.init(num_cpus=num_cpus, **kwargs)
+            _token_file_owner_only()
             return
         except Exception as e:  # only Ray's start-up timeout is retried
             # Ray waits a fixed 30 s for its raylet to register; a saturated machine can miss that.
