@@ -20,6 +20,7 @@ __all__ = [
     "ALIAS",
     "study_key",
     "study_dirname",
+    "tuner_name",
     "reproduction_seed",
 ]
 
@@ -63,6 +64,17 @@ def study_key(dataset: str, loss: str) -> str:
 def study_dirname(key: str) -> str:
     """A study key as a folder name (``/`` and ``:`` replaced)."""
     return key.replace("/", "__").replace(":", "-")
+
+
+def tuner_name(sweep: str, storage: str, kind: str) -> str:
+    """The Tune experiment name of a study's Tuner ``kind`` ("search" or "reproductions"), kept in the study's folder
+    ``storage``: unique to the sweep and the study.  Tune stages an experiment's state (trials, searcher) on the driver
+    in ``<Ray session>/artifacts/<start second>/<name>`` and copies that whole folder to the experiment's storage, and
+    a restored experiment stages under its first start's second again.  Two Tuners of one name started in the same
+    second — a sweep's studies start together — would share that folder: each study's storage would receive the
+    other's trials and searcher state, and ``--resume`` would restore one study's search with another's (or stop on
+    Optuna's ``KeyError`` for a trial its searcher never saw)."""
+    return f"{kind}.{sweep}.{storage.rstrip('/').rsplit('/', 1)[-1]}"
 
 
 def reproduction_seed(base_seed: int, i: int) -> int:

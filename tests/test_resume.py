@@ -51,6 +51,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pipelines.names import tuner_name
 from tests.paced_trunk import PACE_FILE_ENV, PACED_TRUNK, pace_file
 from tests.tiny_sweep import files_containing, ray_tmpdir, sweep_env
 
@@ -280,7 +281,8 @@ def kill_and_resume(
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(doc))
     uri = tracking_uri or f"sqlite:///{tmp_path / 'runs' / name / 'mlflow.db'}"
-    search = tmp_path / "runs" / name / "ray" / "synthetic__contrastive" / "search"  # Tune's experiment dir
+    study = tmp_path / "runs" / name / "ray" / "synthetic__contrastive"
+    search = study / tuner_name(name, str(study), "search")  # Tune's experiment dir
     watch = watch or (lambda pid: None)
 
     log_path = tmp_path / "first.log"
@@ -347,7 +349,7 @@ def kill_and_resume(
         # and, mid-reproductions, after Tune has stored the reproductions' experiment (what --resume restores)
         while (
             kill_stage == "reproduction"
-            and "RUNNING" not in _tune_trial_statuses(search.parent / "reproductions").values()
+            and "RUNNING" not in _tune_trial_statuses(study / tuner_name(name, str(study), "reproductions")).values()
         ):
             assert time.time() < deadline, (
                 "Tune did not store the reproductions in time: " + log_path.read_text()[-4000:]

@@ -336,9 +336,10 @@ def _check_run_tree(
 
 
 def _tune_result(storage: Path, name: str, study: str, trial_id: str) -> dict:
-    from pipelines.names import study_dirname
+    from pipelines.names import study_dirname, tuner_name
 
-    search = storage / name / "ray" / study_dirname(study) / "search"
+    folder = storage / name / "ray" / study_dirname(study)
+    search = folder / tuner_name(name, str(folder), "search")
     for result in search.glob(f"*{trial_id}*/result.json"):
         rows = [json.loads(line) for line in result.read_text().splitlines() if line.strip()]
         return rows[-1]

@@ -274,13 +274,14 @@ class SweepStudies:
         table_ref = ray.put(plan.dataset.table)
         return register_study_trainable(plan.key, self._context(plan, run_id, table_ref))
 
-    def _fit(self, plan: StudyPlan, name: str, trainable: str, new) -> list[dict[str, Any]]:
-        """The study's Tuner ``name`` (:func:`pipelines.execution.tuners.fit_tuner`); stops here if the sweep is."""
+    def _fit(self, plan: StudyPlan, kind: str, trainable: str, new) -> list[dict[str, Any]]:
+        """The study's Tuner ``kind`` (:func:`pipelines.execution.tuners.fit_tuner`); stops here if the sweep is."""
         rows = fit_tuner(
             self.study_storage(plan),
-            name,
+            kind,
             trainable,
             new,
+            sweep=self.cfg.name,
             trial_retries=self.cfg.resources.trial_retries,
             say=lambda m: self.say(f"[{plan.key}] {m}"),
         )

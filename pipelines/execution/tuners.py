@@ -14,7 +14,7 @@ from ray import tune
 from pipelines.execution.ray_runtime import trial_bundle
 from pipelines.execution.search import grid_rows
 from pipelines.execution.trial import StudyContext, run_trial
-from pipelines.names import OBJECTIVE, study_dirname
+from pipelines.names import OBJECTIVE, study_dirname, tuner_name
 
 __all__ = ["register_study_trainable", "tune_config", "run_config", "fit_tuner"]
 
@@ -70,22 +70,26 @@ def run_config(storage: str, name: str, progress, trial_retries: int):
     )
 
 
-def fit_tuner(storage: str, name: str, trainable: str, new, *, trial_retries: int, say) -> list[dict[str, Any]]:
-    """Run the Tuner ``<storage>/<name>``: restored when it was started before (with its scheduler's state and its
-    callbacks), else built from ``new()`` → ``(param_space, TuneConfig, progress callback or callbacks)``; returns the
-    rows of its results."""
-    path = storage + "/" + name
-    if tune.Tuner.can_restore(path):
-        say(f"resuming {name} from {path}")
-        tuner = tune.Tuner.restore(
-            path, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
-        )
-    else:
-        param_space, tune_cfg, progress = new()
-        tuner = tune.Tuner(
-            trainable,
-            param_space=param_space,
-            tune_config=tune_cfg,
-            run_config=run_config(storage, name, progress, trial_retries),
-        )
+def fit_tuner(
+    storage: str, kind: str, trainable: str, new, *, sweep: str, trial_retries: int, say
+) -> list[dict[str, Any]]:
+    """Run the study's Tuner ``kind`` in ``storage`` (named by :func:`pipelines.names.tuner_name`): restored when
+    it was started before (with its scheduler's state and its callbacks), else built from ``new()`` →
+    ``(param_space, TuneConfig, progress callback or callbacks)``; returns the rows of its results.  A Tuner at
+    ``<storage>/<kind>``, the name every study's Tuner had before the names were unique, is restored from there."""
+    name = tuner_name(sweep, storage, kind)
+    for path in (f"{storage}/{name}", f"{storage}/{kind}"):
+        if tune.Tuner.can_restore(path):
+            say(f"resuming {kind} from {path}")
+            tuner = tune.Tuner.restore(
+                path, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
+            )
+            return grid_rows(tuner.fit())
+    param_space, tune_cfg, progress = new()
+    tuner = tune.Tuner(
+        trainable,
+        param_space=param_space,
+        tune_config=tune_cfg,
+        run_config=run_config(storage, name, progress, trial_retries),
+    )
     return grid_rows(tuner.fit())
