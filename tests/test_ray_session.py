@@ -21,13 +21,16 @@ print(json.dumps({"ray_before": before, "dedup": ray_constants.RAY_DEDUP_LOGS}))
 """
 
 
-def test_ray_is_imported_after_its_settings_and_not_by_the_checks():
+def _run_probe(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter without the machine's Ray or Tune settings; its last line, as JSON."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TUNE_"))}
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_ray_is_imported_after_its_settings_and_not_by_the_checks():
+    out = _run_probe(_PROBE)
     assert out["ray_before"] is False, "the sweep's checks imported Ray"
     assert out["dedup"] is False, "Ray was imported before RAY_ENV (RAY_DEDUP_LOGS=0) was set"
 
@@ -41,10 +44,5 @@ print(json.dumps({"dedup": ray_constants.RAY_DEDUP_LOGS}))
 
 
 def test_reeval_imports_ray_after_its_settings():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TUNE_"))}
-    proc = subprocess.run(
-        [sys.executable, "-c", _REEVAL_PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run_probe(_REEVAL_PROBE)
     assert out["dedup"] is False, "dmlrc reeval imported Ray before RAY_ENV (RAY_DEDUP_LOGS=0) was set"
