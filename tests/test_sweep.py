@@ -392,7 +392,7 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
     from mlflow.tracking import MlflowClient
     from s3_server import s3_server
 
-    from pipelines.names import study_dirname
+    from pipelines.names import study_dirname, tuner_name
 
     with s3_server(tmp_path) as (endpoint, access_key, secret_key):
         s3_env = {
@@ -427,7 +427,8 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
             for o in page.get("Contents", [])
         ]
         ray_prefix = f"team/s3sweep/ray/{study_dirname('synthetic/contrastive')}/"
-        assert any(k.startswith(ray_prefix + "search/") and k.endswith("/result.json") for k in keys), keys[:50]
+        search = tuner_name("s3sweep", ray_prefix, "search") + "/"
+        assert any(k.startswith(ray_prefix + search) and k.endswith("/result.json") for k in keys), keys[:50]
         fold_outcomes = [k for k in keys if k.startswith(ray_prefix + "folds/") and k.endswith("/outcome.json")]
         assert len(fold_outcomes) == 2 * (1 + 2), fold_outcomes  # (1 trial + 2 reproductions) × 2 folds
         assert not (tmp_path / "runs" / "s3sweep" / "ray").exists()  # Ray wrote nothing locally
@@ -439,7 +440,8 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
         assert {f"{art_prefix}/models/fold_{k}.pt" for k in range(2)} | {f"{art_prefix}/folds.json"} <= set(keys)
 
         def tune_result_on_s3(study_key: str, trial_id: str) -> dict:
-            prefix = ray_prefix.replace(study_dirname("synthetic/contrastive"), study_dirname(study_key)) + "search/"
+            folder = ray_prefix.replace(study_dirname("synthetic/contrastive"), study_dirname(study_key))
+            prefix = folder + tuner_name("s3sweep", folder, "search") + "/"
             [key] = [k for k in keys if k.startswith(prefix) and trial_id in k and k.endswith("/result.json")]
             body = s3.get_object(Bucket="sweeps", Key=key)["Body"].read().decode()
             return [json.loads(line) for line in body.splitlines() if line.strip()][-1]

@@ -27,6 +27,7 @@ import ray
 from ray import tune
 import ray.tune.utils
 from pipelines.execution.tuners import fit_tuner
+from pipelines.names import tuner_name
 
 ray.tune.utils.date_str = lambda: "2026-01-01_00-00-00"  # every Tuner starts in the same second
 storage = sys.argv[1]
@@ -58,6 +59,18 @@ legacy = tune.RunConfig(name="search", storage_path=f"{storage}/c", verbose=0)
 tune.Tuner("train_c", param_space={"x": tune.grid_search([5])}, run_config=legacy).fit()
 got = fit_tuner(f"{storage}/c", "search", "train_c", None, sweep="s", trial_retries=0, say=print)
 print(json.dumps({"legacy": [int(r["config"]["x"]) for r in got]}), flush=True)
+
+# A Tuner built but stopped before Tune's first snapshot (only its tuner.pkl) starts anew, without Tune's
+# "Failed to restore the run state" traceback.
+tune.register_trainable("train_d", train)
+early = tune.RunConfig(name=tuner_name("s", f"{storage}/d", "search"), storage_path=f"{storage}/d", verbose=0)
+tune.Tuner("train_d", param_space={"x": tune.grid_search([7])}, run_config=early)  # writes tuner.pkl only
+
+def new_d():
+    return {"x": tune.grid_search([7])}, tune.TuneConfig(), []
+
+got = fit_tuner(f"{storage}/d", "search", "train_d", new_d, sweep="s", trial_retries=0, say=print)
+print(json.dumps({"early": [int(r["config"]["x"]) for r in got]}), flush=True)
 ray.shutdown()
 """
 
@@ -80,7 +93,10 @@ def test_two_studies_started_in_one_second_keep_their_own_tune_state(tmp_path):
         {"first": {"a": [1, 2], "b": [10, 20]}},
         {"restored": {"a": [1, 2], "b": [10, 20]}},
         {"legacy": [5]},
+        {"early": [7]},
     ]
+    assert "Failed to restore" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert "resuming search from " + str(tmp_path / "d") not in proc.stdout
     assert f"resuming search from {tmp_path / 'a' / tuner_name('s', str(tmp_path / 'a'), 'search')}" in proc.stdout
     assert f"resuming search from {tmp_path / 'c' / 'search'}" in proc.stdout
     for study, other in (("a", "b"), ("b", "a")):

@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 from ray import tune
+from ray.tune.execution.experiment_state import _find_newest_experiment_checkpoint
 
 from pipelines.execution.ray_runtime import trial_bundle
 from pipelines.execution.search import grid_rows
@@ -70,6 +71,14 @@ def run_config(storage: str, name: str, progress, trial_retries: int):
     )
 
 
+def _restorable(path: str) -> bool:
+    """Whether the Tuner at ``path`` has a snapshot to restore.  ``Tuner`` writes its ``tuner.pkl`` when built,
+    Tune its first experiment-state snapshot moments into ``fit()``: a sweep stopped in between leaves a Tuner that
+    ``Tuner.can_restore`` accepts and that Tune then fails to restore ("Failed to restore the run state", a traceback,
+    then a fresh start).  Such a Tuner holds no trial: it is started anew, quietly."""
+    return tune.Tuner.can_restore(path) and _find_newest_experiment_checkpoint(path) is not None
+
+
 def fit_tuner(
     storage: str, kind: str, trainable: str, new, *, sweep: str, trial_retries: int, say
 ) -> list[dict[str, Any]]:
@@ -79,7 +88,7 @@ def fit_tuner(
     ``<storage>/<kind>``, the name every study's Tuner had before the names were unique, is restored from there."""
     name = tuner_name(sweep, storage, kind)
     for path in (f"{storage}/{name}", f"{storage}/{kind}"):
-        if tune.Tuner.can_restore(path):
+        if _restorable(path):
             say(f"resuming {kind} from {path}")
             tuner = tune.Tuner.restore(
                 path, trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
