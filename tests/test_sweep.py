@@ -21,7 +21,7 @@ import yaml
 
 from pipelines.execution.fold_config import FoldOutcome
 from pipelines.execution.trial import reduce_folds
-from pipelines.names import OBJECTIVE, REPRODUCTION
+from pipelines.names import OBJECTIVE, REPRODUCTION, study_dirname, tuner_name
 from pipelines.results.embeddings import concatenated_embeddings
 from tests.tiny_sweep import tiny_sweep
 
@@ -336,7 +336,6 @@ def _check_run_tree(
 
 
 def _tune_result(storage: Path, name: str, study: str, trial_id: str) -> dict:
-    from pipelines.names import study_dirname, tuner_name
 
     folder = storage / name / "ray" / study_dirname(study)
     search = folder / tuner_name(name, str(folder), "search")
@@ -391,8 +390,6 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
     import boto3
     from mlflow.tracking import MlflowClient
     from s3_server import s3_server
-
-    from pipelines.names import study_dirname, tuner_name
 
     with s3_server(tmp_path) as (endpoint, access_key, secret_key):
         s3_env = {

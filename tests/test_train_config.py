@@ -3,12 +3,14 @@ torch, carried to the fold's process inside ``FoldConfig``, and the sweep schema
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,10 +59,6 @@ _PER_RUN |= {"seed", "device", "loss_lr"}
 
 @pytest.mark.parametrize("recipe", ["protocol", "paper"])
 def test_the_sweep_its_calibration_and_its_fingerprint_mean_one_study_train_config(tmp_path, recipe):
-    import copy
-    from dataclasses import asdict
-    from types import SimpleNamespace
-
     from pipelines.config.presets import DEMO
     from pipelines.config.schema import parse_config
     from pipelines.execution.fingerprints import study_fingerprint
