@@ -97,8 +97,9 @@ class SweepStudies:
         """Every study, ``limit`` at a time, each in its own thread; the summaries in the plans' order.  On Ctrl-C
         or a study's crash the others are stopped (:meth:`_stop_studies`) and the exception goes on."""
         pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="study")
-        futures = [pool.submit(self._study_thread, plan) for plan in self.plans]
-        try:
+        futures: list = []
+        try:  # a stop that lands while the studies are submitted stops those already submitted
+            futures.extend(pool.submit(self._study_thread, plan) for plan in self.plans)
             pending = set(futures)
             while pending:  # a timeout, so that the main thread stays responsive to SIGINT
                 done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
@@ -114,9 +115,9 @@ class SweepStudies:
         return [f.result() for f in futures]
 
     def _study_thread(self, plan: StudyPlan) -> StudySummary:
-        if self.stopping.is_set():
-            raise SweepInterrupted("stopped before it started")
-        with self._threads_lock:
+        with self._threads_lock:  # either a stop sees this thread, or this thread sees the stop
+            if self.stopping.is_set():
+                raise SweepInterrupted("stopped before it started")
             self._threads[plan.key] = threading.get_ident()
         try:
             return self.run_study(plan)
