@@ -8,11 +8,18 @@ workers are started with the ``spawn`` method.  Each worker runs with one torch 
 initialised gloo process group on a free loopback port; its return value travels back through
 ``torch.save`` (tensors, dicts, dataclasses are fine).  A worker exception is re-raised here with
 the worker's traceback; a hang is cut off after ``timeout`` seconds and the workers killed.
+
+A worker that has saved its result waits for its peers (a barrier), destroys the process group and leaves with
+``os._exit(0)``: a spawned process otherwise runs the interpreter's teardown and the C++ static destructors, the
+usual place of a "terminate called without an active exception" (a C++ thread object destroyed while its thread
+runs), which once killed a rank of a finished DDP test with SIGABRT.  A native abort prints every thread's Python
+stack (``faulthandler``), so a next one says where it happened.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import sys
 import tempfile
@@ -30,6 +37,7 @@ __all__ = ["free_port", "run_ddp"]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only; never a real NIC
@@ -43,8 +51,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
     try:
         result = fn(rank, world, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while a peer is still inside a collective
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is saved: skip the interpreter's and the C++ runtime's teardown
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
