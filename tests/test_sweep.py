@@ -336,7 +336,6 @@ def _check_run_tree(
 
 
 def _tune_result(storage: Path, name: str, study: str, trial_id: str) -> dict:
-
     folder = storage / name / "ray" / study_dirname(study)
     search = folder / tuner_name(name, str(folder), "search")
     for result in search.glob(f"*{trial_id}*/result.json"):
