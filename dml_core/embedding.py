@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Subset
 
 from dml_core.data import decode_image, eval_transform
 from dml_core.distributed import all_gather_uneven, get_rank, get_world_size, shard_bounds
+from dml_core.loader_workers import init_loader_worker
 
 __all__ = ["embed", "embed_images", "resolve_device", "check_dataset", "labels_of", "embed_gathered"]
 
@@ -110,6 +111,7 @@ def embed_gathered(model: nn.Module, dataset, batch_size: int, device: torch.dev
         shuffle=False,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
+        worker_init_fn=init_loader_worker,
     )
     was_training = model.training
     model.eval()

@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader
 from dml_core.checkpoint import STATE_FORMAT, rng_state, set_rng_state
 from dml_core.distributed import broadcast_buffers_, broadcast_object, get_rank
 from dml_core.embedding import check_dataset, embed, embed_gathered, embed_images, labels_of, resolve_device
+from dml_core.loader_workers import init_loader_worker
 
 # MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (``metric_loss_optimizer``); the registry's default
 # ``loss_weight_decay`` is the same constant.  Importable from here as before.
@@ -428,6 +429,7 @@ class _FoldLoop:
             pin_memory=self.device.type == "cuda",
             persistent_workers=False,
             generator=self.loader_rng,
+            worker_init_fn=init_loader_worker,
         )
         self.memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
 

@@ -1,7 +1,8 @@
 """A Ray worker that Ray stops with SIGTERM while a finalizer runs exits quietly, with Ray's exit code
 (``pipelines/execution/worker_setup.py``): no ``Exception ignored ... sigterm_handler ... SystemExit: 1`` in the
-sweep's output, and no worker that runs on after Ray told it to go.  Every other unraisable exception is printed as
-before.
+sweep's output, and no worker that runs on after Ray told it to go.  A ``KeyboardInterrupt`` (Ray's cancel of a
+task) swallowed by a finalizer or an at-fork callback is raised again in the interrupted code, so a cancelled fold
+stops.  Every other unraisable exception is printed as before.
 
 Each case runs in its own Python process: the hook ends the process it runs in, and the test process keeps its own
 ``sys.unraisablehook``.
@@ -130,6 +131,60 @@ def test_rays_sigterm_inside_a_finalizer_exits_with_rays_code(tmp_path, finalize
     assert "Exception ignored" not in out.stderr and "SystemExit" not in out.stderr, out.stderr
 
 
+_SWALLOWERS = {
+    "__del__": """
+        class Finalized:
+            def __del__(self):
+                interrupted_here()
+
+        Finalized()
+        """,
+    "weakref callback": """
+        import weakref
+
+        class Item:
+            pass
+
+        item = Item()
+        ref = weakref.ref(item, lambda ref: interrupted_here())
+        del item
+        """,
+    # what a cancelled fold showed: the interrupt inside logging's at-fork callback as a DataLoader forked a worker
+    "at-fork callback": """
+        os.register_at_fork(after_in_parent=interrupted_here)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        """,
+}
+
+
+@pytest.mark.parametrize("swallower", sorted(_SWALLOWERS))
+def test_an_interrupt_swallowed_by_a_callback_is_raised_again_in_the_interrupted_code(tmp_path, swallower):
+    """Ray cancels a running task with a ``KeyboardInterrupt`` in its thread; where a callback swallowed it, the task
+    must still stop, and nothing is printed."""
+    body = (
+        "import os\nimport time\n\n"
+        "def interrupted_here():\n    raise KeyboardInterrupt\n\n"
+        "try:\n"
+        + textwrap.indent(textwrap.dedent(_SWALLOWERS[swallower]).strip(), "    ")
+        + "\n    t0 = time.monotonic()\n"
+        "    while time.monotonic() - t0 < 20:  # the task's own work goes on\n"
+        "        pass\n"
+        "    print('ran on', flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+    )
+    out = _run(
+        body,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "interrupted", out.stdout + out.stderr
+    assert "Exception ignored" not in out.stderr and "KeyboardInterrupt" not in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     "raiser, shown",
     [
@@ -162,7 +217,7 @@ def test_installing_twice_wraps_once(tmp_path):
     out = _run(
         """
         first = sys.unraisablehook
-        worker_setup.install_sigterm_exit_hook()
+        worker_setup.install_unraisable_hook()
         print("same hook", sys.unraisablehook is first, flush=True)
         """,
         tmp_path,
@@ -217,3 +272,67 @@ def test_a_ray_worker_sigtermed_in_a_finalizer_exits_without_noise(tmp_path):
     assert out.returncode == 0, text
     assert "RESULT worker exited" in out.stdout, text
     assert "Exception ignored" not in text and "sigterm_handler" not in text, text
+
+
+_RAY_CANCEL = textwrap.dedent(
+    """
+    import os
+    import sys
+    import time
+
+    import ray
+    from pipelines.execution.ray_session import init_ray, stop_ray
+
+    marker = sys.argv[1]
+    started = init_ray(None, num_cpus=1)
+    try:
+        @ray.remote(num_cpus=0, max_retries=0)
+        def forks(marker):
+            def after_fork_in_parent():  # a slow at-fork callback, so that Ray's cancel lands in it
+                open(marker, "w").close()
+                time.sleep(3)
+
+            os.register_at_fork(after_in_parent=after_fork_in_parent)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                time.sleep(0.05)
+            return "ran on"
+
+        ref = forks.remote(marker)
+        while not os.path.exists(marker):
+            time.sleep(0.05)
+        ray.cancel(ref)  # what a trial does to its folds when the scheduler prunes it
+        try:
+            print("RESULT", ray.get(ref, timeout=120), flush=True)
+        except ray.exceptions.TaskCancelledError:
+            print("RESULT cancelled", flush=True)
+        time.sleep(2)  # the worker's output reaches the driver
+    finally:
+        stop_ray(started)
+    """
+)
+
+
+@pytest.mark.slow
+def test_rays_cancel_landing_in_an_at_fork_callback_still_stops_the_task(tmp_path):
+    """End to end: Ray's real cancel of a running task, delivered while an at-fork callback runs (as when a pruned
+    trial's fold forks its DataLoader workers), in a local Ray as a sweep starts it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(HOME=str(tmp_path), RAY_USAGE_STATS_ENABLED="0")
+    out = subprocess.run(
+        [sys.executable, "-c", _RAY_CANCEL, str(tmp_path / "in-callback")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "RESULT cancelled" in out.stdout, text
+    assert "Exception ignored" not in text, text

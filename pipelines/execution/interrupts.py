@@ -43,6 +43,7 @@ __all__ = [
     "STOP_SIGNALS",
     "stop_on_sigint",
     "stop_threads",
+    "raise_in_thread",
     "install_startup_handlers",
     "exit_status",
     "resume_command",
@@ -143,7 +144,7 @@ def stop_on_sigint(message: str, out=None) -> Iterator[None]:
             restore()
 
 
-def _raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
+def raise_in_thread(ident: int, exc_type: type[BaseException]) -> None:
     """Raise ``exc_type`` in the thread ``ident`` at its next Python instruction."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
 
@@ -169,7 +170,7 @@ def stop_threads(
     sys.unraisablehook = hook
     try:
         for ident in running():
-            _raise_in_thread(ident, SweepInterrupted)
+            raise_in_thread(ident, SweepInterrupted)
         deadline = time.monotonic() + timeout_s
         left = {f for f in futures if not f.cancelled()}
         while left:
@@ -180,7 +181,7 @@ def stop_threads(
             again = swallowed & set(running())
             swallowed.difference_update(again)
             for ident in again:
-                _raise_in_thread(ident, SweepInterrupted)
+                raise_in_thread(ident, SweepInterrupted)
         return left
     finally:
         sys.unraisablehook = previous

@@ -9,15 +9,28 @@ which prints a 30-line traceback into the sweep's output, or it asks the other c
 address set, the State API asks this cluster only; where it cannot answer (no dashboard), the cleaner's own handling
 applies (a warning, below the log level the sweep gives Ray).
 
-:func:`install_sigterm_exit_hook` makes a worker that Ray stops with SIGTERM exit, quietly, even when the signal
-lands while a finalizer (``__del__``, a weakref or GC callback) runs.  The raylet sends SIGTERM to a worker's process
-group when it disconnects the worker (e.g. a trial actor whose placement group Tune removes as the trial ends) and
-SIGKILL moments later.  Ray's worker SIGTERM handler (``sigterm_handler`` in ``Worker.main_loop``,
-``ray/_private/worker.py``) raises ``SystemExit(1)``; Python cannot let an exception out of a finalizer, so it prints
-``Exception ignored in: <function WeakSet...._remove> ... sigterm_handler ... SystemExit: 1`` into the sweep's output
-(which a user reads as a crash) and the worker runs on until the SIGKILL.  The hook recognises exactly that case and
-ends the process with Ray's exit code; every other unraisable exception goes to the hook that was there before,
-unchanged.
+:func:`install_unraisable_hook` handles the two signals Ray sends a worker that Python can swallow: a signal's
+handler runs at the next bytecode of the main thread, which may be inside a finalizer (``__del__``, a weakref or GC
+callback) or an ``os.register_at_fork`` callback, and an exception raised there cannot propagate: CPython prints it
+as ``Exception ignored in: …`` and goes on.
+
+* **SIGTERM.**  The raylet sends SIGTERM to a worker's process group when it disconnects the worker (e.g. a trial
+  actor whose placement group Tune removes as the trial ends) and SIGKILL moments later.  Ray's worker SIGTERM
+  handler (``sigterm_handler`` in ``Worker.main_loop``, ``ray/_private/worker.py``) raises ``SystemExit(1)``; in a
+  finalizer that prints ``Exception ignored in: <function WeakSet...._remove> ... sigterm_handler ... SystemExit: 1``
+  into the sweep's output (which a user reads as a crash) and the worker runs on until the SIGKILL.  The hook ends
+  the process with Ray's exit code instead.
+* **Ray's cancel.**  ``ray.cancel(ref)`` (a pruned trial's folds, :mod:`pipelines.execution.trial`) interrupts the
+  task's main thread with a ``KeyboardInterrupt``.  A fold forks its DataLoader's worker processes every epoch
+  (``num_workers > 0``), and ``logging`` registers at-fork callbacks: an interrupt landing in one printed
+  ``Exception ignored in: <function _releaseLock …> … KeyboardInterrupt`` and was lost, so the pruned trial's fold
+  trained on to its end, holding its CPU or GPU, logging to the closed pruned run and writing checkpoints that the
+  study had already deleted.  The hook has a helper thread raise the ``KeyboardInterrupt`` again in the
+  interrupted thread once the hook has returned (again after each callback that swallows it), so the cancel takes
+  effect.  Only Ray sends a worker
+  SIGINT: a worker runs in a process group of its own, out of reach of a terminal's Ctrl-C.
+
+Every other unraisable exception goes to the hook that was there before, unchanged.
 
 Standard library and Ray only: every worker process runs it, trial drivers that never load torch included.
 """
@@ -26,10 +39,15 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 import traceback
+from types import CodeType
 from typing import Any
 
-__all__ = ["setup_worker", "scope_to_own_cluster", "install_sigterm_exit_hook", "is_sigterm_exit"]
+from pipelines.execution.interrupts import raise_in_thread
+
+__all__ = ["setup_worker", "scope_to_own_cluster", "install_unraisable_hook", "is_sigterm_exit", "is_interrupt"]
 
 #: The name of the function that Ray's worker installs as its SIGTERM handler (``ray/_private/worker.py``).
 _SIGTERM_HANDLER = "sigterm_handler"
@@ -38,7 +56,7 @@ _SIGTERM_HANDLER = "sigterm_handler"
 def setup_worker() -> None:
     """Ray's ``worker_process_setup_hook`` for every ``dmlrc`` job (module docstring)."""
     scope_to_own_cluster()
-    install_sigterm_exit_hook()
+    install_unraisable_hook()
 
 
 def scope_to_own_cluster() -> None:
@@ -56,6 +74,29 @@ def is_sigterm_exit(unraisable: Any) -> bool:
     return any(frame.f_code.co_name == _SIGTERM_HANDLER for frame, _ in traceback.walk_tb(unraisable.exc_traceback))
 
 
+def is_interrupt(unraisable: Any) -> bool:
+    """Whether an unraisable exception is a ``KeyboardInterrupt`` (in a Ray worker: Ray's cancel of its task)."""
+    return isinstance(unraisable.exc_value, KeyboardInterrupt) or (
+        isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, KeyboardInterrupt)
+    )
+
+
+def _interrupt_once_out_of(ident: int, hook: CodeType) -> None:
+    """Raise ``KeyboardInterrupt`` in the thread ``ident`` once no frame of ``hook`` (the unraisable hook that saw
+    its interrupt swallowed) is on that thread's stack, so that it is raised where it can propagate: in the code the
+    swallowing callback returns to, or in a next callback, which swallows it again and calls the hook again."""
+    while True:
+        frame = sys._current_frames().get(ident)
+        if frame is None:  # the thread has ended
+            return
+        while frame is not None and frame.f_code is not hook:
+            frame = frame.f_back
+        if frame is None:
+            raise_in_thread(ident, KeyboardInterrupt)
+            return
+        time.sleep(0.001)
+
+
 def _exit_code(exc: SystemExit) -> int:
     """The status ``sys.exit`` would give for ``exc`` (None: 0, an int: itself, anything else: 1)."""
     if exc.code is None:
@@ -63,14 +104,21 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else 1
 
 
-def install_sigterm_exit_hook() -> None:
+def install_unraisable_hook() -> None:
     """Install a ``sys.unraisablehook`` that ends the process for a SIGTERM handler's ``SystemExit`` swallowed by a
-    finalizer (module docstring) and hands every other unraisable exception to the previous hook.  Idempotent."""
+    finalizer, raises a swallowed ``KeyboardInterrupt`` again in its thread (module docstring), and hands every other
+    unraisable exception to the previous hook.  Idempotent."""
     previous = sys.unraisablehook
-    if getattr(previous, "_dmlrc_sigterm_exit", False):
+    if getattr(previous, "_dmlrc_worker_hook", False):
         return
 
     def hook(unraisable: Any) -> None:
+        if is_interrupt(unraisable):
+            # Not from here: an exception set for this thread now would be raised inside this hook, and lost.
+            threading.Thread(
+                target=_interrupt_once_out_of, args=(threading.get_ident(), hook.__code__), daemon=True
+            ).start()
+            return
         if not is_sigterm_exit(unraisable):
             previous(unraisable)
             return
@@ -89,5 +137,5 @@ def install_sigterm_exit_hook() -> None:
                 pass
         os._exit(_exit_code(unraisable.exc_value))
 
-    hook._dmlrc_sigterm_exit = True  # type: ignore[attr-defined]  # marks the hook as installed (idempotence)
+    hook._dmlrc_worker_hook = True  # type: ignore[attr-defined]  # marks the hook as installed (idempotence)
     sys.unraisablehook = hook
