@@ -5,7 +5,7 @@ A worker sends each batch's tensors to the process that iterates the loader thro
 ``file_descriptor`` sharing passes the memory's file descriptor over a connection that the worker's
 ``multiprocessing.resource_sharer`` thread serves.  When the consumer stops in the middle of taking one (a fold that
 Ray cancels, e.g. a pruned trial's, stops wherever its ``KeyboardInterrupt`` lands), that thread's connection is
-reset, and the thread hands the error to ``sys.excepthook``: a 20-line ``ConnectionResetError`` traceback in the
+reset, and the thread hands the error to ``sys.excepthook``: a 19-line ``ConnectionResetError`` traceback in the
 worker's stderr, which Ray forwards into the sweep's output, where it reads as a crash.  Nothing is lost there: the
 consumer has stopped, and a consumer still running would get an error of its own from the same failed transfer.
 :func:`quiet_consumer_gone` leaves exactly that case out and passes every other exception on.

@@ -24,11 +24,10 @@ as ``Exception ignored in: …`` and goes on.
   task's main thread with a ``KeyboardInterrupt``.  A fold forks its DataLoader's worker processes every epoch
   (``num_workers > 0``), and ``logging`` registers at-fork callbacks: an interrupt landing in one printed
   ``Exception ignored in: <function _releaseLock …> … KeyboardInterrupt`` and was lost, so the pruned trial's fold
-  trained on to its end, holding its CPU or GPU, logging to the closed pruned run and writing checkpoints that the
-  study had already deleted.  The hook has a helper thread raise the ``KeyboardInterrupt`` again in the
-  interrupted thread once the hook has returned (again after each callback that swallows it), so the cancel takes
-  effect.  Only Ray sends a worker
-  SIGINT: a worker runs in a process group of its own, out of reach of a terminal's Ctrl-C.
+  trained on to its end, holding its CPU or GPU and logging to the closed pruned run.  The hook has a helper thread
+  raise the ``KeyboardInterrupt`` again in the interrupted thread once the hook has returned (again after each
+  callback that swallows it), so the cancel takes effect.  In a worker a ``KeyboardInterrupt`` comes from Ray: a
+  worker runs in a process group of its own, out of reach of a terminal's Ctrl-C.
 
 Every other unraisable exception goes to the hook that was there before, unchanged.
 
@@ -76,9 +75,7 @@ def is_sigterm_exit(unraisable: Any) -> bool:
 
 def is_interrupt(unraisable: Any) -> bool:
     """Whether an unraisable exception is a ``KeyboardInterrupt`` (in a Ray worker: Ray's cancel of its task)."""
-    return isinstance(unraisable.exc_value, KeyboardInterrupt) or (
-        isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, KeyboardInterrupt)
-    )
+    return isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, KeyboardInterrupt)
 
 
 def _interrupt_once_out_of(ident: int, hook: CodeType) -> None:
