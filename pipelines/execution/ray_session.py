@@ -16,6 +16,9 @@ some of those settings when it is imported.
   to a cluster (``--address``) leaves the cluster's own settings alone.  Not covered: the rendezvous store of each
   fold's ``torch.distributed`` group (a ``TCPStore`` on Train worker 0, set up by Ray Train) listens on all
   interfaces — torch's TCPStore has no bind-address option, only a pre-bound socket that Ray Train does not pass.
+* **A Ray process's native abort** (``Mutex corrupt``, ``*** SIGABRT received``, ``Fatal Python error: Aborted``),
+  forwarded to this terminal, is one ``warning:`` line naming the process and the log file that keeps its report
+  (``pipelines/execution/ray_output.py``).
 * **Credentials** are moved out of the environment while Ray runs and put back by :func:`stop_ray`
   (:func:`pipelines.execution.ray_runtime.hide_credentials`).
 """
@@ -60,6 +63,8 @@ from ray._private import ray_constants, services  # noqa: E402 - as above
 from ray._private.authentication import authentication_token_setup as token_setup  # noqa: E402 - as above
 from ray._raylet import GcsClient  # noqa: E402 - as above
 from ray.exceptions import AuthenticationError  # noqa: E402 - as above
+
+from pipelines.execution.ray_output import condense_aborts  # noqa: E402 - imports Ray: as above
 
 __all__ = [
     "init_ray",
@@ -290,6 +295,7 @@ def init_ray(
         _join_cluster(address, address_field, kwargs)
     else:
         _start_local(num_cpus, kwargs)
+    condense_aborts()  # a Ray process's native abort report: one line in this terminal (ray_output.py)
     for name in ("ray.tune", "ray.train", "ray.air", "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
     return True
