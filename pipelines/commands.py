@@ -7,6 +7,7 @@ so a Ctrl-C while torch, pydantic and MLflow load still ends in one line.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -243,6 +244,8 @@ def run(argv: list[str] | None) -> int:
     """Parse ``argv`` and run its command: its exit status; a user's mistake is one ``config error:`` line."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    for noisy in ("mlflow.store", "alembic"):  # a new sqlite store announces its tables and migrations at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -68,7 +68,9 @@ def _ran(stdout: str) -> set[str]:
 def zoo(tmp_path_factory):
     """The 3-loss sweep, its report (and bundle), then the same config with the plugin loss added."""
     tmp = tmp_path_factory.mktemp("reuse")
-    first = _ok(_cli(tmp, "sweep", str(_config(tmp, "zoo", BASE))))
+    sweep = _cli(tmp, "sweep", str(_config(tmp, "zoo", BASE)))
+    (tmp / "first.err").write_text(sweep.stderr)
+    first = _ok(sweep)
     three = _report(tmp, "zoo", "report-3")
     added = _ok(_cli(tmp, "sweep", str(_config(tmp, "zoo", [*BASE, PLUGIN]))))
     four = _report(tmp, "zoo", "report-4")
@@ -92,6 +94,13 @@ def test_adding_a_loss_runs_only_its_study_and_the_report_ranks_all(zoo):
     # every study run records its protocol fingerprint: one hash for the four
     assert len({s["fingerprint"]["hash"] for s in report["studies"]}) == 1
     assert (tmp / "report-4" / "results-bundle.json").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_a_new_sqlite_store_is_created_without_mlflow_log_lines(zoo):
+    err = (zoo[0] / "first.err").read_text()
+    assert "Creating initial MLflow database tables" not in err and "INFO mlflow" not in err, err[-3000:]
+    assert "INFO alembic" not in err and "Updating database tables" not in err, err[-3000:]
 
 
 @pytest.mark.timeout(600)

@@ -30,7 +30,6 @@ import datetime as _dt
 import hashlib
 import html
 import json
-import logging
 import math
 import os
 import sys
@@ -81,8 +80,6 @@ def manifest_digest(manifest: dict) -> str:
 
 def resolve_versions(cfg: ReevalConfig) -> list[Target]:
     """Every version the config names, checked against MLflow and the datasets; ConfigError before Ray starts."""
-    for noisy in ("mlflow.store", "alembic"):  # a fresh sqlite store announces its migrations at INFO
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     if cfg.tracking_uri.startswith(("http://", "https://")):
         check_tracking_reachable(cfg.tracking_uri)
     client = MlflowClient(cfg.tracking_uri)
