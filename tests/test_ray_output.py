@@ -9,17 +9,15 @@ under :func:`init_ray` and reads the driver's output.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from glob import glob
 from pathlib import Path
 
-from pipelines.execution.ray_output import AbortCondenser
+import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from pipelines.execution.ray_output import AbortCondenser
+from tests.ray_driver import run_driver
 
 REPORT = [
     "[mutex.cc : 1446] RAW: Mutex corrupt: both reader and writer lock held: 0x55d0c0ffee00",
@@ -192,13 +190,9 @@ _ABORTING_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_real_worker_abort_reaches_the_terminal_as_one_line(tmp_path: Path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(HOME=str(tmp_path), RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run(
-        [sys.executable, "-c", _ABORTING_WORKER], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_driver(_ABORTING_WORKER, tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     pid = re.search(r"^PID (\d+)$", proc.stdout, re.M)[1]

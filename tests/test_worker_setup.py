@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray_driver import run_driver
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _PRELUDE = textwrap.dedent(
@@ -226,16 +228,6 @@ def test_installing_twice_wraps_once(tmp_path):
     assert "same hook True" in out.stdout
 
 
-def _driver(script: str, home: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run ``script`` as a sweep's driver process would be: its own Python, HOME, no Ray or AWS settings inherited."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
-    return subprocess.run(
-        [sys.executable, "-c", script, *args], cwd=home, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 _RAY_WORKER = textwrap.dedent(
     """
     import signal
@@ -272,7 +264,7 @@ _RAY_WORKER = textwrap.dedent(
 @pytest.mark.slow
 def test_a_ray_worker_sigtermed_in_a_finalizer_exits_without_noise(tmp_path):
     """End to end, in a local Ray as a sweep starts it: Ray's real worker SIGTERM handler, our setup hook."""
-    out = _driver(_RAY_WORKER, tmp_path)
+    out = run_driver(_RAY_WORKER, tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "RESULT worker exited" in out.stdout, text
@@ -326,7 +318,7 @@ _RAY_CANCEL = textwrap.dedent(
 def test_rays_cancel_landing_in_an_at_fork_callback_still_stops_the_task(tmp_path):
     """End to end: Ray's real cancel of a running task, delivered while an at-fork callback runs (as when a pruned
     trial's fold forks its DataLoader workers), in a local Ray as a sweep starts it."""
-    out = _driver(_RAY_CANCEL, tmp_path, str(tmp_path / "in-callback"))
+    out = run_driver(_RAY_CANCEL, tmp_path, str(tmp_path / "in-callback"))
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "RESULT cancelled" in out.stdout, text

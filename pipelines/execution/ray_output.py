@@ -125,17 +125,13 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def condense_aborts() -> bool:
+def condense_aborts() -> None:
     """Wrap the printing handler of this driver's Ray (``ray.init(log_to_driver=True)`` registered it) in an
-    :class:`AbortCondenser`; returns whether there was one to wrap (not with ``log_to_driver=False``)."""
+    :class:`AbortCondenser`; without one (``log_to_driver=False``) nothing is printed, and nothing changes."""
     node = getattr(ray_worker, "_global_node", None)
     logs_dir = node.get_logs_dir_path() if node is not None else None
-    wrapped = False
     with dispatcher._lock:
-        handlers = []
-        for name, handler in dispatcher.handlers:
-            if name == PRINT_HANDLER and not isinstance(handler, AbortCondenser):
-                handler, wrapped = AbortCondenser(handler, _say, logs_dir), True
-            handlers.append((name, handler))
-        dispatcher.handlers = handlers
-    return wrapped
+        dispatcher.handlers = [
+            (name, AbortCondenser(handler, _say, logs_dir) if name == PRINT_HANDLER else handler)
+            for name, handler in dispatcher.handlers
+        ]
