@@ -11,6 +11,9 @@
   (reproduction ``i`` of every loss uses the same seed and folds), so differences can be tested pairwise.
 * :func:`holm_adjust` — Holm–Bonferroni step-down adjusted p-values for a family of such tests (the report
   judges "not distinguishable" on them; the family each report table adjusts over is named in the report).
+* :func:`paired_detectable_difference` — the smallest true mean difference a paired t-test at a given level finds
+  with a given power (80 % by default) from the spread of the paired differences, through the noncentral t
+  distribution: what "not distinguishable" can and cannot exclude.
 
 Edge cases are decided here, once, rather than left to scipy's warnings:
 
@@ -28,7 +31,14 @@ import warnings
 
 import numpy as np
 
-__all__ = ["fold_summary", "confidence_interval", "paired_t_test", "paired_untestable", "holm_adjust"]
+__all__ = [
+    "fold_summary",
+    "confidence_interval",
+    "paired_t_test",
+    "paired_untestable",
+    "holm_adjust",
+    "paired_detectable_difference",
+]
 
 
 def _values(values, name: str = "values") -> np.ndarray:
@@ -144,3 +154,55 @@ def holm_adjust(p_values) -> np.ndarray:
     m = order.size
     out[order] = np.minimum(np.maximum.accumulate((m - np.arange(m)) * p[order]), 1.0)
     return out
+
+
+def paired_detectable_difference(
+    sd_diff: float, n: int, *, alpha: float = 0.05, power: float = 0.8, alternative: str = "two-sided"
+) -> float:
+    """The smallest true mean difference ``δ ≥ 0`` that the paired t-test of ``n`` pairs at level ``alpha`` detects
+    with probability ``power``, when the paired differences have standard deviation ``sd_diff``.
+
+    Under a true difference ``δ`` the statistic ``t = mean(d) / (sd(d)/√n)`` follows the noncentral t distribution
+    with ``n − 1`` degrees of freedom and noncentrality ``δ·√n / σ`` (``scipy.stats.nct``); ``δ`` is found where the
+    rejection probability equals ``power`` (``scipy.optimize.brentq``).  ``alternative="two-sided"`` rejects beyond
+    ``t_{1−α/2}`` in either tail; ``"greater"`` beyond ``t_{1−α}`` (a one-sided test).  ``sd_diff`` is the sample
+    spread of the observed differences, so the value is an estimate (the usual plug-in power calculation).
+
+    ``n < 2`` → NaN (no test); ``sd_diff == 0`` → 0.0 (any difference is found).
+    """
+    if alternative not in ("two-sided", "greater"):
+        raise ValueError(f"alternative must be 'two-sided' or 'greater', got {alternative!r}")
+    for name, v in (("alpha", alpha), ("power", power)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < float(v) < 1.0:
+            raise ValueError(f"{name} must be a number strictly between 0 and 1, got {v!r}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be a non-negative integer, got {n!r}")
+    if isinstance(sd_diff, bool) or not isinstance(sd_diff, (int, float)) or not math.isfinite(sd_diff) or sd_diff < 0:
+        raise ValueError(f"sd_diff must be a finite number ≥ 0, got {sd_diff!r}")
+    if n < 2:
+        return math.nan
+    if sd_diff == 0:
+        return 0.0
+    from scipy import optimize as _opt
+    from scipy import stats as _st
+
+    df = int(n) - 1
+    tail = alpha / 2 if alternative == "two-sided" else alpha
+    crit = float(_st.t.isf(tail, df))
+
+    def rejection(nc: float) -> float:
+        p = float(_st.nct.sf(crit, df, nc))
+        if alternative == "two-sided":
+            lower = float(_st.nct.cdf(-crit, df, nc))
+            # scipy's nct.cdf can return NaN far in the lower tail of a large noncentrality, where the probability
+            # is below that at nc = 0 (α/2) and falls with nc: a vanishing term there
+            p += lower if math.isfinite(lower) else 0.0
+        return p
+
+    if rejection(0.0) >= power:  # only when power ≤ the level itself
+        return 0.0
+    high = crit + 10.0
+    while rejection(high) < power:
+        high *= 2.0
+    nc = _opt.brentq(lambda v: rejection(v) - power, 0.0, high, xtol=1e-10)
+    return float(nc * sd_diff / math.sqrt(n))

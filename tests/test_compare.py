@@ -24,6 +24,10 @@ RUN_B = {
 }
 
 
+def _refuse(name):
+    raise AssertionError(f"compare.json holds {name}: not standard JSON")
+
+
 @pytest.fixture
 def two_runs(tmp_path):
     uri_a, uri_b = f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}"
@@ -40,7 +44,7 @@ def test_rank_correlations_top_group_and_flips(tmp_path, two_runs, capsys, monke
     rc = main([*argv, "--compare-tracking-uri", uri_b, "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0
-    result = json.loads((out / "compare.json").read_text())
+    result = json.loads((out / "compare.json").read_text(), parse_constant=_refuse)
     (d,) = result["datasets"]
     assert d["dataset"] == "synthetic" and d["losses"] == 4 and d["pairs"] == 6
     # Rankings (1, 2, 3, 4) and (2, 1, 3, 4): of the 6 pairs, 5 concordant and 1 discordant, so
@@ -55,17 +59,21 @@ def test_rank_correlations_top_group_and_flips(tmp_path, two_runs, capsys, monke
     }
     # A: w is better than everyone; B: x and w cannot be told apart, so both are in B's top group
     assert d["top_group"] == {"zoo-seed1": ["w"], "zoo-seed2": ["x", "w"]}
+    assert d["best_group_not_established"] == ["x"]
     assert d["top_group_agrees"] is False
     # the one conclusion that flips
-    assert d["flips"] == [{"pair": ["w", "x"], "zoo-seed1": "w better", "zoo-seed2": "not distinguishable"}]
+    assert d["flips"] == [
+        {"pair": ["w", "x"], "zoo-seed1": "w better", "zoo-seed2": "not distinguishable", "status": "not established"}
+    ]
     # the fixture gives both runs reproduction seeds 100…103: said, since that is no seed-stability check
     assert any("same reproduction seeds" in n for n in result["notes"])
 
     md = (out / "compare.md").read_text()
-    assert "Kendall's τ = 0.667" in md and "Spearman's ρ = 0.800" in md
-    assert "Top group differs: zoo-seed1: w; zoo-seed2: x, w" in md
-    assert "| w vs x | w better | not distinguishable |" in md
-    assert "Pairwise conclusions that flip: 1 of 6 pairs" in printed
+    assert "Kendall's τ = 0.667 (no interval: the Fisher-z interval needs at least 5 losses (have 4)" in md
+    assert "Spearman's ρ = 0.800" in md
+    assert "Best group differs: zoo-seed1: w; zoo-seed2: x, w — not established: x" in md
+    assert "| w vs x | w better | not distinguishable | not established |" in md
+    assert "Pairwise conclusions that flip (not established): 1 of 6 pairs" in printed
 
 
 def test_identical_runs_agree_completely(tmp_path, capsys):

@@ -36,12 +36,12 @@ def test_identical_values_are_not_testable_in_every_format(tmp_path):
     _populate(uri, "same", {"contrastive": same, "ntxent": list(same)})
     paths = write_report(uri, "same", tmp_path / "out", log_to_mlflow=False)
     md, page = paths["md"].read_text(), paths["html"].read_text()
-    paired = md.split("## Paired t-tests")[1].split("\n## ")[0]
+    paired = md.split("## Against the baseline")[1].split("\n## ")[0]
     (row,) = [line for line in paired.splitlines() if line.startswith("| ntxent |")]
     assert row.endswith("| – | – | – | 3 | not testable (identical values) |"), row
     assert "not testable (identical values)" in page and "<td>nan</td>" not in page
-    (c,) = json.loads(paths["json"].read_text().replace("NaN", "null"))["paired_tests"]
-    assert c["untestable"] == "identical values"
+    (c,) = json.loads(paths["json"].read_text())["paired_tests"]
+    assert c["untestable"] == "identical values" and c["p"] is None and c["t"] is None  # null, not NaN
     assert "identical values" in paths["paired_csv"].read_text()
 
 

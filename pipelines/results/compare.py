@@ -4,16 +4,23 @@ Two MLflow experiments (two complete sweeps of one preset, with different seeds;
 store named by ``--compare-tracking-uri``) are read as ``dmlrc report`` reads one (:func:`collect_studies`), keeping
 the (dataset, loss) studies both have.  Per dataset, with the losses ranked by mean concatenated test MAP@R:
 
-* **Kendall's τ** (``scipy.stats.kendalltau``, τ-b) and **Spearman's ρ** (``scipy.stats.spearmanr``) of the two
-  rankings, with their p-values (against "no association", not against "identical");
-* the **top group** of each run: the best loss and the losses *not distinguishable* from it (Holm–Bonferroni over
-  the comparisons against the best, :func:`pipelines.results.report_paired.top_group`), and whether the two agree;
+* **Kendall's τ** (``scipy.stats.kendalltau``, τ-b) with an approximate 95 % interval from Fisher's z
+  transformation, ``atanh(τ) ± 1.96·√(0.437 / (n − 4))`` (Fieller, Hartley & Pearson 1957; needs at least 5 losses
+  and |τ| < 1), and **Spearman's ρ** (``scipy.stats.spearmanr``), with their p-values (against "no association", not
+  against "identical").  With fewer than 3 losses a rank correlation says nothing and is reported as undefined
+  (``null`` with a reason), never as ±1;
+* the **between-search spread**: per loss, run B's mean minus run A's, and their typical size next to the runs' own
+  95 % half-widths;
+* the **best group** of each run (:func:`pipelines.results.report_paired.best_groups`), and the losses whose
+  membership differs: their place is *not established*;
 * every **pairwise conclusion** (paired t-test over the run's reproductions, Holm–Bonferroni over every pair of the
   dataset: "x better", "y better", "not distinguishable", "not testable" for identical values, "not tested" without
-  two common seeds) that differs between the two runs.
+  two common seeds) that differs between the two runs: such a conclusion is *not established*.
+
+``compare.json`` is standard JSON: an undefined number is ``null`` with a reason beside it.
 
 Everything is computed on the common losses only, so that a second run of a subset (e.g. the first run's top 10)
-is compared on the same footing: its rankings, families and top groups are those of that subset in both runs.
+is compared on the same footing: its rankings, families and best groups are those of that subset in both runs.
 Written as ``compare.json`` and ``compare.md`` into ``--out`` and printed.
 """
 
@@ -31,7 +38,8 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from pipelines.config import ConfigError, check_tracking_uri
-from pipelines.results.report_paired import ALPHA, paired_comparisons, paired_summary, top_group
+from pipelines.results.report_cells import json_safe
+from pipelines.results.report_paired import ALPHA, best_groups, paired_comparisons, top_group
 from pipelines.results.report_studies import Study, collect_studies
 from pipelines.tracking.server import check_mlflow_server
 
@@ -58,20 +66,49 @@ def _studies(client: MlflowClient, experiment: str) -> list[Study]:
     return studies
 
 
-def _rank_stats(xs: list[float], ys: list[float]) -> dict[str, float]:
-    if len(xs) < 2:
-        return {"kendall_tau": math.nan, "kendall_p": math.nan, "spearman_rho": math.nan, "spearman_p": math.nan}
+_RANK_KEYS = ("kendall_tau", "kendall_p", "kendall_tau_ci", "spearman_rho", "spearman_p")
+
+
+def _rank_stats(xs: list[float], ys: list[float]) -> dict[str, Any]:
+    """Rank correlations of two runs' scores; an undefined value is ``None`` with its reason in ``*_reason``."""
+    if len(xs) < 3:
+        reason = (
+            f"undefined with {len(xs)} loss(es): two rankings of fewer than 3 losses agree or disagree completely "
+            "whatever the data, so τ and ρ carry no information"
+        )
+        return {k: None for k in _RANK_KEYS} | {"rank_reason": reason, "kendall_tau_ci_reason": reason}
     from scipy import stats  # scipy.stats (2 s of CPU) only for a --compare, not for every dmlrc command
 
     with warnings.catch_warnings():  # a constant input: scipy warns and returns NaN, which is the answer
         warnings.simplefilter("ignore")
         tau, spearman = stats.kendalltau(xs, ys), stats.spearmanr(xs, ys)
-    return {
+    out: dict[str, Any] = {
         "kendall_tau": float(tau.statistic),
         "kendall_p": float(tau.pvalue),
         "spearman_rho": float(spearman.statistic),
         "spearman_p": float(spearman.pvalue),
     }
+    if not math.isfinite(out["kendall_tau"]):
+        out["rank_reason"] = "undefined: one run gives every loss the same score"
+    out["kendall_tau_ci"], why = _tau_interval(out["kendall_tau"], len(xs))
+    if why:
+        out["kendall_tau_ci_reason"] = why
+    return out
+
+
+def _tau_interval(tau: float, n: int, level: float = 0.95) -> tuple[list[float] | None, str | None]:
+    """Fisher-z interval of Kendall's τ: ``tanh(atanh(τ) ± z·√(0.437/(n − 4)))`` (Fieller, Hartley & Pearson 1957)."""
+    if not math.isfinite(tau):
+        return None, "τ is undefined"
+    if n < 5:
+        return None, f"the Fisher-z interval needs at least 5 losses (have {n})"
+    if abs(tau) >= 1.0:
+        return None, "τ = ±1: the Fisher-z interval degenerates to a point (it has no width at the boundary)"
+    from scipy import stats
+
+    half = float(stats.norm.isf((1 - level) / 2)) * math.sqrt(0.437 / (n - 4))
+    z = math.atanh(tau)
+    return [math.tanh(z - half), math.tanh(z + half)], None
 
 
 def _conclusion(c: dict[str, Any] | None, alpha: float) -> str:
@@ -104,14 +141,23 @@ def compare_studies(
             continue
         ranking = [sorted(losses, key=lambda x, sc=sc: (-sc[x], x)) for sc in score]
         tests = [paired_comparisons(run) for run in runs]
-        tops = [top_group(run, paired_summary(run, t), alpha)[dataset] for run, t in zip(runs, tests)]
+        tops = [top_group(best_groups(run, alpha=alpha)).get(dataset, []) for run in runs]
         index = [{frozenset((c["loss_a"], c["loss_b"])): c for c in t} for t in tests]
         pairs, flips = 0, []
         for x, y in itertools.combinations(ranking[0], 2):  # each pair in run A's order: the better of the two first
             pairs += 1
             verdicts = [_conclusion(ix.get(frozenset((x, y))), alpha) for ix in index]
             if verdicts[0] != verdicts[1]:
-                flips.append({"pair": [x, y], names[0]: verdicts[0], names[1]: verdicts[1]})
+                flips.append(
+                    {"pair": [x, y], names[0]: verdicts[0], names[1]: verdicts[1], "status": "not established"}
+                )
+        diffs = {x: score[1][x] - score[0][x] for x in ranking[0]}
+        half = [
+            (s.cell(*_METRIC)[2] - s.cell(*_METRIC)[1]) / 2
+            for run in runs
+            for s in run
+            if math.isfinite(s.cell(*_METRIC)[1])
+        ]
         out["datasets"].append(
             {
                 "dataset": dataset,
@@ -119,10 +165,17 @@ def compare_studies(
                 **_rank_stats([score[0][x] for x in losses], [score[1][x] for x in losses]),
                 "ranking": {
                     x: {names[i]: {"rank": ranking[i].index(x) + 1, "map_at_r": score[i][x]} for i in (0, 1)}
+                    | {"diff": diffs[x]}
                     for x in ranking[0]
+                },
+                "spread": {
+                    "mean_abs_diff": sum(abs(v) for v in diffs.values()) / len(diffs),
+                    "max_abs_diff": max(abs(v) for v in diffs.values()),
+                    "median_ci_half_width": sorted(half)[len(half) // 2] if half else None,
                 },
                 "top_group": {names[0]: tops[0], names[1]: tops[1]},
                 "top_group_agrees": set(tops[0]) == set(tops[1]),
+                "best_group_not_established": sorted(set(tops[0]) ^ set(tops[1])),
                 "pairs": pairs,
                 "flips": flips,
             }
@@ -181,8 +234,23 @@ def compare_experiments(
     return out
 
 
-def _f(v: float, spec: str = ".3f") -> str:
+def _f(v: float | None, spec: str = ".3f") -> str:
     return "–" if v is None or math.isnan(v) else format(v, spec)
+
+
+def _times100(v: float | None) -> float | None:
+    return None if v is None else 100 * v
+
+
+def _tau_line(d: dict[str, Any]) -> str:
+    if d["kendall_tau"] is None:
+        return f"- Kendall's τ and Spearman's ρ: {d['rank_reason']}"
+    ci = d["kendall_tau_ci"]
+    ci_text = f"95 % CI {ci[0]:.3f} to {ci[1]:.3f}, Fisher z" if ci else f"no interval: {d['kendall_tau_ci_reason']}"
+    return (
+        f"- Kendall's τ = {_f(d['kendall_tau'])} ({ci_text}; p = {_f(d['kendall_p'], '.2g')}), Spearman's ρ = "
+        f"{_f(d['spearman_rho'])} (p = {_f(d['spearman_p'], '.2g')})"
+    )
 
 
 def render_compare_markdown(result: dict[str, Any]) -> str:
@@ -190,10 +258,11 @@ def render_compare_markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Ranking stability: {a} vs {b}",
         "",
-        "Losses ranked by mean concatenated test MAP@R, on the losses both runs have. *Top group*: the best loss and "
-        f"those not distinguishable from it (paired t-test, Holm–Bonferroni over the comparisons against the best, "
-        f"adjusted p ≥ {result['alpha']}). *Pairwise conclusions*: paired t-test of each pair, Holm–Bonferroni over "
-        "every pair of the dataset, in each run.",
+        "Losses ranked by mean concatenated test MAP@R, on the losses both runs have. *Best group*: the losses no "
+        "other loss beats (one-sided paired t-tests of every ordered pair, Holm–Bonferroni over all of them, "
+        f"adjusted p ≤ {result['alpha']}). *Pairwise conclusions*: paired t-test of each pair, Holm–Bonferroni over "
+        "every pair of the dataset, in each run. A conclusion or best-group membership that differs between the two "
+        "searches is *not established*.",
         "",
     ]
     for d in result["datasets"]:
@@ -201,24 +270,31 @@ def render_compare_markdown(result: dict[str, Any]) -> str:
         lines += [
             f"## {d['dataset']} ({d['losses']} losses)",
             "",
-            f"- Kendall's τ = {_f(d['kendall_tau'])} (p = {_f(d['kendall_p'], '.2g')}), Spearman's ρ = "
-            f"{_f(d['spearman_rho'])} (p = {_f(d['spearman_p'], '.2g')})",
-            f"- Top group {'agrees' if d['top_group_agrees'] else 'differs'}: {a}: {', '.join(top[a])}; "
-            f"{b}: {', '.join(top[b])}",
-            f"- Pairwise conclusions that flip: {len(d['flips'])} of {d['pairs']} pairs",
+            _tau_line(d),
+            f"- Between-search spread: |{b} − {a}| is {100 * d['spread']['mean_abs_diff']:.2f} points on average "
+            f"(at most {100 * d['spread']['max_abs_diff']:.2f}); the runs' median 95 % half-width is "
+            f"{_f(_times100(d['spread']['median_ci_half_width']), '.2f')}",
+            f"- Best group {'agrees' if d['top_group_agrees'] else 'differs'}: {a}: {', '.join(top[a])}; "
+            f"{b}: {', '.join(top[b])}"
+            + (
+                f" — not established: {', '.join(d['best_group_not_established'])}"
+                if d["best_group_not_established"]
+                else ""
+            ),
+            f"- Pairwise conclusions that flip (not established): {len(d['flips'])} of {d['pairs']} pairs",
             "",
-            f"| loss | rank in {a} | MAP@R ×100 | rank in {b} | MAP@R ×100 |",
-            "|---|---|---|---|---|",
+            f"| loss | rank in {a} | MAP@R ×100 | rank in {b} | MAP@R ×100 | {b} − {a} |",
+            "|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {loss} | {r[a]['rank']} | {100 * r[a]['map_at_r']:.2f} | {r[b]['rank']} "
-            f"| {100 * r[b]['map_at_r']:.2f} |"
+            f"| {100 * r[b]['map_at_r']:.2f} | {100 * r['diff']:+.2f} |"
             for loss, r in d["ranking"].items()
         ]
         lines.append("")
         if d["flips"]:
-            lines += [f"| pair | {a} | {b} |", "|---|---|---|"]
-            lines += [f"| {x} vs {y} | {f[a]} | {f[b]} |" for f in d["flips"] for x, y in [f["pair"]]]
+            lines += [f"| pair | {a} | {b} | conclusion |", "|---|---|---|---|"]
+            lines += [f"| {x} vs {y} | {f[a]} | {f[b]} | {f['status']} |" for f in d["flips"] for x, y in [f["pair"]]]
             lines.append("")
     if result["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in result["notes"]] + [""]
@@ -233,7 +309,7 @@ def add_compare_option(report_parser) -> None:
         nargs=2,
         metavar=("EXP_A", "EXP_B"),
         default=None,
-        help="compare the rankings of two runs of one preset (Kendall's τ, Spearman's ρ, top group, flipped pairs) "
+        help="compare the rankings of two runs of one preset (Kendall's τ, Spearman's ρ, best groups, flipped pairs) "
         "instead of writing a report; writes compare.json and compare.md into --out",
     )
     report_parser.add_argument(
@@ -275,7 +351,8 @@ def run_compare(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "compare.md", out / "compare.json"
     md.write_text(render_compare_markdown(result))
-    js.write_text(json.dumps(result, indent=2, default=float))
+    # standard JSON only: every undefined number is null (its reason beside it)
+    js.write_text(json.dumps(json_safe(result), indent=2, allow_nan=False))
     print(md.read_text())
     print(f"written: {md}, {js}")
     return 0

@@ -38,10 +38,11 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.names import COMPARE_WITH_TAG, HEADLINE_METRICS, METRIC_LABELS, MODES
 from pipelines.results.bundle import BUNDLE_FILE, comparable_studies, read_bundles, write_bundle
-from pipelines.results.report_cells import bound_text, cost_json, worst_classes
+from pipelines.results.report_cells import bound_text, cost_json, json_safe, worst_classes
+from pipelines.results.report_expected import expected_chart, expected_curves
 from pipelines.results.report_html import render_html
 from pipelines.results.report_markdown import render_markdown
-from pipelines.results.report_paired import paired_comparisons, paired_summary, top_group
+from pipelines.results.report_paired import best_groups, paired_comparisons, paired_summary, top_group
 from pipelines.results.report_studies import Study, collect_studies, collect_visuals, grid
 
 __all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paired_comparisons", "paired_summary"]
@@ -50,10 +51,23 @@ __all__ = ["Study", "collect_studies", "render_markdown", "write_report", "paire
 def _write_paired_csv(comparisons: list[dict[str, Any]], path: Path) -> None:
     buf = io.StringIO()
     w = csv.writer(buf)
-    keys = ("dataset", "loss_a", "loss_b", "metric", "n", "mean_diff", "t", "p", "p_holm", "untestable")
+    keys = (
+        "dataset",
+        "loss_a",
+        "loss_b",
+        "metric",
+        "n",
+        "mean_diff",
+        "sd_diff",
+        "t",
+        "p",
+        "p_holm",
+        "detectable_diff",
+        "untestable",
+    )
     w.writerow(keys)
-    for c in comparisons:
-        w.writerow([c[k] for k in keys])
+    for c in comparisons:  # an undefined value (no test) is an empty cell, its reason in `untestable`
+        w.writerow(["" if isinstance(c[k], float) and not math.isfinite(c[k]) else c[k] for k in keys])
     path.write_text(buf.getvalue())
 
 
@@ -126,7 +140,8 @@ def write_report(
     log_to_mlflow: bool = True,
     compare_with: list[str] | None = None,
 ) -> dict[str, Path]:
-    """Write report.{md,csv,html,json,png}, paired_tests.csv and results-bundle.json into ``out_dir`` and
+    """Write report.{md,csv,html,json,png}, paired_tests.csv, results-bundle.json and (where the studies' search
+    trials were found) expected_validation.png into ``out_dir`` and
     (optionally) log them as a ``stage=report`` run.  The studies of the bundles the experiment's sweeps compared
     with, and of ``compare_with``, take part like the experiment's own."""
     client = MlflowClient(tracking_uri=tracking_uri)
@@ -136,9 +151,23 @@ def write_report(
             f"--experiment {experiment!r}: no finished study runs (tag stage=study with test.* metrics) yet"
         )
     studies = _with_bundles(client, experiment, studies, list(compare_with or []))
+    collect_visuals(client, studies)
+    paths = write_report_files(experiment, studies, out_dir)
+    if log_to_mlflow:
+        exp_id = client.get_experiment_by_name(experiment).experiment_id
+        run = client.create_run(exp_id, run_name="report", tags={"stage": "report"})
+        for p in paths.values():
+            client.log_artifact(run.info.run_id, str(p), artifact_path="report")
+        client.set_terminated(run.info.run_id)
+    return paths
+
+
+def write_report_files(experiment: str, studies: list[Study], out_dir: str | Path) -> dict[str, Path]:
+    """The report's files for ``studies`` (from MLflow, bundles or records) in ``out_dir``; their paths by kind."""
     comparisons = paired_comparisons(studies)
     summary = paired_summary(studies, comparisons)
-    collect_visuals(client, studies)
+    groups = best_groups(studies)
+    curves = expected_curves(studies)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {ext: out / f"report.{ext}" for ext in ("md", "csv", "html", "json", "png")}
@@ -148,44 +177,40 @@ def write_report(
     paths["html"].write_text(render_html(studies, comparisons))
     _write_csv(studies, paths["csv"])
     _write_paired_csv(comparisons, paths["paired_csv"])
-    paths["json"].write_text(
-        json.dumps(
-            {
-                "experiment": experiment,
-                "studies": [
-                    {
-                        "dataset": s.dataset,
-                        "loss": s.loss,
-                        "run_id": s.run_id,
-                        "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
-                        "n_reproductions": len(s.reproductions),
-                        "best_params": s.best_params,
-                        "on_bound": [{"param": h.param, "bound": h.side, "value": h.bound} for h in s.on_bound],
-                        "cost": cost_json(s),
-                        "training": s.training,
-                        "best_at_epoch_0": s.best_at_epoch_0,
-                        "untrained": s.untrained,
-                        "source": s.source,
-                        "fingerprint": s.fingerprint.to_json() if s.fingerprint is not None else None,
-                        **({"worst_classes": worst_classes(s, 10)} if worst_classes(s, 1) else {}),
-                    }
-                    for s in studies
-                ],
-                "paired_tests": comparisons,
-                "paired_summary": summary,
-                "top_group": top_group(studies, summary),
-            },
-            indent=2,
-            default=float,
-        )
+    if expected_chart(curves, out / "expected_validation.png"):
+        paths["expected_png"] = out / "expected_validation.png"
+    doc = json_safe(
+        {
+            "experiment": experiment,
+            "studies": [
+                {
+                    "dataset": s.dataset,
+                    "loss": s.loss,
+                    "run_id": s.run_id,
+                    "test": {k: v for k, v in s.metrics.items() if k.startswith("test.")},
+                    "n_reproductions": len(s.reproductions),
+                    "best_params": s.best_params,
+                    "on_bound": [{"param": h.param, "bound": h.side, "value": h.bound} for h in s.on_bound],
+                    "cost": cost_json(s),
+                    "training": s.training,
+                    "best_at_epoch_0": s.best_at_epoch_0,
+                    "untrained": s.untrained,
+                    "source": s.source,
+                    "fingerprint": s.fingerprint.to_json() if s.fingerprint is not None else None,
+                    **({"worst_classes": worst_classes(s, 10)} if worst_classes(s, 1) else {}),
+                }
+                for s in studies
+            ],
+            "paired_tests": comparisons,
+            "paired_summary": summary,
+            "best_group": groups,
+            "top_group": top_group(groups),
+            "expected_validation": {"estimator": "without replacement (Tang et al. 2020)", "curves": curves},
+        }
     )
+    # allow_nan=False: standard JSON only (json_safe turned every undefined number into null)
+    paths["json"].write_text(json.dumps(doc, indent=2, allow_nan=False))
     _bar_chart(studies, paths["png"])
-    if log_to_mlflow:
-        exp_id = client.get_experiment_by_name(experiment).experiment_id
-        run = client.create_run(exp_id, run_name="report", tags={"stage": "report"})
-        for p in paths.values():
-            client.log_artifact(run.info.run_id, str(p), artifact_path="report")
-        client.set_terminated(run.info.run_id)
     return paths
 
 

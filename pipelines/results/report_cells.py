@@ -19,6 +19,7 @@ __all__ = [
     "cost_rows",
     "flag_notes",
     "fmt_ci",
+    "json_safe",
     "num_text",
     "params_text",
     "result_rows",
@@ -164,3 +165,20 @@ def bound_text(s: Study, prefix: str = "") -> str:
 
 def params_text(s: Study) -> str:
     return ", ".join(f"{k}={_short_value(v)}" for k, v in s.best_params.items()) or "(nothing searched)"
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) as ``None`` and numpy scalars as Python numbers, so that
+    ``json.dumps(..., allow_nan=False)`` writes standard JSON: a reader's ``json.loads`` never meets ``NaN``.  Where a
+    number is undefined, a neighbouring field says why (``untestable``, ``reason``, ``n_reproductions`` < 2)."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if hasattr(value, "item") and not isinstance(value, (int, float)):  # numpy scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

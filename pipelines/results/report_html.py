@@ -22,7 +22,9 @@ from pipelines.results.report_cells import (
     result_rows,
     worst_classes,
 )
-from pipelines.results.report_paired import ALPHA, paired_summary, top_group, verdict
+from pipelines.results.report_expected import EXPECTED_NOTE, expected_curves, expected_rows
+from pipelines.results.report_markdown import best_group_lines
+from pipelines.results.report_paired import ALPHA, POWER, best_groups, paired_summary, verdict
 from pipelines.results.report_studies import Study, ranked
 
 __all__ = ["render_html"]
@@ -96,6 +98,36 @@ def _dataset_page(dataset: str, studies: list[Study]) -> list[str]:
     return out
 
 
+def _markdown_tables(lines: list[str]) -> list[str]:
+    """The markdown of :func:`best_group_lines` as HTML: headings, paragraphs, tables, list items."""
+    out: list[str] = []
+    table = False
+    for line in lines:
+        if line.startswith("|"):
+            if set(line) <= set("|-"):
+                continue
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            tag = "th" if not table else "td"
+            out.append(
+                ("<table>" if not table else "")
+                + "<tr>"
+                + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in cells)
+                + "</tr>"
+            )
+            table = True
+            continue
+        if table:
+            out.append("</table>")
+            table = False
+        if line.startswith("### "):
+            out.append(f"<h3>{html.escape(line[4:])}</h3>")
+        elif line.startswith("- "):
+            out.append(f"<p>{html.escape(line[2:])}</p>")
+        elif line:
+            out.append(f"<p>{html.escape(line.replace('**', ''))}</p>")
+    return out + (["</table>"] if table else [])
+
+
 def _anchor(dataset: str) -> str:
     return "dataset-" + "".join(ch if ch.isalnum() else "-" for ch in dataset)
 
@@ -141,13 +173,22 @@ def render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
             for s in ranked(studies)
         ]
         parts.append("</table>")
+    groups = best_groups(studies)
+    if any(g["members"] or g.get("reason") for g in groups.values()):
+        parts.append(
+            "<h2>Which losses may be the best</h2><p>Per dataset, concatenated test MAP@R ×100. Method: "
+            f"{html.escape(next(iter(groups.values()))['method'])}. Gap found with {100 * POWER:.0f} % power: the true "
+            "gap to the leader a one-sided paired t-test finds with that power, at the family's Bonferroni level "
+            "(corrected) and at 5 % two-sided (uncorrected).</p>"
+        )
+        parts += _markdown_tables(best_group_lines(groups))
     summary = paired_summary(studies, comparisons)
     if summary:
         parts.append(
-            "<h2>Paired t-tests</h2><p>Concatenated test MAP@R ×100 over reproductions with the same seeds; each "
-            "loss against the best one and against the baseline. p (Holm): Holm–Bonferroni-adjusted over the family "
-            "named above each table; <i>not distinguishable</i> is judged on it. Every pair: paired_tests.csv "
-            "(p_holm: over every pair of the dataset).</p>"
+            "<h2>Against the baseline</h2><p>Concatenated test MAP@R ×100 over reproductions with the same seeds. "
+            "p (Holm): Holm–Bonferroni over the comparisons against the baseline on the dataset; <i>not "
+            "distinguishable below X points</i>: the test would find a true gap of X points with "
+            f"{100 * POWER:.0f} % power, smaller ones go unseen. Every pair: paired_tests.csv.</p>"
         )
         for (dataset, ref, _), rows in itertools.groupby(
             summary, key=lambda c: (c["dataset"], c["reference"], c["kind"])
@@ -163,15 +204,17 @@ def render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
                 f"<tr><td>{html.escape(c['loss'])}</td><td>{100 * c['mean_diff']:+.2f}</td>"
                 f"<td>{num_text(c['t'], '.3f')}</td><td>{num_text(c['p'], '.4f')}</td>"
                 f"<td>{num_text(c['p_holm'], '.4f')}</td>"
-                f"<td>{c['n']}</td><td>{verdict(c)}</td></tr>"
+                f"<td>{c['n']}</td><td>{html.escape(verdict(c))}</td></tr>"
                 for c in rows
             ]
             parts.append("</table>")
-        parts += [
-            f"<p><b>Top group on {html.escape(d)}</b> (the best loss and those not distinguishable from it): "
-            f"{html.escape(', '.join(g))}</p>"
-            for d, g in top_group(studies, summary).items()
-        ]
+    curves = expected_curves(studies)
+    if curves:
+        header, rows = expected_rows(curves)
+        parts.append(f"<h2>Expected validation performance</h2><p>{html.escape(EXPECTED_NOTE)}</p><table><tr>")
+        parts.append("".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
+        parts.append("</table>")
     if any(s.visuals for s in studies):
         for d in datasets:
             parts += _dataset_page(d, [s for s in ranked(studies) if s.dataset == d])

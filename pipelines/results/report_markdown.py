@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 from pipelines.names import MODES
@@ -18,7 +19,8 @@ from pipelines.results.report_cells import (
     result_rows,
     worst_classes,
 )
-from pipelines.results.report_paired import ALPHA, paired_summary, top_group, verdict
+from pipelines.results.report_expected import EXPECTED_NOTE, expected_curves, expected_rows
+from pipelines.results.report_paired import ALPHA, POWER, best_groups, paired_summary, verdict
 from pipelines.results.report_studies import Study, ranked
 
 __all__ = ["render_markdown"]
@@ -45,6 +47,43 @@ def _summary_lines(summary: list[dict[str, Any]]) -> list[str]:
             f"| {verdict(c)} |"
             for c in rows
         ]
+        lines.append("")
+    return lines
+
+
+def best_group_lines(groups: dict[str, dict[str, Any]]) -> list[str]:
+    """Per dataset: the best group's method, every loss's verdict with its adjusted p, and the gap to the leader a
+    test would have found with 80 % power (markdown)."""
+    lines: list[str] = []
+    for dataset, g in groups.items():
+        lines += [f"### {dataset}", ""]
+        if not g["members"]:
+            lines += [f"No best group: {g['reason']}.", ""]
+            continue
+        size = sum(m["in_group"] for m in g["members"])
+        lines += [
+            f"**Best group on {dataset}** ({size} of {len(g['members'])} losses, n = {g['n']} reproductions, "
+            f"{g['family_size']} ordered pairs in the Holm family): "
+            + ", ".join(m["loss"] for m in g["members"] if m["in_group"]),
+            "",
+            f"| rank | loss | mean ×100 | verdict | adjusted p | better loss | mean(loss − {g['leader']}) "
+            f"| gap found with {100 * POWER:.0f} % power: corrected / uncorrected |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for rank, m in enumerate(g["members"], 1):
+            gap = (
+                f"{100 * m['detectable_diff']:.2f} / {100 * m['detectable_diff_uncorrected']:.2f}"
+                if m["loss"] != g["leader"] and math.isfinite(m["detectable_diff"])
+                else "–"
+            )
+            lines.append(
+                f"| {rank} | {m['loss']} | {100 * m['mean']:.2f} | {m['verdict']} | {num_text(m['p_adjusted'], '.4f')} "
+                f"| {m['beaten_by'] if not m['in_group'] else '–'} | "
+                f"{'–' if m['loss'] == g['leader'] else format(100 * m['mean_diff'], '+.2f')} | {gap} |"
+            )
+        if g["left_out"]:
+            lines.append("")
+            lines += [f"- not in the comparison: {x['loss']} ({x['reason']})" for x in g["left_out"]]
         lines.append("")
     return lines
 
@@ -106,24 +145,47 @@ def render_markdown(studies: list[Study], comparisons: list[dict[str, Any]]) -> 
         ]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         lines.append("")
+    groups = best_groups(studies)
+    if any(g["members"] or g.get("reason") for g in groups.values()):
+        method = next(iter(groups.values()))["method"]
+        lines += [
+            "## Which losses may be the best (per dataset, concatenated test MAP@R ×100)",
+            "",
+            f"Method: {method}. The leader (rank 1) is only the highest mean; every loss *in the best group* may be "
+            'the best. *Adjusted p*: the smallest Holm-adjusted p of "another loss is better than this one". '
+            f"*Gap found with {100 * POWER:.0f} % power*: the true gap to the leader that a one-sided paired t-test "
+            "would find with that power at its n, at the family's Bonferroni level α / m (*corrected*; Holm rejects "
+            "at least as much) and at 5 % two-sided without correction (*uncorrected*): a loss in the group may "
+            "still be worse than the leader by less than that.",
+            "",
+        ]
+        lines += best_group_lines(groups)
     summary = paired_summary(studies, comparisons)
     if summary:
         lines += [
-            "## Paired t-tests (concatenated test MAP@R ×100, reproductions with the same seeds)",
+            "## Against the baseline (paired t-tests, concatenated test MAP@R ×100, same seeds)",
             "",
-            "Each loss against the best one and against the baseline. *p (Holm)* is p adjusted by Holm–Bonferroni "
-            "over the table's family, named above each table: on a dataset, the comparisons against the best are "
-            "one family and those against the baseline another. *Not distinguishable* is judged on the adjusted p. "
-            "With few reproductions the test has little power: *not distinguishable* means no difference was shown, "
-            "not that there is none. Every pair: `paired_tests.csv` (its `p_holm`: Holm–Bonferroni over every pair "
-            "of the dataset).",
+            "*p (Holm)* is p adjusted by Holm–Bonferroni over the comparisons against the baseline on the dataset. "
+            "*Not distinguishable below X points*: the two-sided test at the family's Bonferroni level would find a "
+            f"true gap of X points with {100 * POWER:.0f} % power at its n; smaller gaps go unseen, so it does not "
+            "mean equal. Every pair: `paired_tests.csv` (its `p_holm`: Holm–Bonferroni over every pair of the dataset; "
+            "`detectable_diff`: the same power statement for that family).",
             "",
         ]
         lines += _summary_lines(summary)
+    curves = expected_curves(studies)
+    if curves:
+        header, rows = expected_rows(curves)
         lines += [
-            f"**Top group on {d}** (the best loss and those not distinguishable from it): {', '.join(g)}"
-            for d, g in top_group(studies, summary).items()
-        ] + [""]
+            "## Expected validation performance",
+            "",
+            EXPECTED_NOTE + " Figure: `expected_validation.png`.",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+        ]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
     if any(s.best_params for s in studies):
         lines += ["## Winning hyperparameters (best Bayesian-optimisation trial, retrained by the reproductions)", ""]
         if any(s.on_bound for s in studies):

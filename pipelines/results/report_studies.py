@@ -23,7 +23,10 @@ from pipelines.results.study_results import EPOCH0_TAG
 from pipelines.results.untrained import untrained_metrics_of
 from pipelines.tracking.runs import search_all
 
-__all__ = ["Study", "collect_studies", "collect_visuals", "grid", "ranked"]
+__all__ = ["Study", "TRIAL_OBJECTIVE", "collect_studies", "collect_visuals", "grid", "ranked"]
+
+#: the metric of a trial run that holds its objective (docs/protocol.md §Objective: the fold mean of val MAP@R)
+TRIAL_OBJECTIVE = "val.map_at_r.mean"
 
 
 @dataclass
@@ -60,6 +63,9 @@ class Study:
     best_trial: str = ""
     #: where the study comes from: "mlflow" (the experiment's own run) or "bundle <uri>" (a results bundle)
     source: str = "mlflow"
+    #: the search trials' objectives (fold-mean val MAP@R of each finished trial run, ``stage=trial``; a diverged trial
+    #: counts as the 0 the protocol gives it; pruned trials left out), for the expected validation performance
+    trial_values: list[float] = field(default_factory=list)
 
     def by_seed(self, key: str) -> dict[str, float]:
         """Reproduction seed → that reproduction's value of ``key`` (what paired tests pair on); a reproduction
@@ -107,6 +113,13 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
         i = int(run.data.tags["reproduction"])
         study.reproductions[i] = {k: v for k, v in run.data.metrics.items() if k.startswith("test.")}
         study.seeds[i] = run.data.tags.get("seed", "")
+    for run in search_all(client, exp.experiment_id, "tags.stage = 'trial'"):
+        study = by_id.get(run.data.tags.get("mlflow.parentRunId", ""))
+        value = run.data.metrics.get(TRIAL_OBJECTIVE)
+        if study is None or run.data.tags.get("status") not in ("ok", "diverged") or value is None:
+            continue
+        if math.isfinite(value):
+            study.trial_values.append(float(value))
     _collect_training(client, exp.experiment_id, list(studies.values()))
     return sorted(studies.values(), key=lambda s: (s.dataset, s.loss))
 
