@@ -7,6 +7,9 @@
     dmlrc report --compare EXP_A EXP_B ...                 ranking stability of two runs (pipelines.results.compare)
     dmlrc reeval CONFIG.yaml                               re-evaluate registered models (pipelines.reeval.run)
     dmlrc init [PRESET [DEST]]                             list the built-in presets, or copy one to start from
+    dmlrc list [--json]                                    losses, trunks, dataset kinds, presets, installed plug-ins
+    dmlrc ui [CONFIG | --tracking-uri URI]                 a sweep's MLflow UI on its studies view (until Ctrl-C)
+    dmlrc docs [NAME]                                      the documentation shipped with the package
 
 Bad input exits with status 2 and one line ``config error: <field>: <problem>`` (``data error: <file>: ...`` for
 ``dmlrc data``) — before Ray or MLflow start and before anything is written.  An MLflow server unreachable

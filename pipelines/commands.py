@@ -18,21 +18,24 @@ from pipelines.config.presets import copy_preset, demo_config, preset_summary, p
 from pipelines.config.schema import load_config, parse_config, redact_uri
 from pipelines.config.uris import check_ray_address
 from pipelines.data_cli import add_data_parser
+from pipelines.docs_cli import add_docs_parser
 from pipelines.execution.locations import check_dir_writable
 from pipelines.execution.resources import check_local_gpus, check_local_workers
+from pipelines.list_cli import add_list_parser
 from pipelines.reeval.config import load_reeval_config
 from pipelines.results.compare import add_compare_option, check_compare_args
 from pipelines.results.report import add_report_parser
 from pipelines.results.study_results import ci_table, params_table
 from pipelines.tracking.outage import TrackingUnavailable
 from pipelines.tracking.server import check_mlflow_server
+from pipelines.ui_cli import add_ui_parser
 
 __all__ = ["run", "build_parser"]
 
 
 _PLAN_HELP = (
     "check the config, print the studies, trials, folds and iterations and the estimated CPU/GPU-hours and wall "
-    "time (a few seconds of calibration on this machine); start nothing (docs/plan.md)"
+    "time (a few seconds of calibration on this machine); start nothing (dmlrc docs plan)"
 )
 
 
@@ -48,7 +51,8 @@ def _add_sweep(sub) -> None:
         "--address",
         default=None,
         help="Ray cluster address: head:6379 (the head's GCS), ray://head:10001 (Ray Client) or auto; with token "
-        "authentication set RAY_AUTH_MODE=token and the token (README, cluster); default: start a local Ray",
+        "authentication set RAY_AUTH_MODE=token and the token (dmlrc docs readme, Running on a cluster); default: "
+        "start a local Ray",
     )
     p.add_argument(
         "--name", default=None, help="override the config's sweep name (e.g. a dated name for a scheduled re-run)"
@@ -60,7 +64,7 @@ def _add_sweep(sub) -> None:
         default=[],
         metavar="LOSS",
         help="run this loss's study again although it finished (repeatable; the old run is kept, marked superseded); "
-        "other finished studies of the experiment are reused (docs/compare.md)",
+        "other finished studies of the experiment are reused (dmlrc docs compare)",
     )
     p.set_defaults(func=_run_sweep)
 
@@ -113,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_parser(sub)
     add_report_parser(sub)
     _add_reeval(sub)
+    add_list_parser(sub)
+    add_ui_parser(sub)
+    add_docs_parser(sub)
     report = sub.choices["report"]
     add_compare_option(report)  # dmlrc report --compare EXP_A EXP_B
     report.set_defaults(func=_checked_report(report.get_default("func")))
@@ -125,7 +132,11 @@ def _add_reeval(sub) -> None:
         help="re-evaluate registered models on the current test data "
         "(exit 0 ok, 3 regression, 1 failure, 2 bad config)",
     )
-    p.add_argument("config", help="reeval config YAML (see infra/reeval/ and docs/architecture.md)")
+    p.add_argument(
+        "config",
+        help="reeval config YAML (its keys: dmlrc docs reeval-config.schema.json; models[].name may spell the loss "
+        "as the sweep config does, e.g. dmlrc.EXP.DATASET.sec:triplet)",
+    )
     p.set_defaults(func=_run_reeval)
 
 
@@ -193,8 +204,16 @@ def _finish(outcome) -> int:
     print("Winning hyperparameters (best BO trial of each study):")
     print(params_table(outcome.studies))
     print()
+    if outcome.registered:  # study -> the study run's registered_model tag: "<name>/<version>" or "failed: <why>"
+        print("Registered models (dmlrc reeval's models[].name; the loss may also be spelt as in the config):")
+        width = max(len(study) for study in outcome.registered)
+        for study, ref in outcome.registered.items():
+            name, _, number = ref.rpartition("/")
+            shown = ref if ref.startswith("failed") or not name else f"{name} version {number}"
+            print(f"  {study:{width}s}  {shown}")
+        print()
     print("Next: browse the runs (study → trial → fold, reproductions) with")
-    print(f"  {redact_uri(outcome.mlflow_ui_command())}")  # a tracking URI may hold a password
+    print(f"  {redact_uri(outcome.ui_command())}")  # a tracking URI may hold a password
     print("and write one report over every study (markdown, CSV, HTML, paired comparisons) with")
     print(f"  dmlrc report --experiment {outcome.experiment} --tracking-uri {redact_uri(outcome.tracking_uri)}")
     return 0 if all(s.status == "ok" for s in outcome.studies) else 1

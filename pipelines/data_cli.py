@@ -51,7 +51,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
         "dataset",
         choices=DATASETS + KINDS,
         help="a named dataset, or `folder` (<root>/<class>/<image>) or `csv` (path,label[,class_name,"
-        "split,query,gallery]); see docs/datasets.md",
+        "split,query,gallery]); see dmlrc docs datasets",
     )
     p.add_argument(
         "--src",

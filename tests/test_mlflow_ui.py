@@ -64,11 +64,13 @@ def test_the_printed_link_keeps_its_own_parameters_and_only_the_users_secret_is_
     from pipelines.tracking.ui import STUDIES_VIEW_KEY, experiment_url
 
     outcome = SweepOutcome("s", Path("runs/s"), tracking_uri, "e", "7", [], 1.0)
-    printed = redact_uri(outcome.mlflow_ui_command())  # what `dmlrc sweep` and `dmlrc demo` print
-    base = shown if shown.startswith("http") else "http://127.0.0.1:5000"
-    assert printed.endswith(experiment_url(base, "7")), printed
-    assert f"viewStateShareKey={STUDIES_VIEW_KEY}&workflowType=machine_learning" in printed
+    printed = redact_uri(outcome.ui_command())  # what `dmlrc sweep` and `dmlrc demo` print
     assert "hunter2" not in printed
+    if not shown.startswith("http"):  # a store: `dmlrc ui` serves it and prints the link (tests/test_cli_ui.py)
+        assert printed == f"dmlrc ui --tracking-uri {shown} --experiment e", printed
+        return
+    assert printed.endswith(experiment_url(shown, "7")), printed
+    assert f"viewStateShareKey={STUDIES_VIEW_KEY}&workflowType=machine_learning" in printed
 
 
 @pytest.mark.parametrize(

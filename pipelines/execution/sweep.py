@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelines.config.schema import ConfigError, SweepConfig
@@ -82,8 +82,8 @@ from pipelines.execution.ray_runtime import (
 from pipelines.execution.reuse import find_reuse
 from pipelines.results.study_results import StudySummary
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
-from pipelines.tracking.runs import Tracker
-from pipelines.tracking.ui import experiment_url
+from pipelines.tracking.runs import Tracker, search_all
+from pipelines.tracking.ui import experiment_url, ui_command
 
 __all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies"]
 
@@ -97,15 +97,15 @@ class SweepOutcome:
     experiment_id: str
     studies: list[StudySummary]
     seconds: float
+    #: study -> its registered model version (the study run's ``registered_model`` tag: ``<name>/<version>``)
+    registered: dict[str, str] = field(default_factory=dict)
 
-    def mlflow_ui_command(self) -> str:
-        """How to look at the runs; the link opens the experiment on MLflow 3's training-runs view."""
+    def ui_command(self) -> str:
+        """How to look at the runs: a server's link (the experiment on MLflow 3's training-runs view), or the
+        ``dmlrc ui`` command that serves the store and opens that view."""
         if self.tracking_uri.startswith(("http://", "https://")):
             return f"open {experiment_url(self.tracking_uri, self.experiment_id)}"
-        return (
-            f"mlflow ui --backend-store-uri {self.tracking_uri}  then open "
-            f"{experiment_url('http://127.0.0.1:5000', self.experiment_id)}"
-        )
+        return ui_command(self.tracking_uri, self.experiment)
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -206,5 +206,28 @@ def run_sweep(
         if s.status != "ok":
             close_open_runs(tracker, cfg.name, study=s.study, reason=f"study failed: {s.reason}")
     return SweepOutcome(
-        cfg.name, cfg.local_dir(), shown, cfg.experiment_name(), tracker.experiment_id, studies, time.time() - t0
+        cfg.name,
+        cfg.local_dir(),
+        shown,
+        cfg.experiment_name(),
+        tracker.experiment_id,
+        studies,
+        time.time() - t0,
+        _registered_models(tracker, studies),
     )
+
+
+def _registered_models(tracker: Tracker, studies: list[StudySummary]) -> dict[str, str]:
+    """Each finished study's registered model version, for the end-of-sweep lines (one search of the study runs;
+    a bundled study's run lives in another store and is left out)."""
+    try:
+        runs = search_all(tracker.client, tracker.experiment_id, "tags.stage = 'study'")
+    except Exception:  # the store is unreachable at the very end: the results are printed without the names
+        return {}
+    tags = {r.info.run_id: r.data.tags for r in runs}
+    out = {}
+    for s in studies:
+        ref = tags.get(s.run_id, {}).get("registered_model")
+        if s.status == "ok" and ref:
+            out[s.study] = ref
+    return out

@@ -8,6 +8,7 @@ Config (YAML; unknown keys are errors; ``null`` means the default)::
     models:                                # each: a registered model (alias ``reality-check`` unless alias/version)
       - name: dmlrc.mlrc.cub200.contrastive
         alias: reality-check
+      - name: dmlrc.mlrc.cub200.sec:triplet  # the loss as the sweep config names it (registered as sec-triplet)
       - experiment: mlrc                   # or: the ``reality-check`` version of every model of that experiment
     datasets:                              # version tag ``dataset`` -> parquet shards (`dmlrc data prepare`)
       cub200: s3://bucket/cub200/          # local path or s3:// (endpoint/credentials from the AWS_* environment)

@@ -58,7 +58,7 @@ from pipelines.results.plotting import plt
 from pipelines.results.study_results import confidence_intervals
 from pipelines.tracking.datasets import log_dataset_input
 from pipelines.tracking.evaluations import finite_metrics
-from pipelines.tracking.model_registry import fluent_tracking
+from pipelines.tracking.model_registry import as_registered_name, fluent_tracking
 from pipelines.tracking.runs import git_commit
 
 __all__ = [
@@ -86,12 +86,14 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
     found: list[tuple[str, Any]] = []
     for i, m in enumerate(cfg.models):
         where = f"models[{i}]"
+        # the loss spelt as in the sweep config (sec:triplet) names the model registered as sec-triplet
+        name = as_registered_name(m["name"]) if "name" in m else None
         try:
-            if "name" in m:
+            if name is not None:
                 if "version" in m:
-                    found.append((where, client.get_model_version(m["name"], str(m["version"]))))
+                    found.append((where, client.get_model_version(name, str(m["version"]))))
                 else:
-                    found.append((where, client.get_model_version_by_alias(m["name"], m.get("alias", ALIAS))))
+                    found.append((where, client.get_model_version_by_alias(name, m.get("alias", ALIAS))))
             else:
                 models = client.search_registered_models(f"tags.experiment = '{m['experiment']}'")
                 if not models:
@@ -103,7 +105,7 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
             raise
         except Exception as e:  # MLflow's "not found" errors differ between stores
             what = (
-                f"{m.get('name')} "
+                f"{m.get('name')}{f' (registered as {name})' if name != m.get('name') else ''} "
                 f"{'version ' + str(m['version']) if 'version' in m else 'alias ' + m.get('alias', ALIAS)}"
             )
             raise ConfigError(

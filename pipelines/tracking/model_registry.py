@@ -44,6 +44,7 @@ from pipelines.tracking.ui import NOTE_TAG, experiment_note, study_note
 
 __all__ = [
     "registered_model_name",
+    "as_registered_name",
     "register_study",
     "log_reproduction_model",
     "on_study_start",
@@ -73,10 +74,20 @@ VERSION_TAGS = (
 )
 
 
+#: What a registered model name keeps; every other character becomes ``-`` (``/`` would break ``models:/`` URIs).
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
 def registered_model_name(experiment: str, dataset: str, loss: str) -> str:
-    """``dmlrc.<experiment>.<dataset>.<loss>``, unsafe characters → ``-`` (``/`` would break ``models:/`` URIs)."""
-    safe = lambda s: re.sub(r"[^A-Za-z0-9_.-]", "-", str(s))  # noqa: E731 - a one-line helper, used only here
-    return f"dmlrc.{safe(experiment)}.{safe(dataset)}.{safe(loss)}"
+    """``dmlrc.<experiment>.<dataset>.<loss>``, unsafe characters → ``-`` (``sec:triplet`` → ``sec-triplet``)."""
+    return as_registered_name(f"dmlrc.{experiment}.{dataset}.{loss}")
+
+
+def as_registered_name(name: str) -> str:
+    """A model name as the user spells it, with the loss as the sweep config names it
+    (``dmlrc.mlrc.cub200.sec:triplet``), as it is registered (``dmlrc.mlrc.cub200.sec-triplet``); a registered name
+    is returned unchanged."""
+    return _UNSAFE.sub("-", str(name))
 
 
 # ------------------------------------------------------------------------------------------------ models

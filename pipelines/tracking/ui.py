@@ -12,13 +12,22 @@ adding columns.  The study run's description (``mlflow.note.content``) is its he
 from __future__ import annotations
 
 import json
+import shlex
 
 import numpy as np
 
 from pipelines.names import HEADLINE_METRICS, MODES
 from pipelines.tracking.runs import search_all
 
-__all__ = ["experiment_url", "set_experiment_ui", "studies_view_state", "study_note", "experiment_note", "NOTE_TAG"]
+__all__ = [
+    "experiment_url",
+    "ui_command",
+    "set_experiment_ui",
+    "studies_view_state",
+    "study_note",
+    "experiment_note",
+    "NOTE_TAG",
+]
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
@@ -59,6 +68,12 @@ def experiment_url(tracking_uri: str, experiment_id: str) -> str:
         f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs"
         f"?viewStateShareKey={STUDIES_VIEW_KEY}&workflowType=machine_learning"
     )
+
+
+def ui_command(tracking_uri: str, experiment: str) -> str:
+    """The ``dmlrc ui`` command that serves the store ``tracking_uri`` and opens ``experiment``'s studies view
+    (:mod:`pipelines.ui_cli`), quoted for a POSIX shell; pass a redacted URI where it holds a password."""
+    return f"dmlrc ui --tracking-uri {shlex.quote(tracking_uri)} --experiment {shlex.quote(experiment)}"
 
 
 def set_experiment_ui(client, experiment_id: str) -> None:
