@@ -22,6 +22,7 @@ import random
 import re
 import sys
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -107,7 +108,11 @@ def load_weights_only(f: Any) -> Any:
     message advises retrying with ``weights_only=False`` (running whatever code the file carries), which this
     package never does and never repeats."""
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch warns about a pickle protocol other than its own before its unpickler judges the file: the
+            # refusal below (or the loaded weights) is the one thing to say
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         m = _REFUSED_RE.search(str(e))
         reason = " ".join(m.group(1).split()) if m else "it is not a weights-only torch file"

@@ -310,14 +310,14 @@ def test_existing_sweep_needs_resume_and_resume_must_not_change_the_study(tmp_pa
     check_resume(parse_config(_cfg(storage=str(tmp_path), **{"resources.max_concurrent_trials": 2})))
     with pytest.raises(ConfigError) as info:
         check_resume(parse_config(_cfg(storage=str(tmp_path), **{"protocol.trials": 9})))
-    assert info.value.field == "protocol"
+    assert info.value.field == "protocol.trials" and "(2 there, 9 now;" in str(info.value)
     # a loss added: a new study, the others reused (with or without --resume); a loss removed or changed: refused
     grown = parse_config(_cfg(storage=str(tmp_path), losses=[*DEMO["losses"], "triplet"]))
     check_restart(grown, resume=False)
     check_resume(grown)
     with pytest.raises(ConfigError) as info:
         check_resume(parse_config(_cfg(storage=str(tmp_path), losses=DEMO["losses"][:1])))
-    assert info.value.field == "losses" and "losses may only be added" in str(info.value)
+    assert info.value.field == "losses[1]" and "losses may only be added" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------- the CLI

@@ -184,7 +184,10 @@ def check_batch(
       (the min/max costs one device sync);
     * ``nonempty``: reject an empty batch (losses whose reductions would divide by zero).
 
-    fp16/bf16 embeddings are upcast to fp32 (see ``_UPCAST``); other dtypes are returned unchanged.
+    fp16/bf16 embeddings are upcast to fp32 (see ``_UPCAST``); other dtypes are returned unchanged.  A batch with
+    a NaN or infinite value comes back all NaN: every built-in loss then returns a non-finite value (a bad embedding
+    propagates, it is not refused: a refusal would need a host sync per batch, and training ends such a fold
+    ``diverged`` by the loss it reads).
     """
     if not torch.is_tensor(embeddings) or embeddings.dim() != 2:
         got = tuple(embeddings.shape) if torch.is_tensor(embeddings) else type(embeddings).__name__
@@ -206,4 +209,8 @@ def check_batch(
             fail(loss, f"labels contain class id {lo if lo < 0 else hi}, outside [0, num_classes={num_classes})")
     if embeddings.dtype in _UPCAST:
         embeddings = embeddings.float()
+    # One non-finite value makes every embedding NaN, so that the loss is non-finite whatever the loss masks, mines
+    # or clamps (a NaN row drops out of a miner's pairs or a hinge and left contrastive, triplet and n-pair finite):
+    # training's divergence rule reads the loss.  A device-side flag, no host sync; finite batches pass unchanged.
+    embeddings = embeddings.masked_fill(~torch.isfinite(embeddings).all(), float("nan"))
     return embeddings, labels.long()

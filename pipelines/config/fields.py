@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
@@ -15,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
 from dml_core.plugins import raised_at
 from dml_core.train_config import TrainConfig
 from pipelines.config.errors import ConfigError, DocumentWords
-from pipelines.config.uris import check_uri, local_path, redact_uri, shown
+from pipelines.config.uris import check_uri, local_path, redact_uri, shown, special_file
 
 __all__ = [
     "DATASET_KINDS",
@@ -26,6 +27,7 @@ __all__ = [
     "Path_",
     "Uri",
     "check_name",
+    "check_loss_name",
     "local_or_s3",
     "absolute",
     "plugin_exited",
@@ -41,17 +43,37 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
+#: A loss as a study names it: a built-in or entry-point name, an import path ``package.module:attribute``, wrappers
+#: before it (``sec:mylab.losses:Circle``); :data:`_NAME_RE`'s characters and ``:``, as long as ``losses[i].name``.
+_LOSS_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,255}$")
+
+
 def check_name(v: str) -> str:
     if not _NAME_RE.fullmatch(v):  # fullmatch: "$" would let a trailing newline through
         raise ValueError(f"{shown(v)}: use letters, digits, '_', '-', '.' (max 64, no '/')")
     return v
 
 
+def check_loss_name(v: str) -> str:
+    """A study's loss name (:data:`_LOSS_NAME_RE`): no space, control character or table separator can reach a
+    terminal or a report through it."""
+    if not isinstance(v, str) or not _LOSS_NAME_RE.fullmatch(v):
+        raise ValueError(f"{shown(v)}: not a loss name (letters, digits, '_', '-', '.', ':'; max 256)")
+    return v
+
+
 def local_or_s3(v: str) -> str:
+    """A local path or ``s3://`` URI (:func:`check_uri`); a local path that is a device, FIFO or socket is refused:
+    reading ``/dev/zero`` never ends and opening a FIFO blocks, and no dataset, bundle, weights file or storage is
+    one."""
     try:
-        return check_uri(v, "")
+        v = check_uri(v, "")
     except ConfigError as e:
         raise ValueError(e.problem) from None
+    what = None if v.startswith("s3://") else special_file(Path(v).expanduser())
+    if what:
+        raise ValueError(f"{shown(v)} is {what}, not a regular file or folder")
+    return v
 
 
 def absolute(v: str) -> str:

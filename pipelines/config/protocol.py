@@ -106,4 +106,12 @@ class ProtocolSpec(StrictModel):
                 f"{self.pruning_grace_period} must be < the evaluations per fold, max_epochs // eval_every = "
                 f"{evaluations} (else no trial can be stopped)",
             )
+        warmup, budget = self.train.get("lr_warmup_iters", 0), self.max_epochs * self.iters_per_epoch
+        if warmup >= budget:  # the linear ramp never ends: every iteration trains at a fraction of the rate
+            raise FieldError(
+                "train.lr_warmup_iters",
+                f"{warmup} iterations of warm-up >= a fold's whole budget, max_epochs × iters_per_epoch = "
+                f"{self.max_epochs} × {self.iters_per_epoch} = {budget}: training would never reach the learning "
+                f"rate (at most {budget / warmup:.2g} of it); use fewer than {budget} (0 = no warm-up)",
+            )
         return self

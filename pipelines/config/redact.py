@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import unquote
 
-__all__ = ["redact_uri", "secret_query_name", "shown"]
+__all__ = ["redact_uri", "redact_credentials", "secret_query_name", "shown"]
 
 _USERINFO_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*):[^/@\s]*@")
 #: A query parameter (``?name=value``, ``&name=value``, ``;name=value``); :func:`secret_query_name` judges the name.
@@ -61,6 +62,24 @@ def redact_uri(text: str) -> str:
     if not isinstance(text, str):
         return text
     return _QUERY_PARAM_RE.sub(_redact_query, _USERINFO_RE.sub(r"\1:***@", text))
+
+
+#: The user and password of a ``scheme://user:password@host`` (what stands before the last ``@`` of the authority).
+_AUTHORITY_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://([^/?#]*)@")
+
+
+def redact_credentials(text: str, uri: str) -> str:
+    """``text`` (a library's error message about ``uri``) with every occurrence of ``uri``'s own user and password
+    replaced by ``***`` — as written and percent-decoded —, then :func:`redact_uri`.  A library that parses the URI
+    its own way (botocore reads ``s3://KEY:SECRET@bucket`` as a bucket named ``KEY:SECRET@bucket``) quotes them where
+    no ``scheme://user:password@`` pattern is left to find."""
+    m = _AUTHORITY_RE.match(uri) if isinstance(uri, str) else None
+    if m and isinstance(text, str):
+        user, _, password = m.group(1).partition(":")
+        parts = {m.group(1), user, password, unquote(m.group(1)), unquote(user), unquote(password)} - {""}
+        for secret in sorted(parts, key=len, reverse=True):  # user:password before its parts
+            text = text.replace(secret, "***")
+    return redact_uri(text)
 
 
 def shown(v: Any, n: int = 60) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import stat
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -17,6 +18,7 @@ __all__ = [
     "secret_query_name",
     "shown",
     "check_uri",
+    "special_file",
     "check_tracking_uri",
     "absolute_tracking_uri",
     "local_path",
@@ -38,6 +40,25 @@ def local_path(v: str, where: str) -> Path:
         raise ConfigError(where, f"{shown(v)}: {'symbolic link loop' if isinstance(e, RuntimeError) else e}") from None
 
 
+def special_file(path: Path) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a folder (``"a character device"``, ``"a
+    FIFO"``, ...), else None.  Asked with ``stat``, never by opening it: opening a FIFO blocks until a writer comes,
+    and reading ``/dev/zero`` never ends."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # missing or unreadable: whoever opens it says so
+    for test, what in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return None
+
+
 def check_uri(uri: str, where: str, *, allow_s3: bool = True) -> str:
     """A local path or ``s3://bucket[/prefix]``; any other ``scheme://`` is an error naming ``where``."""
     if not isinstance(uri, str) or not uri.strip():
@@ -56,6 +77,13 @@ def check_uri(uri: str, where: str, *, allow_s3: bool = True) -> str:
             )
         return uri
     scheme, rest = m.group(1).lower(), m.group(2)
+    if scheme == "s3" and allow_s3 and "@" in rest.partition("/")[0]:
+        # an access key and secret as user:password@ would reach S3's error messages: never echo them
+        raise ConfigError(
+            where,
+            f"'s3://…@{rest.partition('/')[0].rpartition('@')[2]}': credentials do not belong in an s3:// URI; "
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead",
+        )
     if scheme == "s3" and allow_s3:
         if not rest or rest.startswith("/") or not re.match(r"^[a-z0-9][a-z0-9.-]{1,62}(/|$)", rest):
             raise ConfigError(where, f"{shown(uri)} is not a valid s3://bucket/prefix URI")

@@ -5,7 +5,9 @@ experiment it opens.  Every check here runs before Ray starts or anything is wri
 from __future__ import annotations
 
 import json
+from typing import Any
 
+from pipelines.config.redact import shown
 from pipelines.config.schema import ConfigError, SweepConfig
 from pipelines.execution.interrupts import reopen_interrupted
 from pipelines.execution.preflight import StudyPlan
@@ -38,8 +40,9 @@ def _artifact_location(cfg: SweepConfig) -> str | None:
 
 
 #: Config keys that may change between runs of one sweep: a bigger cluster, a moved checkout, a fixed plugin, more
-#: bundles to compare with.  ``losses`` may gain entries (new studies); every other key is what is studied.
-_MAY_CHANGE = ("resources", "tune_spaces", "runtime_env", "compare_with")
+#: bundles to compare with, a records folder (its own fingerprint checks guard it).  ``losses`` may gain entries
+#: (new studies); every other key is what is studied.
+_MAY_CHANGE = ("resources", "tune_spaces", "runtime_env", "compare_with", "records")
 
 
 def _config_changes(cfg: SweepConfig) -> list[str] | None:
@@ -75,14 +78,54 @@ def check_restart(cfg: SweepConfig, resume: bool, rerun: set[str] | frozenset[st
         )
 
 
+def _first_difference(old: Any, new: Any, path: str) -> tuple[str, Any, Any] | None:
+    """``(dotted path, old value, new value)`` of the first leaf where ``old`` and ``new`` differ (keys in sorted
+    order; two lists of different lengths differ as a whole), or None."""
+    if old == new:
+        return None
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new)):
+            found = _first_difference(old.get(k, "absent"), new.get(k, "absent"), f"{path}.{k}" if path else k)
+            if found:
+                return found
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new)):
+            found = _first_difference(a, b, f"{path}[{i}]")
+            if found:
+                return found
+    if isinstance(old, list) and isinstance(new, list):
+        return path, f"{len(old)} entries", f"{len(new)} entries"
+    return path, old, new
+
+
+def _changed_field(old: dict[str, Any], new: dict[str, Any], key: str) -> tuple[str, Any, Any]:
+    """The exact field of top-level ``key`` that differs (``protocol.max_epochs``), with both values.  ``seed`` is
+    named as itself: the datasets' and the protocol's seeds left unset take its value, so they change with it."""
+    if key == "losses":  # entries may be added: the first stored entry the config no longer has, as changed or removed
+        olds, news = old.get("losses", []), new.get("losses", [])
+        i, gone = next((i, e) for i, e in enumerate(olds) if e not in news)
+        name = gone.get("name") if isinstance(gone, dict) else None
+        j = next((j for j, e in enumerate(news) if isinstance(e, dict) and e.get("name") == name), None)
+        if j is None:
+            return f"losses[{i}]", name, "removed"
+        found = _first_difference(gone, news[j], f"losses[{j}]")
+        return found if found else (f"losses[{j}]", gone, news[j])
+    found = _first_difference(old.get(key, "absent"), new.get(key, "absent"), key)
+    return found if found else (key, old.get(key), new.get(key))
+
+
 def check_resume(cfg: SweepConfig) -> None:
     """What a sweep studies must not change under its stored Tuners (``Tuner.restore`` cannot change what is
-    searched); run after the fingerprint checks, which name a differing protocol field more precisely."""
+    searched): the exact field that differs is named, with its stored and its new value."""
     changes = _config_changes(cfg)
     if changes:
+        stored = cfg.local_dir() / CONFIG_FILE
+        old = json.loads(stored.read_text())
+        new = json.loads(json.dumps(cfg.model_dump(mode="json")))
+        field, was, now = _changed_field(old, new, "seed" if "seed" in changes else changes[0])
         raise ConfigError(
-            changes[0],
-            f"differs from the sweep being resumed (stored in {cfg.local_dir() / CONFIG_FILE}); "
+            field,
+            f"differs from the sweep being resumed ({shown(was)} there, {shown(now)} now; stored in {stored}); "
             "Tuner.restore cannot change what is searched (losses may only be added)",
         )
 

@@ -122,7 +122,10 @@ def _check_loss_value(built, name: str, field: str, embedding_dim: int, batch: t
     labels = torch.arange(classes_per_batch).repeat_interleave(m)
     what = f"loss {name!r} on a batch of {classes_per_batch} classes × {m} images"
     try:
-        value = built(emb, labels)
+        with warnings.catch_warnings():
+            # a loss that returns float(tensor) makes torch warn first; the line below says what is wrong instead
+            warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
+            value = built(emb, labels)
     except (Exception, SystemExit) as e:  # a plugin may raise anything: one line naming the field
         raise ConfigError(field, f"{what} raised {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     if not torch.is_tensor(value):

@@ -31,6 +31,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from typing import Any
 
 from dml_core.losses import loss_info
@@ -52,7 +53,7 @@ from pipelines.execution.ray_runtime import (
     undo_settings,
     worker_env,
 )
-from pipelines.execution.resources import check_cluster_resources
+from pipelines.execution.resources import check_cluster_resources, check_node_resources
 from pipelines.execution.worker_check import build_in_worker
 from pipelines.tracking.outage import apply_retry_env
 
@@ -74,6 +75,7 @@ __all__ = [
     "check_cluster_answers",
     "warn_multi_node",
     "cluster_resources",
+    "node_resources",
     "check_user_code_on_workers",
 ]
 
@@ -135,7 +137,9 @@ def start_sweep_ray(cfg: SweepConfig, address: str | None, min_train_classes: in
     try:
         started = start_ray(cfg, address)
         install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: ours again, until stop_on_sigint
-        check_cluster_resources(cfg, cluster_resources())  # before the sweep's config or any run, before any trial
+        # before the sweep's config or any run, before any trial
+        check_cluster_resources(cfg, cluster_resources())
+        check_node_resources(cfg, node_resources())
         check_user_code_on_workers(cfg, min_train_classes)
     except BaseException:
         stop_ray(started)  # also undoes what start_ray changed in this process (credentials, loopback, retries)
@@ -221,9 +225,15 @@ def check_cluster_answers(address: str, where: str) -> None:
 
     ``ray.init`` itself cannot tell the two apart: it retries (for minutes where nothing listens), printing a warning
     a second, and then raises the same ``ConnectionError`` for both.  Asking the cluster's GCS once, as ``ray.init``
-    would (the same address resolution, the same token rules), answers at once.  ``ray://`` addresses (Ray Client)
-    and addresses Ray cannot resolve are left to ``ray.init``."""
+    would (the same address resolution, the same token rules), answers at once.  A ``ray://`` address (Ray Client)
+    is asked whether anything listens at its port (Ray Client would wait 30 s for a closed one); what answers there
+    is left to ``ray.init``, as are addresses Ray cannot resolve."""
     if address.startswith("ray://"):
+        host, _, port = address[len("ray://") :].rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except (OSError, ValueError) as e:
+            raise ConfigError(where, _no_cluster(address, getattr(e, "strerror", None) or e)) from None
         return
     try:
         gcs = services.canonicalize_bootstrap_address(address)
@@ -306,7 +316,10 @@ def _join_cluster(address: str, address_field: str, kwargs: dict[str, Any]) -> N
     where = address_field if os.environ.get("RAY_ADDRESS") != address else "RAY_ADDRESS"
     check_cluster_answers(address, where)
     try:
-        ray.init(address=address, **kwargs)
+        with warnings.catch_warnings():
+            # Ray Client warns about its timeout (and a web page) before raising it: the one line below says it
+            warnings.filterwarnings("ignore", message="Ray Client connection timed out", category=UserWarning)
+            ray.init(address=address, **kwargs)
     except ray.exceptions.AuthenticationError as e:  # Ray Client (ray://) refused, or no token here
         raise ConfigError(where, _auth_problem(address, e.message)) from None
     except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
@@ -398,3 +411,8 @@ def warn_multi_node(cfg: SweepConfig, uri: str, out) -> None:
 def cluster_resources() -> dict[str, float]:
     """The logical resources of the Ray this driver runs on (``ray.cluster_resources``)."""
     return ray.cluster_resources()
+
+
+def node_resources() -> list[dict[str, float]]:
+    """The logical resources of each live node of the Ray this driver runs on (``ray.nodes``)."""
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]

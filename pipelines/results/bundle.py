@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import re
+import stat
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +30,9 @@ from packaging.version import InvalidVersion, Version  # pip's own version parse
 from dml_core import __version__
 from dml_core.storage import is_s3_uri, open_storage, read_errors
 from pipelines.config.errors import ConfigError
-from pipelines.config.redact import redact_uri
+from pipelines.config.fields import check_loss_name, check_name
+from pipelines.config.redact import redact_credentials, redact_uri
+from pipelines.config.uris import check_uri, special_file
 from pipelines.results.bounds import BoundHit
 from pipelines.results.fingerprint import Fingerprint, first_difference, shown_value
 from pipelines.results.report_studies import Study
@@ -111,22 +118,46 @@ class Bundle:
         return redact_uri(self.uri)
 
 
+def _read_local(uri: str, field: str) -> bytes:
+    """The bytes of a local bundle file (a folder: its ``results-bundle.json``): a device, FIFO or socket is refused
+    by ``stat`` before it is opened (``/dev/zero`` has size 0 and never ends; opening a FIFO blocks), and at most
+    :data:`MAX_BYTES` are read."""
+    p = Path(uri).expanduser()
+    if p.is_dir():
+        p = p / BUNDLE_FILE
+    what = special_file(p)
+    if what is not None:
+        raise ConfigError(field, f"{redact_uri(uri)} is {what}, not a results bundle (a regular file)")
+    too_big = f"{redact_uri(uri)}: larger than {MAX_BYTES >> 20} MiB, not a results bundle"
+    if p.stat().st_size > MAX_BYTES:
+        raise ConfigError(field, too_big)
+    # O_NONBLOCK: should the path have become a FIFO since the stat, the open returns instead of waiting
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(field, f"{redact_uri(uri)} is not a regular file, not a results bundle")
+        data = f.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise ConfigError(field, too_big)
+    return data
+
+
 def _read_bytes(uri: str, field: str) -> bytes:
     try:
+        uri = check_uri(uri, field)  # a mistyped s3:// URI, another scheme, credentials in the URI: before any request
         if is_s3_uri(uri):
             parent, _, key = uri.rstrip("/").rpartition("/")
             data = open_storage(parent).get_bytes(key)
-        else:
-            p = Path(uri).expanduser()
-            if p.is_dir():
-                p = p / BUNDLE_FILE
-            if p.stat().st_size > MAX_BYTES:
+            if len(data) > MAX_BYTES:
                 raise ConfigError(field, f"{redact_uri(uri)}: larger than {MAX_BYTES >> 20} MiB, not a results bundle")
-            data = p.read_bytes()
+        else:
+            data = _read_local(uri, field)
     except ConfigError:
         raise
     except read_errors() as e:
-        raise ConfigError(field, f"cannot read results bundle {redact_uri(uri)}: {' '.join(str(e).split())}") from None
+        # the library's own words may quote the URI's user and password where redact_uri finds no pattern
+        text = redact_credentials(" ".join(str(e).split()), uri)
+        raise ConfigError(field, f"cannot read results bundle {redact_uri(uri)}: {text}") from None
     return data
 
 
@@ -141,8 +172,12 @@ def _parse(uri: str, data: bytes, field: str) -> dict[str, Any]:
     where = redact_uri(uri)
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(field, f"{where} is not a results bundle (not JSON: {e})") from None
+    except RecursionError:  # thousands of nested brackets: json's scanner gives up on the depth
+        raise ConfigError(field, f"{where} is not a results bundle (JSON nested too deeply)") from None
+    except ValueError as e:  # not UTF-8, not JSON (both ValueErrors)
+        raise ConfigError(
+            field, f"{where} is not a results bundle (not JSON: {' '.join(str(e).split())[:200]})"
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ConfigError(field, f"{where} is not a results bundle (no format {FORMAT!r}); `dmlrc report` writes one")
     if doc.get("schema_version") != SCHEMA_VERSION:
@@ -157,7 +192,11 @@ def _parse(uri: str, data: bytes, field: str) -> dict[str, Any]:
             field,
             f"{where} was written by dml-reality-check {wrote}, newer than this {ours}: upgrade to read it",
         )
-    if doc.get("checksum") != checksum(doc):
+    try:
+        stamped = checksum(doc)
+    except (RecursionError, ValueError):  # nested deeper than JSON can be written back
+        raise ConfigError(field, f"{where} is not a results bundle (JSON nested too deeply)") from None
+    if doc.get("checksum") != stamped:
         raise ConfigError(
             field, f"{where}: checksum mismatch — the file was changed after `dmlrc report` wrote it; use the original"
         )
@@ -186,14 +225,96 @@ def _study(entry: dict[str, Any], uri: str) -> Study:
     )
 
 
+#: Control characters (C0, DEL, C1): a terminal escape sequence or a line break in a bundle's text would reach the
+#: terminal and report.md raw (a forged table row).
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _control_character(value: Any, path: str) -> str | None:
+    """The path (``best_params.margin``) of the first string, key or value, in ``value`` holding a control
+    character, or None."""
+    if isinstance(value, str):
+        return path if _CONTROL_RE.search(value) else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            here = f"{path}.{k}" if path else str(k)
+            if _CONTROL_RE.search(str(k)):
+                return here
+            found = _control_character(v, here)
+            if found:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _control_character(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def _stated_reproductions(s: Study) -> tuple[int, str] | None:
+    """How many reproductions ``s`` says it has and where it says so: the count its interval was computed from
+    (``test.n_reproductions``), else its fingerprint's (``protocol.reproductions``, the reproduction seeds)."""
+    if "test.n_reproductions" in s.metrics:
+        return int(s.metrics["test.n_reproductions"]), "its metric test.n_reproductions"
+    fields = s.fingerprint.fields if s.fingerprint is not None else {}
+    if isinstance(fields.get("protocol.reproductions"), int):
+        return fields["protocol.reproductions"], "its fingerprint's protocol.reproductions"
+    if isinstance(fields.get("reproduction.seeds"), list):
+        return len(fields["reproduction.seeds"]), "its fingerprint's reproduction.seeds"
+    return None
+
+
+def _check_study(entry: dict[str, Any], s: Study, i: int) -> str | None:
+    """What is wrong with study ``i`` of a bundle that its checksum cannot tell (the file may have been edited and
+    stamped again): a name that is not a dataset or loss name, a control character in any text, a metric that is
+    not finite, reproductions other than it states.  None when nothing is."""
+    for what, check, value in (("dataset", check_name, s.dataset), ("loss", check_loss_name, s.loss)):
+        try:
+            check(value)
+        except ValueError as e:
+            return f"study {i}: {what} {e}"
+    study = f"study {s.loss!r} on {s.dataset!r}"
+    where = _control_character(entry, "")
+    if where:
+        return f"{study}: {where} holds a control character (a line break or terminal escape)"
+    values = [(f"metrics.{k}", v) for k, v in s.metrics.items()]
+    values += [(f"reproductions[{r}].{k}", v) for r, test in s.reproductions.items() for k, v in test.items()]
+    values += [(f"on_bound.{h.param}.bound", h.bound) for h in s.on_bound]
+    for name, v in values:
+        if not math.isfinite(v):
+            return f"{study}: {name} is {v} (a finished study's metrics are finite)"
+    stated = _stated_reproductions(s)
+    held = sum(1 for test in s.reproductions.values() if test)  # a failed reproduction's run holds no test metric
+    if stated is not None and stated[0] != held:
+        return (
+            f"{study}: {held} reproductions with test metrics, but {stated[1]} says {stated[0]} (its interval is "
+            "not computed from the reproductions it holds)"
+        )
+    seeds = s.fingerprint.fields.get("reproduction.seeds") if s.fingerprint is not None else None
+    if isinstance(seeds, list):
+        allowed = {str(x) for x in seeds}
+        strange = sorted({x for x in s.seeds.values() if x and x not in allowed})
+        if strange:
+            return f"{study}: reproduction seed {strange[0]} is not one of its fingerprint's reproduction.seeds"
+    return None
+
+
 def read_bundle(uri: str, field: str = "compare_with") -> Bundle:
     """The bundle at ``uri`` (a file, a folder holding ``results-bundle.json``, or s3://), checked; any problem is
     one :class:`ConfigError` on ``field``."""
     doc = _parse(uri, _read_bytes(uri, field), field)
     try:
-        studies = [_study(e, uri) for e in doc["studies"]]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ConfigError(field, f"{redact_uri(uri)}: a study entry is malformed ({type(e).__name__}: {e})") from None
+        entries = doc["studies"]
+        studies = [_study(e, uri) for e in entries]
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        text = _CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], " ".join(str(e).split()))[:200]
+        raise ConfigError(
+            field, f"{redact_uri(uri)}: a study entry is malformed ({type(e).__name__}: {text})"
+        ) from None
+    for i, (entry, s) in enumerate(zip(entries, studies)):
+        problem = _check_study(entry, s, i)
+        if problem:
+            raise ConfigError(field, f"{redact_uri(uri)}: {problem}")
     seen: dict[tuple[str, str], int] = {}
     for i, s in enumerate(studies):
         if (s.dataset, s.loss) in seen:
@@ -221,6 +342,34 @@ def read_bundles(uris: list[str], field: str = "compare_with") -> list[Bundle]:
     return bundles
 
 
+_CONTENT = "dataset.content_sha256"
+
+
+def _warn_renamed(
+    b: Bundle, field: str, datasets: Collection[str], expected: Callable[[str, str], Fingerprint | None]
+) -> None:
+    """One warning line per dataset of ``b`` that holds the same data as one of ``datasets`` under another name."""
+    warned = set()
+    for s in b.studies:
+        theirs = s.fingerprint.fields.get(_CONTENT) if s.fingerprint is not None else None
+        if s.dataset in datasets or theirs is None or s.dataset in warned:
+            continue
+        for d in sorted(datasets):
+            ours = expected(d, s.loss)
+            if ours is not None and ours.fields.get(_CONTENT) == theirs:
+                warned.add(s.dataset)
+                n = sum(1 for t in b.studies if t.dataset == s.dataset)
+                left = f"{n} study is" if n == 1 else f"{n} studies are"
+                print(
+                    f"warning: {field}: {b.shown}: its dataset {s.dataset!r} holds the same data as dataset {d!r} here "
+                    f"({_CONTENT} equal) under another name, so its {left} left out; name the dataset "
+                    f"{s.dataset!r} to compare with them",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                break
+
+
 def comparable_studies(
     bundles: list[Bundle],
     field: str,
@@ -235,9 +384,14 @@ def comparable_studies(
     * a study must carry the fingerprint ``expected(dataset, loss)`` gives; one without a fingerprint, or one whose
       first differing field differs, is refused naming that field and both values.
 
+    A bundle's study on a dataset name that ``datasets`` lacks is left out; when its fingerprint records the same
+    data (``dataset.content_sha256``) as one of ``datasets``, one ``warning:`` line per (bundle, dataset) says so,
+    naming both names (the same images under another name compare with nothing).
+
     Each refusal is one :class:`ConfigError` on ``field``."""
     admitted = []
     for b in bundles:
+        _warn_renamed(b, field, datasets, expected)
         for s in b.studies:
             if s.dataset not in datasets:
                 continue  # a dataset of the bundle that this table does not have

@@ -85,7 +85,10 @@ def test_check_batch_returns_compute_dtypes():
         x, labels = check_batch("l", torch.randn(3, 2).to(dtype), y, num_classes=2, embedding_dim=2)
         assert x.dtype == expected and labels.dtype == torch.int64
     x32 = torch.randn(3, 2)
-    assert check_batch("l", x32, y)[0] is x32  # no copy when nothing changes
+    assert torch.equal(check_batch("l", x32, y)[0], x32)  # finite float32: the same values, no conversion
+    bad = x32.clone()
+    bad[1, 0] = float("inf")
+    assert check_batch("l", bad, y)[0].isnan().all()  # one non-finite value: all NaN, so that every loss is NaN
     assert check_batch("l", torch.randn(0, 2), torch.zeros(0, dtype=torch.long), num_classes=2)[0].shape == (0, 2)
 
 
