@@ -83,6 +83,7 @@ class BestGroup:
 def _one_sided_p(diffs: np.ndarray) -> np.ndarray:
     """``P(T ≥ t)`` of the paired t-test of each row of ``diffs`` (``d = x_j − x_i``; ``H0: mean ≤ 0``), with
     ``scipy.stats.ttest_rel``'s conventions: all differences 0 → NaN; all equal and non-zero → 0 or 1."""
+    # scipy.stats loads where tests are computed (see dml_core.stats.confidence_interval)
     from scipy import stats as _st
 
     n = diffs.shape[1]

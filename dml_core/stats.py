@@ -183,6 +183,7 @@ def paired_detectable_difference(
         return math.nan
     if sd_diff == 0:
         return 0.0
+    # scipy loads where a power statement is computed (see confidence_interval)
     from scipy import optimize as _opt
     from scipy import stats as _st
 

@@ -42,6 +42,7 @@ def _distribution(dist) -> dict[str, Any]:
 
 
 def _losses(docs: set[str]) -> list[dict[str, Any]]:
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from dml_core.losses import list_losses, loss_info  # the zoo (torch): loaded for this command only
     from pipelines.config.spaces import builtin_spaces
 
@@ -64,6 +65,8 @@ def _losses(docs: set[str]) -> list[dict[str, Any]]:
 
 
 def _wrappers() -> list[dict[str, Any]]:
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from dml_core.losses import list_wrappers
     from pipelines.config.spaces import builtin_spaces
 
@@ -75,6 +78,8 @@ def _wrappers() -> list[dict[str, Any]]:
 
 
 def _trunks() -> list[dict[str, Any]]:
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from dml_core.trunks import list_trunks
     from dml_core.trunks.builtin import FEATURE_DIMS
 
@@ -86,6 +91,7 @@ def _trunks() -> list[dict[str, Any]]:
 
 
 def _dataset_kinds() -> list[dict[str, str]]:
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from pipelines.config.datasets import DatasetSpec
 
     union = typing.get_args(DatasetSpec)[0]  # Annotated[Union[...], discriminator] -> Union[...]
@@ -97,6 +103,7 @@ def _dataset_kinds() -> list[dict[str, str]]:
 
 
 def _presets() -> list[dict[str, str]]:
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from pipelines.config.presets import preset_summary, presets
 
     return [{"name": name, "summary": _doc_ref(preset_summary(name))} for name in presets()]
@@ -104,6 +111,8 @@ def _presets() -> list[dict[str, str]]:
 
 def _plugins() -> list[dict[str, Any]]:
     """Installed loss and trunk entry points, each with its distribution(s) and whether a sweep can use it."""
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from dml_core.losses import list_losses, list_plugin_losses
     from dml_core.plugins import distinct_entry_points, distribution_of_entry_point
     from dml_core.trunks.builtin import BUILTIN_TRUNKS
@@ -146,6 +155,7 @@ def _plugins() -> list[dict[str, Any]]:
 
 def catalogue() -> dict[str, Any]:
     """Everything ``dmlrc list`` shows, as JSON-ready values."""
+    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from dml_core.datasets import DATASETS, KINDS
 
     docs = set(user_docs())

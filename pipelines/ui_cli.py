@@ -75,6 +75,7 @@ def _store(args) -> tuple[str, str, str | None]:
     if args.config is not None:
         if args.tracking_uri is not None:
             raise ConfigError("--tracking-uri", "give a sweep config or --tracking-uri, not both")
+        # for `dmlrc ui` only: every dmlrc command imports this module's parser
         from pipelines.config.schema import load_config
 
         cfg = load_config(args.config, name=args.name)
@@ -100,6 +101,7 @@ def _check_reachable(uri: str, where: str) -> None:
     elif uri.startswith(("http://", "https://")):
         check_mlflow_server(uri, where)
     else:
+        # for `dmlrc ui` only: every dmlrc command imports this module's parser
         from pipelines.execution.ray_runtime import check_tracking_reachable
 
         try:
@@ -111,6 +113,7 @@ def _check_reachable(uri: str, where: str) -> None:
 def _experiment_id(uri: str, where: str, experiment: str | None) -> tuple[str | None, list[tuple[str, str]]]:
     """The experiment to open (its id; ``None``: the UI's list of experiments) and every experiment to mention
     (name, id) when the store holds several and none was named."""
+    # for `dmlrc ui` only: every dmlrc command imports this module's parser
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)

@@ -104,7 +104,7 @@ def _tau_interval(tau: float, n: int, level: float = 0.95) -> tuple[list[float] 
         return None, f"the Fisher-z interval needs at least 5 losses (have {n})"
     if abs(tau) >= 1.0:
         return None, "τ = ±1: the Fisher-z interval degenerates to a point (it has no width at the boundary)"
-    from scipy import stats
+    from scipy import stats  # as in the ranks above: scipy.stats only for a --compare
 
     half = float(stats.norm.isf((1 - level) / 2)) * math.sqrt(0.437 / (n - 4))
     z = math.atanh(tau)

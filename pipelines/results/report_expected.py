@@ -52,7 +52,7 @@ def expected_chart(curves: list[dict[str, Any]], path: Path) -> bool:
     """One figure, a panel per dataset, a line per loss; ``False`` (nothing written) without curves."""
     if not curves:
         return False
-    from pipelines.results.plotting import plt
+    from pipelines.results.plotting import plt  # matplotlib (a second of imports) only where a report draws
 
     datasets = sorted({c["dataset"] for c in curves})
     fig, axes = plt.subplots(1, len(datasets), figsize=(7.5 * len(datasets), 5.5), squeeze=False)
