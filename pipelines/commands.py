@@ -22,6 +22,7 @@ from pipelines.docs_cli import add_docs_parser
 from pipelines.execution.locations import check_dir_writable
 from pipelines.execution.resources import check_local_gpus, check_local_workers
 from pipelines.list_cli import add_list_parser
+from pipelines.records.report_cli import add_records_option
 from pipelines.reeval.config import load_reeval_config
 from pipelines.results.compare import add_compare_option, check_compare_args
 from pipelines.results.report import add_report_parser
@@ -65,6 +66,13 @@ def _add_sweep(sub) -> None:
         metavar="LOSS",
         help="run this loss's study again although it finished (repeatable; the old run is kept, marked superseded); "
         "other finished studies of the experiment are reused (dmlrc docs compare)",
+    )
+    p.add_argument(
+        "--records",
+        default=None,
+        metavar="DIR",
+        help="write a small JSON record per finished trial and reproduction into DIR/<dataset>/<loss>/ and continue "
+        "every study from the records already there, on any machine (overrides the config's records:)",
     )
     p.set_defaults(func=_run_sweep)
 
@@ -123,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.choices["report"]
     add_compare_option(report)  # dmlrc report --compare EXP_A EXP_B
     report.set_defaults(func=_checked_report(report.get_default("func")))
+    add_records_option(report)  # dmlrc report --records DIR: from the records alone
     return parser
 
 
@@ -220,7 +229,7 @@ def _finish(outcome) -> int:
 
 
 def _run_sweep(args) -> int:
-    cfg = load_config(args.config, name=args.name)
+    cfg = load_config(args.config, name=args.name, records=args.records)
     _check_address(args)
     check_local_gpus(cfg, args.address)
     check_local_workers(cfg, args.address)

@@ -119,6 +119,10 @@ class SweepConfig(StrictModel):
     """Results bundles (the results-bundle.json `dmlrc report` writes; a local file or s3:// URI, or a list): their
     studies join this sweep's table, report and paired tests without running, once their protocol fingerprint equals
     this config's (docs/compare.md)."""
+    records: Path_ | None = None
+    """A local folder where every finished trial and reproduction leaves a small JSON record (<records>/<dataset>/
+    <loss>/): a study continues from its records on any machine, with or without its storage folder (docs/records.md).
+    `dmlrc sweep --records DIR` sets it too."""
 
     _source: str | None = PrivateAttr(default=None)
 
@@ -275,11 +279,13 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
     return cfg
 
 
-def load_config(path: str | os.PathLike, *, name: str | None = None) -> SweepConfig:
+def load_config(path: str | os.PathLike, *, name: str | None = None, records: str | None = None) -> SweepConfig:
     """Read and validate ``CONFIG.yaml`` (:func:`read_yaml_file`: a missing, unreadable, non-UTF-8 or unparsable
     file is a :class:`ConfigError` naming it).  ``name`` overrides the sweep name (e.g. a dated name for scheduled
-    re-runs of the same config)."""
+    re-runs of the same config), ``records`` its records folder (``--records``)."""
     doc = read_yaml_file(path)
     if name is not None and isinstance(doc, dict):
         doc = {**doc, "name": name}
+    if records is not None and isinstance(doc, dict):
+        doc = {**doc, "records": records}
     return parse_config(doc, source=str(path))

@@ -97,6 +97,9 @@ class FoldOutcome:
     redone_iterations: int = 0  # iterations trained twice because of restarts
     history: list[dict[str, Any]] = field(default_factory=list)  # every evaluation: epoch, iteration, loss, metrics
     test_metrics: dict[str, float] | None = None  # the best model alone on the test classes (reproductions)
+    cpu_seconds: float | None = None  # CPU time of the fold's process (and its reaped children) in the fold function
+    numerics: str = ""  # what the fold trained in (dml_core.train.FoldResult.numerics), e.g. "bf16+channels_last"
+    cpu_model: str = ""  # the CPU of the fold's machine (dml_core.numerics.cpu_model)
 
     def as_dict(self) -> dict[str, Any]:
         """``outcome.json``'s document; ``test_metrics`` only where the test classes were evaluated."""

@@ -80,6 +80,7 @@ from pipelines.execution.ray_runtime import (
     scrub,
 )
 from pipelines.execution.reuse import find_reuse
+from pipelines.records.study import open_records
 from pipelines.results.study_results import StudySummary
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
 from pipelines.tracking.runs import Tracker, search_all
@@ -170,6 +171,7 @@ def run_sweep(
     reuse = find_reuse(cfg, plans, rerun)  # fingerprints compared first: they name a differing field precisely
     check_resume(cfg)
     check_continuation(cfg, resume, plans, reuse, shown)
+    records = open_records(cfg, plans, reuse.fingerprints)  # every record checked before Ray starts
     # Ray and the study loop (Ray Tune and Train: seconds of imports) load only once every check above has passed;
     # ray_session first: it sets the environment Ray reads as it is imported
     from pipelines.execution.ray_session import cluster_resources, start_sweep_ray, stop_ray, warn_multi_node
@@ -191,7 +193,7 @@ def run_sweep(
         )
         message = f"interrupted: stopping trials, state is kept; resume with: {resume_command(cfg)}"
         with stop_on_sigint(message, out):
-            sweep = SweepStudies(cfg, plans, tracker, out, watch, reuse)
+            sweep = SweepStudies(cfg, plans, tracker, out, watch, reuse, records)
             studies = sweep.run_all(limit) + sweep.extra_studies()
     except BaseException as e:
         stop_ray(started)  # first: no worker may write to a run after it is closed

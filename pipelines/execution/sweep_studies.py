@@ -47,6 +47,9 @@ from pipelines.execution.trial import StudyContext
 from pipelines.execution.tuners import fit_tuner, register_study_trainable, tune_config
 from pipelines.execution.untrained_reference import untrained_test_metrics
 from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION, SUPERSEDED_STAGE, study_dirname
+from pipelines.records.callbacks import RecordReproductions, RecordTrials
+from pipelines.records.rows import FOLDS_KEY, row_of_reproduction, row_of_trial
+from pipelines.records.store import RecordsError, StudyRecords
 from pipelines.results.bounds import ON_BOUND_TAG, format_tag, on_bound
 from pipelines.results.study_results import (
     EPOCH0_NOTE,
@@ -70,8 +73,12 @@ _STUDY_STOP_WAIT_S = 20.0
 
 
 class SweepStudies:
-    def __init__(self, cfg: SweepConfig, plans: list[StudyPlan], tracker, out=None, watch=None, reuse=None):
+    def __init__(
+        self, cfg: SweepConfig, plans: list[StudyPlan], tracker, out=None, watch=None, reuse=None, records=None
+    ):
         self.cfg = cfg
+        #: study key → its records (pipelines.records), checked before Ray started; {} without ``records:``
+        self.records: dict[str, StudyRecords] = records or {}
         self.plans = plans
         self.tracker = tracker
         #: finished and bundled studies the sweep takes instead of running (pipelines.execution.reuse)
@@ -271,6 +278,9 @@ class SweepStudies:
         run_id = run.info.run_id
         self.tracker.set_tags(run_id, {"status": "running"})
         summary.untrained = self._untrained_reference(plan, run)
+        records = self.records.get(plan.key)
+        if records is not None and not records.header.untrained:  # the records' reference row, with their header
+            records.header = records.header.model_copy(update={"untrained": dict(summary.untrained)})
         on_study_start(self.tracker, run_id, plan)
         table_ref = ray.put(plan.dataset.table)
         return register_study_trainable(plan.key, self._context(plan, run_id, table_ref))
@@ -290,32 +300,43 @@ class SweepStudies:
         return rows
 
     def _search(self, plan: StudyPlan, trainable: str, run_id: str) -> list[dict[str, Any]]:
-        """1. The Bayesian search: ``protocol.trials`` trials (one without a searched parameter)."""
+        """1. The Bayesian search: ``protocol.trials`` trials (one without a searched parameter); with records, the
+        recorded trials are replayed into the searcher and only the rest run."""
         cfg = self.cfg
         trials = cfg.protocol.trials if plan.searched else 1
+        records = self.records.get(plan.key)
+        done = [row_of_trial(t) for t in records.trials] if records is not None else []
+        if done:
+            self.say(f"[{plan.key}] {len(done)} of {trials} trials from the records in {records.folder}")
+        if len(done) >= trials:
+            return done
 
         pruned = PrunedRuns.of(cfg, self.tracker, self.study_storage(plan) + "/folds") if pruning_on(cfg) else None
 
         def new():
-            p = cfg.protocol
+            p, n = cfg.protocol, trials - len(done)
             pruning = f", pruning {p.pruning} (grace {p.pruning_grace_period}, ×{p.pruning_reduction_factor:g})"
             self.say(
-                f"[{plan.key}] search: {trials} trials, {p.startup_trials} random start-up, "
+                f"[{plan.key}] search: {n} trials, {p.startup_trials} random start-up, "
                 f"sampler {p.sampler}, ≤ {cfg.resources.max_concurrent_trials} concurrent{pruning if pruned else ''}"
             )
             if p.pruning and not pruned:
                 self.say(f"[{plan.key}] pruning off: its folds run on Ray Train, which a trial cannot cancel")
-            searcher = make_searcher(plan, cfg) if plan.searched else None
+            searcher = make_searcher(plan, cfg, done) if plan.searched else None
+            callbacks: list = [TrialProgress(plan.key, trials)]
+            if records is not None:
+                callbacks.append(RecordTrials(records.folder, records.header))
             if pruned is None:
-                return {}, tune_config(cfg, trials, searcher), TrialProgress(plan.key, trials)
-            callbacks = [TrialProgress(plan.key, trials), PrunedTrials(pruned)]
-            return search_space(cfg), tune_config(cfg, trials, searcher, make_scheduler(cfg)), callbacks
+                return {}, tune_config(cfg, n, searcher), callbacks
+            callbacks.append(PrunedTrials(pruned))
+            return search_space(cfg), tune_config(cfg, n, searcher, make_scheduler(cfg)), callbacks
 
         rows = self._fit(plan, "search", trainable, new)
         retire_lost_trials(self.tracker, run_id, {r["trial_id"] for r in rows})
         if pruned is not None:
             close_pruned_rows(pruned, self.tracker, rows)  # runs still open, the rows' cost, the folds' checkpoints
-        return rows
+        ran = {r["trial_id"] for r in rows}
+        return [r for r in done if r["trial_id"] not in ran] + rows
 
     def _record_best(
         self, plan: StudyPlan, summary: StudySummary, best: dict[str, Any], rows: list[dict[str, Any]]
@@ -348,15 +369,37 @@ class SweepStudies:
     def _reproductions(
         self, plan: StudyPlan, trainable: str, best: dict[str, Any], params: dict[str, Any]
     ) -> list[dict[str, Any]]:
-        """3. ``protocol.reproductions`` retrainings of the best configuration, a grid over the reproduction index."""
+        """3. ``protocol.reproductions`` retrainings of the best configuration, a grid over the reproduction index;
+        with records, the recorded reproductions are taken and only the rest run."""
         n = self.cfg.protocol.reproductions
+        records = self.records.get(plan.key)
+        done = [row_of_reproduction(r) for _, r in sorted(records.reproductions.items())] if records else []
+        for r in done:
+            if r["config"][PARAMS] != params:
+                raise RecordsError(
+                    f"{records.folder}: reproduction {r[REPRODUCTION]} was recorded with {r['config'][PARAMS]}, "
+                    f"not the recorded search's best {params}"
+                )
+        todo = [i for i in range(n) if i not in {r[REPRODUCTION] for r in done}]
+        if done:
+            self.say(f"[{plan.key}] {len(done)} of {n} reproductions from the records in {records.folder}")
+        if not todo:
+            return done
 
         def new():
-            self.say(f"[{plan.key}] best trial {best['trial_id']} (val MAP@R {best[OBJECTIVE]:.4f}); {n} reproductions")
-            space = {REPRODUCTION: tune.grid_search(list(range(n))), PARAMS: params}
-            return space, tune_config(self.cfg, 1), TrialProgress(plan.key, n, "reproduction")
+            self.say(
+                f"[{plan.key}] best trial {best['trial_id']} (val MAP@R {best[OBJECTIVE]:.4f}); "
+                f"{len(todo)} reproductions"
+            )
+            space = {REPRODUCTION: tune.grid_search(todo), PARAMS: params}
+            callbacks: list = [TrialProgress(plan.key, len(todo), "reproduction")]
+            if records is not None:
+                callbacks.append(RecordReproductions(records.folder, records.header, params))
+            return space, tune_config(self.cfg, 1), callbacks
 
-        return self._fit(plan, "reproductions", trainable, new)
+        rows = self._fit(plan, "reproductions", trainable, new)
+        ran = {r.get(REPRODUCTION) for r in rows}
+        return [r for r in done if r[REPRODUCTION] not in ran] + rows
 
     def _summarise(self, plan: StudyPlan, summary: StudySummary, reps: list[dict[str, Any]], t0: float):
         """4. Confidence intervals across the reproductions, the CI report, the fold models and the registered model
@@ -374,20 +417,27 @@ class SweepStudies:
         md, doc = ci_report(summary, reps)
         t.log_text(run_id, md, "ci_report.md")
         t.log_json(run_id, doc, "ci_report.json")
-        with self._end_lock:
-            self._log_models(run_id, reps[0])
-            log_study_visuals(t, run_id, plan, reps)  # gallery, per-class metrics, embedding map
-            # the reproductions as MLflow pyfunc models, one registered version per study
-            on_study_end(
-                t,
-                study_run_id=run_id,
-                experiment=self.cfg.experiment_name(),
-                sweep=self.cfg.name,
-                plan=plan,
-                reps=reps,
-                ci=summary.ci,
-                say=self.say,
+        trained = [r for r in reps if r.get("fold_checkpoints")]  # records hold no weights
+        if len(trained) < len(reps):
+            self.say(
+                f"[{plan.key}] {len(reps) - len(trained)} reproductions from records (no weights): "
+                + ("the models and visuals are of the others" if trained else "no models or visuals")
             )
+        with self._end_lock:
+            if trained:
+                self._log_models(run_id, trained[0])
+                log_study_visuals(t, run_id, plan, trained)  # gallery, per-class metrics, embedding map
+                # the reproductions as MLflow pyfunc models, one registered version per study
+                on_study_end(
+                    t,
+                    study_run_id=run_id,
+                    experiment=self.cfg.experiment_name(),
+                    sweep=self.cfg.name,
+                    plan=plan,
+                    reps=trained,
+                    ci=summary.ci,
+                    say=self.say,
+                )
         summary.seconds = time.time() - t0
         t.set_tags(run_id, {"done": "true", "status": "ok", "seconds": round(summary.seconds, 1)})
         t.finish(run_id, "FINISHED")
@@ -435,9 +485,12 @@ class SweepStudies:
         epochs = [
             fold.data.metrics["best_epoch"]
             for r in reps
+            if r.get("mlflow_run_id")
             for fold in self.tracker.find({PARENT: r["mlflow_run_id"], "stage": "fold"})
             if "best_epoch" in fold.data.metrics
         ]
+        # a reproduction from records: its folds' best iteration (0: the untrained network)
+        epochs += [0 if f["best_iteration"] == 0 else 1 for r in reps if r.get("from_records") for f in r[FOLDS_KEY]]
         summary.best_at_epoch_0 = best_at_epoch_0(epochs)
         self.tracker.set_tags(summary.run_id, {EPOCH0_TAG: str(summary.best_at_epoch_0).lower()})
         if summary.best_at_epoch_0:

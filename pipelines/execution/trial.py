@@ -70,6 +70,7 @@ from pipelines.names import (
     TEST_LABELS,
     reproduction_seed,
 )
+from pipelines.records.rows import FOLDS_KEY, fold_records
 from pipelines.results.embeddings import details_to_bytes, reproduction_test_metrics
 from pipelines.tracking.datasets import log_fold_dataset_input
 from pipelines.tracking.evaluations import evaluation_metrics, logged_evaluations
@@ -477,6 +478,7 @@ def _report(trial: _Trial, run_id: str, summary, metrics, outcomes: list[FoldOut
             "fold_checkpoints": [folds["uris"][k] for k in indices],
             "trial_seconds": time.time() - folds["t0"],
             "seed": trial.seed,
+            FOLDS_KEY: fold_records(outcomes),  # each fold's curve and stop (the study's records)
         }
     )
     if trial.reproduction:
