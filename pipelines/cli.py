@@ -41,6 +41,43 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(e, "announced", False):  # a running sweep has already said how it stopped and how to resume
             print("interrupted", file=sys.stderr)
         return exit_status(e)
+    except ModuleNotFoundError as e:
+        missing = _missing_training_stack()
+        if not missing:
+            raise
+        # an install for registered models only (the core requirements): one line, not a traceback
+        print(
+            f"dmlrc: cannot import {e.name!r}: the command line needs the training stack, not installed here "
+            f"(missing: {', '.join(missing)}): pip install 'dml-reality-check[train]'",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _missing_training_stack() -> list[str]:
+    """The distributions of this package's ``train`` extra that are not installed here."""
+    # only on the failure path: the CLI's start-up (before its signal handlers) imports as little as it can
+    import importlib.metadata
+
+    from packaging.requirements import Requirement  # (as said above)
+
+    try:
+        requires = importlib.metadata.requires("dml-reality-check") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for line in requires:
+        req = Requirement(line)
+        if (
+            req.marker is not None
+            and req.marker.evaluate({"extra": "train"})
+            and not req.marker.evaluate({"extra": ""})
+        ):
+            try:
+                importlib.metadata.distribution(req.name)
+            except importlib.metadata.PackageNotFoundError:
+                missing.append(req.name)
+    return missing
 
 
 if __name__ == "__main__":

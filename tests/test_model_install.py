@@ -2,28 +2,37 @@
 
 * Fast: a plugin installed from a local folder, or found beside a stray ``*.egg-info``, is never pinned by
   ``name==version`` (an index would serve a stranger's package of that name); the first travels as a wheel named
-  by file and sha256, the second as code.  A distribution installed from an index keeps its pin.
+  by file and sha256, the second as code.  A distribution installed from an index keeps its pin.  Only the trunk's
+  distribution travels (a model computes no loss); timm is pinned for a ``timm:`` trunk only.  A saved model loads
+  and embeds in a process where every module outside this package's core requirements (and their dependencies)
+  fails to import: Ray, Optuna, PML, faiss, timm among them.
 * Slow: a model registered with the example plugin's trunk and loss (``examples/plugin``, installed from its
-  folder) is installed with ``pip install --no-index -r requirements.txt`` into a fresh venv that has the public
-  dependencies but neither this package nor the plugin, then loaded there with ``mlflow.pyfunc.load_model`` and
-  fed images as encoded bytes, paths, uint8 arrays and PIL images.
+  folder) is installed with ``pip install --no-index -r requirements.txt`` into a fresh venv that has torch,
+  torchvision, numpy, pillow and MLflow with their dependencies — no training stack, neither this package nor the
+  plugin — then loaded there with ``mlflow.pyfunc.load_model`` and fed images as encoded bytes, paths, uint8 arrays
+  and PIL images; the install brings in neither Ray nor Optuna.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tomllib
+from packaging.requirements import Requirement
 
 from tests.test_packaging import venv_with_site_path
 
@@ -31,6 +40,44 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "examples" / "plugin"
 PLUGIN_MODULE = "dmlrc_example"
 PLUGIN_DIST = "dmlrc-example-plugin"
+DISTRIBUTION = "dml-reality-check"
+#: What a colleague who only uses registered models has installed (with their dependencies): this package's core
+#: requirements as the README names them, and pip.
+MODEL_RUNTIME = ("torch", "torchvision", "numpy", "pillow", "mlflow", "pip")
+#: The training stack (the ``train`` extra) that a model's install must not bring in, by import name.
+TRAINING_MODULES = ("ray", "optuna", "pytorch_metric_learning", "faiss")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _closure(requirements: Iterable[str]) -> set[str]:
+    """The installed distributions (normalised names) that ``requirements`` need, transitively: each one's
+    ``Requires-Dist`` whose marker holds here (with the extras asked for)."""
+    installed: dict[str, importlib.metadata.Distribution] = {}
+    for dist in importlib.metadata.distributions():  # the first on sys.path is the one imported
+        installed.setdefault(_norm(dist.metadata["Name"]), dist)
+    found: set[str] = set()
+    seen: set[tuple[str, frozenset[str]]] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = _norm(req.name)
+        if (name, frozenset(req.extras)) in seen or name not in installed:
+            continue
+        seen.add((name, frozenset(req.extras)))
+        found.add(name)
+        for line in installed[name].requires or []:
+            dep = Requirement(line)
+            envs = [{"extra": e} for e in sorted(req.extras)] or [{"extra": ""}]
+            if dep.marker is None or any(dep.marker.evaluate(e) for e in envs):
+                todo.append(dep)
+    return found
+
+
+def _core_requirements() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
 
 
 def _pip_env() -> dict[str, str]:
@@ -83,7 +130,7 @@ def test_a_plugin_not_installed_from_an_index_is_bundled_never_pinned_by_name(pl
         assert dist.requirement is None, dist.requirement  # never "dmlrc-example-plugin==0.1.0"
         assert (dist.name, dist.version, dist.origin) == (PLUGIN_DIST, "0.1.0", "direct"), dist
 
-    env = model_environment("circle", "wide_tiny")
+    env = model_environment("wide_tiny")
     assert not [r for r in env.requirements if "==" in r and "dml" in r.lower()], env.requirements
     assert len(env.requirements) == 2 and env.code_paths == [], env
     for req in env.requirements:
@@ -127,19 +174,21 @@ def test_an_import_path_beside_a_stray_egg_info_travels_as_code(tmp_path, monkey
         assert dist == distribution_of_module(f"{PLUGIN_MODULE}.trunks")
         assert dist.requirement is None, dist.requirement  # never "dmlrc-example-plugin==0.1"
         assert (dist.name, dist.origin) == (PLUGIN_DIST, "unmanaged"), dist
-        env = model_environment(f"{PLUGIN_MODULE}.losses:CircleLoss", trunk)
+        env = model_environment(trunk)
         assert [r for r in env.requirements if PLUGIN_DIST in r or "==" in r] == [], env.requirements
-        (code,) = env.code_paths  # a copy of the modules the loss and the trunk need, at their place in the package
+        (code,) = env.code_paths  # a copy of the modules the trunk needs, at their place in the package
         copied = Path(code)
         assert copied.name == PLUGIN_MODULE and not copied.is_relative_to(work), code
-        for name in ("__init__.py", "losses.py", "trunks.py"):
+        for name in ("__init__.py", "trunks.py"):
             assert (copied / name).read_bytes() == (work / PLUGIN_MODULE / name).read_bytes(), name
+        # the loss the model was trained with stays behind: a model computes embeddings, never a loss
+        assert not (copied / "losses.py").exists(), sorted(p.name for p in copied.iterdir())
         # a trunk found by an entry point of such metadata: code alone would not be found by name on load
         (egg / "entry_points.txt").write_text(
             f"[dml_reality_check.trunks]\nstray_tiny = {PLUGIN_MODULE}.trunks:wide_tiny\n"
         )
         with pytest.raises(ModelEnvironmentError, match=r"^trunk 'stray_tiny': its distribution dmlrc-example-plugin"):
-            model_environment(None, "stray_tiny")
+            model_environment("stray_tiny")
     finally:
         _forget_plugin_modules()
 
@@ -158,6 +207,105 @@ def test_a_distribution_installed_from_an_index_keeps_its_pin(tmp_path, monkeypa
     (info / "direct_url.json").write_text(json.dumps({"url": "file:///somewhere", "dir_info": {}}))
     dist = installed_distribution("indexed-lab")
     assert (dist.requirement, dist.origin) == (None, "direct")
+
+
+def test_a_model_pins_the_trunk_s_library_and_nothing_of_the_training_stack():
+    """The core requirements do without timm; a ``timm:`` trunk's model pins the timm it was built with."""
+    from pipelines.tracking.model_env import model_environment
+
+    (own,) = model_environment("tiny").requirements  # a built-in trunk: this package alone
+    assert own.startswith("file:artifacts/dml_reality_check-") and "#sha256=" in own, own
+    wheel = Path(model_environment("tiny").wheels["wheel_dml_reality_check"])
+    meta = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
+    core = [
+        Requirement(line.split(":", 1)[1].strip())
+        for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    core = sorted(_norm(r.name) for r in core if r.marker is None)  # what the model's requirements line installs
+    assert core == ["mlflow", "numpy", "pillow", "torch", "torchvision"], core
+    assert model_environment("timm:resnet18").requirements == [own, f"timm=={importlib.metadata.version('timm')}"]
+
+
+_BLOCKED_PROBE = r"""
+import json, sys
+blocked = set(json.loads(sys.argv[1]))
+
+
+class NotInstalled:
+    # every module outside the core requirements' distributions: as if the training stack were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+before = set(sys.modules)
+sys.meta_path.insert(0, NotInstalled())
+import mlflow
+
+model = mlflow.pyfunc.load_model(sys.argv[2])
+emb = model.predict([open(sys.argv[3], "rb").read()])
+loaded = sorted({m.split(".")[0] for m in set(sys.modules) - before} & blocked)
+print(json.dumps({"emb": emb.tolist(), "loaded": loaded}))
+"""
+
+
+def test_a_saved_model_loads_and_embeds_without_the_training_stack(tmp_path):
+    """The model from code (``pipelines/tracking/pyfunc_model.py``) with two fold models of the built-in ``tiny``
+    trunk, saved by MLflow, loaded and fed an encoded image in a process where importing any module of a distribution
+    outside the core requirements' closure fails."""
+    import mlflow
+    import torch
+    from PIL import Image
+
+    from dml_core.models import build_model
+    from dml_core.trunks import trunk_preprocessing
+    from pipelines.tracking import pyfunc_model
+
+    allowed = _closure(_core_requirements()) | {"dml-reality-check"}
+    blocked = sorted(
+        top
+        for top, dists in importlib.metadata.packages_distributions().items()
+        if top not in sys.stdlib_module_names and not any(_norm(d) in allowed for d in dists)
+    )
+    assert set(TRAINING_MODULES) | {"timm", "boto3"} <= set(blocked), blocked
+
+    kwargs = {"trunk": "tiny", "embedding_dim": 8, "freeze_bn": False, "pretrained": None}
+    artifacts = {}
+    for k in range(2):
+        torch.manual_seed(k)
+        torch.save(build_model(**kwargs).state_dict(), tmp_path / f"fold_{k}.pt")
+        artifacts[pyfunc_model.fold_artifact(k)] = str(tmp_path / f"fold_{k}.pt")
+    spec = {
+        "folds": 2,
+        "model_kwargs": kwargs,
+        "image_size": 16,
+        "embedding_dim": 8,
+        "preprocessing": trunk_preprocessing("tiny").as_dict(),
+    }
+    (tmp_path / pyfunc_model.EMBEDDER_FILE).write_text(json.dumps(spec))
+    artifacts["embedder"] = str(tmp_path / pyfunc_model.EMBEDDER_FILE)
+    mlflow.pyfunc.save_model(
+        str(tmp_path / "model"), python_model=pyfunc_model.__file__, artifacts=artifacts, pip_requirements=[]
+    )
+    image = tmp_path / "im.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(image)
+    want = mlflow.pyfunc.load_model(str(tmp_path / "model")).predict([image.read_bytes()])
+
+    r = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_PROBE, json.dumps(blocked), str(tmp_path / "model"), str(image)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["loaded"] == [], got["loaded"]
+    np.testing.assert_allclose(np.asarray(got["emb"]), want, atol=1e-5)
+    assert want.shape == (1, 2 * 8)
 
 
 # ------------------------------------------------------------------------------------------------ slow
@@ -196,15 +344,22 @@ def _register(tmp: Path, uri: str) -> str:
 
 
 def _public_site(dest: Path) -> Path:
-    """This environment's site-packages as a folder of links, less this package and the plugin (their
-    ``*.dist-info``, the editable install's finder and ``.pth``) — the public dependencies a colleague has."""
+    """What a colleague who only uses models has — :data:`MODEL_RUNTIME` and the distributions they require, no
+    training stack, neither this package nor the plugin — as a folder of links to this environment's site-packages
+    entries (each distribution's packages, modules and ``*.dist-info``; no ``.pth``)."""
     src = Path(sysconfig.get_paths()["purelib"])
     dest.mkdir()
-    ours = ("dml_reality_check", "__editable__", PLUGIN_MODULE, "dml_core", "pipelines", "tune_spaces")
-    for entry in src.iterdir():
-        if entry.name.startswith(ours) or entry.suffix == ".pth" or entry.name == "__pycache__":
+    wanted, linked = _closure(MODEL_RUNTIME), set()
+    for dist in importlib.metadata.distributions():
+        name = _norm(dist.metadata["Name"])
+        if name not in wanted or name in linked or Path(dist.locate_file("")).resolve() != src.resolve():
             continue
-        (dest / entry.name).symlink_to(entry)
+        linked.add(name)
+        for top in {f.parts[0] for f in dist.files or []}:
+            if top not in ("..", "__pycache__") and not top.endswith(".pth") and (src / top).exists():
+                if not os.path.lexists(dest / top):
+                    (dest / top).symlink_to(src / top)
+    assert linked == wanted and not wanted & {"ray", "optuna", DISTRIBUTION, PLUGIN_DIST}, (wanted, linked)
     return dest
 
 
@@ -233,6 +388,10 @@ out = {
 import dml_core, dmlrc_example
 out["where"] = [dml_core.__file__, dmlrc_example.__file__]
 out["dists"] = [importlib.metadata.version("dml-reality-check"), importlib.metadata.version("dmlrc-example-plugin")]
+import importlib.util
+out["training"] = [n for n in json.loads(sys.argv[3]) if importlib.util.find_spec(n) is not None]
+out["training"] += [d.metadata["Name"] for d in importlib.metadata.distributions()
+                    if d.metadata["Name"] in ("ray", "optuna")]
 try:
     model.predict(b"not an image at all" * 50)
 except Exception as e:
@@ -261,7 +420,8 @@ def test_a_registered_model_installs_and_embeds_where_no_index_holds_our_package
     reqs = (model_dir / "requirements.txt").read_text().split()
     assert not [r for r in reqs if r.startswith(("dml-reality-check", PLUGIN_DIST))], reqs
 
-    # a fresh venv: the public dependencies, neither this package nor the plugin, no index
+    # a fresh venv: torch, torchvision, numpy, pillow, MLflow and what they need; no training stack, neither this
+    # package nor the plugin, no index
     venv = tmp_path / "venv"
     py = venv_with_site_path(venv, _public_site(tmp_path / "public"))
     env = {**_pip_env(), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -295,7 +455,7 @@ def test_a_registered_model_installs_and_embeds_where_no_index_holds_our_package
         fmt = "PNG" if i != 1 else "JPEG"
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(images / f"im{i}.{fmt.lower()}", fmt)
     probe = subprocess.run(
-        [str(py), "-c", _PROBE, str(model_dir), str(images)],
+        [str(py), "-c", _PROBE, str(model_dir), str(images), json.dumps(TRAINING_MODULES)],
         cwd=elsewhere,
         capture_output=True,
         text=True,
@@ -306,6 +466,14 @@ def test_a_registered_model_installs_and_embeds_where_no_index_holds_our_package
     got = json.loads(probe.stdout.strip().splitlines()[-1])
     assert all(str(venv) in w for w in got["where"]), got["where"]  # installed from the model's wheels
     assert got["dists"] == ["0.1.0", "0.1.0"], got["dists"]
+    assert got["training"] == [], got["training"]  # the model's install brought in no training stack
+    # there, the command line says in one line what it lacks
+    cli = subprocess.run(
+        [str(py), "-m", "pipelines.cli", "list"], cwd=elsewhere, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert cli.returncode == 2 and len(cli.stderr.strip().splitlines()) == 1, cli.stdout[-2000:] + cli.stderr[-3000:]
+    assert cli.stderr.startswith("dmlrc: cannot import ") and "ray" in cli.stderr, cli.stderr
+    assert cli.stderr.strip().endswith("pip install 'dml-reality-check[train]'"), cli.stderr
 
     # the same embeddings as the training machine's model on the model's own preprocessing
     spec = model.unwrap_python_model().spec

@@ -12,7 +12,8 @@ importable — and, from a folder outside the checkout:
   this distribution and the plugin were installed from, its pip requirements name them by file and sha256, and none
   of its files names a path of the training run.
 
-Fast tests: the wheel holds the search spaces, the demo preset and the license; ``dmlrc --version``.
+Fast tests: the wheel holds the search spaces, the demo preset and the license; its requirements are what a
+registered model needs, the training stack its ``train`` extra; ``dmlrc --version``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ def test_the_wheel_holds_what_a_sweep_and_the_demo_need(wheels):
     text = zipfile.ZipFile(wheels["ours"]).read(meta).decode()
     assert "License-Expression: MIT" in text or "License: MIT" in text
     assert not any(n.startswith(("tests/", "examples/", "bench/")) for n in names)
+
+
+def test_the_training_stack_is_the_train_extra_and_dev_installs_it(wheels):
+    """``pip install dml-reality-check`` (what a registered model's requirements install) gets no training stack;
+    ``[train]`` adds it; ``[dev]`` (``make install``, the test suite) includes ``[train]``."""
+    from packaging.requirements import Requirement
+
+    zf = zipfile.ZipFile(wheels["ours"])
+    meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    by_extra: dict[str, set[str]] = {}
+    for line in meta.splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            extra = next((e for e in ("train", "dev", "gpu") if req.marker and req.marker.evaluate({"extra": e})), "")
+            by_extra.setdefault(extra, set()).add(
+                req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else "")
+            )
+    assert by_extra[""] == {"torch", "torchvision", "numpy", "pillow", "mlflow"}, by_extra[""]
+    training = {"ray[client,train,tune]", "optuna", "greenlet", "pytorch-metric-learning", "faiss-cpu", "timm"}
+    assert training <= by_extra["train"], by_extra["train"]
+    assert "dml-reality-check[train]" in by_extra["dev"], by_extra["dev"]
+    assert "Provides-Extra: train" in meta
 
 
 def test_dmlrc_version_prints_the_distribution_version():

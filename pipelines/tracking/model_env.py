@@ -114,53 +114,44 @@ def wheel_requirement(wheel: Path) -> str:
     return f"file:{ARTIFACTS_DIR}/{urllib.parse.quote(Path(wheel).name)}#sha256={digest}"
 
 
-def model_environment(loss: str | None, trunk: str) -> ModelEnvironment:
-    """The requirements, wheels and code of a model built with ``trunk`` and trained with ``loss``: this package's
-    wheel, then the trunk's and the loss's plugin — pinned when installed from an index, else a wheel, or their code
-    when no installer put them there.  The loss is not needed to embed; it is part of what the model was built from.
+def model_environment(trunk: str) -> ModelEnvironment:
+    """The requirements, wheels and code a model built with ``trunk`` needs to load and embed: this package's wheel
+    (its core requirements: torch, torchvision, numpy, pillow, MLflow — no training stack, which is the ``train``
+    extra), then the trunk's library or plugin — pinned when installed from an index (timm for ``timm:`` trunks), else
+    a wheel, or its code when no installer put it there.  The loss a model was trained with is not among them: the
+    model computes embeddings, never a loss, so a loss plugin is not needed where the model is used.
     """
-    # the loss zoo takes seconds to import: not when the CLI imports this module before the config is checked
-    from dml_core.losses import loss_info
+    # the trunk registry (torch) only when a model is logged: not when the CLI imports this module
     from dml_core.trunks import resolve_trunk
 
     env = ModelEnvironment()
     env.add_wheel(own_wheel())
     spec = resolve_trunk(trunk)
-    # (what, entry point?, distribution, module of its code, needed to load the model)
-    plugins: list[tuple[str, bool, PluginDistribution | None, str | None, bool]] = []
-    if spec.kind in ("import", "entry_point", "timm"):
-        module = spec.name.split(":", 1)[0] if spec.kind == "import" else None
-        plugins.append((f"trunk {trunk!r}", spec.kind == "entry_point", spec.distribution, module, True))
-    if loss:
-        try:
-            info = loss_info(loss)
-        except ValueError:  # a loss that no longer resolves here: the model itself does not need it
-            info = None
-        if info is not None and info.origin != "builtin":
-            module = getattr(info.factory, "__module__", None)
-            plugins.append((f"loss {loss!r}", info.origin == "entry_point", info.distribution, module, False))
-    for what, entry_point, dist, module, needed in plugins:
-        if dist is not None and re.sub(r"[-_.]+", "-", dist.name).lower() == DISTRIBUTION:
-            continue  # this package itself, bundled above
-        if dist is not None and dist.from_index:
-            if dist.requirement not in env.requirements:
-                env.requirements.append(dist.requirement)
-        elif dist is not None and dist.origin == "direct":
-            env.add_wheel(distribution_wheel(dist))
-        elif entry_point and needed:  # found by its entry point's name: its code alone would not be found
-            why = (
-                f"its distribution {dist} has only setuptools' egg-info metadata ({dist.metadata_dir}), no record of "
-                "an installation"
-                if dist is not None
-                else "no installed distribution is known to declare its entry point"
-            )
-            raise ModelEnvironmentError(
-                f"{what}: {why} to bundle with the model; install it with pip (pip install -e <folder>)"
-            )
-        else:  # outside any installed distribution, or beside a stray egg-info: its code travels with the model
-            path = _module_code(module)
-            if path is not None and path not in env.code_paths:
-                env.code_paths.append(path)
+    if spec.kind not in ("import", "entry_point", "timm"):
+        return env  # a built-in trunk: this package and its core requirements
+    what = f"trunk {trunk!r}"
+    dist = spec.distribution
+    entry_point = spec.kind == "entry_point"
+    if dist is not None and re.sub(r"[-_.]+", "-", dist.name).lower() == DISTRIBUTION:
+        return env  # this package itself, bundled above
+    if dist is not None and dist.from_index:
+        env.requirements.append(dist.requirement)
+    elif dist is not None and dist.origin == "direct":
+        env.add_wheel(distribution_wheel(dist))
+    elif entry_point:  # found by its entry point's name: its code alone would not be found
+        why = (
+            f"its distribution {dist} has only setuptools' egg-info metadata ({dist.metadata_dir}), no record of an "
+            "installation"
+            if dist is not None
+            else "no installed distribution is known to declare its entry point"
+        )
+        raise ModelEnvironmentError(
+            f"{what}: {why} to bundle with the model; install it with pip (pip install -e <folder>)"
+        )
+    else:  # outside any installed distribution, or beside a stray egg-info: its code travels with the model
+        path = _module_code(spec.name.split(":", 1)[0] if spec.kind == "import" else None)
+        if path is not None:
+            env.code_paths.append(path)
     return env
 
 

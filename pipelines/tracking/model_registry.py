@@ -120,16 +120,17 @@ def log_reproduction_model(
 ) -> tuple[str, str]:
     """Log reproduction ``reproduction``'s fold models as a pyfunc model on ``run_id`` (tracking store
     ``tracker_uri``); return its ``models:/`` URI and model id."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        artifacts, spec = {}, None
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        artifacts: dict[str, str] = {}
+        spec: dict[str, Any] = {}  # embedder.json: the first fold's model, then the reproduction's facts
         for k, uri in enumerate(fold_checkpoints):
             ckpt = _read_fold_checkpoint(uri)
             torch.save(ckpt["model"], tmp / f"fold_{k}.pt")
             artifacts[pyfunc_model.fold_artifact(k)] = str(tmp / f"fold_{k}.pt")
             # The fold state dicts hold every weight: a registered model never reads the trunk's pretrained file.
             spec = spec or {"model_kwargs": {**ckpt["model_kwargs"], "pretrained": None}, "loss": ckpt.get("loss_name")}
-        environment = model_environment(spec.get("loss"), spec["model_kwargs"]["trunk"])
+        environment = model_environment(spec["model_kwargs"]["trunk"])
         for key, wheel in environment.wheels.items():  # copies: MLflow records each artifact's source path
             (tmp / "wheels").mkdir(exist_ok=True)
             artifacts[key] = str(shutil.copy2(wheel, tmp / "wheels" / Path(wheel).name))
