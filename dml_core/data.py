@@ -34,6 +34,7 @@ __all__ = [
     "ImageTable",
     "ImageDataset",
     "decode_image",
+    "normalise_batch",
     "read_parquet_manifest",
     "read_omniglot",
     "synthetic",
@@ -133,6 +134,12 @@ class ImageTable:
 
 def decode_image(image):
     """bytes / path / uint8 array -> PIL RGB image.  Grayscale and 1-bit images become 3 identical channels."""
+    im = _open_image(image)
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+
+def _open_image(image):
+    """bytes / path / uint8 array -> the loaded PIL image in its own mode (1-bit, grayscale, RGB, ...)."""
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (1, 3, 4)):
             raise ValueError(f"array images must be HxW or HxWx{{1,3,4}} uint8, got {image.dtype} {image.shape}")
@@ -144,7 +151,7 @@ def decode_image(image):
     else:
         raise TypeError(f"unsupported image type {type(image).__name__}")
     im.load()
-    return im if im.mode == "RGB" else im.convert("RGB")
+    return im
 
 
 class ImageDataset(torch.utils.data.Dataset):
@@ -167,18 +174,24 @@ class ImageDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.table)
 
-    def __getitem__(self, i):
+    def decode(self, i: int, *, rgb: bool = True):
+        """Row ``i`` as a loaded PIL image: RGB (as the transforms get it), or with ``rgb=False`` in its own mode
+        (1-bit and grayscale rows stay one channel); a row that fails to decode raises a CorruptImageError naming
+        it."""
         # pyarrow (dml_core.shards) loads only where a table is read: decode_image and the transforms (a registered
         # model's preprocessing) do without it
         from dml_core.shards import CorruptImageError
 
-        i = int(i)
         try:
-            img = decode_image(self.table.images[i])
+            return decode_image(self.table.images[i]) if rgb else _open_image(self.table.images[i])
         except CorruptImageError:
             raise
         except Exception as e:
             raise CorruptImageError(f"cannot decode image at {self.table.row_name(i)}: {e}") from e
+
+    def __getitem__(self, i):
+        i = int(i)
+        img = self.decode(i)
         if self.transform is None:
             x = _to_tensor(img)
         else:
@@ -225,12 +238,20 @@ def _normalise(x: torch.Tensor, pre=None) -> torch.Tensor:
     ImageNet default run exactly the ops of the ImageNet mean/std normalisation (bit-identical to torchvision)."""
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if pre is None else (pre.mean, pre.std)
     if pre is not None and pre.channel_order == "BGR":
-        x = x.flip(0)  # a copy: C is the first dim of a single image
+        x = x.flip(-3)  # a copy: C is the first dim of a single image, the second of a batch
     if pre is not None and pre.value_scale != 1.0:
         x = x.mul_(pre.value_scale)  # powerful-benchmarker / pretrainedmodels: ToTensor, then x 255, then Normalize
     mean = torch.as_tensor(mean, dtype=x.dtype).view(-1, 1, 1)
     std = torch.as_tensor(std, dtype=x.dtype).view(-1, 1, 1)
     return x.sub(mean).div_(std)
+
+
+def normalise_batch(pixels: torch.Tensor, preprocessing=None) -> torch.Tensor:
+    """A uint8 (or integer-valued float) ``N×C×H×W`` batch of RGB pixels -> the trunk's input, float32: the ops of
+    ToTensor and the normalisation that the transforms apply to one image, elementwise, hence the same values as
+    stacking the transforms' outputs.  ``preprocessing``: a :class:`~dml_core.trunks.Preprocessing` (``None``:
+    ImageNet)."""
+    return _normalise(pixels.to(torch.float32).mul_(1.0 / 255), preprocessing)
 
 
 def _describe_normalise(pre) -> str:
@@ -313,6 +334,10 @@ class EvalTransform:
 
     def __call__(self, img) -> torch.Tensor:
         _check_pil(img, "eval_transform")
+        return _normalise(_to_tensor(self.pixels(img)), self.preprocessing)
+
+    def pixels(self, img):
+        """The geometric part alone: the resized, centre-cropped RGB PIL image (``size × size``, uint8)."""
         img = _rgb(img)
         h, w = img.height, img.width
         short, long = (w, h) if w <= h else (h, w)
@@ -321,8 +346,7 @@ class EvalTransform:
         # the short side is now round(size·256/227) >= size, so the centred crop always fits (no padding)
         top = int(round((img.height - self.size) / 2.0))
         left = int(round((img.width - self.size) / 2.0))
-        img = img.crop((left, top, left + self.size, top + self.size))
-        return _normalise(_to_tensor(img), self.preprocessing)
+        return img.crop((left, top, left + self.size, top + self.size))
 
     def __repr__(self) -> str:
         return (

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
 from dml_core.data import decode_image, eval_transform
+from dml_core.decoded import DecodedEvalSet
 from dml_core.distributed import all_gather_uneven, get_rank, get_world_size, shard_bounds
 from dml_core.loader_workers import init_loader_worker
 
@@ -97,26 +98,40 @@ def _embed_device(where: str, model: nn.Module, device) -> torch.device:
 
 
 @torch.no_grad()
-def embed_gathered(model: nn.Module, dataset, batch_size: int, device: torch.device, num_workers: int) -> torch.Tensor:
-    """Every row's embedding, on ``device``; under DDP each rank embeds a contiguous shard, then gather."""
+def embed_gathered(
+    model: nn.Module,
+    dataset,
+    batch_size: int,
+    device: torch.device,
+    num_workers: int,
+    memory_format: torch.memory_format = torch.preserve_format,
+) -> torch.Tensor:
+    """Every row's embedding, on ``device``; under DDP each rank embeds a contiguous shard, then gather.  A
+    :class:`~dml_core.decoded.DecodedEvalSet` (images decoded once) is sliced into batches in this process, any
+    other dataset goes through a DataLoader.  ``memory_format``: the batches' layout on ``device`` (the model's:
+    channels-last for a channels-last model; the same values either way)."""
     if isinstance(model, DistributedDataParallel):
         model = model.module
     world, rank = get_world_size(), get_rank()
     if len(dataset) < world:
         raise ValueError(f"dataset has {len(dataset)} rows, fewer than the {world} distributed ranks embedding it")
     start, stop = shard_bounds(len(dataset), world, rank)
-    loader = DataLoader(
-        Subset(dataset, range(start, stop)),
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        worker_init_fn=init_loader_worker,
-    )
+    if isinstance(dataset, DecodedEvalSet):
+        batches = (dataset.batch(a, min(a + batch_size, stop)) for a in range(start, stop, batch_size))
+    else:
+        loader = DataLoader(
+            Subset(dataset, range(start, stop)),
+            batch_size=batch_size,
+            shuffle=False,
+            num_workers=num_workers,
+            pin_memory=device.type == "cuda",
+            worker_init_fn=init_loader_worker,
+        )
+        batches = (_images_of(batch) for batch in loader)
     was_training = model.training
     model.eval()
     try:
-        parts = [model(_images_of(batch).to(device, non_blocking=True)).float() for batch in loader]
+        parts = [model(x.to(device, non_blocking=True, memory_format=memory_format)).float() for x in batches]
     finally:
         model.train(was_training)
     if not parts:  # an empty shard: the embedding width from one forward pass is not worth it; 0 rows

@@ -65,9 +65,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dml_core.checkpoint import STATE_FORMAT, rng_state, set_rng_state
+from dml_core.decoded import DecodedBatches, decode_fold
 from dml_core.distributed import broadcast_buffers_, broadcast_object, get_rank
 from dml_core.embedding import check_dataset, embed, embed_gathered, embed_images, labels_of, resolve_device
 from dml_core.loader_workers import init_loader_worker
+from dml_core.numerics import resolve as numerics_of
 
 # MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (``metric_loss_optimizer``); the registry's default
 # ``loss_weight_decay`` is the same constant.  Importable from here as before.
@@ -101,6 +103,9 @@ class FoldResult:
     iterations: int = 0
     epochs: int = 0
     stopped_early: bool = False
+    #: the numerics the fold trained with, ``cpu_amp`` / ``channels_last`` "auto" resolved on its device
+    #: (:func:`dml_core.numerics.resolve_numerics`): "bf16+channels_last", "fp32+channels_last", "fp32", "cuda-amp-fp16"
+    numerics: str = ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,11 +199,17 @@ class NonFiniteEmbeddings(ValueError):
     """The model's validation embeddings hold NaN or inf: the fold ends ``diverged`` (its metrics would be chance)."""
 
 
-def _evaluate(model: nn.Module, val_set, config: TrainConfig, device: torch.device) -> dict[str, float]:
+def _evaluate(
+    model: nn.Module,
+    val_set,
+    config: TrainConfig,
+    device: torch.device,
+    memory_format: torch.memory_format = torch.preserve_format,
+) -> dict[str, float]:
     """Val metrics (val compared to itself), computed on rank 0 and broadcast to every rank."""
     broadcast_buffers_(model)  # BN running stats may differ per rank if BN is not frozen
     # Embeddings stay on the device: retrieval_metrics searches CUDA tensors there (dml_core.knn.self_knn).
-    emb = embed_gathered(model, val_set, config.eval_batch_size, device, config.num_workers)
+    emb = embed_gathered(model, val_set, config.eval_batch_size, device, config.num_workers, memory_format)
     labels = labels_of(val_set, "val_set")
     outcome: tuple[str, Any] = ("ok", None)
     if get_rank() == 0:
@@ -263,7 +274,7 @@ class _Validation:
     def _evaluate(self, loop: _FoldLoop, epoch: int, what: str = "") -> FoldResult | None:
         te = time.perf_counter()
         try:
-            metrics = _evaluate(loop.model, self.val_set, loop.config, loop.device)
+            metrics = _evaluate(loop.model, self.val_set, loop.config, loop.device, loop.memory_format)
         except NonFiniteEmbeddings as e:
             return loop.result("diverged", f"{e} at epoch {epoch}{what}", epoch)
         best, primary = loop.best, loop.config.primary_metric
@@ -343,6 +354,7 @@ class _FoldLoop:
         """Everything the first iteration needs, in an order that keeps the RNG streams and the collectives of
         every rank in step: inputs, seeds, optimiser, resume, ranks, loader."""
         self._check_inputs()
+        self._decode()
         self._seed()
         self._build_optimizer()
         self._resume(resume_state)
@@ -366,6 +378,14 @@ class _FoldLoop:
         self.class_table = torch.as_tensor(classes, dtype=torch.long, device=self.device)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
+    def _decode(self) -> None:
+        """The protocol's datasets decoded once when they fit the bound (dml_core.decoded), else streamed; draws
+        nothing from any RNG."""
+        val_set = self.selection.val_set if isinstance(self.selection, _Validation) else None
+        self.decoded_train, val_set = decode_fold(self.train_set, val_set)
+        if isinstance(self.selection, _Validation):
+            self.selection.val_set = val_set
+
     def _seed(self) -> None:
         # Per-rank torch RNG (augmentations, dropout); the batch composition comes from the sampler.
         self.rank_seed = int(np.random.SeedSequence([self.config.seed, self.ranks.rank]).generate_state(1)[0])
@@ -379,7 +399,8 @@ class _FoldLoop:
         total = self.config.max_epochs * self.config.iters_per_epoch
         self.scheduler = lr_scheduler(self.optimizer, self.config.lr_warmup_iters, self.config.lr_schedule, total)
         self.loss_params = [p for p in self.loss.parameters() if p.requires_grad]
-        self.precision = Precision(self.config.amp, self.config.cpu_amp, self.config.amp_dtype, self.device)
+        self.numerics = numerics_of(self.config, self.device)
+        self.precision = Precision(self.numerics, self.config.amp_dtype, self.device)
 
     def _resume(self, state: dict[str, Any] | None) -> None:
         """Resume, all of it: every rank at rank 0's iteration, the state checked against this run, then weights,
@@ -407,7 +428,7 @@ class _FoldLoop:
         set_rng_state(state["rng"][self.ranks.rank], self.device, self.loader_rng)
 
     def _distribute(self) -> None:
-        if self.config.channels_last:  # before DDP wraps it; the parameters stay the same objects (the optimizer's)
+        if self.numerics.channels_last:  # before DDP wraps it; the parameters stay the same objects (the optimizer's)
             self.model.to(memory_format=torch.channels_last)
         self.net = self.ranks.share(self.model, self.loss, self.device)
 
@@ -422,16 +443,20 @@ class _FoldLoop:
             num_replicas=self.ranks.world,
             rank=self.ranks.rank,
         )
-        self.loader = DataLoader(
-            self.train_set,
-            batch_sampler=self.sampler,
-            num_workers=config.num_workers,
-            pin_memory=self.device.type == "cuda",
-            persistent_workers=False,
-            generator=self.loader_rng,
-            worker_init_fn=init_loader_worker,
-        )
-        self.memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
+        self.loader: DataLoader | DecodedBatches
+        if self.decoded_train is not None:  # augmented in this process: no worker, no decoding
+            self.loader = DecodedBatches(self.decoded_train, self.sampler)
+        else:
+            self.loader = DataLoader(
+                self.train_set,
+                batch_sampler=self.sampler,
+                num_workers=config.num_workers,
+                pin_memory=self.device.type == "cuda",
+                persistent_workers=False,
+                generator=self.loader_rng,
+                worker_init_fn=init_loader_worker,
+            )
+        self.memory_format = torch.channels_last if self.numerics.channels_last else torch.contiguous_format
 
     # ---------------------------------------------------------------------------------------- training
     def begin(self) -> FoldResult | None:
@@ -541,6 +566,7 @@ class _FoldLoop:
             iterations=self.iteration,
             epochs=epochs,
             stopped_early=stopped_early,
+            numerics=self.numerics.name,
         )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "LR_SCHEDULES", "AMP_DTYPE_NAMES"]
+__all__ = ["TrainConfig", "OPTIMIZERS", "LR_SCHEDULES", "AMP_DTYPE_NAMES", "NUMERICS_AUTO"]
 
 #: The optimisers of the trunk, embedder and loss.
 OPTIMIZERS = ("rmsprop", "sgd", "adam")
@@ -16,6 +16,8 @@ OPTIMIZERS = ("rmsprop", "sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 #: ``amp_dtype`` values: the CUDA autocast dtypes by name (``dml_core.train_step.AMP_DTYPES`` maps them to torch's).
 AMP_DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16")
+#: ``cpu_amp`` / ``channels_last`` value that leaves the choice to the machine (``dml_core.numerics.resolve``).
+NUMERICS_AUTO = "auto"
 
 
 @dataclass
@@ -77,10 +79,12 @@ class TrainConfig:
     amp_dtype: str = "bfloat16"
     #: autocast the model's training forward to bfloat16 on CPU (the loss and evaluation stay fp32).  Off by default:
     #: not exact, and only faster on CPUs with native bf16 arithmetic (AVX512-BF16, AMX): bench/cpu_speed_bench.py.
-    cpu_amp: bool = False
+    #: "auto": on where the CPU has native bf16, off elsewhere (:mod:`dml_core.numerics`).
+    cpu_amp: bool | str = False
     #: the model and its training batches in channels-last (NHWC) memory format, which oneDNN's convolutions prefer
     #: on CPU; the arithmetic is the same, the summation order may differ in the last bits.  Off by default.
-    channels_last: bool = False
+    #: "auto": on for CPU training, and on CUDA with ``amp`` (:mod:`dml_core.numerics`).
+    channels_last: bool | str = False
     #: validation metric for best-epoch selection and early stopping.
     primary_metric: str = "map_at_r"
 
@@ -114,6 +118,10 @@ class TrainConfig:
             )
         if self.amp_dtype not in AMP_DTYPE_NAMES:
             raise ValueError(f"TrainConfig.amp_dtype must be one of {sorted(AMP_DTYPE_NAMES)}, got {self.amp_dtype!r}")
-        for name in ("amp", "cpu_amp", "channels_last"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"TrainConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.amp, bool):
+            raise ValueError(f"TrainConfig.amp must be true or false, got {self.amp!r}")
+        for name in ("cpu_amp", "channels_last"):
+            if not isinstance(getattr(self, name), bool) and getattr(self, name) != NUMERICS_AUTO:
+                raise ValueError(
+                    f"TrainConfig.{name} must be true, false or {NUMERICS_AUTO!r}, got {getattr(self, name)!r}"
+                )

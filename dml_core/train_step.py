@@ -24,6 +24,7 @@ from dml_core.distributed import (
     get_world_size,
     is_distributed,
 )
+from dml_core.numerics import Numerics
 
 __all__ = ["AMP_DTYPES", "Ranks", "Precision", "lr_scheduler"]
 
@@ -102,11 +103,11 @@ class Ranks:
 
 class Precision:
     """Mixed precision in one place: the training forward under autocast (``amp`` on CUDA with ``amp_dtype``,
-    ``cpu_amp`` on CPU with bfloat16; the loss runs in fp32) and, for fp16 only, loss scaling with one scaler step
-    over all parameter groups (an overflow skips the whole step)."""
+    ``cpu_amp`` on CPU with bfloat16, as :func:`dml_core.numerics.resolve` decided; the loss runs in fp32) and, for
+    fp16 only, loss scaling with one scaler step over all parameter groups (an overflow skips the whole step)."""
 
-    def __init__(self, amp: bool, cpu_amp: bool, amp_dtype: str, device: torch.device) -> None:
-        self.enabled = (amp and device.type == "cuda") or (cpu_amp and device.type == "cpu")
+    def __init__(self, numerics: Numerics, amp_dtype: str, device: torch.device) -> None:
+        self.enabled = numerics.autocast and device.type in ("cuda", "cpu")
         self.dtype = AMP_DTYPES[amp_dtype] if device.type == "cuda" else torch.bfloat16
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler("cuda") if self.enabled and self.dtype == torch.float16 else None

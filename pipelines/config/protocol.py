@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, PlainSerializer, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, model_validator
 
-from dml_core.train_config import AMP_DTYPE_NAMES, LR_SCHEDULES, OPTIMIZERS
-from pipelines.config.errors import FieldError
+from dml_core.train_config import AMP_DTYPE_NAMES, LR_SCHEDULES, NUMERICS_AUTO, OPTIMIZERS
+from pipelines.config.errors import FieldError, did_you_mean
 from pipelines.config.fields import TRAIN_DEFAULTS as _TC  # short: the defaults of every field below
 from pipelines.config.fields import Seed
 from pipelines.config.strict import StrictModel
+from pipelines.config.uris import shown
 
 __all__ = ["ProtocolSpec", "TrainSpec", "TRAIN_KEYS"]
 
@@ -20,6 +21,17 @@ __all__ = ["ProtocolSpec", "TrainSpec", "TRAIN_KEYS"]
 def _set_keys(train: TrainSpec) -> dict[str, Any]:
     # Only what the config sets: unset keys fall back to TrainConfig, the recipe's batch or the loss's metadata.
     return train.model_dump(exclude_unset=True)
+
+
+def _bool_or_auto(v: Any) -> Any:
+    # one message naming every allowed value (a union would report its first member's "expected true or false")
+    if isinstance(v, bool) or v == NUMERICS_AUTO:
+        return v
+    raise ValueError(f"expected true, false or {NUMERICS_AUTO!r}, got {shown(v)}{did_you_mean(v, [NUMERICS_AUTO])}")
+
+
+#: ``cpu_amp`` / ``channels_last``: on, off, or "auto" (the machine decides: dml_core.numerics).
+BoolOrAuto = Annotated[bool | Literal[NUMERICS_AUTO], BeforeValidator(_bool_or_auto)]  # type: ignore[valid-type]
 
 
 class TrainSpec(StrictModel):
@@ -44,10 +56,12 @@ class TrainSpec(StrictModel):
     """After the warm-up: constant (the reality check's) or cosine (decay to 0 at max_epochs × iters_per_epoch)."""
     amp: bool = _TC["amp"]
     amp_dtype: Literal[AMP_DTYPE_NAMES] = _TC["amp_dtype"]  # type: ignore[valid-type]  # a Literal over the values
-    cpu_amp: bool = _TC["cpu_amp"]
-    """bfloat16 autocast of the training forward on CPU (not exact; faster only with native bf16: AVX512-BF16/AMX)."""
-    channels_last: bool = _TC["channels_last"]
-    """Channels-last (NHWC) model and batches (oneDNN's preferred layout on CPU)."""
+    cpu_amp: BoolOrAuto = _TC["cpu_amp"]
+    """bfloat16 autocast of the training forward on CPU (not exact; faster only with native bf16: AVX512-BF16/AMX);
+    auto = on where the CPU has native bf16 (avx512_bf16 / amx_bf16), off elsewhere."""
+    channels_last: BoolOrAuto = _TC["channels_last"]
+    """Channels-last (NHWC) model and batches (oneDNN's preferred layout on CPU); auto = on for CPU training, on
+    CUDA with amp."""
 
 
 #: ``protocol.train`` keys forwarded to :class:`dml_core.train.TrainConfig`.

@@ -33,6 +33,8 @@ _NOT_PROTOCOL_TRAIN = frozenset({"loss_lr", "loss_weight_decay", "seed", "device
     # how fast, not what: the evaluation batch, DataLoader processes and the memory layout leave the results as
     # they are (within float rounding), so a run on other hardware stays comparable
     {"eval_batch_size", "num_workers", "channels_last"}
+    # the machine's numerics: bf16 where the CPU has it ("auto"), within the seeds' noise; each fold records its own
+    | {"cpu_amp"}
 )
 
 

@@ -61,6 +61,7 @@ from dml_core.checkpoint import CheckpointDir
 from dml_core.data import ImageDataset, eval_transform, train_transform
 from dml_core.distributed import broadcast_object
 from dml_core.models import build_model
+from dml_core.numerics import cpu_model
 from dml_core.train import TrainConfig, embed, train_fold
 from pipelines.execution.fold_config import FoldConfig, FoldOutcome, s3_uri
 from pipelines.names import FOLD_STARTED_TAG, HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
@@ -336,8 +337,14 @@ def _run_tags(device: str, node_id: str, prep) -> dict[str, Any]:
     return tags
 
 
+def _cpu_time() -> float:
+    """CPU seconds of this process and its reaped children (DataLoader workers) so far, user and system."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _outcome(result, ckpt: _Checkpoints, fold: int, times: tuple[float, float, float], **where: Any) -> FoldOutcome:
-    """Step 4: the fold's outcome from ``train_fold``'s result (``where``: world_size, node_id, device)."""
+    """Step 4: the fold's outcome from ``train_fold``'s result (``where``: world_size, node_id, device, cpu_seconds)."""
     time_start, time_train_start, time_end = times
     return FoldOutcome(
         fold=fold,
@@ -360,6 +367,9 @@ def _outcome(result, ckpt: _Checkpoints, fold: int, times: tuple[float, float, f
         restarts=ckpt.restarts,
         resumed_from=ckpt.resumed_from,
         redone_iterations=ckpt.redone_iterations,
+        cpu_seconds=where["cpu_seconds"],
+        numerics=getattr(result, "numerics", ""),
+        cpu_model=cpu_model(),
         history=[
             {
                 "epoch": r["epoch"],
@@ -421,7 +431,7 @@ def run_fold(
     """
     torch.set_num_threads(max(1, int(cfg.threads)))
     torch.manual_seed(cfg.train.seed)
-    time_start = time.time()
+    time_start, cpu_start = time.time(), _cpu_time()
     parts = _build(cfg, device)
     index = cfg.fold.index
     ckpt = _Checkpoints(cfg.checkpoint_uri, enabled=cfg.mid_fold_resume, label=f"[{cfg.label}] fold {index}", rank=rank)
@@ -444,7 +454,16 @@ def run_fold(
     )
     time_end = time.time()
     times = (time_start, time_train_start, time_end)
-    outcome = _outcome(result, ckpt, index, times, world_size=world_size, node_id=node_id, device=device)
+    outcome = _outcome(
+        result,
+        ckpt,
+        index,
+        times,
+        world_size=world_size,
+        node_id=node_id,
+        device=device,
+        cpu_seconds=_cpu_time() - cpu_start,
+    )
     test = _evaluate_test(cfg, parts, result, outcome, rank, device)
     if rank == 0:
         log.log_restarts(ckpt)
