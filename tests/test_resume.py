@@ -726,9 +726,12 @@ def test_outcome_json_keeps_its_format_and_files_of_earlier_versions_still_read(
         "redone_iterations": 4,
         "history": [{"epoch": 1, "iteration": 20, "train_loss": 0.5, "metrics": best}],
     }
-    assert FoldOutcome.from_json(json.dumps(written)).to_json() == json.dumps(written)
-    with_test = {**written, "test_metrics": best}
+    # what a fold measured of itself (the study's records), after the test metrics
+    measured = {"cpu_seconds": 4.5, "numerics": "bf16+channels_last", "cpu_model": "a CPU"}
+    assert FoldOutcome.from_json(json.dumps({**written, **measured})).to_json() == json.dumps({**written, **measured})
+    with_test = {**written, "test_metrics": best, **measured}
     assert FoldOutcome.from_json(json.dumps(with_test)).to_json() == json.dumps(with_test)
     old = {k: written[k] for k in ("fold", "status", "reason", "best_metrics", "time_start", "time_end", "history")}
     read = FoldOutcome.from_json(json.dumps(old))
     assert (read.time_train_start, read.restarts, read.resumed_from, read.world_size) == (10.0, 0, [], 1)
+    assert (read.cpu_seconds, read.numerics, read.cpu_model) == (None, "", "")  # a file written before them

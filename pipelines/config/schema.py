@@ -143,6 +143,21 @@ class SweepConfig(StrictModel):
                 v = str(Path(v).expanduser())  # "~/runs" is the home folder's runs/, not a folder named "~"
         return v
 
+    @field_validator("records")
+    @classmethod
+    def _records(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        v = local_or_s3(v)
+        if v.startswith("s3://"):
+            raise ValueError(f"{shown(v)}: a local folder (records are files to commit; copy them to S3 if you like)")
+        path = Path(absolute(v)).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{shown(v)} is a file, not a folder")
+        if any(p.exists() and not p.is_dir() for p in path.parents):
+            raise ValueError(f"{shown(v)}: a part of the path is a file")
+        return str(path) if v.startswith("~") else v
+
     @field_validator("compare_with", mode="before")
     @classmethod
     def _one_bundle(cls, v: Any) -> Any:
@@ -170,9 +185,9 @@ class SweepConfig(StrictModel):
         return v if v is None else str(Path(v).expanduser().resolve())
 
     @model_validator(mode="after")
-    def _consistent(self):
+    def _consistent(self) -> SweepConfig:
         for key, items in (("datasets", self.datasets), ("losses", self.losses)):
-            seen: dict[str, int] = {}
+            seen: dict[str | None, int] = {}  # name (a dataset's kind where unnamed) -> its index
             for i, item in enumerate(items):
                 n = item.name or getattr(item, "kind", None)
                 if n in seen:
@@ -220,6 +235,11 @@ class SweepConfig(StrictModel):
 
     def experiment_name(self) -> str:
         return self.tracking.experiment or self.name
+
+    def protocol_seed(self) -> int:
+        """The seed of the BO sampler and of fold training: ``protocol.seed``, else the sweep's ``seed`` (what
+        :func:`parse_config` writes into an unset ``protocol.seed``)."""
+        return self.protocol.seed if self.protocol.seed is not None else self.seed
 
 
 def sweep_json_schema() -> dict[str, Any]:

@@ -3,8 +3,9 @@ fold's Ray task or Ray Train workers) and :class:`FoldOutcome` (what rank 0 writ
 reads back).  Both are plain dataclasses: picklable for Ray, and cheap to import — a search trial's driver loads no
 torch (tests/test_lean_imports.py).
 
-``outcome.json`` keeps its format: :meth:`FoldOutcome.to_json` writes the same keys in the same order as before, and
-:meth:`FoldOutcome.from_json` reads files written by earlier versions (fields added since have defaults)."""
+``outcome.json`` keeps its format: :meth:`FoldOutcome.to_json` writes the same keys in the same order as before (fields
+added since come last), and :meth:`FoldOutcome.from_json` reads files written by earlier versions (fields added since
+have defaults)."""
 
 from __future__ import annotations
 
