@@ -208,7 +208,9 @@ def _finish(outcome) -> int:
         f"sweep {outcome.name!r} finished in {outcome.seconds / 60:.1f} min — test metrics ×100, "
         "mean ± half-width of the 95 % t-interval across reproductions:"
     )
-    print(ci_table(outcome.studies))  # its "untrained network" row: each study's network before training
+    # ranked per dataset; its "untrained network" row: each study's network before training; a study this sweep did
+    # not train (reused, a bundle's) marked in its source column, the marks explained under the table
+    print(ci_table(outcome.studies, sweep=outcome.name))
     print()
     print("Winning hyperparameters (best BO trial of each study):")
     print(params_table(outcome.studies))

@@ -77,7 +77,7 @@ def test_a_bundle_takes_part_like_the_experiments_own_studies(tmp_path, bundle_x
             "json"
         ].read_text()
     )
-    assert [(s["loss"], s["source"].split()[0]) for s in got["studies"]] == [
+    assert [(s["loss"], s["source"]["kind"]) for s in got["studies"]] == [
         ("x", "bundle"),
         ("y", "bundle"),
         ("z", "mlflow"),

@@ -126,9 +126,15 @@ def test_compare_with_a_bundle_gives_the_combined_table(zoo):
     assert not (tmp / "runs" / "mine").exists()
     mine = _ok(_cli(tmp, "sweep", str(cfg)))
     assert _ran(mine) == {f"synthetic/{PLUGIN}"}
-    for loss in BASE:  # the bundle's studies are in the final table
-        assert any(line.split()[:2] == ["synthetic", loss] for line in mine.splitlines()), loss
+    for loss in BASE:  # the bundle's studies are in the final table, marked as the bundle's
+        (row,) = [line.split() for line in mine.splitlines() if line.split()[:2] == ["synthetic", loss]]
+        assert row[-2:] == ["bundle", "[1]"], row
         assert f"synthetic/{loss}: ok" not in mine  # its winning configuration is listed
+    (row,) = [line.split() for line in mine.splitlines() if line.split()[:2] == ["synthetic", PLUGIN]]
+    assert row[-1] == "trained", row
+    assert f"  [1] results bundle {bundle} (created " in mine  # its URI and date, then its fingerprint
+    note = MlflowClient(_db(tmp, "mine")).get_experiment_by_name("mine").tags["mlflow.note.content"]
+    assert sum(f"| bundle: results bundle {bundle} (created " in line for line in note.splitlines()) == 3, note
     got = _report(tmp, "mine", "report-mine")  # the report reads the bundle the sweep named
     want = zoo[4]
     assert [s["loss"] for s in got["studies"]] == [s["loss"] for s in want["studies"]]

@@ -11,9 +11,9 @@ from pipelines.config.schema import SweepConfig
 from pipelines.execution.preflight import StudyPlan
 from pipelines.names import study_key
 from pipelines.results.fingerprint import ARTIFACT as FINGERPRINT_ARTIFACT
-from pipelines.results.fingerprint import Fingerprint, fingerprint_tags
+from pipelines.results.fingerprint import HASH_TAG, Fingerprint, fingerprint_tags
 from pipelines.results.report_studies import Study
-from pipelines.results.study_results import COST_KEYS, EPOCH0_TAG, StudySummary
+from pipelines.results.study_results import COST_KEYS, EPOCH0_TAG, Provenance, StudySummary, iso_time
 from pipelines.results.untrained import untrained_metrics_of
 from pipelines.tracking.runs import PARENT, git_commit
 
@@ -61,15 +61,35 @@ def open_study_run(cfg: SweepConfig, tracker, plan: StudyPlan, fingerprint: Fing
 
 def summary_from_run(summary: StudySummary, run) -> StudySummary:
     """``summary`` filled from a finished study run (``--resume`` of a sweep whose study was done, or a finished
-    study of the experiment that the sweep reuses)."""
-    return summary_from_values(summary, run.data.metrics, run.data.tags, run.data.params)
+    study of the experiment that the sweep reuses); its provenance names the run's sweep, end and fingerprint, so
+    the end-of-sweep table tells a reused study from one of its own sweep."""
+    summary = summary_from_values(summary, run.data.metrics, run.data.tags, run.data.params)
+    tags = run.data.tags
+    summary.provenance = Provenance(
+        "mlflow",
+        f"MLflow run {run.info.run_id}",
+        iso_time(run.info.end_time or run.info.start_time),
+        tags.get(HASH_TAG, ""),
+        sweep=tags.get("sweep", ""),
+        run_id=run.info.run_id,
+    )
+    return summary
 
 
 def summary_from_study(study: Study) -> StudySummary:
-    """A study of a results bundle (or of the report's reading of MLflow) as the sweep's summary of a study."""
+    """A study of a results bundle (or of the report's reading of MLflow) as the sweep's summary of a study, its
+    provenance (the bundle's URI and date, the study's fingerprint) kept."""
     summary = StudySummary(study_key(study.dataset, study.loss), study.dataset, study.loss, study.run_id, "ok")
     tags = {EPOCH0_TAG: str(study.best_at_epoch_0).lower(), "best_trial_id": study.best_trial}
-    return summary_from_values(summary, study.metrics, tags, {f"best.{k}": v for k, v in study.best_params.items()})
+    summary = summary_from_values(summary, study.metrics, tags, {f"best.{k}": v for k, v in study.best_params.items()})
+    summary.provenance = Provenance.of_source(
+        study.source,
+        date=study.source_date,
+        fingerprint=study.fingerprint.hash if study.fingerprint is not None else "",
+        sweep=study.sweep,
+        run_id=study.run_id,
+    )
+    return summary
 
 
 def summary_from_values(summary: StudySummary, m: dict[str, float], tags: dict[str, str], params: dict[str, str]):

@@ -84,7 +84,7 @@ from pipelines.records.study import open_records
 from pipelines.results.study_results import StudySummary
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
 from pipelines.tracking.runs import Tracker, search_all
-from pipelines.tracking.ui import experiment_url, ui_command
+from pipelines.tracking.ui import experiment_url, record_taken_studies, ui_command
 
 __all__ = ["run_sweep", "SweepOutcome", "max_concurrent_studies"]
 
@@ -204,6 +204,7 @@ def run_sweep(
         if watch is not None:
             watch.stop()
         stop_ray(started)
+    record_taken_studies(tracker, cfg.name, studies, out)  # reused and bundled studies say so in MLflow's UI
     for s in studies:
         if s.status != "ok":
             close_open_runs(tracker, cfg.name, study=s.study, reason=f"study failed: {s.reason}")

@@ -114,6 +114,7 @@ def studies_from_records(studies: list[RecordedStudy]) -> list[Study]:
             fingerprint=Fingerprint.from_json(h.fingerprint),
             best_trial=best["trial_id"] if best else "",
             source=f"records {rec.folder}",
+            source_date=max((r.written for r in [*rec.trials, *reps.values()]), default=""),
         )
         out.append(study)
     return sorted(out, key=lambda s: (s.dataset, s.loss))

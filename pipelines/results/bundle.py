@@ -8,7 +8,9 @@ report and the paired tests exactly as the experiment's own studies do, once the
 
 The file carries a format name, a schema version, the version of the package that wrote it and a sha256 checksum of
 its content (canonical JSON of everything but the checksum): a file that is not a bundle, of another schema, from a
-newer package or edited by hand is refused in one line naming the file.
+newer package or edited by hand is refused in one line naming the file.  ``created`` (optional: bundles written before
+it lack it) is when ``dmlrc report`` wrote the file, ISO 8601 in UTC; a bundle's studies carry it as their
+``source_date``, which every table that shows them names.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import stat
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +91,15 @@ def _study_doc(s: Study) -> dict[str, Any]:
     }
 
 
-def bundle_doc(experiment: str, studies: list[Study]) -> dict[str, Any]:
-    """The bundle of ``studies`` (those of ``experiment`` and any they were compared with), with its checksum."""
+def bundle_doc(experiment: str, studies: list[Study], created: str | None = None) -> dict[str, Any]:
+    """The bundle of ``studies`` (those of ``experiment`` and any they were compared with), with its checksum;
+    ``created`` (ISO 8601, UTC) when given."""
     doc: dict[str, Any] = {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
         "package_version": _package_version(),
         "experiment": experiment,
+        **({"created": created} if created else {}),
         "studies": [_study_doc(s) for s in studies],
     }
     doc["checksum"] = checksum(doc)
@@ -102,8 +107,10 @@ def bundle_doc(experiment: str, studies: list[Study]) -> dict[str, Any]:
 
 
 def write_bundle(experiment: str, studies: list[Study], path: str | Path) -> Path:
+    """``results-bundle.json`` of ``studies`` at ``path``, created now."""
     path = Path(path)
-    path.write_text(json.dumps(bundle_doc(experiment, studies), indent=1, sort_keys=True, allow_nan=True))
+    created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    path.write_text(json.dumps(bundle_doc(experiment, studies, created), indent=1, sort_keys=True, allow_nan=True))
     return path
 
 
@@ -203,7 +210,7 @@ def _parse(uri: str, data: bytes, field: str) -> dict[str, Any]:
     return doc
 
 
-def _study(entry: dict[str, Any], uri: str) -> Study:
+def _study(entry: dict[str, Any], uri: str, created: str = "") -> Study:
     fp = entry.get("fingerprint")
     reps = {int(r["index"]): {k: float(v) for k, v in r["test"].items()} for r in entry["reproductions"]}
     return Study(
@@ -222,6 +229,7 @@ def _study(entry: dict[str, Any], uri: str) -> Study:
         on_bound=[BoundHit(h["param"], h["side"], float(h["bound"])) for h in entry.get("on_bound", [])],
         fingerprint=Fingerprint.from_json(fp) if fp else None,
         source=f"bundle {redact_uri(uri)}",
+        source_date=created,
     )
 
 
@@ -299,13 +307,31 @@ def _check_study(entry: dict[str, Any], s: Study, i: int) -> str | None:
     return None
 
 
+def _created(doc: dict[str, Any], uri: str, field: str) -> str:
+    """The bundle's ``created`` time as written ("" for a bundle without one); a value that is not an ISO 8601 time
+    (it reaches the terminal and every report) is refused."""
+    created = doc.get("created", "")
+    if created == "":
+        return ""
+    try:
+        if not isinstance(created, str) or _CONTROL_RE.search(created) or len(created) > 40:
+            raise ValueError
+        datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError(
+            field, f"{redact_uri(uri)}: created is not an ISO 8601 time (as `dmlrc report` writes it)"
+        ) from None
+    return created
+
+
 def read_bundle(uri: str, field: str = "compare_with") -> Bundle:
     """The bundle at ``uri`` (a file, a folder holding ``results-bundle.json``, or s3://), checked; any problem is
     one :class:`ConfigError` on ``field``."""
     doc = _parse(uri, _read_bytes(uri, field), field)
+    created = _created(doc, uri, field)
     try:
         entries = doc["studies"]
-        studies = [_study(e, uri) for e in entries]
+        studies = [_study(e, uri, created) for e in entries]
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         text = _CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], " ".join(str(e).split()))[:200]
         raise ConfigError(

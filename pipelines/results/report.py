@@ -38,7 +38,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.names import COMPARE_WITH_TAG, HEADLINE_METRICS, METRIC_LABELS, MODES
 from pipelines.results.bundle import BUNDLE_FILE, comparable_studies, read_bundles, write_bundle
-from pipelines.results.report_cells import bound_text, cost_json, json_safe, worst_classes
+from pipelines.results.report_cells import bound_text, cost_json, json_safe, study_provenance, worst_classes
 from pipelines.results.report_expected import expected_chart, expected_curves
 from pipelines.results.report_html import render_html
 from pipelines.results.report_markdown import render_markdown
@@ -75,12 +75,15 @@ def _write_csv(studies: list[Study], path: Path) -> None:
     buf = io.StringIO()
     w = csv.writer(buf)
     header = ["dataset", "loss", "mode", "metric", "mean", "ci_low", "ci_high", "n_reproductions", "study_run_id"]
-    w.writerow(header + ["on_bound"])
+    # where the row comes from: kind (mlflow | bundle | records), the bundle's URI or records folder or the run, the
+    # source's date, the protocol fingerprint hash (pipelines.results.report_cells.study_provenance)
+    w.writerow(header + ["on_bound", "source", "source_location", "source_date", "fingerprint"])
     for s in studies:
+        p = study_provenance(s)
         for mode in MODES:
             for m in HEADLINE_METRICS:
                 row = [s.dataset, s.loss, mode, m, *s.cell(mode, m), len(s.reproductions), s.run_id, bound_text(s)]
-                w.writerow(row)
+                w.writerow(row + [p.kind, p.location, p.date, p.fingerprint])
     path.write_text(buf.getvalue())
 
 
@@ -154,8 +157,10 @@ def write_report(
     collect_visuals(client, studies)
     paths = write_report_files(experiment, studies, out_dir)
     if log_to_mlflow:
-        exp_id = client.get_experiment_by_name(experiment).experiment_id
-        run = client.create_run(exp_id, run_name="report", tags={"stage": "report"})
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:  # it had studies above: deleted while the report was being written
+            raise ValueError(f"--experiment {experiment!r}: deleted while the report was being written")
+        run = client.create_run(exp.experiment_id, run_name="report", tags={"stage": "report"})
         for p in paths.values():
             client.log_artifact(run.info.run_id, str(p), artifact_path="report")
         client.set_terminated(run.info.run_id)
@@ -195,7 +200,7 @@ def write_report_files(experiment: str, studies: list[Study], out_dir: str | Pat
                     "training": s.training,
                     "best_at_epoch_0": s.best_at_epoch_0,
                     "untrained": s.untrained,
-                    "source": s.source,
+                    "source": study_provenance(s).to_json(),
                     "fingerprint": s.fingerprint.to_json() if s.fingerprint is not None else None,
                     **({"worst_classes": worst_classes(s, 10)} if worst_classes(s, 1) else {}),
                 }

@@ -1,5 +1,9 @@
 """The text of the report's table cells and rows, shared by its markdown, HTML, CSV and JSON: results as
 ``mean ± half-width``, the reference row and marks, cost, winning hyperparameters, worst classes and test statistics.
+
+Where a row comes from: the experiment's own study runs are unmarked; a results bundle's or a records folder's study
+is marked (``bundle [1]``) in the results tables, and :func:`flag_notes` explains each mark (URI or folder, date,
+protocol fingerprint); :func:`study_provenance` is the same in the CSV's and the JSON's ``source``.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from typing import Any
 
 from pipelines.names import HEADLINE_METRICS, METRIC_LABELS
 from pipelines.results.report_studies import Study, grid, ranked
-from pipelines.results.study_results import EPOCH0_NOTE
+from pipelines.results.study_results import EPOCH0_NOTE, Provenance, provenance_marks
 
 __all__ = [
     "BOUND_NOTE",
@@ -23,6 +27,8 @@ __all__ = [
     "num_text",
     "params_text",
     "result_rows",
+    "source_marks",
+    "study_provenance",
     "worst_classes",
 ]
 
@@ -52,16 +58,43 @@ def fmt_ci(mean: float, low: float, high: float) -> str:
     return f"{100 * mean:.2f} ± {100 * (high - low) / 2:.2f}"
 
 
+def study_provenance(s: Study) -> Provenance:
+    """Where ``s`` comes from: its source (the experiment's MLflow run, a bundle's URI, a records folder), the
+    source's date and the study's protocol fingerprint hash."""
+    return Provenance.of_source(
+        s.source,
+        date=s.source_date,
+        fingerprint=s.fingerprint.hash if s.fingerprint is not None else "",
+        sweep=s.sweep,
+        run_id=s.run_id,
+    )
+
+
+def source_marks(studies: list[Study]) -> tuple[dict[tuple[str, str], str], list[str]]:
+    """(dataset, loss) → the mark of a study that is not the experiment's own (``bundle [1]``, ``records [2]``), and
+    the notes that explain the marks, numbered in the report's order (:func:`ranked`)."""
+    order = ranked(studies)
+    marks, notes = provenance_marks([study_provenance(s) if s.source != "mlflow" else None for s in order])
+    return {(s.dataset, s.loss): m for s, m in zip(order, marks) if m}, notes
+
+
 def result_rows(studies: list[Study], mode: str) -> tuple[list[str], list[list[str]]]:
+    """The results table of ``mode``: one row per loss (ranked), per dataset its P@1 / RP / MAP@R.  A loss whose
+    studies all come from one source other than the experiment (a bundle, records) has that mark by its name; where
+    its datasets' sources differ, each such dataset's cells carry their own."""
     datasets, losses = grid(studies)
     index = {(s.dataset, s.loss): s for s in studies}
+    marks, _ = source_marks(studies)
     header = ["loss"] + [f"{d} {METRIC_LABELS[m]}" for d in datasets for m in HEADLINE_METRICS]
     rows = []
     for loss in losses:
-        row = [loss]
+        own = {marks.get((d, loss), "") for d in datasets if (d, loss) in index}
+        whole = own.pop() if len(own) == 1 else ""
+        row = [f"{loss} ({whole})" if whole else loss]
         for d in datasets:
             s = index.get((d, loss))
-            row += [_flagged(fmt_ci(*s.cell(mode, m)), s) if s else "–" for m in HEADLINE_METRICS]
+            mark = "" if whole or s is None else marks.get((d, loss), "")
+            row += [_marked(_flagged(fmt_ci(*s.cell(mode, m)), s), mark) if s else "–" for m in HEADLINE_METRICS]
         rows.append(row)
     if any(s.untrained for s in studies):
         rows.append([_UNTRAINED_ROW] + [_untrained_cell(studies, d, m) for d in datasets for m in HEADLINE_METRICS])
@@ -75,6 +108,10 @@ _UNTRAINED_ROW = "untrained network (reference)"
 def _flagged(cell: str, s: Study) -> str:
     """A results cell of ``s``, marked when its best checkpoints are all the untrained network's."""
     return f"{cell} ({_EPOCH0_MARK})" if s.best_at_epoch_0 and cell != "–" else cell
+
+
+def _marked(cell: str, mark: str) -> str:
+    return f"{cell} ({mark})" if mark else cell
 
 
 def _untrained_cell(studies: list[Study], dataset: str, metric: str) -> str:
@@ -96,6 +133,15 @@ def flag_notes(studies: list[Study]) -> list[str]:
     flagged = [f"{s.dataset} / {s.loss}" for s in ranked(studies) if s.best_at_epoch_0]
     if flagged:
         lines += [f"**{_EPOCH0_MARK.capitalize()}** ({', '.join(flagged)}): {EPOCH0_NOTE}.", ""]
+    _, notes = source_marks(studies)
+    if notes:
+        lines += [
+            "**Where rows come from**: a row without a mark is a study run of this experiment; a marked row was not "
+            "trained here, its source is:",
+            "",
+            *[f"- {n}" for n in notes],
+            "",
+        ]
     return lines
 
 

@@ -43,7 +43,7 @@ def _dataset_page(dataset: str, studies: list[Study]) -> list[str]:
         return out + ["<p>No visuals logged for this dataset's studies.</p></section>"]
     queries = {s.loss: [q["test_index"] for q in s.visuals.get("gallery", {}).get("queries", [])] for s in shown}
     same = len({tuple(v) for v in queries.values()}) == 1
-    g = next((s.visuals["gallery"] for s in shown if "gallery" in s.visuals), {})
+    g: dict[str, Any] = next((s.visuals["gallery"] for s in shown if "gallery" in s.visuals), {})
     out.append(
         f"<h3>Retrieval galleries</h3><p>The same {len(g.get('queries', []))} test queries (seed "
         f"{g.get('seed')}) for every loss, one per row: the query (blue) then its top-{g.get('k')} references "
@@ -156,7 +156,7 @@ def render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
         )
         parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows]
         parts.append("</table>")
-    parts += [f"<p>{html.escape(line.replace('*', ''))}</p>" for line in flag_notes(studies) if line]
+    parts += [f"<p>{html.escape(line.replace('*', '').removeprefix('- '))}</p>" for line in flag_notes(studies) if line]
     if any("cost.cpu_seconds" in s.metrics or s.training for s in studies):
         header, rows = cost_rows(studies)
         parts.append("<h2>Cost</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
@@ -190,13 +190,13 @@ def render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
             "distinguishable below X points</i>: the test would find a true gap of X points with "
             f"{100 * POWER:.0f} % power, smaller ones go unseen. Every pair: paired_tests.csv.</p>"
         )
-        for (dataset, ref, _), rows in itertools.groupby(
+        for (dataset, ref, _), grouped in itertools.groupby(
             summary, key=lambda c: (c["dataset"], c["reference"], c["kind"])
         ):
-            rows = list(rows)
+            against = list(grouped)
             parts.append(
                 f"<h3>{html.escape(dataset)}: against {html.escape(ref)}</h3>"
-                f"<p>Family: {html.escape(rows[0]['family'])}.</p><table><tr><th>loss</th>"
+                f"<p>Family: {html.escape(against[0]['family'])}.</p><table><tr><th>loss</th>"
                 f"<th>mean(loss − {html.escape(ref)})</th><th>t</th><th>p</th>"
                 f"<th>p (Holm)</th><th>n</th><th>at Holm p &lt; {ALPHA}</th></tr>"
             )
@@ -205,7 +205,7 @@ def render_html(studies: list[Study], comparisons: list[dict[str, Any]]) -> str:
                 f"<td>{num_text(c['t'], '.3f')}</td><td>{num_text(c['p'], '.4f')}</td>"
                 f"<td>{num_text(c['p_holm'], '.4f')}</td>"
                 f"<td>{c['n']}</td><td>{html.escape(verdict(c))}</td></tr>"
-                for c in rows
+                for c in against
             ]
             parts.append("</table>")
     curves = expected_curves(studies)

@@ -28,10 +28,10 @@ __all__ = ["render_markdown"]
 
 def _summary_lines(summary: list[dict[str, Any]]) -> list[str]:
     lines = []
-    for (dataset, ref, kind), rows in itertools.groupby(
+    for (dataset, ref, kind), grouped in itertools.groupby(
         summary, key=lambda c: (c["dataset"], c["reference"], c["kind"])
     ):
-        rows = list(rows)
+        rows = list(grouped)
         what = "the best loss" if kind == "best" else "the baseline"
         lines += [
             f"### {dataset}: against {ref} ({what})",
@@ -92,18 +92,20 @@ def _protocol_lines(studies: list[Study]) -> list[str]:
     """Per dataset, the protocol fingerprint its studies share — or, where they differ, a warning naming the first
     differing field: such rows do not compare like for like."""
     lines = []
-    for dataset, group in itertools.groupby(sorted(studies, key=lambda s: s.dataset), key=lambda s: s.dataset):
-        group = list(group)
-        known = [s for s in group if s.fingerprint is not None]
-        hashes = {s.fingerprint.hash for s in known}
+    for dataset, grouped in itertools.groupby(sorted(studies, key=lambda s: s.dataset), key=lambda s: s.dataset):
+        group = list(grouped)
+        known = [(s, s.fingerprint) for s in group if s.fingerprint is not None]
+        hashes = {fp.hash for _, fp in known}
         bundles = sorted({s.source for s in group if s.source != "mlflow"})
         source = f"; with the studies of {', '.join(bundles)}" if bundles else ""
         if len(hashes) == 1 and len(known) == len(group):
             lines.append(f"Protocol fingerprint on {dataset}: `{hashes.pop()}` (every study){source}.")
         elif len(hashes) > 1:
-            a = known[0]
-            b = next(s for s in known if s.fingerprint.hash != a.fingerprint.hash)
-            field, vb, va = first_difference(a.fingerprint, b.fingerprint)
+            a, a_fp = known[0]
+            b, b_fp = next((s, fp) for s, fp in known if fp.hash != a_fp.hash)
+            difference = first_difference(a_fp, b_fp)
+            assert difference is not None  # the hash is of the fields: another hash, another field
+            field, vb, va = difference
             lines.append(
                 f"**Not comparable on {dataset}**: the studies ran {len(hashes)} different protocols, e.g. {a.loss} "
                 f"and {b.loss} differ in `{field}` ({va!r} vs {vb!r}); read rows of different protocols apart."

@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 from pipelines.names import study_key
 from pipelines.results.bounds import ON_BOUND_TAG, BoundHit, on_bound, params_from_descriptions, parse_tag
 from pipelines.results.fingerprint import Fingerprint, fingerprint_of_tags
-from pipelines.results.study_results import EPOCH0_TAG
+from pipelines.results.study_results import EPOCH0_TAG, iso_time
 from pipelines.results.untrained import untrained_metrics_of
 from pipelines.tracking.runs import search_all
 
@@ -63,6 +63,9 @@ class Study:
     best_trial: str = ""
     #: where the study comes from: "mlflow" (the experiment's own run) or "bundle <uri>" (a results bundle)
     source: str = "mlflow"
+    #: when its source was written (ISO 8601, UTC): the study run's end, the bundle's ``created``, the records' last
+    #: ``written``; "" when the source does not record it
+    source_date: str = ""
     #: the search trials' objectives (fold-mean val MAP@R of each finished trial run, ``stage=trial``; a diverged trial
     #: counts as the 0 the protocol gives it; pruned trials left out), for the expected validation performance
     trial_values: list[float] = field(default_factory=list)
@@ -104,6 +107,7 @@ def collect_studies(client: MlflowClient, experiment: str) -> list[Study]:
             on_bound=_bound_hits(run),
             fingerprint=fingerprint_of_tags(tags),
             best_trial=tags.get("best_trial_id", ""),
+            source_date=iso_time(run.info.end_time or run.info.start_time),
         )
     by_id = {s.run_id: s for s in studies.values()}
     for run in search_all(client, exp.experiment_id, "tags.stage = 'reproduction'"):
