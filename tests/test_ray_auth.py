@@ -81,7 +81,7 @@ def test_a_driver_without_the_token_is_told_the_cluster_refused_it(token_head, t
     assert lines[-1].startswith(
         f"config error: --address: the Ray cluster at {address} refused this driver: it requires token authentication"
     ), out.stderr
-    assert "set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN_PATH" in lines[-1]
+    assert "set RAY_AUTH_MODE=token and the cluster's token: RAY_AUTH_TOKEN_PATH=<full path" in lines[-1]
     assert "no Ray cluster answers" not in out.stderr and "Traceback" not in out.stderr
     assert "InvalidAuthToken" not in "\n".join(lines[:-1]), out.stderr  # no native retry warnings before it
     assert token not in out.stdout + out.stderr

@@ -62,7 +62,7 @@ apply_ray_env()  # Ray reads some of these settings as it is imported: before th
 import ray  # noqa: E402 - after apply_ray_env, as said above
 from ray._private import ray_constants, services  # noqa: E402 - as above
 from ray._private.authentication import authentication_token_setup as token_setup  # noqa: E402 - as above
-from ray._raylet import GcsClient  # noqa: E402 - as above
+from ray._raylet import GcsClient  # type: ignore[attr-defined]  # noqa: E402 - as above; not in _raylet.pyi
 from ray.exceptions import AuthenticationError  # noqa: E402 - as above
 
 from pipelines.execution.ray_output import condense_aborts  # noqa: E402 - imports Ray: as above
@@ -82,10 +82,13 @@ __all__ = [
 #: Ray's switch that makes a local node use the loopback address (ray/_private/ray_constants.py).
 _LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
-#: What a driver needs to join a cluster that has token authentication (Ray's ``RAY_AUTH_MODE=token``).
+#: What a driver needs to join a cluster that has token authentication (Ray's ``RAY_AUTH_MODE=token``).  Each form is
+#: spelt out: RAY_AUTH_TOKEN_PATH holds a path (Ray opens it as given: no ``~``), never the token itself; and
+#: ``ray get-auth-token`` prints the token of the shell it runs in (RAY_AUTH_TOKEN, then RAY_AUTH_TOKEN_PATH, then
+#: ~/.ray/auth_token), the cluster's only with the head's settings.  README.md's cluster steps use the same forms.
 _TOKEN_HELP = (
-    "the cluster's token in RAY_AUTH_TOKEN_PATH (a file), RAY_AUTH_TOKEN or ~/.ray/auth_token "
-    "(`ray get-auth-token` on the head prints it)"
+    "the cluster's token: RAY_AUTH_TOKEN_PATH=<full path of a file holding it>, RAY_AUTH_TOKEN=<the token> or the "
+    "file ~/.ray/auth_token (`ray get-auth-token` with the head's settings prints it; README.md, Running on a cluster)"
 )
 
 
@@ -194,7 +197,13 @@ def _no_cluster(address: str, error: BaseException | str) -> str:
 
 def _auth_problem(address: str, detail: str) -> str:
     """One line for a cluster that answered and refused this driver (``detail``: Ray's reason)."""
-    reason = " ".join(str(detail).split()).removeprefix("RPC error: ").rstrip(".")[:200]
+    reason = " ".join(str(detail).split()).removeprefix("RPC error: ").rstrip(".")
+    # Ray's reason ends with RAY_AUTH_TOKEN_PATH's value when it names no readable file ("…cannot be opened or is
+    # empty: <value>"): the token itself, where it was set there in place of a path.
+    token_path = os.environ.get("RAY_AUTH_TOKEN_PATH", "").strip()
+    if token_path:
+        reason = reason.replace(f": {token_path}", ": $RAY_AUTH_TOKEN_PATH")
+    reason = reason[:200]
     if os.environ.get("RAY_AUTH_MODE", "").strip().lower() != "token":
         fix = f"set RAY_AUTH_MODE=token and {_TOKEN_HELP}"
     else:
