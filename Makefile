@@ -29,7 +29,8 @@ test-fast: lint bytecode
 	$(PY) -m pytest -q -m "not slow" -n 2
 
 # ruff: lint and format, settings in pyproject.toml (`ruff format .` and `ruff check --fix .` repair most findings);
-# mypy: the library's types ([tool.mypy] in pyproject.toml: dml_core, 0 errors).
+# mypy: the types of the library and the orchestration ([tool.mypy] in pyproject.toml: dml_core and pipelines, with
+# pydantic's plugin; 0 errors).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -14,10 +14,17 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from importlib import resources
-from importlib.resources.abc import Traversable
+from typing import TYPE_CHECKING
 
 from pipelines.config.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:  # annotations only: importlib.resources.abc is Python 3.11+, importlib.abc's copy 3.10's
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 __all__ = ["add_docs_parser", "user_docs", "resolve_doc", "doc_title", "DOC_MENTION"]
 

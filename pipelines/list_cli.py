@@ -139,15 +139,15 @@ def _plugins() -> list[dict[str, Any]]:
             }
         )
     for name in sorted({ep.name for ep in installed_entry_points()}):
-        dists = list(
+        trunk_dists = list(
             dict.fromkeys(distribution_of_entry_point(ep) for ep in distinct_entry_points(installed_entry_points(name)))
         )
         out.append(
             {
                 "kind": "trunk",
                 "name": name,
-                "distributions": [_distribution(d) for d in dists],
-                "status": status(name, BUILTIN_TRUNKS, len(dists)),
+                "distributions": [_distribution(d) for d in trunk_dists],
+                "status": status(name, BUILTIN_TRUNKS, len(trunk_dists)),
             }
         )
     return out

@@ -40,7 +40,7 @@ DATASET_KINDS = ("synthetic", "omniglot", "parquet", "folder", "csv")
 SEED_MAX = 2**32 - 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 #: TrainConfig's field defaults: the single source of protocol training defaults.
-TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+TRAIN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 #: A loss as a study names it: a built-in or entry-point name, an import path ``package.module:attribute``, wrappers

@@ -10,7 +10,16 @@ from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_
 
 from pipelines.config.errors import ConfigError, FieldError, did_you_mean, to_config_error
 from pipelines.config.fields import Path_, plugin_exited, sweep_words
-from pipelines.config.spaces import LOSS_LR, SearchSpace, SpaceError, is_flat, load_space, parse_space, read_space_file
+from pipelines.config.spaces import (
+    LOSS_LR,
+    Param,
+    SearchSpace,
+    SpaceError,
+    is_flat,
+    load_space,
+    parse_space,
+    read_space_file,
+)
 from pipelines.config.strict import StrictModel
 from pipelines.config.uris import shown
 
@@ -119,7 +128,7 @@ class LossSpec(StrictModel):
             raise RuntimeError(f"loss {self.name!r} was validated without resolving its search space")
         return self._space
 
-    def searched(self) -> dict:
+    def searched(self) -> dict[str, Param]:
         """The Param objects the optimiser searches (the search space minus pinned ones)."""
         return {k: p for k, p in self.search_space.params.items() if k not in self.params}
 

@@ -49,7 +49,7 @@ class ModelSpec(StrictModel):
     def _pooling(cls, v: str | None) -> str | None:
         if v is not None:
             kind, arg = parse_pooling(v)  # its ValueError says what is accepted
-            if kind == "gem" and arg > GEM_P_MAX:
+            if kind == "gem" and arg is not None and arg > GEM_P_MAX:  # gem always has its p
                 raise ValueError(
                     f"{shown(v)}: GeM's p must be <= {GEM_P_MAX:g} (x^p underflows or overflows float32 beyond: the "
                     "embeddings stop depending on the image); GeM with a large p is max pooling: use 'max'"

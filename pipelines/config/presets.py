@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 from importlib import resources
-from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from pipelines.config.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:  # annotations only: importlib.resources.abc is Python 3.11+, importlib.abc's copy 3.10's
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 __all__ = ["DEMO", "DEMO_FILE", "demo_config", "presets", "copy_preset"]
 

@@ -64,25 +64,41 @@ class Param:
     type: str = "float"  # "float" | "int" | "categorical"
     choices: tuple[Any, ...] | None = None
 
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """``(low, high)`` of an int or float parameter (ints stay ints)."""
+        if self.low is None or self.high is None:
+            raise ValueError(f"parameter {self.name!r}: a {self.type} range needs low and high")
+        return self.low, self.high
+
+    @property
+    def options(self) -> tuple[Any, ...]:
+        """The choices of a categorical parameter."""
+        if self.choices is None:
+            raise ValueError(f"parameter {self.name!r}: a categorical parameter needs choices")
+        return self.choices
+
     def contains(self, value: Any) -> bool:
         if self.type == "categorical":
-            return value in self.choices
+            return value in self.options
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return False
         if self.type == "int" and int(value) != value:
             return False
-        return self.low <= value <= self.high
+        low, high = self.bounds
+        return low <= value <= high
 
     def describe(self) -> str:
         if self.type == "categorical":
-            return f"one of {list(self.choices)}"
+            return f"one of {list(self.options)}"
         scale = "log" if self.log else "linear"
         return f"{self.type} in [{self.low}, {self.high}] ({scale})"
 
     def midpoint(self) -> Any:
         if self.type == "categorical":
-            return self.choices[0]
-        mid = math.sqrt(self.low * self.high) if self.log else (self.low + self.high) / 2
+            return self.options[0]
+        low, high = self.bounds
+        mid = math.sqrt(low * high) if self.log else (low + high) / 2
         return int(round(mid)) if self.type == "int" else mid
 
 
@@ -106,7 +122,7 @@ class SearchSpace:
         base = self.defaults()
         yield "defaults", dict(base)
         for name, p in self.params.items():
-            ends = p.choices if p.type == "categorical" else (p.low, p.high)
+            ends = p.options if p.type == "categorical" else p.bounds
             for v in ends:
                 yield f"{name}={v}", {**base, name: v}
 
@@ -140,14 +156,15 @@ def builtin_spaces() -> dict[str, SearchSpace]:
 @functools.lru_cache(maxsize=1)
 def _builtin_spaces() -> dict[str, SearchSpace]:
     out: dict[str, SearchSpace] = {}
+    file_of: dict[str, str] = {}  # loss -> the file that defined it
     files = sorted(
         (f for f in resources.files("tune_spaces").iterdir() if f.name.endswith(".yaml")), key=lambda f: f.name
     )
     for f in files:
         space = _parse_doc(_read(f, f.name), f.name, f if isinstance(f, Path) else Path(f.name))
         if space.loss in out:
-            raise SpaceError(f"{f.name}: loss {space.loss!r} already defined in {out[space.loss].path.name}")
-        out[space.loss] = space
+            raise SpaceError(f"{f.name}: loss {space.loss!r} already defined in {file_of[space.loss]}")
+        out[space.loss], file_of[space.loss] = space, f.name
     return out
 
 
@@ -274,11 +291,12 @@ def folder_spaces(directory: str | Path) -> dict[str, SearchSpace]:
     if not directory.is_dir():
         raise SpaceError(f"search-space directory {directory} does not exist")
     out: dict[str, SearchSpace] = {}
+    file_of: dict[str, str] = {}  # loss -> the file that defined it
     for path in sorted(directory.glob("*.yaml")):
         space = _load_file(path)
         if space.loss in out:
-            raise SpaceError(f"{path.name}: loss {space.loss!r} already defined in {out[space.loss].path.name}")
-        out[space.loss] = space
+            raise SpaceError(f"{path.name}: loss {space.loss!r} already defined in {file_of[space.loss]}")
+        out[space.loss], file_of[space.loss] = space, path.name
     return out
 
 

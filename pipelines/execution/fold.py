@@ -48,7 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -66,6 +66,9 @@ from dml_core.train import TrainConfig, embed, train_fold
 from pipelines.execution.fold_config import FoldConfig, FoldOutcome, s3_uri
 from pipelines.names import FOLD_STARTED_TAG, HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.tracking.evaluations import evaluation_metrics, finite_metrics, logged_evaluations
+
+if TYPE_CHECKING:
+    from pipelines.tracking.runs import Tracker
 
 __all__ = [
     "run_fold",
@@ -142,10 +145,15 @@ class _Checkpoints:
         self.restarts = 0
         self.resumed_from: list[int] = []
         self.redone_iterations = 0
-        self.store = None
+        self.store: CheckpointDir | None = CheckpointDir(uri) if uri else None
         self.pointer: dict[str, Any] | None = None  # the latest checkpoint's pointer, read by resume_state()
-        if uri:
-            self.store = CheckpointDir(uri)
+
+    @property
+    def _dir(self) -> CheckpointDir:
+        """The checkpoint directory; only asked for where checkpoints are enabled (which needs a URI)."""
+        if self.store is None:
+            raise RuntimeError(f"{self.label}: the fold has no checkpoint directory")
+        return self.store
 
     def _warn(self, what: str, e: BaseException) -> None:
         print(f"{self.label}: {what} failed ({type(e).__name__}: {e}); training goes on", file=sys.stderr, flush=True)
@@ -157,12 +165,12 @@ class _Checkpoints:
         pointer = None
         if self.rank == 0:
             try:
-                pointer = self.store.latest()
+                pointer = self._dir.latest()
             except Exception as e:  # no readable checkpoint: start from scratch
                 self._warn("reading the checkpoint pointer", e)
         pointer = broadcast_object(pointer)  # under DDP every rank loads the state rank 0 found
         self.pointer = pointer  # start() needs it too: read once
-        return self.store.load(pointer) if pointer is not None else None
+        return self._dir.load(pointer) if pointer is not None else None
 
     def start(self, resume_state: dict[str, Any] | None, last_logged: int) -> None:
         """Rank 0: count this start and, for a restart, what it continues from and what it trains again."""
@@ -201,13 +209,13 @@ class _Checkpoints:
 
     def save(self, state: dict[str, Any]) -> None:  # train_fold's on_checkpoint (rank 0)
         try:
-            self.store.save(state)
+            self._dir.save(state)
         except Exception as e:  # the next evaluation tries again
             self._warn(f"storing the checkpoint of iteration {state['iteration']} in {self.uri}", e)
 
     def progress(self, epoch: int, iteration: int) -> None:  # train_fold's on_epoch (rank 0)
         try:
-            self.store.write_json(PROGRESS_FILE, {"attempt": self.attempt, "iteration": iteration})
+            self._dir.write_json(PROGRESS_FILE, {"attempt": self.attempt, "iteration": iteration})
         except Exception as e:
             self._warn("storing the progress mark", e)
 
@@ -247,7 +255,7 @@ class _FoldLog:
     def __init__(self, cfg: FoldConfig):
         self.cfg = cfg
         self.where = f"[{cfg.label}] fold {cfg.fold.index}"
-        self.tracker = None
+        self.tracker: Tracker | None = None  # open() sets it
         self.run_id = cfg.fold_run_id
         self.logged: set[int] = set()  # iterations the fold run already holds an evaluation for
 
@@ -288,9 +296,15 @@ class _FoldLog:
                 if record["iteration"] not in self.logged:
                     self.log_record(record)
 
+    @property
+    def _tracker(self) -> Tracker:
+        if self.tracker is None:
+            raise RuntimeError(f"{self.where}: the fold run is not open")
+        return self.tracker
+
     def log_record(self, record: dict[str, Any]) -> None:
         try:
-            self.tracker.log_metrics(self.run_id, evaluation_metrics(record), step=record["iteration"])
+            self._tracker.log_metrics(self.run_id, evaluation_metrics(record), step=record["iteration"])
             self.logged.add(record["iteration"])
         except Exception as e:  # tracking trouble must not kill a training run
             print(f"{self.where}: MLflow logging failed: {e}", file=sys.stderr)
@@ -312,7 +326,7 @@ class _FoldLog:
         ``time.start`` is still logged once, with the result): a fold cancelled before its end (a pruned trial's,
         :mod:`pipelines.execution.pruned_runs`) is costed from it."""
         try:
-            self.tracker.set_tags(self.run_id, {FOLD_STARTED_TAG: repr(time_start)})
+            self._tracker.set_tags(self.run_id, {FOLD_STARTED_TAG: repr(time_start)})
         except Exception as e:  # tracking trouble must not kill a training run
             print(f"{self.where}: MLflow logging failed: {e}", file=sys.stderr)
 
@@ -320,7 +334,7 @@ class _FoldLog:
         if not ckpt.restarts:
             return
         try:
-            self.tracker.log_metrics(
+            self._tracker.log_metrics(
                 self.run_id, {"restarts": ckpt.restarts, "redone_iterations": ckpt.redone_iterations}
             )
         except Exception as e:  # the outcome holds them too

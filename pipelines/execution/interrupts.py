@@ -244,9 +244,10 @@ def error_text(e: BaseException) -> str:
     """``Type: message`` of what went wrong, on one line.  Ray hands on an error raised in a task or actor wrapped
     in a ``RayTaskError`` whose text is a traceback with terminal colours; the error itself is its ``cause`` (a
     chain of them when a task's error went through a trial's actor)."""
-    seen = 0
-    while isinstance(getattr(e, "cause", None), BaseException) and seen < 10:
-        e, seen = e.cause, seen + 1
+    seen, cause = 0, getattr(e, "cause", None)
+    while isinstance(cause, BaseException) and seen < 10:
+        e, seen = cause, seen + 1
+        cause = getattr(e, "cause", None)
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
 

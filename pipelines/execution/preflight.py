@@ -32,7 +32,7 @@ from dml_core.protocol import MLRC_BATCH, MLRC_MODEL
 from dml_core.splits import FoldManifest
 from dml_core.train_config import TrainConfig
 from pipelines.config.schema import TRAIN_KEYS, ConfigError, LossSpec, SweepConfig
-from pipelines.config.spaces import LOSS_LR
+from pipelines.config.spaces import LOSS_LR, Param
 from pipelines.execution.datasets import DatasetData, check_image_rows, load_table, one_line
 from pipelines.execution.locations import check_locations
 from pipelines.execution.worker_check import check_package_sizes
@@ -51,7 +51,7 @@ class StudyPlan:
     classes_per_batch: int
     m: int
     model_kwargs: dict[str, Any]
-    searched: dict[str, Any] = field(default_factory=dict)  # name -> pipelines.config.spaces.Param
+    searched: dict[str, Param] = field(default_factory=dict)
     fixed: dict[str, Any] = field(default_factory=dict)
 
     @property

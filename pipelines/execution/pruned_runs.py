@@ -81,7 +81,7 @@ def close_pruned(where: PrunedRuns, tracker: Tracker, result: dict[str, Any], tr
     run = tracker.run(run_id)
     if run.info.status != "RUNNING" and run.data.tags.get("status") == PRUNED:
         return {k[len("cost.") :]: v for k, v in run.data.metrics.items() if k.startswith("cost.")}
-    evaluation, value = result.get(EVALUATION), result.get(OBJECTIVE)
+    evaluation, value = result[EVALUATION], result[OBJECTIVE]  # the report ASHA stopped it at: it decided on both
     reason = f"stopped by the ASHA scheduler at evaluation {evaluation} (fold-mean val MAP@R so far {value:.4f})"
     cost = {k: 0.0 for k in COST_KEYS}
     for fold in tracker.find({PARENT: run_id, "stage": "fold"}):

@@ -18,24 +18,27 @@ from typing import Any
 
 import numpy as np
 import optuna
-from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from ray.tune.search.optuna import OptunaSearch
 
+from pipelines.config.spaces import Param
 from pipelines.names import OBJECTIVE
 
 __all__ = ["optuna_space", "make_searcher", "best_result", "grid_rows", "TrialSeededSampler", "SamplerFactory"]
 
 
-def optuna_space(searched: dict) -> dict:
+def optuna_space(searched: dict[str, Param]) -> dict[str, BaseDistribution]:
     """``pipelines.config.spaces.Param`` → Optuna distributions (log-uniform / uniform / int / categorical)."""
-    out = {}
+    out: dict[str, BaseDistribution] = {}
     for name, p in searched.items():
         if p.type == "categorical":
-            out[name] = CategoricalDistribution(list(p.choices))
+            out[name] = CategoricalDistribution(list(p.options))
         elif p.type == "int":
-            out[name] = IntDistribution(int(p.low), int(p.high), log=p.log)
+            low, high = p.bounds
+            out[name] = IntDistribution(int(low), int(high), log=p.log)
         else:
-            out[name] = FloatDistribution(float(p.low), float(p.high), log=p.log)
+            low, high = p.bounds
+            out[name] = FloatDistribution(float(low), float(high), log=p.log)
     return out
 
 

@@ -19,6 +19,7 @@ import ray
 import ray.train
 import torch
 from ray import tune
+from ray.tune import Callback
 
 from pipelines.config.schema import SweepConfig
 from pipelines.execution.interrupts import (
@@ -112,8 +113,9 @@ class SweepStudies:
                 done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
                 self._check_tracking()
                 for f in done:
-                    if f.exception() is not None:
-                        raise f.exception()
+                    error = f.exception()
+                    if error is not None:
+                        raise error
         except BaseException:
             self._stop_studies(futures)
             raise
@@ -193,7 +195,7 @@ class SweepStudies:
             workers_per_fold=cfg.resources.workers_per_fold,
             use_gpu=cfg.resources.use_gpu,
             cpus_per_worker=cfg.resources.cpus_per_worker,
-            base_seed=cfg.protocol.seed,
+            base_seed=cfg.protocol_seed(),
             gpus_per_worker=cfg.resources.gpus_per_worker,
             fold_retries=cfg.resources.fold_retries,
             fold_executor=cfg.resources.fold_executor,
@@ -306,14 +308,14 @@ class SweepStudies:
         trials = cfg.protocol.trials if plan.searched else 1
         records = self.records.get(plan.key)
         done = [row_of_trial(t) for t in records.trials] if records is not None else []
-        if done:
+        if records is not None and done:
             self.say(f"[{plan.key}] {len(done)} of {trials} trials from the records in {records.folder}")
         if len(done) >= trials:
             return done
 
         pruned = PrunedRuns.of(cfg, self.tracker, self.study_storage(plan) + "/folds") if pruning_on(cfg) else None
 
-        def new():
+        def new() -> tuple[dict[str, Any], tune.TuneConfig, list[Callback]]:
             p, n = cfg.protocol, trials - len(done)
             pruning = f", pruning {p.pruning} (grace {p.pruning_grace_period}, ×{p.pruning_reduction_factor:g})"
             self.say(
@@ -323,7 +325,7 @@ class SweepStudies:
             if p.pruning and not pruned:
                 self.say(f"[{plan.key}] pruning off: its folds run on Ray Train, which a trial cannot cancel")
             searcher = make_searcher(plan, cfg, done) if plan.searched else None
-            callbacks: list = [TrialProgress(plan.key, trials)]
+            callbacks: list[Callback] = [TrialProgress(plan.key, trials)]
             if records is not None:
                 callbacks.append(RecordTrials(records.folder, records.header))
             if pruned is None:
@@ -373,26 +375,28 @@ class SweepStudies:
         with records, the recorded reproductions are taken and only the rest run."""
         n = self.cfg.protocol.reproductions
         records = self.records.get(plan.key)
-        done = [row_of_reproduction(r) for _, r in sorted(records.reproductions.items())] if records else []
-        for r in done:
-            if r["config"][PARAMS] != params:
-                raise RecordsError(
-                    f"{records.folder}: reproduction {r[REPRODUCTION]} was recorded with {r['config'][PARAMS]}, "
-                    f"not the recorded search's best {params}"
-                )
+        done: list[dict[str, Any]] = []
+        if records is not None:
+            done = [row_of_reproduction(r) for _, r in sorted(records.reproductions.items())]
+            for r in done:
+                if r["config"][PARAMS] != params:
+                    raise RecordsError(
+                        f"{records.folder}: reproduction {r[REPRODUCTION]} was recorded with {r['config'][PARAMS]}, "
+                        f"not the recorded search's best {params}"
+                    )
         todo = [i for i in range(n) if i not in {r[REPRODUCTION] for r in done}]
-        if done:
+        if records is not None and done:
             self.say(f"[{plan.key}] {len(done)} of {n} reproductions from the records in {records.folder}")
         if not todo:
             return done
 
-        def new():
+        def new() -> tuple[dict[str, Any], tune.TuneConfig, list[Callback]]:
             self.say(
                 f"[{plan.key}] best trial {best['trial_id']} (val MAP@R {best[OBJECTIVE]:.4f}); "
                 f"{len(todo)} reproductions"
             )
             space = {REPRODUCTION: tune.grid_search(todo), PARAMS: params}
-            callbacks: list = [TrialProgress(plan.key, len(todo), "reproduction")]
+            callbacks: list[Callback] = [TrialProgress(plan.key, len(todo), "reproduction")]
             if records is not None:
                 callbacks.append(RecordReproductions(records.folder, records.header, params))
             return space, tune_config(self.cfg, 1), callbacks
@@ -406,7 +410,7 @@ class SweepStudies:
         on the study run, which is then finished."""
         t, run_id = self.tracker, summary.run_id
         summary.ci = confidence_intervals(reps)
-        metrics = {"test.n_reproductions": len(reps)}
+        metrics: dict[str, float] = {"test.n_reproductions": len(reps)}
         for mode, d in summary.ci.items():
             for k, (m, lo, hi) in d.items():
                 metrics.update(
@@ -442,8 +446,9 @@ class SweepStudies:
         t.set_tags(run_id, {"done": "true", "status": "ok", "seconds": round(summary.seconds, 1)})
         t.finish(run_id, "FINISHED")
         c, s_ = summary.ci["concat"].get("map_at_r"), summary.ci["separated"].get("map_at_r")
+        best_val = summary.best_val[0] if summary.best_val is not None else float("nan")  # _record_best set it
         self.say(
-            f"[{plan.key}] done in {format_duration(summary.seconds)}: best val MAP@R {summary.best_val[0]:.4f} "
+            f"[{plan.key}] done in {format_duration(summary.seconds)}: best val MAP@R {best_val:.4f} "
             f"(trial {summary.best_trial}); test MAP@R concat {fmt_ci(c)}, separated {fmt_ci(s_)} "
             f"({len(reps)} reproductions)"
         )
@@ -466,10 +471,10 @@ class SweepStudies:
         with self._untrained_lock:
             if key not in self._untrained:
                 device = "cuda" if self.cfg.resources.use_gpu and torch.cuda.is_available() else "cpu"
-                batch = int(self.cfg.protocol.train.get("eval_batch_size", 128))
+                batch = study_train_config(self.cfg, plan).eval_batch_size  # the folds' own, TrainConfig's default
                 t0 = time.time()
                 self._untrained[key] = untrained_test_metrics(
-                    plan, self.cfg.protocol.seed, batch_size=batch, device=device
+                    plan, self.cfg.protocol_seed(), batch_size=batch, device=device
                 )
                 self.say(
                     f"[{plan.key}] untrained network on the test classes: MAP@R "

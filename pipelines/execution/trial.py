@@ -145,8 +145,8 @@ def _fold_config(
 ) -> FoldConfig:
     values = {**ctx.fixed_params, **hparams}
     loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
-    own_lr = {"loss_lr": float(values[LOSS_LR])} if LOSS_LR in values else {}
-    train = replace(ctx.train, seed=seed + fold.index, **own_lr)
+    loss_lr = float(values[LOSS_LR]) if LOSS_LR in values else ctx.train.loss_lr  # the loss's own, where searched
+    train = replace(ctx.train, seed=seed + fold.index, loss_lr=loss_lr)
     return FoldConfig(
         table_ref=ctx.table_ref,
         fold=FoldClasses(fold.index, tuple(fold.train_classes), tuple(fold.val_classes)),
@@ -200,7 +200,8 @@ def _fit_train(ctx: StudyContext, name: str, cfg: FoldConfig) -> str:
             storage_path=ctx.fold_storage,
             failure_config=ray.train.FailureConfig(max_failures=ctx.fold_retries),
             # Train logs every worker-group start and report at INFO; progress is ours.
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            # ray.train is Train v2's here (RAY_TRAIN_V2_ENABLED, ray_runtime.py); ray's stubs name v1's RunConfig
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
         ),
     )
     ckpt = trainer.fit().checkpoint
@@ -273,8 +274,8 @@ def _run_folds(
 
 def _read_outcome(uri: str) -> tuple[FoldOutcome, np.ndarray | None, np.ndarray | None]:
     """A fold's result directory (local path or ``s3://``), whichever executor wrote it."""
-    with ray.train.Checkpoint(uri).as_directory() as d:
-        d = Path(d)
+    with ray.train.Checkpoint(uri).as_directory() as directory:
+        d = Path(directory)
         outcome = FoldOutcome.from_json((d / OUTCOME_FILE).read_text())
         emb = np.load(d / TEST_EMBEDDINGS) if (d / TEST_EMBEDDINGS).exists() else None
         labels = np.load(d / TEST_LABELS) if (d / TEST_LABELS).exists() else None
@@ -534,7 +535,9 @@ def _finish_fold_run(
     for rec in outcome.history:
         if rec["iteration"] not in logged:
             tracker.log_metrics(fold_run_id, evaluation_metrics(rec), step=rec["iteration"])
-    summary = {f"best.val.{k}": v for k, v in outcome.best_metrics.items() if k in HEADLINE_METRICS}
+    summary: dict[str, float | None] = {
+        f"best.val.{k}": v for k, v in outcome.best_metrics.items() if k in HEADLINE_METRICS
+    }
     summary.update({f"test.{k}": v for k, v in (outcome.test_metrics or {}).items()})
     # Wall-clock marks (s since the epoch) for the overhead benchmark: fold submitted (fit() called) → fold function
     # starts → train_fold starts → fold function ends → the trial has its result.

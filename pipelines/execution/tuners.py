@@ -43,7 +43,7 @@ def register_study_trainable(study: str, ctx: StudyContext) -> str:
     return name
 
 
-def tune_config(cfg, num_samples: int, search_alg=None, scheduler=None):
+def tune_config(cfg, num_samples: int, search_alg=None, scheduler=None) -> tune.TuneConfig:
     """The TuneConfig of a study's Tuners: maximise the objective, ``max_concurrent_trials`` at a time, trial actors
     reused (the trainable keeps no state); ``scheduler``: the search's ASHA with pruning on
     (:mod:`pipelines.execution.pruning`), never the reproductions' (they train to the full budget)."""

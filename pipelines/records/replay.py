@@ -12,9 +12,13 @@ proposed differently (the usual approximation of offline replay), so a kept winn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ray.tune.schedulers import ASHAScheduler, MedianStoppingRule, TrialScheduler
+
+if TYPE_CHECKING:
+    from ray.tune.execution.tune_controller import TuneController
+    from ray.tune.experiment import Trial
 
 from pipelines.names import OBJECTIVE
 from pipelines.records.model import TrialRecord
@@ -125,12 +129,13 @@ class StudyReplay:
 
 def replay_study(study: str, trials: list[TrialRecord], rule: Rule, max_t: int) -> StudyReplay:
     """``rule`` replayed on a study's recorded search (``trials`` in order, ``max_t`` evaluations per fold)."""
-    scheduler, controller = rule.scheduler(max_t), _Controller()
+    # the stand-ins as the schedulers' signatures name them: they use no more of a trial or controller than these have
+    scheduler, controller = rule.scheduler(max_t), cast("TuneController", _Controller())
     finished: list[TrialRecord] = []
     saved = 0.0
     pruned = 0
     for rec in trials:
-        trial = _Trial(rec.trial_id)
+        trial = cast("Trial", _Trial(rec.trial_id))
         scheduler.on_trial_add(controller, trial)
         curve = fold_mean_curve(rec, max_t)
         stopped_at = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import Any
+from typing import Any, Literal
 
 from dml_core import __version__
 from pipelines.execution.fold_config import FoldOutcome
@@ -21,7 +21,7 @@ __all__ = ["FOLDS_KEY", "fold_records", "trial_record", "reproduction_record", "
 FOLDS_KEY = "fold_records"
 
 
-def _stopped(o: FoldOutcome) -> str:
+def _stopped(o: FoldOutcome) -> Literal["patience", "cap", "diverged"]:  # FoldRecord.stopped
     if o.status != "ok":
         return "diverged"
     return "patience" if o.stopped_early else "cap"
@@ -41,7 +41,7 @@ def fold_records(outcomes: list[FoldOutcome]) -> list[dict[str, Any]]:
         rec = FoldRecord(
             fold=o.fold,
             curve=curve,
-            stopped=_stopped(o),  # type: ignore[arg-type]
+            stopped=_stopped(o),
             iterations=int(o.iterations),
             best_iteration=best[0] if best else 0,
             best_val={k: float(v) for k, v in o.best_metrics.items() if k in HEADLINE_METRICS},

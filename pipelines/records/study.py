@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from pipelines.config.spaces import Param
 from pipelines.records.model import StudyHeader
 from pipelines.records.store import RecordsError, StudyRecords, header_of, study_folder
 
@@ -27,9 +28,8 @@ def study_header(cfg, plan, fingerprint) -> StudyHeader:
     )
 
 
-def _param(p) -> dict[str, Any]:
-    d = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else dict(p)
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+def _param(p: Param) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(p).items()}
 
 
 def open_records(cfg, plans, fingerprints) -> dict[str, StudyRecords]:

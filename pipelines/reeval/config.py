@@ -294,6 +294,7 @@ def parse_reeval_config(doc: Any, *, source: str = "config", schedule: str = "re
         raise to_config_error(e, _WORDS) from None
     except RecursionError:
         raise ConfigError(source, "nested too deeply") from None
+    assert spec.tracking_uri is not None  # _from_environment (validate_default) sets it or refuses the config
     return ReevalConfig(
         schedule=spec.schedule or schedule,
         tracking_uri=spec.tracking_uri,

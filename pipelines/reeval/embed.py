@@ -89,7 +89,8 @@ def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.nd
         num_gpus=1 if cfg.use_gpu else 0,
         batch_format="numpy",
     )
-    labels, reps = [], [[] for _ in uris]
+    labels: list[np.ndarray] = []
+    reps: list[list[np.ndarray]] = [[] for _ in uris]
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
         labels.append(batch["label"])
         for i in range(len(uris)):

@@ -223,7 +223,7 @@ def evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
 def _evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
     t0 = time.time()
     # A missing or corrupt artifact fails here, on the driver, with the version named (not deep inside Ray).
-    spec = None
+    spec: dict[str, Any] = {}  # embedder.json of the last model loaded (read below only when there are reproductions)
     for r in t.reproductions:
         try:
             spec = mlflow.pyfunc.load_model(r["model_uri"]).unwrap_python_model().spec
@@ -247,9 +247,11 @@ def _evaluate_version(t: Target, cfg: ReevalConfig) -> VersionResult:
     for mode in MODES:
         for metric in cfg.metrics:
             key = f"test.{mode}.{metric}"
-            old = [r["metrics"].get(key) for r in t.reproductions]
-            new = [row.get(key.replace(".", "_")) for row in rows]
-            if any(v is None for v in old + new):
+            old_or_none = [r["metrics"].get(key) for r in t.reproductions]
+            new_or_none = [row.get(key.replace(".", "_")) for row in rows]
+            old = [v for v in old_or_none if v is not None]
+            new = [v for v in new_or_none if v is not None]
+            if len(old) < len(old_or_none) or len(new) < len(new_or_none):
                 continue
             reg_ci = (float(t.tags.get(f"{key}.ci_low", "nan")), float(t.tags.get(f"{key}.ci_high", "nan")))
             bad, why = regression_verdict(
@@ -362,7 +364,7 @@ def log_result(r: VersionResult, cfg: ReevalConfig, paths: dict[str, Path], comm
     )
     rid = run.info.run_id
     r.run_id = rid
-    with_ids = [x.get("model_id") for x in t.reproductions if x.get("model_id")]
+    with_ids = [x["model_id"] for x in t.reproductions if x.get("model_id")]
     if with_ids:
         c.log_inputs(rid, models=[LoggedModelInput(m) for m in with_ids])
     log_dataset_input(

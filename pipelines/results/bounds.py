@@ -71,13 +71,14 @@ def on_bound(
         v = _number(config[name])
         if v is None:
             continue
-        for side, bound in (("low", p.low), ("high", p.high)):
+        low, high = p.bounds
+        for side, bound in (("low", low), ("high", high)):
             if p.type == "int":
                 hit = v == bound
             elif p.log:
-                hit = v > 0 and abs(math.log(v) - math.log(bound)) <= rel_tol * (math.log(p.high) - math.log(p.low))
+                hit = v > 0 and abs(math.log(v) - math.log(bound)) <= rel_tol * (math.log(high) - math.log(low))
             else:
-                hit = abs(v - bound) <= rel_tol * (p.high - p.low)
+                hit = abs(v - bound) <= rel_tol * (high - low)
             if hit:
                 hits.append(BoundHit(name, side, float(bound)))
                 break
@@ -113,7 +114,9 @@ def params_from_descriptions(described: Mapping[str, str]) -> dict[str, Param]:
     out = {}
     for name, text in described.items():
         m = _DESCRIBED.match(str(text).strip())
-        low, high = (_number(m["low"]), _number(m["high"])) if m else (None, None)
+        if m is None:
+            continue
+        low, high = _number(m["low"]), _number(m["high"])
         if low is None or high is None or not low < high:
             continue
         out[name] = Param(name, low=low, high=high, log=m["scale"] == "log", type=m["type"])

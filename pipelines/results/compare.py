@@ -139,7 +139,7 @@ def compare_studies(
         runs = [[s for s in run if s.loss in losses] for run in runs]
         if not losses:
             continue
-        ranking = [sorted(losses, key=lambda x, sc=sc: (-sc[x], x)) for sc in score]
+        ranking = [sorted(losses, key=lambda x: (-sc[x], x)) for sc in score]  # sorted at once: sc is this run's
         tests = [paired_comparisons(run) for run in runs]
         tops = [top_group(best_groups(run, alpha=alpha)).get(dataset, []) for run in runs]
         index = [{frozenset((c["loss_a"], c["loss_b"])): c for c in t} for t in tests]
@@ -346,7 +346,8 @@ def check_compare_args(args) -> None:
 def run_compare(args) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = args.tracking_uri or mlflow.get_tracking_uri()
-    result = compare_experiments(uri, *args.compare, tracking_uri_b=args.compare_tracking_uri)
+    exp_a, exp_b = args.compare
+    result = compare_experiments(uri, exp_a, exp_b, tracking_uri_b=args.compare_tracking_uri)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / "compare.md", out / "compare.json"

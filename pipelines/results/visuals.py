@@ -400,7 +400,8 @@ def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray
     :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a reproduction, from its folds' Ray Train
     checkpoints (local paths or ``s3://`` URIs)."""
 
-    parts, labels = [], None
+    parts: list[np.ndarray] = []
+    labels: np.ndarray | None = None
     for uri in fold_checkpoints:
         with ray.train.Checkpoint(uri).as_directory() as d:
             parts.append(np.load(Path(d) / TEST_EMBEDDINGS))
@@ -408,7 +409,7 @@ def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray
         if labels is not None and not np.array_equal(lab, labels):
             raise ValueError("fold models embedded the test set in different row orders")
         labels = lab
-    if not parts:
+    if labels is None:
         raise ValueError("the reproduction has no fold checkpoints")
     return concatenated_embeddings(parts), labels
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 from mlflow.data.code_dataset_source import CodeDatasetSource
+from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.dataset_source_registry import resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import Dataset, DatasetInput, InputTag
@@ -59,7 +60,8 @@ def dataset_info(spec, table) -> dict[str, Any]:
     return {"name": spec.name, "digest": full[:32], "sha256": full, "uri": uri, "kind": spec.kind, "profile": profile}
 
 
-def _dataset_entity(info: dict[str, Any]):
+def _dataset_entity(info: dict[str, Any]) -> Dataset:
+    source: DatasetSource
     if info["kind"] == "synthetic":
         source = CodeDatasetSource({"generator": info["uri"]})
     else:
@@ -67,7 +69,10 @@ def _dataset_entity(info: dict[str, Any]):
             warnings.simplefilter("ignore")  # "can be interpreted in multiple ways": both are the local source
             source = resolve_dataset_source(info["uri"])
 
-    ent = MetaDataset(source, name=info["name"], digest=info["digest"])._to_mlflow_entity()
+    # mlflow marks Dataset.profile abstract, but Dataset is no ABC and MetaDataset (its documented concrete class)
+    # leaves profile out
+    meta = MetaDataset(source, name=info["name"], digest=info["digest"])  # type: ignore[abstract]
+    ent = meta._to_mlflow_entity()
     return Dataset(
         name=ent.name,
         digest=ent.digest,

@@ -134,8 +134,9 @@ def model_environment(trunk: str) -> ModelEnvironment:
     entry_point = spec.kind == "entry_point"
     if dist is not None and re.sub(r"[-_.]+", "-", dist.name).lower() == DISTRIBUTION:
         return env  # this package itself, bundled above
-    if dist is not None and dist.from_index:
-        env.requirements.append(dist.requirement)
+    requirement = dist.requirement if dist is not None else None  # "name==version" for one from an index
+    if requirement is not None:
+        env.requirements.append(requirement)
     elif dist is not None and dist.origin == "direct":
         env.add_wheel(distribution_wheel(dist))
     elif entry_point:  # found by its entry point's name: its code alone would not be found
@@ -198,7 +199,7 @@ def own_wheel() -> Path:
         if (found := PluginDistribution.of(dist, DISTRIBUTION)).origin != "unmanaged"
     ]
     # the installation this code runs from, when several are on sys.path
-    installed.sort(key=lambda pair: Path(pair[0].locate_file("pipelines/__init__.py")).resolve() != running)
+    installed.sort(key=lambda pair: Path(str(pair[0].locate_file("pipelines/__init__.py"))).resolve() != running)
     if installed:
         return distribution_wheel(installed[0][1])
     raise ModelEnvironmentError(f"{DISTRIBUTION} is neither a source tree nor an installed distribution here")
@@ -304,13 +305,14 @@ def _repack(dist: PluginDistribution, meta: Path, out: Path) -> Path:
     wheel = out / f"{name}-{dist.version}-{tag}.whl"
     record = []
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
-        for rel in sorted(set(files)):
-            data = wheel_meta.encode() if rel == f"{meta.name}/WHEEL" else (site / rel).read_bytes()
-            info = zipfile.ZipInfo(rel, date_time=(1980, 1, 1, 0, 0, 0))
-            info.external_attr = (0o755 if os.access(site / rel, os.X_OK) else 0o644) << 16
+        for name_in_wheel in sorted(set(files)):
+            installed_file = site / name_in_wheel
+            data = wheel_meta.encode() if name_in_wheel == f"{meta.name}/WHEEL" else installed_file.read_bytes()
+            info = zipfile.ZipInfo(name_in_wheel, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = (0o755 if os.access(installed_file, os.X_OK) else 0o644) << 16
             info.compress_type = zipfile.ZIP_DEFLATED
             zf.writestr(info, data)
-            record.append((rel, _record_hash(data), str(len(data))))
+            record.append((name_in_wheel, _record_hash(data), str(len(data))))
         record.append((f"{meta.name}/RECORD", "", ""))
         buf = io.StringIO()
         csv.writer(buf, lineterminator="\n").writerows(record)

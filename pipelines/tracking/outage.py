@@ -117,10 +117,12 @@ class TrackingWatch:
                     self._down_since = time.monotonic()
 
     def probe(self) -> bool:
-        """One probe, at most ~5 s: does the tracking store answer?"""
-        kind, where = self.target
+        """One probe, at most ~5 s: does the tracking store answer?  (A sqlite store has nothing to probe: yes.)"""
+        if self.target is None:
+            return True
+        _, where = self.target
         try:
-            if kind == "http":
+            if isinstance(where, str):  # ("http", health URL); else ("tcp", (host, port))
                 with urllib.request.urlopen(where, timeout=5) as r:
                     r.read()
             else:

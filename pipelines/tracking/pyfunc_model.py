@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from mlflow.models import set_model
+from mlflow.pyfunc import PythonModel
 from PIL import Image
 
 from dml_core.checkpoint import load_weights_only
@@ -45,13 +47,6 @@ INPUT_DESCRIPTION = (
     "one image or a list of images: encoded bytes, file paths, uint8 arrays (H, W[, C]) or PIL images, decoded and "
     "preprocessed by the model; a uint8 array (B, H, W, C); or float32 (B, 3, {size}, {size}) already preprocessed"
 )
-
-try:  # MLflow is only needed to be loaded *as* a pyfunc; the helpers below work without it.
-    import mlflow.pyfunc
-
-    _Base = mlflow.pyfunc.PythonModel
-except ImportError:  # pragma: no cover - mlflow is a dependency of pipelines/
-    _Base = object
 
 
 def fold_artifact(k: int) -> str:
@@ -142,7 +137,7 @@ def as_batch(model_input, image_size: int, preprocessing: dict | None = None) ->
     return preprocess(model_input, image_size, preprocessing)
 
 
-class FoldEnsembleEmbedder(_Base):
+class FoldEnsembleEmbedder(PythonModel):
     """``predict(images) -> embeddings`` for the 4 fold models of one reproduction."""
 
     def load_context(self, context) -> None:
@@ -181,7 +176,4 @@ class FoldEnsembleEmbedder(_Base):
         return concatenated_embeddings(parts)
 
 
-if _Base is not object:
-    from mlflow.models import set_model
-
-    set_model(FoldEnsembleEmbedder())
+set_model(FoldEnsembleEmbedder())

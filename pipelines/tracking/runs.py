@@ -18,10 +18,11 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, Run, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 
 __all__ = ["Tracker", "PARENT", "git_commit", "search_all"]
@@ -53,13 +54,17 @@ def _quote(v: str) -> str:
     return "'" + str(v).replace("'", "\\'") + "'"
 
 
-def search_all(client: MlflowClient, exp_id: str, filter_string: str, run_view_type: int | None = None) -> list:
+def search_all(
+    client: MlflowClient, exp_id: str, filter_string: str, run_view_type: int = ViewType.ACTIVE_ONLY
+) -> list[Run]:
     """Every run of ``exp_id`` matching ``filter_string`` (all pages); active ones unless ``run_view_type`` (a
     ``mlflow.entities.ViewType``) says otherwise."""
-    runs, token = [], None
-    view = {} if run_view_type is None else {"run_view_type": run_view_type}
+    runs: list[Run] = []
+    token: str | None = None
     while True:
-        page = client.search_runs([exp_id], filter_string=filter_string, max_results=1000, page_token=token, **view)
+        page = client.search_runs(
+            [exp_id], filter_string=filter_string, run_view_type=run_view_type, max_results=1000, page_token=token
+        )
         runs.extend(page)
         token = page.token
         if not token:
@@ -152,8 +157,9 @@ class Tracker:
         return self.find({PARENT: parent, **tags})
 
     # ------------------------------------------------------------------ logging
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        """Finite values only (MLflow stores NaN, but a NaN CI bound is better left absent than plotted)."""
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float | None], step: int = 0) -> None:
+        """Finite values only (MLflow stores NaN, but a NaN CI bound is better left absent than plotted); None (not
+        measured) left out too."""
         now = int(time.time() * 1000)
         items = [
             Metric(k, float(v), now, int(step))
