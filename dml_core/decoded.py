@@ -66,13 +66,11 @@ def _is_protocol(dataset: Any, transform: type) -> bool:
 # --------------------------------------------------------------------------------------------- validation
 
 
-class DecodedEvalSet(torch.utils.data.Dataset):
-    """Validation rows after the evaluation transform's resize and centre crop: ``pixels`` is ``N×3×S×S`` uint8,
-    ``labels`` the rows' labels.  ``dataset[i]`` is the streaming dataset's item, bit for
-    bit; :meth:`batch` normalises rows ``start:stop`` at once."""
+class _DecodedRows:
+    """What both decoded sets share: uint8 ``pixels`` (one byte a value) and their rows' ``labels``."""
 
-    def __init__(self, pixels: torch.Tensor, labels: np.ndarray, transform: EvalTransform) -> None:
-        self.pixels, self._labels, self.transform = pixels, np.asarray(labels), transform
+    pixels: torch.Tensor
+    _labels: np.ndarray
 
     @property
     def labels(self) -> np.ndarray:
@@ -84,6 +82,15 @@ class DecodedEvalSet(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self._labels)
+
+
+class DecodedEvalSet(_DecodedRows, torch.utils.data.Dataset):
+    """Validation rows after the evaluation transform's resize and centre crop: ``pixels`` is ``N×3×S×S`` uint8,
+    ``labels`` the rows' labels.  ``dataset[i]`` is the streaming dataset's item, bit for
+    bit; :meth:`batch` normalises rows ``start:stop`` at once."""
+
+    def __init__(self, pixels: torch.Tensor, labels: np.ndarray, transform: EvalTransform) -> None:
+        self.pixels, self._labels, self.transform = pixels, np.asarray(labels), transform
 
     def __getitem__(self, i):
         i = int(i)
@@ -163,7 +170,7 @@ def _bilinear_matrix(start: torch.Tensor, length: torch.Tensor, size_in: int, si
     return weights.div_(weights.sum(dim=2, keepdim=True))
 
 
-class DecodedTrainSet:
+class DecodedTrainSet(_DecodedRows):
     """Training rows decoded once: ``pixels`` is ``N×C×H×W`` uint8 (C = 1 when every row is grayscale, else 3;
     H × W the largest stored size, smaller rows at the top left), ``sizes`` each row's own ``(height, width)``.
     :meth:`batch` applies the protocol's training transform to a batch of rows (module docstring)."""
@@ -172,17 +179,6 @@ class DecodedTrainSet:
         self.pixels, self.sizes, self._labels, self.transform = pixels, sizes, np.asarray(labels), transform
         self.dense = pixels.shape[2] * pixels.shape[3] <= DENSE_MAX_PIXELS
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property
-    def labels(self) -> np.ndarray:
-        return self._labels
-
-    @property
-    def nbytes(self) -> int:
-        return self.pixels.numel()
-
-    def __len__(self) -> int:
-        return len(self._labels)
 
     def _resize_tables(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every crop's resampling matrix, as windows of two tables: ``rows[L − 1, :, H − top]`` is the
