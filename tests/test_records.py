@@ -112,6 +112,7 @@ def test_records_round_trip_into_the_rows_the_study_reads(tmp_path):
     assert row["val_map_at_r_mean"] == pytest.approx(0.31) and row["cost_cpu_seconds"] == 2.0
     assert row["fold_records"][0]["curve"] == [[0, 0.1], [4, 0.31]]
     assert json.loads((tmp_path / "s" / "study.json").read_text())["schema"] == SCHEMA
+    assert {f.stat().st_mode & 0o777 for f in (tmp_path / "s").iterdir()} == {0o644}  # readable by colleagues
 
 
 def test_a_record_is_never_overwritten(tmp_path):

@@ -183,6 +183,7 @@ def _write_new(path: Path, text: str) -> None:
     """``text`` as ``path``, complete or not at all, and never over an existing file (os.link fails if it exists)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep a shared records folder from the colleagues it is for
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
