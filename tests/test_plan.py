@@ -13,7 +13,8 @@ import yaml
 from pipelines.cli import main
 from pipelines.config.presets import DEMO
 from pipelines.config.schema import parse_config
-from pipelines.execution.plan import count_study
+from pipelines.execution import plan as plan_module
+from pipelines.execution.plan import StudyCount, count_study
 
 
 def _small(tmp_path, **protocol) -> dict:
@@ -116,3 +117,85 @@ def test_counts_match_hand_computed_numbers(tmp_path, protocol, searched, expect
     assert c.evaluations() == expected["evaluations"]
     assert c.evaluations(capped=False) == expected["evaluations_min"]
     assert c.test_passes == expected["tests"]
+
+
+# ------------------------------------------------------------------------------------------------------ sharing
+
+
+def _fold_of_work(seconds: float):
+    """A study plan, count and timing whose fold compute is ``seconds`` CPU seconds of training (no set-up, no
+    evaluation, no test pass): what the sharing arithmetic is given, without data or calibration."""
+    table = SimpleNamespace(labels=[0], subset=lambda classes: [])
+    manifest = SimpleNamespace(folds=[SimpleNamespace(val_classes=[0])], test_classes=[])
+    plan = SimpleNamespace(
+        key="synthetic/contrastive",
+        loss=SimpleNamespace(name="contrastive"),
+        dataset=SimpleNamespace(table=table, manifest=manifest),
+    )
+    timing = SimpleNamespace(
+        iteration_s=seconds / 100, per_loss_s={"contrastive": 0.0}, loss_s=0.0, setup_s=0.0, val_image_s=0.0
+    )
+    return plan, timing
+
+
+def _sharing_config(folds: int, num_cpus: int):
+    doc = copy.deepcopy(DEMO)
+    doc["losses"] = [{"name": "contrastive"}]
+    doc["protocol"].update(folds=folds, fold_layout="kfold")
+    doc["resources"].update(workers_per_fold=1, cpus_per_worker=1, max_concurrent_trials=1, num_cpus=num_cpus)
+    return parse_config(doc)
+
+
+@pytest.mark.parametrize("cores", [2, 8])
+@pytest.mark.parametrize("in_flight", [1, 2, 4])
+def test_folds_in_flight_share_the_usable_cores(monkeypatch, cores, in_flight):
+    """A trial's 4 folds on a local Ray of ``in_flight`` logical CPUs: that many folds run at once on the usable
+    cores (not the logical CPUs), the rest wait in Ray's queue; each fold's compute is stretched by
+    max(1, in flight / cores) × the measured contention."""
+    monkeypatch.setattr(plan_module, "usable_cpus", lambda: cores, raising=False)
+    cfg = _sharing_config(folds=4, num_cpus=in_flight)
+    slots = plan_module._slots(cfg, None, 1, load=0.0)
+    stretch = max(1.0, in_flight / cores) * plan_module.CONTENTION
+    assert slots.processes == in_flight
+    assert slots.contention == pytest.approx(stretch)
+
+    plan, timing = _fold_of_work(10.0)
+    count = StudyCount(
+        "synthetic/contrastive",
+        trials=1,
+        reproductions=0,
+        folds=4,
+        iters_per_epoch=100,
+        eval_every=1,
+        min_epochs=1,
+        max_epochs=1,
+    )
+    wall, cpu_seconds = plan_module._study_seconds(cfg, plan, count, timing, slots, True)
+    fold = plan_module.FOLD_S + stretch * 10.0  # one fold's wall with in_flight folds at once
+    rounds = 4 // in_flight  # folds queued for a logical CPU run after the ones in flight
+    assert wall == pytest.approx(plan_module.STUDY_S + plan_module.TRIAL_S + rounds * fold)
+    assert cpu_seconds == pytest.approx(4 * fold)  # fold wall × 1 reserved CPU each
+
+
+def test_eight_folds_on_five_logical_cpus_of_two_cores(monkeypatch):
+    """The issue's case: 8 folds, 5 placed at once by 5 logical CPUs, 2 real cores: 5 folds at ×2.5, then the 3
+    queued ones at ×1.5 — 8 folds' compute over 2 cores, not 8 folds at ×2.5 in one go (1.6× optimistic)."""
+    monkeypatch.setattr(plan_module, "usable_cpus", lambda: 2, raising=False)
+    cfg = _sharing_config(folds=8, num_cpus=5)
+    slots = plan_module._slots(cfg, None, 1, load=0.0)
+    assert slots.processes == 5
+    plan, timing = _fold_of_work(10.0)
+    count = StudyCount(
+        "synthetic/contrastive",
+        trials=1,
+        reproductions=0,
+        folds=8,
+        iters_per_epoch=100,
+        eval_every=1,
+        min_epochs=1,
+        max_epochs=1,
+    )
+    wall, _ = plan_module._study_seconds(cfg, plan, count, timing, slots, True)
+    c = plan_module.CONTENTION
+    compute = (2.5 * c * 10.0 + plan_module.FOLD_S) + (1.5 * c * 10.0 + plan_module.FOLD_S)
+    assert wall == pytest.approx(plan_module.STUDY_S + plan_module.TRIAL_S + compute)

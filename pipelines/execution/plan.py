@@ -20,9 +20,14 @@ GPU in wall seconds) and from the orchestration's fixed costs per sweep, study, 
 real sweeps (bench/README_plan.md).  Every distinct network (dataset, model, image size, batch) is calibrated once;
 every other loss on it adds only the difference of its own forward/backward step, timed on a random batch of
 embeddings (:func:`loss_step_seconds`): the zoo's 28 losses on one model cost one network calibration plus 28 loss
-timings of a fraction of a second each.  On a local Ray a fold's compute is stretched by the sharing of this
-machine's cores among the fold workers in flight and the other work the machine has (its load average before the
-plan), :func:`_slots`.
+timings of a fraction of a second each.
+
+On a local Ray the folds share this machine's real cores (:func:`~pipelines.execution.resources.usable_cpus`: the
+affinity mask capped by the cgroup quota), not the logical CPUs Ray declares: at most ``min(folds wanted, fold
+slots of the declared CPUs)`` folds run at once and the others wait in Ray's queue for a slot (:class:`Slots`
+rounds), and a fold's compute is stretched by ``max(1, (fold processes × threads + load) / cores)`` times the
+measured :data:`CONTENTION` (the sweep's own driver, Tune, Ray and MLflow work beside the folds), where ``load`` is
+the other work the machine has (its load average before the plan), :func:`_slots`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from pipelines.execution.ray_runtime import (
     default_num_cpus,
     redact_uri,
 )
+from pipelines.execution.resources import usable_cpus
 from pipelines.execution.reuse import find_reuse
 from pipelines.execution.sweep import max_concurrent_studies
 
@@ -65,11 +71,16 @@ __all__ = [
     "Estimate",
     "estimate",
     "plan_sweep",
+    "PlanResult",
+    "plan_estimate",
+    "Slots",
+    "fold_work",
     "SWEEP_S",
     "STUDY_S",
     "TRIAL_S",
     "FOLD_S",
     "TRAIN_FOLD_S",
+    "CONTENTION",
 ]
 
 # The orchestration's fixed costs, measured on real sweeps of this repository (bench/README_plan.md: how, where, when).
@@ -88,6 +99,12 @@ FOLD_S = 0.18
 #: Per fold on the Ray Train executor (``workers_per_fold`` > 1): the worker group's start-up (controller, helper
 #: actors, workers, each importing Ray and torch), bench/README_overhead.md (median 59.7 s on a 2-core machine).
 TRAIN_FOLD_S = 59.7
+#: How much more than ``max(1, (fold processes × threads + load) / cores)`` a local sweep's folds are stretched: the
+#: sweep's own driver, Tune, Ray and MLflow logging work beside them on the same cores.  Measured as fold
+#: ``train_seconds`` against the calibrated compute with 1, 2 and 4 folds in flight on 2 cores
+#: (bench/plan_check_bench.py, bench/README_plan.md): ×0.38–×1.43 on a loaded shared machine, no consistent factor,
+#: so 1.
+CONTENTION = 1.0
 
 #: Calibration: validation images embedded (fold 0's val classes, whole classes up to this count) and the wall time
 #: aimed at for the timed training iterations of one network.
@@ -331,42 +348,81 @@ def calibrate(cfg: SweepConfig, plans: list[StudyPlan], device: str) -> dict[str
 
 @dataclass
 class Slots:
-    """The resources the sweep would use: ``studies`` at once, ``processes`` fold workers in flight, and the factor by
-    which sharing the cores (or GPUs) stretches a fold's compute (1 = each fold worker has what it reserved)."""
+    """The resources the sweep would use: ``studies`` at once, at most ``fold_slots`` folds in flight (0: no limit, a
+    cluster assumed to hold them all), ``processes`` fold worker processes in flight at full demand, sharing
+    ``cores`` real cores (GPUs) — 0: nothing shared — with ``load`` runnable processes of other work; ``contention``
+    is the stretch of a fold's compute at full demand (1 = each fold worker has what it reserved)."""
 
     studies: int
     processes: int
     contention: float
     where: str
     load: float = 0.0
+    fold_slots: int = 0
+    cores: float = 0.0
+    workers: int = 1
+    threads: int = 1
+    per_worker: float = 1.0
+    factor: float = 1.0
+
+    def rounds(self, demand: int) -> list[int]:
+        """Folds in flight in each round of ``demand`` equal folds wanted at once: full rounds of ``fold_slots`` while
+        the rest waits in Ray's queue, then the remainder."""
+        if demand <= 0:
+            return []
+        if not self.fold_slots or demand <= self.fold_slots:
+            return [demand]
+        full, rest = divmod(demand, self.fold_slots)
+        return [self.fold_slots] * full + ([rest] if rest else [])
+
+    def stretch(self, folds: int) -> float:
+        """How much longer a fold's compute takes with ``folds`` folds in flight than with its reserved resources
+        to itself: ``max(1, (fold processes × threads + load) / cores)`` (GPUs: processes × gpus_per_worker / GPUs)
+        times the measured contention :data:`CONTENTION`; 1 where nothing is shared (a cluster)."""
+        if not self.cores:
+            return 1.0
+        demand = folds * self.workers * self.threads + self.load
+        return max(1.0, demand / self.cores) * self.factor
+
+    def fold_seconds(self, work: float, folds: int) -> float:
+        """Wall seconds of a fold's compute of ``work`` seconds (CPU seconds on a CPU: spread over its workers and
+        their threads; wall seconds on a GPU: over its workers) with ``folds`` folds in flight."""
+        return self.stretch(folds) * work / (self.workers * self.threads)
 
 
 def _slots(cfg: SweepConfig, address: str | None, n_studies: int, load: float = 0.0) -> Slots:
     """As the sweep decides them: a local Ray with ``num_cpus`` logical CPUs (default the sweep's) on this machine's
-    cores (GPUs), ``max_concurrent_studies`` studies; with ``address`` the cluster is assumed to hold the config's
-    concurrency (every fold worker gets its reserved CPUs / GPUs).  ``load``: runnable processes this machine has
-    besides the sweep (its load average before the plan), which share the cores with a local sweep's folds."""
+    real cores (:func:`~pipelines.execution.resources.usable_cpus`; GPUs), ``max_concurrent_studies`` studies; with
+    ``address`` the cluster is assumed to hold the config's concurrency (every fold worker gets its reserved CPUs /
+    GPUs).  ``load``: runnable processes this machine has besides the sweep (its load average before the plan),
+    which share the cores with a local sweep's folds."""
     r = cfg.resources
-    per_trial = cfg.protocol.folds * r.workers_per_fold
+    w = r.workers_per_fold
     threads = max(1, int(r.cpus_per_worker))
+    per_worker = r.gpus_per_worker if r.use_gpu else r.cpus_per_worker
     if address:
         studies = max_concurrent_studies(cfg, address, {}, n_studies)
-        processes = studies * r.max_concurrent_trials * per_trial
-        return Slots(studies, processes, 1.0, f"Ray cluster at {address}, assumed to hold all {processes} fold workers")
+        processes = studies * r.max_concurrent_trials * cfg.protocol.folds * w
+        where = f"Ray cluster at {address}, assumed to hold all {processes} fold workers"
+        return Slots(
+            studies, processes, 1.0, where, workers=w, threads=1 if r.use_gpu else threads, per_worker=per_worker
+        )
     num_cpus = r.num_cpus or default_num_cpus(cfg)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     studies = max_concurrent_studies(cfg, None, {"CPU": num_cpus, "GPU": gpus}, n_studies)
-    processes = min(studies * r.max_concurrent_trials * per_trial, math.floor(num_cpus / r.cpus_per_worker + 1e-9))
+    demand = studies * r.max_concurrent_trials * cfg.protocol.folds
+    fold_slots = max(1, math.floor(num_cpus / (w * r.cpus_per_worker) + 1e-9))  # what Ray's logical CPUs place
     if r.use_gpu:
-        processes = min(processes, math.floor(gpus / r.gpus_per_worker + 1e-9))
-        contention = max(1.0, processes * r.gpus_per_worker / max(gpus, 1))
+        fold_slots = max(1, min(fold_slots, math.floor(gpus / (w * r.gpus_per_worker) + 1e-9)))
+        slots = Slots(studies, 0, 1.0, "", 0.0, fold_slots, max(gpus, 1) / r.gpus_per_worker, w, 1, per_worker)
         what = f"{gpus} GPUs"
     else:
-        cores = len(os.sched_getaffinity(0))
-        contention = max(1.0, (processes * threads + load) / cores)
-        what = f"{cores} cores"
+        cores = usable_cpus()  # real cores: a declared logical CPU beyond them is a time slice, not a core
+        slots = Slots(studies, 0, 1.0, "", load, fold_slots, cores, w, threads, per_worker, CONTENTION)
+        what = f"{cores} usable cores"
+    in_flight = slots.rounds(demand)[0]
     where = f"local Ray: {num_cpus} logical CPUs on this machine's {what}"
-    return Slots(studies, max(1, processes), contention, where, 0.0 if r.use_gpu else load)
+    return replace(slots, processes=in_flight * w, contention=slots.stretch(in_flight), where=where)
 
 
 @dataclass
@@ -387,10 +443,10 @@ def _val_images(plan: StudyPlan) -> float:
     return float(np.mean([np.isin(labels, list(f.val_classes)).sum() for f in plan.dataset.manifest.folds]))
 
 
-def _study_seconds(cfg, plan, count, timing, slots, capped) -> tuple[float, float]:
-    """``(wall, device-seconds)`` of one study running with its own trial concurrency on ``slots``."""
-    r = cfg.resources
-    w = r.workers_per_fold
+def fold_work(plan: StudyPlan, count: StudyCount, timing: NetworkTiming, capped: bool = True) -> tuple[float, float]:
+    """``(search fold, test pass)``: a fold's calibrated compute in ``train_fold`` (set-up, iterations with the
+    study's own loss, validation evaluations) and a reproduction fold's extra test-class embedding pass, in the
+    calibration's seconds (CPU seconds on a CPU)."""
     iteration = max(0.0, timing.iteration_s + timing.per_loss_s[plan.loss.name] - timing.loss_s)
     work = (
         timing.setup_s
@@ -398,14 +454,33 @@ def _study_seconds(cfg, plan, count, timing, slots, capped) -> tuple[float, floa
         + count.fold_evaluations(capped) * _val_images(plan) * timing.val_image_s
     )
     test = len(plan.dataset.table.subset(list(plan.dataset.manifest.test_classes))) * timing.val_image_s
-    overhead = FOLD_S if w == 1 and r.fold_executor != "train" else TRAIN_FOLD_S
-    search_fold = overhead + slots.contention * work / w
-    rep_fold = overhead + slots.contention * (work + test) / w
-    waves = math.ceil(count.trials / r.max_concurrent_trials), math.ceil(count.reproductions / r.max_concurrent_trials)
-    wall = STUDY_S + waves[0] * (TRIAL_S + search_fold) + waves[1] * (TRIAL_S + rep_fold)
-    per_worker = r.gpus_per_worker if r.use_gpu else r.cpus_per_worker
-    device = count.folds * w * per_worker * (count.trials * search_fold + count.reproductions * rep_fold)
-    return wall, device
+    return work, test
+
+
+def _waves(trials: int, per_wave: int) -> list[int]:
+    """Trials in each wave of ``trials`` run ``per_wave`` at a time."""
+    full, rest = divmod(trials, per_wave)
+    return [per_wave] * full + ([rest] if rest else [])
+
+
+def _study_seconds(cfg, plan, count, timing, slots, capped) -> tuple[float, float]:
+    """``(wall, device-seconds)`` of one study running with its own trial concurrency on ``slots``: its trial waves
+    (search, then reproductions), each wave's folds — with the other studies' at once — in rounds of the fold slots,
+    each round as long as a fold with that many folds in flight."""
+    r = cfg.resources
+    work, test = fold_work(plan, count, timing, capped)
+    overhead = FOLD_S if r.workers_per_fold == 1 and r.fold_executor != "train" else TRAIN_FOLD_S
+    wall = device = 0.0
+    for trials, fold_work_s in ((count.trials, work), (count.reproductions, work + test)):
+        for k in _waves(trials, r.max_concurrent_trials):
+            demand = slots.studies * k * count.folds  # folds wanted at once: this wave's and the other studies'
+            rounds = slots.rounds(demand)
+            fold_walls = [overhead + slots.fold_seconds(fold_work_s, n) for n in rounds]
+            wall += TRIAL_S + sum(fold_walls)
+            # the cost table's fold wall × reserved units, this study's share of the wave's folds
+            share = k * count.folds / demand
+            device += share * sum(n * slots.workers * slots.per_worker * f for n, f in zip(rounds, fold_walls))
+    return STUDY_S + wall, device
 
 
 def estimate(cfg, plans, counts, timings, address, fixed_s: float = 0.0, load: float = 0.0) -> Estimate:
@@ -512,40 +587,65 @@ def _checked_plans(cfg: SweepConfig, resume: bool, rerun: frozenset[str]) -> tup
     return plans, reuse.covered()
 
 
+@dataclass
+class PlanResult:
+    """What :func:`plan_estimate` found: every study's plan, the covered ones (key → source), the counts, timings and
+    the estimate of the studies to run, and the seconds the checks took."""
+
+    plans: list[StudyPlan]
+    covered: dict[str, str]
+    todo: list[StudyPlan]
+    counts: dict[str, StudyCount]
+    timings: dict[str, NetworkTiming]
+    estimate: Estimate
+    fixed_s: float
+    device: str
+
+
+def plan_estimate(
+    cfg: SweepConfig, *, address: str | None = None, resume: bool = False, rerun=frozenset(), load: float | None = None
+) -> PlanResult:
+    """The plan's checks, counts, calibration and estimate (:func:`plan_sweep` without the report).  ``load``: the
+    machine's other work (default: its 1-minute load average now, before the plan's own work)."""
+    t0 = time.perf_counter()
+    load = os.getloadavg()[0] if load is None else load
+    plans, covered = _checked_plans(cfg, resume, frozenset(rerun))
+    todo = [p for p in plans if p.key not in covered]
+    counts = {p.key: count_study(cfg, p) for p in todo}
+    fixed_s = time.perf_counter() - t0
+    device = "cuda" if cfg.resources.use_gpu and torch.cuda.is_available() else "cpu"
+    timings = calibrate(cfg, todo, device)
+    est = estimate(cfg, todo, counts, timings, address, fixed_s, load)
+    return PlanResult(plans, covered, todo, counts, timings, est, fixed_s, device)
+
+
 def plan_sweep(
     cfg: SweepConfig, *, address: str | None = None, resume: bool = False, rerun=frozenset(), out=None
 ) -> int:
     """Check ``cfg`` as the sweep does, count what it would run, calibrate, print the plan; start nothing.  Returns
     the CLI's exit status (0).  Raises :class:`~pipelines.config.ConfigError` as the sweep would."""
     out = out or sys.stdout
-    t0, load = time.perf_counter(), os.getloadavg()[0]  # the machine's other work, before the plan's own
-    plans, covered = _checked_plans(cfg, resume, frozenset(rerun))
-    todo = [p for p in plans if p.key not in covered]
-    counts = {p.key: count_study(cfg, p) for p in todo}
-    fixed_s = time.perf_counter() - t0
-    device = "cuda" if cfg.resources.use_gpu and torch.cuda.is_available() else "cpu"
+    res = plan_estimate(cfg, address=address, resume=resume, rerun=rerun)
     unit = "GPU" if cfg.resources.use_gpu else "CPU"
-    timings = calibrate(cfg, todo, device)
-    est = estimate(cfg, todo, counts, timings, address, fixed_s, load)
     print(
-        f"plan of sweep {cfg.name!r}: {len(plans)} studies, {len(covered)} already covered; nothing was started "
-        "(no Ray, no MLflow experiment, no sweep folder)",
+        f"plan of sweep {cfg.name!r}: {len(res.plans)} studies, {len(res.covered)} already covered; nothing was "
+        "started (no Ray, no MLflow experiment, no sweep folder)",
         file=out,
     )
-    for key, source in covered.items():
+    for key, source in res.covered.items():
         print(f"  covered, left out of the totals: {key} ({source})", file=out)
-    if not todo:
+    if not res.todo:
         print("nothing to run: every study is covered", file=out)
         return 0
-    _print_counts(counts, est.per_study_hours, unit, out)
-    _print_totals(counts, out)
+    _print_counts(res.counts, res.estimate.per_study_hours, unit, out)
+    _print_totals(res.counts, out)
     print(
-        f"calibration on this machine ({_cpu_model()}, {len(os.sched_getaffinity(0))} cores; the checks took "
-        f"{fixed_s:.1f} s):",
+        f"calibration on this machine ({_cpu_model()}, {usable_cpus()} usable cores; the checks took "
+        f"{res.fixed_s:.1f} s):",
         file=out,
     )
-    _print_calibration(timings, out)
-    _print_estimate(cfg, est, unit, device, address, out)
+    _print_calibration(res.timings, out)
+    _print_estimate(cfg, res.estimate, unit, res.device, address, out)
     return 0
 
 
@@ -564,6 +664,13 @@ def _print_estimate(cfg: SweepConfig, est: Estimate, unit: str, device: str, add
         + (f", each fold's compute stretched ×{s.contention:.2f} by sharing" if s.contention > 1 else ""),
         file=out,
     )
+    wanted = s.studies * r.max_concurrent_trials * cfg.protocol.folds
+    if s.fold_slots and wanted > s.fold_slots:
+        print(
+            f"          {wanted} folds wanted at once, {s.fold_slots} placed by Ray's logical CPUs: the others "
+            "wait in its queue",
+            file=out,
+        )
     if s.load >= 0.05:
         print(
             f"          other work on this machine now (1-min load average {s.load:.2f}) is assumed to go on "
