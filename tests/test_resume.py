@@ -510,7 +510,8 @@ def check_killed_and_resumed(r: KilledAndResumed) -> None:
     assert len(values) == trials
     mlflow_values = sorted(x.data.metrics["val.map_at_r.mean"] for x in trial_runs)
     assert values == pytest.approx(mlflow_values, abs=1e-12)
-    assert type(state["_sampler"]).__name__ == "GPSampler"
+    sampler = state["_sampler"]  # a GP sampler per trial, seeded by the trial's number (pipelines.execution.search)
+    assert type(sampler).__name__ == "TrialSeededSampler" and sampler._make.kind == "gp"
 
 
 @pytest.mark.slow

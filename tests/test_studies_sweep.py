@@ -185,13 +185,16 @@ def test_studies_run_at_once_by_default_with_their_cost(swept):
 
     uri, tmp, _, stdout = swept
     assert "3 studies (synthetic/contrastive, synthetic/triplet, synthetic/ntxent), ≤ 3 at once" in stdout
-    # progress stays per study; the final table is in the config's order and shows the cost
+    # progress stays per study; the final table is ranked by concatenated test MAP@R, best first, and shows the cost
     for loss in LOSSES:
         assert f"[synthetic/{loss}] done in" in stdout
     table = stdout[stdout.index("finished in") :]
-    assert [table.index(f"synthetic  {loss}") for loss in LOSSES] == sorted(
-        table.index(f"synthetic  {loss}") for loss in LOSSES
-    )
+    rows = [line.split("  ") for line in table.splitlines() if line.startswith("synthetic  ")]
+    cells = [[c.strip() for c in row if c.strip()] for row in rows]
+    trained = [c for c in cells if c[1].removesuffix(" *") in LOSSES]  # " *": best at epoch 0
+    assert sorted(c[1].removesuffix(" *") for c in trained) == sorted(LOSSES)
+    map_at_r = [float(c[4].split()[0]) for c in trained]  # dataset, loss, concat P@1, RP, MAP@R ("mean ± half")
+    assert map_at_r == sorted(map_at_r, reverse=True), table
     assert "CPU-h" in table and "GPU-h" in table
     by_stage = _runs(uri, "viz-experiment")
     _check_studies_finished(by_stage)
