@@ -21,8 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import webbrowser
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -30,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pipelines.config import ConfigError, check_tracking_uri
 from pipelines.config.errors import did_you_mean
 from pipelines.config.uris import absolute_tracking_uri, redact_uri
-from pipelines.tracking.server import check_mlflow_server
+from pipelines.tracking.server import answers, check_mlflow_server
 from pipelines.tracking.ui import SHARED_VIEW_TAG_PREFIX, STUDIES_VIEW_KEY, experiment_url
 
 __all__ = ["add_ui_parser", "run_ui", "LOOPBACK"]
@@ -159,14 +157,6 @@ def _free_port() -> int:
 # ------------------------------------------------------------------------------------------------------- server
 
 
-def _healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 class _Server:
     """``mlflow server`` for one store on one loopback port, in its own session; its output goes to a temporary log
     (shown when it fails to start)."""
@@ -197,10 +187,10 @@ class _Server:
             return ""
         return redact_uri(lines[-1].strip()) if lines else ""
 
-    def wait_healthy(self, timeout: float) -> str | None:
+    def waitanswers(self, timeout: float) -> str | None:
         """``None`` once it answers ``/health``; else why not (its exit, or the time-out)."""
         deadline = time.monotonic() + timeout
-        while not _healthy(self.base):
+        while not answers(self.base):
             code = self.proc.poll()
             if code is not None:
                 return f"mlflow server exited with status {code}: {self.log_tail()}"
@@ -239,7 +229,7 @@ def _start(uri: str, where: str, port: int | None) -> _Server:
     for _ in range(3):
         server = _Server(uri, port or _free_port())
         try:
-            problem = server.wait_healthy(START_TIMEOUT_S)
+            problem = server.waitanswers(START_TIMEOUT_S)
         except BaseException:
             server.stop()
             raise

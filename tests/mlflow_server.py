@@ -23,11 +23,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
+from pipelines.tracking.server import answers
 from tests.ports import PortInUse, bind_failure, free_port, start_on_free_ports
 
 __all__ = [
@@ -44,14 +43,6 @@ PG_ADMIN_URI = os.environ.get("DMLRC_TEST_PG", "postgresql://postgres@127.0.0.1:
 
 class PostgresUnavailable(RuntimeError):
     pass
-
-
-def _healthy(uri: str) -> bool:
-    try:
-        with urllib.request.urlopen(uri + "/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 class MlflowServer:
@@ -100,7 +91,7 @@ class MlflowServer:
             env={**os.environ, **self.env, "MLFLOW_TRACKING_URI": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )
         deadline = time.time() + timeout
-        while not _healthy(self.uri):
+        while not answers(self.uri):
             exited = self.proc.poll() is not None
             with open(log_path, "rb") as f:
                 f.seek(log_start)

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pipelines.config import ConfigError, redact_uri
 
-__all__ = ["health_url", "check_mlflow_server"]
+__all__ = ["health_url", "answers", "check_mlflow_server"]
 
 
 def health_url(uri: str) -> str:
@@ -18,6 +18,15 @@ def health_url(uri: str) -> str:
     host = parts.hostname or ""
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
     return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", ""))
+
+
+def answers(uri: str, timeout: float = 2.0) -> bool:
+    """Whether the MLflow server at ``uri`` answers its ``/health`` with 200 now (one probe, for polling)."""
+    try:
+        with urllib.request.urlopen(health_url(uri), timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def check_mlflow_server(uri: str, field_name: str) -> None:
