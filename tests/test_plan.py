@@ -146,13 +146,27 @@ def _sharing_config(folds: int, num_cpus: int):
     return parse_config(doc)
 
 
+def _one_trial(folds: int) -> StudyCount:
+    """A study of one trial of ``folds`` folds, each one epoch of 100 iterations."""
+    return StudyCount(
+        "synthetic/contrastive",
+        trials=1,
+        reproductions=0,
+        folds=folds,
+        iters_per_epoch=100,
+        eval_every=1,
+        min_epochs=1,
+        max_epochs=1,
+    )
+
+
 @pytest.mark.parametrize("cores", [2, 8])
 @pytest.mark.parametrize("in_flight", [1, 2, 4])
 def test_folds_in_flight_share_the_usable_cores(monkeypatch, cores, in_flight):
     """A trial's 4 folds on a local Ray of ``in_flight`` logical CPUs: that many folds run at once on the usable
     cores (not the logical CPUs), the rest wait in Ray's queue; each fold's compute is stretched by
-    max(1, in flight / cores) × the measured contention."""
-    monkeypatch.setattr(plan_module, "usable_cpus", lambda: cores, raising=False)
+    max(1, in flight / cores) × CONTENTION (1.0 until measured on an idle machine)."""
+    monkeypatch.setattr(plan_module, "usable_cpus", lambda: cores)
     cfg = _sharing_config(folds=4, num_cpus=in_flight)
     slots = plan_module._slots(cfg, None, 1, load=0.0)
     stretch = max(1.0, in_flight / cores) * plan_module.CONTENTION
@@ -160,16 +174,7 @@ def test_folds_in_flight_share_the_usable_cores(monkeypatch, cores, in_flight):
     assert slots.contention == pytest.approx(stretch)
 
     plan, timing = _fold_of_work(10.0)
-    count = StudyCount(
-        "synthetic/contrastive",
-        trials=1,
-        reproductions=0,
-        folds=4,
-        iters_per_epoch=100,
-        eval_every=1,
-        min_epochs=1,
-        max_epochs=1,
-    )
+    count = _one_trial(4)
     wall, cpu_seconds = plan_module._study_seconds(cfg, plan, count, timing, slots, True)
     fold = plan_module.FOLD_S + stretch * 10.0  # one fold's wall with in_flight folds at once
     rounds = 4 // in_flight  # folds queued for a logical CPU run after the ones in flight
@@ -180,21 +185,12 @@ def test_folds_in_flight_share_the_usable_cores(monkeypatch, cores, in_flight):
 def test_eight_folds_on_five_logical_cpus_of_two_cores(monkeypatch):
     """The issue's case: 8 folds, 5 placed at once by 5 logical CPUs, 2 real cores: 5 folds at ×2.5, then the 3
     queued ones at ×1.5 — 8 folds' compute over 2 cores, not 8 folds at ×2.5 in one go (1.6× optimistic)."""
-    monkeypatch.setattr(plan_module, "usable_cpus", lambda: 2, raising=False)
+    monkeypatch.setattr(plan_module, "usable_cpus", lambda: 2)
     cfg = _sharing_config(folds=8, num_cpus=5)
     slots = plan_module._slots(cfg, None, 1, load=0.0)
     assert slots.processes == 5
     plan, timing = _fold_of_work(10.0)
-    count = StudyCount(
-        "synthetic/contrastive",
-        trials=1,
-        reproductions=0,
-        folds=8,
-        iters_per_epoch=100,
-        eval_every=1,
-        min_epochs=1,
-        max_epochs=1,
-    )
+    count = _one_trial(8)
     wall, _ = plan_module._study_seconds(cfg, plan, count, timing, slots, True)
     c = plan_module.CONTENTION
     compute = (2.5 * c * 10.0 + plan_module.FOLD_S) + (1.5 * c * 10.0 + plan_module.FOLD_S)

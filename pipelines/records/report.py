@@ -10,6 +10,7 @@ and numerics the records came from, and which studies are still in progress.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from pipelines.execution.search import best_result
 from pipelines.names import HEADLINE_METRICS, MODES
 from pipelines.records.model import StudyHeader
 from pipelines.records.rows import row_of_trial
-from pipelines.records.store import HEADER, RecordsError, StudyRecords, _read
+from pipelines.records.store import HEADER, RecordsError, StudyRecords, read_record
 from pipelines.results.fingerprint import Fingerprint
 from pipelines.results.report_studies import Study
 
@@ -45,6 +46,12 @@ class RecordedStudy:
         runs = self.records.trials if kind == "trial" else list(self.records.reproductions.values())
         return [f for r in runs for f in r.folds]
 
+    @functools.cached_property
+    def evp(self) -> list[float]:
+        """Expected best validation MAP@R after n = 1..N of the recorded trials (Tang et al.'s estimator)."""
+        values = [t.objective for t in self.records.trials]
+        return expected_max(values) if values else []
+
     def cpu_seconds(self) -> float:
         runs = [*self.records.trials, *self.records.reproductions.values()]
         return sum(r.cpu_seconds for r in runs)
@@ -58,7 +65,7 @@ def read_records(root: str | Path) -> list[RecordedStudy]:
         raise RecordsError(f"{root}: no such folder")
     out = []
     for header_path in sorted(root.glob(f"*/*/{HEADER}")):
-        header = _read(header_path, StudyHeader)
+        header = read_record(header_path, StudyHeader)
         out.append(RecordedStudy(StudyRecords.open(header_path.parent, header)))
     if not out:
         raise RecordsError(f"{root}: no study records (<dataset>/<loss>/{HEADER})")
@@ -124,11 +131,6 @@ def _pct(x: float) -> str:
     return "–" if math.isnan(x) else f"{100 * x:.0f} %"
 
 
-def _evp(rs: RecordedStudy) -> list[float]:
-    values = [t.objective for t in rs.records.trials]
-    return expected_max(values) if values else []
-
-
 def records_section(studies: list[RecordedStudy]) -> tuple[str, dict[str, Any]]:
     """The records' own part of the report, as markdown and as JSON (no NaN: null instead)."""
     lines = ["## From the records", ""]
@@ -167,7 +169,7 @@ def records_section(studies: list[RecordedStudy]) -> tuple[str, dict[str, Any]]:
                 "cpus": cpus,
                 "numerics": numerics,
                 "fingerprint": h.fingerprint["hash"],
-                "expected_best_val_map_at_r": _evp(s),
+                "expected_best_val_map_at_r": s.evp,
             }
         )
     total = sum(s.cpu_seconds() for s in studies) / 3600
@@ -186,12 +188,12 @@ def records_section(studies: list[RecordedStudy]) -> tuple[str, dict[str, Any]]:
         "whose curve rises late won through its search's luck, not its level.",
         "",
     ]
-    width = max((len(_evp(s)) for s in studies), default=0)
+    width = max((len(s.evp) for s in studies), default=0)
     marks = sorted({n for n in (1, 2, 5, 10, 20, 50) if n <= width} | ({width} if width else set()))
     if marks:
         lines += ["| study | " + " | ".join(f"n={n}" for n in marks) + " |", "|---" * (len(marks) + 1) + "|"]
         for s in studies:
-            e = _evp(s)
+            e = s.evp
             lines.append(
                 f"| {s.header.study} | " + " | ".join(f"{e[n - 1]:.4f}" if n <= len(e) else "–" for n in marks) + " |"
             )
@@ -205,7 +207,7 @@ def evp_figure(studies: list[RecordedStudy], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for s in studies:
-        e = _evp(s)
+        e = s.evp
         if e:
             ax.plot(range(1, len(e) + 1), e, marker=".", label=s.header.loss)
     ax.set_xlabel("trials")

@@ -23,7 +23,7 @@ from pipelines.config.errors import ConfigError
 from pipelines.records.model import SCHEMA, ReproductionRecord, StudyHeader, TrialRecord
 from pipelines.results.fingerprint import Fingerprint, first_difference, shown_value
 
-__all__ = ["RecordsError", "StudyRecords", "study_folder", "HEADER"]
+__all__ = ["RecordsError", "StudyRecords", "study_folder", "read_record", "HEADER"]
 
 #: The study's header file in its records folder.
 HEADER = "study.json"
@@ -50,7 +50,7 @@ def _error_text(e: ValidationError) -> str:
     return f"{where}: {err['msg']}{more}"
 
 
-def _read(path: Path, model):
+def read_record(path: Path, model):
     """One record file parsed and validated as ``model``; any problem is a :class:`RecordsError` naming the file."""
     try:
         if not path.is_file():
@@ -94,7 +94,7 @@ class StudyRecords:
             if folder.exists() and any(folder.glob("*.json")):
                 raise RecordsError(f"{folder}: records without {HEADER}; restore it (git) or move the folder away")
             return cls(folder, header)
-        stored = _read(path, StudyHeader)
+        stored = read_record(path, StudyHeader)
         _check_header(path, stored, header)
         out = cls(folder, stored)
         out._load()
@@ -103,7 +103,7 @@ class StudyRecords:
     def _load(self) -> None:
         trials: dict[int, TrialRecord] = {}
         for path in sorted(self.folder.glob("trial-*.json")):
-            rec = self._checked(path, _read(path, TrialRecord))
+            rec = self._checked(path, read_record(path, TrialRecord))
             if rec.index in trials:
                 raise RecordsError(f"{path}: a second record of trial {rec.index}")
             trials[rec.index] = rec
@@ -112,7 +112,7 @@ class StudyRecords:
             raise RecordsError(f"{self.folder}: trial {missing[0]}'s record is missing (trials run 0..n-1)")
         self.trials = [trials[i] for i in range(len(trials))]
         for path in sorted(self.folder.glob("reproduction-*.json")):
-            rep = self._checked(path, _read(path, ReproductionRecord))
+            rep = self._checked(path, read_record(path, ReproductionRecord))
             if rep.index in self.reproductions:
                 raise RecordsError(f"{path}: a second record of reproduction {rep.index}")
             self.reproductions[rep.index] = rep
@@ -157,7 +157,7 @@ class StudyRecords:
             try:
                 _write_new(path, _dump(self.header))
             except RecordsError:  # written meanwhile (another study thread cannot: one folder per study)
-                _check_header(path, _read(path, StudyHeader), self.header)
+                _check_header(path, read_record(path, StudyHeader), self.header)
 
 
 def _check_header(path: Path, stored: StudyHeader, expected: StudyHeader) -> None:

@@ -33,7 +33,8 @@ def _param(p: Param) -> dict[str, Any]:
 
 
 def open_records(cfg, plans, fingerprints) -> dict[str, StudyRecords]:
-    """Every study's records in ``cfg.records`` (created where new), by study key; {} without a records folder.
+    """Every study's records in ``cfg.records`` (none yet for a new study: nothing is written before its first
+    record), by study key; {} without a records folder.
     Raises :class:`pipelines.records.store.RecordsError` for the first record that cannot be continued from."""
     if not cfg.records:
         return {}
