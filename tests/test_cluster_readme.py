@@ -107,7 +107,8 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
     }
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", **extra)
+    # COLUMNS as a terminal of 80 columns sets it: `ps` then cuts a command line at 80 characters unless told not to
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", COLUMNS="80", **extra)
     return env
 
 
