@@ -1,7 +1,7 @@
 """The typed records a fold crosses process boundaries with: :class:`FoldConfig` (what a trial's driver hands to the
-fold's Ray task or Ray Train workers) and :class:`FoldOutcome` (what rank 0 writes as ``outcome.json`` and the driver
-reads back).  Both are plain dataclasses: picklable for Ray, and cheap to import — a search trial's driver loads no
-torch (tests/test_lean_imports.py).
+fold's Ray task or Ray Train workers; what all folds of a study share is its base, :class:`FoldStudyPart`) and
+:class:`FoldOutcome` (what rank 0 writes as ``outcome.json`` and the driver reads back).  All are plain dataclasses:
+picklable for Ray, and cheap to import — a search trial's driver loads no torch (tests/test_lean_imports.py).
 
 ``outcome.json`` keeps its format: :meth:`FoldOutcome.to_json` writes the same keys in the same order as before (fields
 added since come last), and :meth:`FoldOutcome.from_json` reads files written by earlier versions (fields added since
@@ -15,7 +15,7 @@ from typing import Any
 
 from dml_core.train_config import TrainConfig
 
-__all__ = ["FoldClasses", "FoldConfig", "FoldOutcome", "s3_uri"]
+__all__ = ["FoldClasses", "FoldConfig", "FoldOutcome", "FoldStudyPart", "s3_uri"]
 
 
 def s3_uri(filesystem, path: str) -> str:
@@ -39,31 +39,45 @@ class FoldClasses:
         return {"index": self.index, "train_classes": list(self.train_classes), "val_classes": list(self.val_classes)}
 
 
-@dataclass(frozen=True)
-class FoldConfig:
-    """Everything one fold's training needs (built by ``pipelines.execution.trial``, run by
-    ``pipelines.execution.fold.run_fold`` on every rank)."""
+@dataclass(frozen=True, kw_only=True)  # keywords only: a default in the base may come first
+class FoldStudyPart:
+    """What every fold of one study gets alike: the data, model, loss and tracking it trains with (built from the
+    study's context by ``pipelines.execution.trial._study_part``).  :class:`FoldConfig` extends it with what differs
+    per fold and trial, so a field of the study's part is declared once and reaches every fold as it is."""
 
     table_ref: list  # [ObjectRef of the study's dataset table] (a list: Ray passes it on unresolved)
-    fold: FoldClasses  # the fold's index and classes
     test_classes: tuple[Any, ...]  # the study's test classes (evaluated by reproductions only)
     image_size: int  # the dataset's input size for the train and eval transforms
     model: dict[str, Any]  # keyword arguments of dml_core.models.build_model
     loss: str  # loss name, as dml_core.losses.build_loss takes it
-    loss_params: dict[str, Any]  # the loss's parameters (fixed and searched; loss_lr excluded)
-    train: TrainConfig  # the fold's training settings, its seed included (the device is set where the fold runs)
     use_gpu: bool  # the fold trains on a GPU Ray assigned
     threads: int  # torch threads per worker process (the worker's CPUs)
     tracking_uri: str  # the MLflow tracking URI (absolute)
     experiment_id: str  # the sweep's MLflow experiment
+    mid_fold_resume: bool  # a restarted fold continues from its last checkpoint
+    label: str  # the study, "<dataset>/<loss>", for progress lines
+
+    def study_values(self) -> dict[str, Any]:
+        """The study's part by field name, for a :class:`FoldConfig` built on it; shallow, so the table reference
+        is passed on, never copied (``dataclasses.asdict`` would deep-copy it)."""
+        return {f.name: getattr(self, f.name) for f in fields(FoldStudyPart)}
+
+
+@dataclass(frozen=True, kw_only=True)  # keywords only: a default in the base may come first
+class FoldConfig(FoldStudyPart):
+    """Everything one fold's training needs (built by ``pipelines.execution.trial``, run by
+    ``pipelines.execution.fold.run_fold`` on every rank): the study's part (:class:`FoldStudyPart`) and the fields
+    below, which differ per fold and trial."""
+
+    fold: FoldClasses  # the fold's index and classes
+    loss_params: dict[str, Any]  # the loss's parameters (fixed and searched; loss_lr excluded)
+    train: TrainConfig  # the fold's training settings, its seed included (the device is set where the fold runs)
     fold_run_id: str  # the fold's MLflow run, where rank 0 logs every evaluation
     fold_run_tags: dict[str, Any]  # the tags that find the fold run again (a replacement run gets them too)
     fold_run_extra_tags: dict[str, Any]  # further tags of a replacement run (loss, dataset, trial id)
     parent_run_id: str  # the trial's or reproduction's run, the fold run's parent
     evaluate_test: bool  # embed the test classes with the best model (reproductions)
     save_model: bool  # store the best model state as model.pt (reproductions)
-    mid_fold_resume: bool  # a restarted fold continues from its last checkpoint
-    label: str  # the study, "<dataset>/<loss>", for progress lines
     checkpoint_uri: str | None = None  # the fold's mid-fold checkpoint directory (set where the fold runs)
 
     def with_checkpoint_uri(self, uri: str) -> FoldConfig:

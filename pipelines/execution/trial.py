@@ -51,12 +51,12 @@ import ray
 import ray.train
 from ray import tune
 
-from dml_core.splits import FoldManifest
+from dml_core.splits import Fold, FoldManifest
 from dml_core.stats import fold_summary
 from dml_core.storage import open_storage
 from dml_core.train_config import TrainConfig
 from pipelines.config.spaces import LOSS_LR
-from pipelines.execution.fold_config import FoldClasses, FoldConfig, FoldOutcome, s3_uri
+from pipelines.execution.fold_config import FoldClasses, FoldConfig, FoldOutcome, FoldStudyPart, s3_uri
 from pipelines.execution.interrupts import error_text
 from pipelines.execution.pruning import EVALUATION, PRUNING_KEY, Rungs, mlflow_history
 from pipelines.execution.warm_folds import result_uri, warm_fold_ref
@@ -81,7 +81,9 @@ __all__ = ["StudyContext", "run_trial", "fold_executor", "fold_cost"]
 
 @dataclass
 class StudyContext:
-    """Everything a trial of one (dataset, loss) study needs besides its hyperparameters (picklable)."""
+    """Everything a trial of one (dataset, loss) study needs besides its hyperparameters (picklable).  What its folds
+    get of it, :func:`_fold_config` builds (the study's part in :func:`_study_part`); the fields only the trial's
+    driver uses are listed, with why, in :data:`DRIVER_ONLY`."""
 
     sweep: str
     study: str  # "<dataset>/<loss>"
@@ -132,42 +134,67 @@ def fold_cost(outcome: FoldOutcome, cpus_per_worker: float, gpus_per_worker: flo
     }
 
 
-def _fold_config(
-    ctx: StudyContext,
-    fold,
-    hparams: dict[str, Any],
-    seed: int,
-    fold_run_id: str,
-    reproduction: bool,
-    manifest,
-    parent_run_id: str,
-    extra_tags: dict[str, Any] | None = None,
-) -> FoldConfig:
-    values = {**ctx.fixed_params, **hparams}
-    loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
-    loss_lr = float(values[LOSS_LR]) if LOSS_LR in values else ctx.train.loss_lr  # the loss's own, where searched
-    train = replace(ctx.train, seed=seed + fold.index, loss_lr=loss_lr)
-    return FoldConfig(
+#: The :class:`StudyContext` fields no fold's process gets, and why: the trial's driver uses them itself, or passes
+#: what it makes of them to :func:`_fold_config` as arguments.  Every other field reaches each fold's
+#: :class:`FoldConfig` (tests/test_fold_config_derived.py holds both to this).
+DRIVER_ONLY: dict[str, str] = {
+    "dataset": "tags the trial's and fold runs; a fold gets it among the extra tags of its run",
+    "study_run_id": "the parent of the trial's run, which the driver opens",
+    "fold_storage": "where the driver has each fold's result and Ray Train run stored",
+    "manifest_json": "parsed once per trial (a FoldManifest); its fold and test classes are passed to _fold_config",
+    "base_seed": "the trial's seed derives from it (reproductions: reproduction_seed); _fold_config gets that seed",
+    "workers_per_fold": "the executor and a Train fold's ScalingConfig, which the driver chooses",
+    "gpus_per_worker": "the fold's Ray resources, which the driver requests",
+    "fold_retries": "the fold's Ray task retries or Train FailureConfig, which the driver sets",
+    "fold_executor": "how the driver runs the fold: a warm Ray task or a TorchTrainer",
+}
+
+
+def _study_part(ctx: StudyContext, manifest: FoldManifest) -> FoldStudyPart:
+    """The part of every fold's configuration the study alone decides, from its context: the one place a study-level
+    setting becomes a fold's (renamed or converted where the fold's process wants it another way)."""
+    return FoldStudyPart(
         table_ref=ctx.table_ref,
-        fold=FoldClasses(fold.index, tuple(fold.train_classes), tuple(fold.val_classes)),
         test_classes=tuple(manifest.test_classes),
         image_size=ctx.image_size,
         model=ctx.model_kwargs,
         loss=ctx.loss,
-        loss_params=loss_params,
-        train=train,
         use_gpu=ctx.use_gpu,
         threads=max(1, int(ctx.cpus_per_worker)),
         tracking_uri=ctx.tracking_uri,
         experiment_id=ctx.experiment_id,
+        mid_fold_resume=ctx.mid_fold_resume,
+        label=ctx.study,
+    )
+
+
+def _fold_config(
+    ctx: StudyContext,
+    fold: Fold,
+    hparams: dict[str, Any],
+    seed: int,
+    fold_run_id: str,
+    reproduction: bool,
+    manifest: FoldManifest,
+    parent_run_id: str,
+    extra_tags: dict[str, Any] | None = None,
+) -> FoldConfig:
+    """One fold's configuration: the study's part (:func:`_study_part`), and what this fold of this trial adds: its
+    classes, the trial's loss parameters, the training settings with the fold's seed, its runs."""
+    values = {**ctx.fixed_params, **hparams}
+    loss_params = {k: v for k, v in values.items() if k != LOSS_LR}
+    loss_lr = float(values[LOSS_LR]) if LOSS_LR in values else ctx.train.loss_lr  # the loss's own, where searched
+    return FoldConfig(
+        **_study_part(ctx, manifest).study_values(),
+        fold=FoldClasses(fold.index, tuple(fold.train_classes), tuple(fold.val_classes)),
+        loss_params=loss_params,
+        train=replace(ctx.train, seed=seed + fold.index, loss_lr=loss_lr),
         fold_run_id=fold_run_id,
         fold_run_tags=_fold_tags(ctx, fold.index),
         fold_run_extra_tags=extra_tags or {},
         parent_run_id=parent_run_id,
         evaluate_test=reproduction,
         save_model=reproduction,
-        mid_fold_resume=ctx.mid_fold_resume,
-        label=ctx.study,
     )
 
 
