@@ -1,5 +1,6 @@
-"""What every kind of plugin (losses, trunks) shares: finding entry points, the installed distribution behind a
-plugin, and importing ``module:attribute`` with one-line errors that point at the plugin's own code.
+"""What every kind of plugin (losses, trunks, dataset kinds) shares: finding entry points, the installed
+distribution behind a plugin, and importing ``module:attribute`` with one-line errors that point at the plugin's own
+code.
 
 * :func:`entry_points` / :func:`distinct_entry_points` — the entry points of a group (metadata only, nothing of
   the plugins is imported), and those left once the same distribution seen twice on ``sys.path`` counts once.
@@ -11,16 +12,20 @@ plugin, and importing ``module:attribute`` with one-line errors that point at th
 * :func:`one_line` / :func:`raised_at` — a plugin's exception as ``Type: message`` and the ``file:line`` of the
   plugin's code that raised it.
 * :func:`lookup_entry_point` — the one entry point a plugin name stands for, refusing a name exported by two
-  distributions or taken by a built-in; both kinds of plugin look their names up through it.
-* :class:`PluginError` and its kinds, :class:`LossPluginError` and :class:`TrunkPluginError`: every error a plugin
-  causes is one of them (a ``ValueError`` with a one-line message).
+  distributions or taken by a built-in; every kind of plugin looks its names up through it.
+* :class:`PluginError` and its kinds, :class:`LossPluginError`, :class:`TrunkPluginError` and
+  :class:`DatasetPluginError`: every error a plugin causes is one of them (a ``ValueError`` with a one-line message).
 * The contracts, in code: :class:`LossFactory` (what a loss plugin names), :class:`TrunkFactory` and
-  :class:`TrunkModule` (what a trunk plugin names and what it returns).  The signature probes of both kinds read
-  their parameter names from these protocols (:func:`keyword_parameters`).
+  :class:`TrunkModule` (what a trunk plugin names and what it returns).  The signature probes of each kind read their
+  parameter names from these protocols (:func:`keyword_parameters`); a dataset kind's,
+  :class:`dml_core.datasets.registry.DatasetLoader`, lives beside its registry, since it returns a
+  ``dml_core.data.ImageTable``.
 
-The wording of the messages a user sees stays with each kind of plugin (``dml_core.losses.registry``,
-``dml_core.trunks.plugins``): the errors raised here carry what went wrong as attributes for them to word it.
-This module imports nothing of ``dml_core`` (both plugin kinds import it).
+Each kind's names (built-ins and entry points) are kept by a :class:`dml_core.registry.Registry`, which looks entry
+points up through :func:`lookup_entry_point`.  The wording of the messages a user sees stays with each kind of
+plugin (``dml_core.losses.resolve``, ``dml_core.trunks.plugins``, ``dml_core.datasets.registry``): the errors raised
+here carry what went wrong as attributes for them to word it.  This module imports nothing of ``dml_core`` (every
+plugin kind imports it).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ __all__ = [
     "PluginAttributeError",
     "LossPluginError",
     "TrunkPluginError",
+    "DatasetPluginError",
     "LossFactory",
     "TrunkFactory",
     "TrunkModule",
@@ -150,6 +156,12 @@ class LossPluginError(PluginError):
 class TrunkPluginError(PluginError):
     """A trunk from user code (import path or entry point) cannot be used; the message is one line that names the
     trunk and what is wrong with it."""
+
+
+class DatasetPluginError(PluginError):
+    """A dataset kind from an installed entry point cannot be used (does not import, is no loader, refuses the
+    arguments it is given, fails or returns something else than an ``ImageTable``); the message is one line that
+    names the dataset kind and what is wrong with it."""
 
 
 # --------------------------------------------------------------------------------------------------- contracts

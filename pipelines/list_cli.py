@@ -2,10 +2,11 @@
 
 Losses (:func:`dml_core.losses.list_losses`, :func:`~dml_core.losses.loss_info`), loss wrappers
 (:func:`~dml_core.losses.list_wrappers`), trunks (:func:`dml_core.trunks.list_trunks`), the dataset kinds of a sweep
-config (the models of :data:`pipelines.config.datasets.DatasetSpec`) and the datasets ``dmlrc data prepare`` reads
-(:data:`dml_core.datasets.DATASETS`, :data:`~dml_core.datasets.KINDS`), the presets (:func:`pipelines.config.presets
-.presets`) and the installed plug-ins with the distribution behind each (:func:`~dml_core.losses.list_plugin_losses`,
-the trunks' entry points).  No table of names lives here: a loss registered tomorrow is listed tomorrow.
+config (the registry's built-in kinds, described by their models: :func:`pipelines.config.datasets.dataset_models`)
+and the datasets ``dmlrc data prepare`` reads (:data:`dml_core.datasets.DATASETS`, :data:`~dml_core.datasets.KINDS`),
+the presets (:func:`pipelines.config.presets.presets`) and the installed plug-ins of the three registries — losses,
+trunks, dataset kinds (:class:`dml_core.registry.Registry`) — with the distribution behind each.  No table of names
+lives here: a loss registered tomorrow is listed tomorrow.
 
 Plug-ins are read from installed metadata only (no plugin module is imported), so a broken plug-in is listed with its
 distribution rather than stopping the listing; ``status`` says whether a sweep can use it (a name a built-in takes, or
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import shutil
 import textwrap
-import typing
 from typing import Any
 
 from pipelines.docs_cli import DOC_MENTION, user_docs
@@ -66,7 +66,6 @@ def _losses(docs: set[str]) -> list[dict[str, Any]]:
 
 def _wrappers() -> list[dict[str, Any]]:
     # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
-    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from dml_core.losses import list_wrappers
     from pipelines.config.spaces import builtin_spaces
 
@@ -79,7 +78,6 @@ def _wrappers() -> list[dict[str, Any]]:
 
 def _trunks() -> list[dict[str, Any]]:
     # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
-    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
     from dml_core.trunks import list_trunks
     from dml_core.trunks.builtin import FEATURE_DIMS
 
@@ -91,15 +89,11 @@ def _trunks() -> list[dict[str, Any]]:
 
 
 def _dataset_kinds() -> list[dict[str, str]]:
+    """The built-in dataset kinds (the registry's, in its order), each described by its sweep-config model."""
     # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
-    from pipelines.config.datasets import DatasetSpec
+    from pipelines.config.datasets import dataset_models
 
-    union = typing.get_args(DatasetSpec)[0]  # Annotated[Union[...], discriminator] -> Union[...]
-    out = []
-    for model in typing.get_args(union):
-        (kind,) = typing.get_args(model.model_fields["kind"].annotation)
-        out.append({"kind": kind, "description": _plain(model.__doc__)})
-    return out
+    return [{"kind": kind, "description": _plain(model.__doc__)} for kind, model in dataset_models().items()]
 
 
 def _presets() -> list[dict[str, str]]:
@@ -110,52 +104,28 @@ def _presets() -> list[dict[str, str]]:
 
 
 def _plugins() -> list[dict[str, Any]]:
-    """Installed loss and trunk entry points, each with its distribution(s) and whether a sweep can use it."""
+    """The installed entry points of the three registries (losses, trunks, dataset kinds), each with its
+    distribution(s) and whether a sweep can use it (the registry's :meth:`~dml_core.registry.Registry.status`)."""
     # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
-    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
-    from dml_core.losses import list_losses, list_plugin_losses
-    from dml_core.plugins import distinct_entry_points, distribution_of_entry_point
-    from dml_core.trunks.builtin import BUILTIN_TRUNKS
-    from dml_core.trunks.plugins import installed_entry_points
+    from dml_core.datasets.registry import DATASET_KIND_REGISTRY
+    from dml_core.losses.resolve import LOSS_REGISTRY
+    from dml_core.trunks.registry import TRUNK_REGISTRY
 
-    def status(name: str, builtins, n_dists: int) -> str:
-        if name in builtins:
-            return "refused: a built-in has this name"
-        if n_dists > 1:
-            return "refused: exported by more than one distribution"
-        if ":" in name:
-            return "refused: the name contains ':'"
-        return "ok"
-
-    out = []
-    builtin_losses = set(list_losses())
-    for name, dists in list_plugin_losses().items():
-        out.append(
-            {
-                "kind": "loss",
-                "name": name,
-                "distributions": [_distribution(d) for d in dists],
-                "status": status(name, builtin_losses, len(dists)),
-            }
-        )
-    for name in sorted({ep.name for ep in installed_entry_points()}):
-        trunk_dists = list(
-            dict.fromkeys(distribution_of_entry_point(ep) for ep in distinct_entry_points(installed_entry_points(name)))
-        )
-        out.append(
-            {
-                "kind": "trunk",
-                "name": name,
-                "distributions": [_distribution(d) for d in trunk_dists],
-                "status": status(name, BUILTIN_TRUNKS, len(trunk_dists)),
-            }
-        )
-    return out
+    return [
+        {
+            "kind": registry.kind,
+            "name": name,
+            "distributions": [_distribution(d) for d in dists],
+            "status": registry.status(name, dists),
+        }
+        for registry in (LOSS_REGISTRY, TRUNK_REGISTRY, DATASET_KIND_REGISTRY)
+        for name, dists in registry.plugins().items()
+    ]
 
 
 def catalogue() -> dict[str, Any]:
     """Everything ``dmlrc list`` shows, as JSON-ready values."""
-    # the registries (the loss zoo loads torch) for `dmlrc list` only: every dmlrc command imports this module's parser
+    # the readers' table (light, but this module is imported by every dmlrc command's parser): for `dmlrc list` only
     from dml_core.datasets import DATASETS, KINDS
 
     docs = set(user_docs())

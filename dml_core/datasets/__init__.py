@@ -10,6 +10,10 @@ Each reader module (`cub200`, `cars196`, `sop`, `inshop`, `omniglot`) documents 
 and exposes `records(src) -> list[Record]`, `EXPECTED` (official class/image counts) and `LABEL_CONVENTION`.
 `folder` and `csv` (see their docstrings and docs/datasets.md) also read straight into an `ImageTable`
 (`read_image_folder`, `read_csv_dataset`).
+
+The dataset kinds a sweep config names (`synthetic`, `omniglot`, `parquet`, `folder`, `csv` and the plug-ins of the
+entry-point group `dml_reality_check.datasets`) are kept by `registry.py` (`DATASET_KIND_REGISTRY`,
+`resolve_dataset_kind`, `load_dataset`), the same kind of registry as the losses' and trunks'.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 
 from dml_core import __version__
 from dml_core.datasets.protocol import SOP_SPLITS, DatasetProtocol, dataset_protocol, protocol_for_table
+from dml_core.datasets.registry import DATASET_KIND_REGISTRY, DatasetKind, load_dataset, resolve_dataset_kind
 from dml_core.storage import is_s3_uri
 
 __all__ = [
@@ -33,6 +38,10 @@ __all__ = [
     "dataset_protocol",
     "protocol_for_table",
     "SOP_SPLITS",
+    "DATASET_KIND_REGISTRY",
+    "DatasetKind",
+    "load_dataset",
+    "resolve_dataset_kind",
 ]
 
 DATASETS = ("cub200", "cars196", "sop", "inshop", "omniglot")

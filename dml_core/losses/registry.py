@@ -1,4 +1,5 @@
-"""Loss registry: the tables of built-in losses and wrappers, the decorators that fill them, per-loss metadata.
+"""Loss registry: the built-in losses (:data:`LOSS_REGISTRY`, a :class:`dml_core.registry.Registry` like the trunks'
+and the dataset kinds'), the wrappers, the decorators that fill them, per-loss metadata.
 
 Every loss module registers its classes with :func:`register`; names become losses in :mod:`dml_core.losses.resolve`
 (``build_loss``, ``loss_info``, ...), which loads the zoo.  The metadata tells the
@@ -56,6 +57,7 @@ from dml_core.protocol import (
     BatchSpec,
     ModelRecipe,
 )
+from dml_core.registry import Registry
 
 __all__ = [
     "BatchSpec",
@@ -65,6 +67,7 @@ __all__ = [
     "LossPluginError",
     "PluginDistribution",
     "ENTRY_POINT_GROUP",
+    "LOSS_REGISTRY",
     "MLRC_PAPER",
     "MLRC_BATCH",
     "MLRC_MODEL",
@@ -120,7 +123,11 @@ class LossMetadata:
     space: dict[str, Any] | str | None = None
 
 
-_REGISTRY: dict[str, LossInfo] = {}
+#: The built-in losses (name -> :class:`LossInfo`, filled by :func:`register`) and the entry points of
+#: :data:`ENTRY_POINT_GROUP`.
+LOSS_REGISTRY: Registry[LossInfo] = Registry("loss", ENTRY_POINT_GROUP, LossPluginError)
+#: The built-ins as a read-only mapping (``LOSS_REGISTRY.builtins``).
+_REGISTRY = LOSS_REGISTRY.builtins
 _WRAPPERS: dict[str, Callable[..., torch.nn.Module]] = {}
 
 
@@ -143,14 +150,14 @@ def register(
     """
 
     def deco(factory):
-        if name in _REGISTRY:
+        if name in LOSS_REGISTRY:
             raise ValueError(f"loss {name!r} registered twice")
         if not isinstance(factory, type) or not issubclass(factory, torch.nn.Module):
             raise TypeError(f"register({name!r}) decorates an nn.Module class, got {factory!r}")
         if "name" in vars(factory):
             raise ValueError(f"loss {name!r}: {factory.__name__} sets its own name; register() gives it")
         factory.name = name
-        _REGISTRY[name] = LossInfo(
+        info = LossInfo(
             name=name,
             factory=factory,
             paper=paper,
@@ -161,6 +168,7 @@ def register(
             description=description,
             loss_weight_decay=loss_weight_decay,
         )
+        LOSS_REGISTRY.register(name, info)
         return factory
 
     return deco

@@ -2,7 +2,7 @@
 point of the group ``dml_reality_check.losses`` (wrappers ``sec:``/``l2_reg:`` around any of them) into a
 :class:`~dml_core.losses.registry.LossInfo`; :func:`loss_info`, :func:`build_loss` and :func:`registered_info` go
 through it.  Importing this module loads the built-in zoo (each module registers its losses in
-:mod:`dml_core.losses.registry`)."""
+:data:`dml_core.losses.registry.LOSS_REGISTRY`, whose entry-point lookup this module words)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ import dml_core.losses.rsw  # noqa: F401 - registers its losses
 import dml_core.losses.sec  # noqa: F401 - registers its losses
 from dml_core import plugins
 from dml_core.losses.registry import (
-    _REGISTRY,
     _SPACE_KEYS,
     _WRAPPERS,
     ENTRY_POINT_GROUP,
+    LOSS_REGISTRY,
     LossInfo,
     LossMetadata,
     LossPluginError,
@@ -41,8 +41,10 @@ from dml_core.plugins import (
     distribution_of_entry_point,
     keyword_parameters,
 )
+from dml_core.registry import UnknownNameError
 
 __all__ = [
+    "LOSS_REGISTRY",  # re-exported: importing this module has registered the zoo in it
     "resolve_loss",
     "loss_info",
     "build_loss",
@@ -82,24 +84,21 @@ def _split_wrappers(name: str) -> tuple[list[str], str]:
 def list_losses() -> list[str]:
     """Every registered base-loss name, sorted.  Wrapped names (``sec:<base>``) are built on demand; plugin losses
     are listed by :func:`list_plugin_losses`."""
-    return sorted(_REGISTRY)
+    return sorted(LOSS_REGISTRY.names())
 
 
 def list_wrappers() -> list[str]:
     return sorted(_WRAPPERS)
 
 
-class UnknownLossError(ValueError):
+class UnknownLossError(UnknownNameError):
     """A name that is no built-in loss, no installed entry point and no import path.  ``str(e)`` is the one wording
     of it (a config error prints :meth:`message` with its own way of showing the name); ``known`` lists the names
     that would have worked, for a did-you-mean."""
 
     def __init__(self, name: str):
-        self.name = name
-        self.known = list_losses()
         self.wrappers = list_wrappers()
-        self.plugins = [n for n in list_plugin_losses() if n not in _REGISTRY]
-        super().__init__(self.message())
+        super().__init__("loss", name, list_losses(), LOSS_REGISTRY.plugin_names())
 
     def message(self, shown: Callable[[Any], str] = repr) -> str:
         """``unknown loss 'x' (known: ..., sec:<base>; plugins: ...; or an import path 'package.module:attribute')``."""
@@ -119,13 +118,7 @@ def list_plugin_losses() -> dict[str, tuple[PluginDistribution | None, ...]]:
     clash that :func:`resolve_loss` refuses; a name that is also built in is shadowed by the built-in
     (:func:`check_plugin_losses` reports both).
     """
-    found: dict[str, list[PluginDistribution | None]] = {}
-    for ep in plugins.entry_points(ENTRY_POINT_GROUP):
-        dists = found.setdefault(ep.name, [])
-        dist = distribution_of_entry_point(ep)
-        if dist not in dists:
-            dists.append(dist)
-    return {name: tuple(found[name]) for name in sorted(found)}
+    return LOSS_REGISTRY.plugins()
 
 
 def _builtin_distribution() -> str:
@@ -151,15 +144,10 @@ def _shadow_message(name: str, eps: list[importlib.metadata.EntryPoint]) -> str:
     )
 
 
-def _lookup(name: str, *, builtin: bool = False) -> importlib.metadata.EntryPoint | None:
-    """The entry point of a loss name (:func:`dml_core.plugins.lookup_entry_point`, the trunks' lookup too)."""
-    return plugins.lookup_entry_point(
-        ENTRY_POINT_GROUP,
-        name,
-        error=LossPluginError,
-        clash=lambda eps: _clash_message(name, eps),
-        shadowed=(lambda eps: _shadow_message(name, eps)) if builtin else None,
-    )
+def _lookup(name: str) -> importlib.metadata.EntryPoint | None:
+    """The entry point of a loss name (:meth:`dml_core.registry.Registry.lookup`, the trunks' and dataset kinds'
+    lookup too), in the losses' words; one named like a built-in loss is refused."""
+    return LOSS_REGISTRY.lookup(name, clash=_clash_message, shadowed=_shadow_message)
 
 
 def check_plugin_losses() -> None:
@@ -168,7 +156,7 @@ def check_plugin_losses() -> None:
     be used) or one whose name contains ``:`` (parsed as a wrapper or an import path).  Imports no plugin module.
     A sweep's preflight calls it so that a shadowed or ambiguous plugin is an error before anything runs."""
     by_name: dict[str, importlib.metadata.EntryPoint] = {}
-    for ep in plugins.entry_points(ENTRY_POINT_GROUP):
+    for ep in LOSS_REGISTRY.entry_points():
         by_name.setdefault(ep.name, ep)
     for name in sorted(by_name):
         if ":" in name:  # no built-in name has one
@@ -177,7 +165,7 @@ def check_plugin_losses() -> None:
                 f"loss {name!r}: entry point of {dist} (group {ENTRY_POINT_GROUP!r}) has a ':' in "
                 "its name, which a loss name reads as a wrapper or an import path; rename it"
             )
-        _lookup(name, builtin=name in _REGISTRY)
+        _lookup(name)
 
 
 def _load_object(module_name: str, attr: str, where: str) -> Any:
@@ -267,8 +255,9 @@ def _resolve_entry_point(base: str, name: str) -> LossInfo | None:
 
 
 def _resolve_base(base: str, name: str) -> LossInfo:
-    if base in _REGISTRY:
-        return _REGISTRY[base]
+    builtin = LOSS_REGISTRY.get(base)
+    if builtin is not None:
+        return builtin
     if ":" in base:
         return _resolve_import_path(base, name)
     info = _resolve_entry_point(base, name)

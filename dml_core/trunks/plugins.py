@@ -13,9 +13,9 @@ Every way this can go wrong is a :class:`~dml_core.plugins.TrunkPluginError` (a 
 ``ValueError``) with one message naming the trunk, never a traceback through this module: the module does not import
 (the plugin's exception type, message and the file:line it came from), no such attribute, not callable, required
 arguments, the call raises, a result that is not an ``nn.Module``, no usable feature dimension, a bad
-``preprocessing``, an entry-point name exported by two distributions or clashing with a built-in trunk. Importing,
-entry points and distributions go through :mod:`dml_core.plugins` (shared with the plugin losses); the wording of
-the messages is this module's.
+``preprocessing``, an entry-point name exported by two distributions or clashing with a built-in trunk. Importing
+and distributions go through :mod:`dml_core.plugins` (shared with the plugin losses and dataset kinds), entry points
+through :data:`dml_core.trunks.registry.TRUNK_REGISTRY`; the wording of the messages is this module's.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ from dml_core.plugins import (
     TrunkModule,
     TrunkPluginError,
     distribution_of_entry_point,
-    entry_points,
     keyword_parameters,
-    lookup_entry_point,
     one_line,
     raised_at,
 )
@@ -47,8 +45,8 @@ __all__ = [
     "IMPORT_PATH",
     "TrunkPluginError",
     "load_object",
-    "entry_points_named",
-    "installed_entry_points",
+    "clash_message",
+    "shadowed_message",
     "call_factory",
     "feature_dim_of",
     "declared_preprocessing",
@@ -86,43 +84,32 @@ def load_object(module: str, attr: str, trunk: str, what: str):
     return obj
 
 
-def installed_entry_points(name: str | None = None) -> list:
-    """The entry points of group ``dml_reality_check.trunks`` (those called ``name`` if given); metadata only,
-    nothing of the plugins is imported."""
-    return entry_points(ENTRY_POINT_GROUP, name)
-
-
 def distribution_of(ep) -> str:
     """The distribution declaring ``ep`` as ``"name version"``, for messages."""
     dist = distribution_of_entry_point(ep)
     return "an unknown distribution" if dist is None else str(dist)
 
 
-def entry_points_named(name: str, builtin: bool) -> list:
-    """The entry points called ``name``, at most one (:func:`dml_core.plugins.lookup_entry_point`, the losses'
-    lookup too): two distributions exporting it, or one exporting the name of a built-in trunk (``builtin``), is a
-    :class:`TrunkPluginError` naming both sides."""
+def _sides(eps: list) -> str:
+    return " and ".join(f"{distribution_of(ep)!r} ({ep.value})" for ep in eps)
 
-    def sides(eps: list) -> str:
-        return " and ".join(f"{distribution_of(ep)!r} ({ep.value})" for ep in eps)
 
-    def shadowed(eps: list) -> str:
-        return (
-            f"trunk {name!r}: the entry point {name!r} of {sides(eps)} (group {ENTRY_POINT_GROUP}) "
-            f"clashes with the built-in trunk {name!r} of 'dml-reality-check'; rename the entry point or "
-            "uninstall that distribution"
-        )
-
-    def clash(eps: list) -> str:
-        return (
-            f"trunk {name!r} is exported by two distributions: {sides(eps)} (entry point group "
-            f"{ENTRY_POINT_GROUP}); uninstall one, or name the trunk by its import path"
-        )
-
-    ep = lookup_entry_point(
-        ENTRY_POINT_GROUP, name, error=TrunkPluginError, clash=clash, shadowed=shadowed if builtin else None
+def shadowed_message(name: str, eps: list) -> str:
+    """An entry point exporting the name of a built-in trunk, both sides named (for
+    :meth:`~dml_core.registry.Registry.lookup`)."""
+    return (
+        f"trunk {name!r}: the entry point {name!r} of {_sides(eps)} (group {ENTRY_POINT_GROUP}) "
+        f"clashes with the built-in trunk {name!r} of 'dml-reality-check'; rename the entry point or "
+        "uninstall that distribution"
     )
-    return [] if ep is None else [ep]
+
+
+def clash_message(name: str, eps: list) -> str:
+    """A trunk name exported by two distributions, both named (for :meth:`~dml_core.registry.Registry.lookup`)."""
+    return (
+        f"trunk {name!r} is exported by two distributions: {_sides(eps)} (entry point group "
+        f"{ENTRY_POINT_GROUP}); uninstall one, or name the trunk by its import path"
+    )
 
 
 def _signature(obj):

@@ -7,6 +7,8 @@
 ``<name>``                      an installed entry point of the group ``dml_reality_check.trunks``
 ==============================  =============================================================================
 
+:data:`TRUNK_REGISTRY` (a :class:`dml_core.registry.Registry`, the shape the losses' and dataset kinds' share)
+holds the built-ins' specs, registered from :data:`BUILTIN_TRUNKS`, and finds the entry points.
 :func:`resolve_trunk` validates a name and returns a :class:`TrunkSpec` without building anything;
 ``spec.build(pretrained)`` builds the trunk (and loads weights from a local file or an ``s3://`` object).
 Entry points are only looked at for names that are not built in, except to refuse an installed entry point that
@@ -16,19 +18,23 @@ takes a built-in name.
 from __future__ import annotations
 
 import difflib
+import importlib.metadata
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from torch import nn
 
 from dml_core.plugins import (
     PluginDistribution,
+    TrunkPluginError,
     distribution_of_entry_point,
     distribution_of_module,
     installed_distribution,
 )
+from dml_core.registry import Registry, UnknownNameError
 from dml_core.trunks import plugins
 from dml_core.trunks.builtin import BUILTIN_TRUNKS, FEATURE_DIMS, build_builtin, builtin_preprocessing, head_prefixes
 from dml_core.trunks.preprocessing import IMAGENET_PREPROCESSING, Preprocessing
@@ -42,7 +48,16 @@ from dml_core.trunks.timm_trunk import (
 )
 from dml_core.trunks.weights import load_trunk_weights, local_weights
 
-__all__ = ["TrunkSpec", "resolve_trunk", "check_trunk", "trunk_preprocessing", "list_trunks", "TRUNK_KINDS"]
+__all__ = [
+    "TRUNK_REGISTRY",
+    "TrunkSpec",
+    "UnknownTrunkError",
+    "resolve_trunk",
+    "check_trunk",
+    "trunk_preprocessing",
+    "list_trunks",
+    "TRUNK_KINDS",
+]
 
 TRUNK_KINDS = ("builtin", "timm", "import", "entry_point")
 
@@ -137,15 +152,36 @@ def _plugin_spec(
     return TrunkSpec(name, kind, source, factory, declared, distribution)
 
 
-def _unknown(name: str) -> ValueError:
-    installed = sorted({ep.name for ep in plugins.installed_entry_points()})
-    close = difflib.get_close_matches(name, list(BUILTIN_TRUNKS) + installed, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return ValueError(
-        f"unknown trunk {name!r}: a trunk is a built-in name ({', '.join(BUILTIN_TRUNKS)}), 'timm:<model name>', an "
-        f"import path 'package.module:callable' or an installed entry point of group {plugins.ENTRY_POINT_GROUP} "
-        f"({', '.join(installed) if installed else 'none installed'}){hint}"
-    )
+#: The built-in trunks (name -> :class:`TrunkSpec`, from :data:`BUILTIN_TRUNKS`) and the entry points of
+#: ``dml_reality_check.trunks``.
+TRUNK_REGISTRY: Registry[TrunkSpec] = Registry("trunk", plugins.ENTRY_POINT_GROUP, TrunkPluginError)
+for _name in BUILTIN_TRUNKS:
+    TRUNK_REGISTRY.register(_name, _builtin_spec(_name))
+
+
+class UnknownTrunkError(UnknownNameError):
+    """A trunk name that is no built-in, no ``timm:`` name, no import path and no installed entry point; the
+    message says what a trunk name can be, with a did-you-mean."""
+
+    def __init__(self, name: str):
+        installed = list(TRUNK_REGISTRY.plugins())  # every installed name, a built-in's too: it is listed as installed
+        super().__init__("trunk", name, list(TRUNK_REGISTRY.names()), installed)
+
+    def message(self, shown: Callable[[Any], str] = repr) -> str:
+        """``unknown trunk 'x': a trunk is a built-in name (...), 'timm:<model name>', ...; did you mean 'y'?``."""
+        close = difflib.get_close_matches(self.name, self.known + self.plugins, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        return (
+            f"unknown trunk {shown(self.name)}: a trunk is a built-in name ({', '.join(self.known)}), "
+            "'timm:<model name>', an import path 'package.module:callable' or an installed entry point of group "
+            f"{plugins.ENTRY_POINT_GROUP} ({', '.join(self.plugins) if self.plugins else 'none installed'}){hint}"
+        )
+
+
+def _entry_point(name: str) -> importlib.metadata.EntryPoint | None:
+    """The installed entry point called ``name`` (``None`` when there is none), in the trunks' words: two
+    distributions exporting it, or one exporting a built-in trunk's name, is a :class:`TrunkPluginError`."""
+    return TRUNK_REGISTRY.lookup(name, clash=plugins.clash_message, shadowed=plugins.shadowed_message)
 
 
 def resolve_trunk(name: str) -> TrunkSpec:
@@ -154,9 +190,10 @@ def resolve_trunk(name: str) -> TrunkSpec:
     entry point (loaded the same way).  Anything wrong is a ``ValueError`` with one message."""
     if not isinstance(name, str) or not name.strip() or name != name.strip():
         raise ValueError(f"trunk must be a non-empty name without surrounding spaces, got {name!r}")
-    if name in BUILTIN_TRUNKS:
-        plugins.entry_points_named(name, builtin=True)  # an installed plugin must not shadow a built-in
-        return _builtin_spec(name)
+    builtin = TRUNK_REGISTRY.get(name)
+    if builtin is not None:
+        _entry_point(name)  # an installed plugin must not shadow a built-in
+        return builtin
     if name.startswith(TIMM_PREFIX):
         return _timm_spec(name)
     if ":" in name:
@@ -168,10 +205,9 @@ def resolve_trunk(name: str) -> TrunkSpec:
         return _plugin_spec(
             name, "import", "import path", module, attr, f"import path {name!r}", distribution_of_module(module)
         )
-    eps = plugins.entry_points_named(name, builtin=False)
-    if not eps:
-        raise _unknown(name)
-    ep = eps[0]
+    ep = _entry_point(name)
+    if ep is None:
+        raise UnknownTrunkError(name)
     dist = plugins.distribution_of(ep)
     what = f"entry point {name!r} = {ep.value!r} of {dist!r}"
     if not ep.attr or not plugins.IMPORT_PATH.fullmatch(f"{ep.module}:{ep.attr}"):
@@ -195,7 +231,7 @@ def trunk_preprocessing(name: str) -> Preprocessing:
 def list_trunks() -> dict[str, str]:
     """Trunk names usable without a prefix — the built-ins and the installed entry points — and where each comes
     from (metadata only: no plugin is imported).  ``timm:<model>`` and import paths are open-ended and not listed."""
-    out = {name: "built-in" for name in BUILTIN_TRUNKS}
-    for ep in plugins.installed_entry_points():
+    out = {name: "built-in" for name in TRUNK_REGISTRY.names()}
+    for ep in TRUNK_REGISTRY.entry_points():
         out.setdefault(ep.name, f"entry point of {plugins.distribution_of(ep)}")
     return out

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
 
+from dml_core.datasets.registry import builtin_dataset_kinds
 from dml_core.plugins import raised_at
 from dml_core.train_config import TrainConfig
 from pipelines.config.errors import ConfigError, DocumentWords
@@ -34,8 +35,9 @@ __all__ = [
     "sweep_words",
 ]
 
-#: Dataset kinds: generated data, the Omniglot zips, prepared parquet shards, an image folder, a CSV listing.
-DATASET_KINDS = ("synthetic", "omniglot", "parquet", "folder", "csv")
+#: The built-in dataset kinds, as their registry names them (generated data, the Omniglot zips, prepared parquet
+#: shards, an image folder, a CSV listing): the tags the config's errors are worded by.
+DATASET_KINDS = builtin_dataset_kinds()
 #: numpy/Optuna seeds are 32-bit; every seed a sweep derives (folds, reproductions) must stay below this.
 SEED_MAX = 2**32 - 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -287,7 +287,8 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
         raise ConfigError(source or "config", "nested too deeply") from None
     datasets = [d if d.name else d.model_copy(update={"name": d.kind}) for d in cfg.datasets]
     datasets = [
-        d.model_copy(update={"seed": cfg.seed}) if d.kind == "synthetic" and d.seed is None else d for d in datasets
+        d.model_copy(update={"seed": cfg.seed}) if isinstance(d, SyntheticDataset) and d.seed is None else d
+        for d in datasets
     ]
     update: dict[str, Any] = {"datasets": datasets}
     if cfg.protocol.seed is None:

@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from dml_core import data
-from dml_core.datasets import read_csv_dataset, read_image_folder
+from dml_core.datasets import load_dataset
 from dml_core.shards import DataError, check_rows
 from dml_core.storage import read_errors, s3_errors
 from pipelines.config import ConfigError, DatasetSpec, redact_uri
@@ -57,22 +56,12 @@ def _bad_zip(root: str) -> str | None:
 
 
 def load_table(spec: DatasetSpec, where: str):
-    """The dataset's rows (:mod:`dml_core.data` and :mod:`dml_core.datasets` readers), its first ``spec.classes``
-    classes if set."""
+    """The dataset's rows, read by its kind's loader (:func:`dml_core.datasets.load_dataset`: a built-in reader or
+    a plug-in's), its first ``spec.classes`` classes if set."""
     try:
-        if spec.kind == "synthetic":
-            table = data.synthetic(spec.num_classes, spec.per_class, spec.image_size, spec.seed)
-        else:
-            if not spec.path.startswith("s3://") and not Path(spec.path).exists():
-                raise ConfigError(f"{where}.path", f"{spec.path!r} does not exist (cwd {os.getcwd()})")
-            if spec.kind == "omniglot":
-                table = data.read_omniglot(spec.path)
-            elif spec.kind == "folder":
-                table = read_image_folder(spec.path)
-            elif spec.kind == "csv":
-                table = read_csv_dataset(spec.path, root=spec.root)
-            else:
-                table = data.read_parquet_manifest(spec.path)
+        if spec.kind != "synthetic" and not spec.path.startswith("s3://") and not Path(spec.path).exists():
+            raise ConfigError(f"{where}.path", f"{spec.path!r} does not exist (cwd {os.getcwd()})")
+        table = load_dataset(spec.kind, **spec.loader_arguments())
     except ConfigError:
         raise
     except MemoryError:
