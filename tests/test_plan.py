@@ -195,3 +195,23 @@ def test_eight_folds_on_five_logical_cpus_of_two_cores(monkeypatch):
     c = plan_module.CONTENTION
     compute = (2.5 * c * 10.0 + plan_module.FOLD_S) + (1.5 * c * 10.0 + plan_module.FOLD_S)
     assert wall == pytest.approx(plan_module.STUDY_S + plan_module.TRIAL_S + compute)
+
+
+def test_fixed_costs_stretch_with_the_machines_other_work(monkeypatch):
+    """The orchestration's fixed costs were measured on an idle machine: with ``load`` runnable processes of other
+    work on 2 cores, the sweep's own processes get ``2 / (1 + load)`` of a core's time, so each fixed cost takes
+    ``(1 + load) / 2`` times as long (never less than on an idle machine)."""
+    monkeypatch.setattr(plan_module, "usable_cpus", lambda: 2)
+    cfg = _sharing_config(folds=4, num_cpus=4)
+    plan, timing = _fold_of_work(10.0)
+    count = _one_trial(4)
+    idle = plan_module._slots(cfg, None, 1, load=0.0)
+    loaded = plan_module._slots(cfg, None, 1, load=3.0)
+    assert idle.overhead_stretch() == 1.0 and loaded.overhead_stretch() == pytest.approx(2.0)
+    wall_idle, _ = plan_module._study_seconds(cfg, plan, count, timing, idle, True)
+    wall_loaded, _ = plan_module._study_seconds(cfg, plan, count, timing, loaded, True)
+    fixed = plan_module.STUDY_S + plan_module.TRIAL_S + plan_module.FOLD_S
+    compute_idle = wall_idle - fixed
+    compute_loaded = wall_loaded - 2.0 * fixed
+    assert compute_idle == pytest.approx(2.0 * 10.0)  # 4 folds on 2 cores: ×2
+    assert compute_loaded == pytest.approx(3.5 * 10.0)  # (4 + 3) / 2

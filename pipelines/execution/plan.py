@@ -83,13 +83,15 @@ __all__ = [
     "CONTENTION",
 ]
 
-# The orchestration's fixed costs, measured on real sweeps of this repository (bench/README_plan.md: how, where, when).
+# The orchestration's fixed costs, measured on real sweeps of this repository on an idle 2-core machine
+# (bench/README_plan.md: how, where, when); with other work on the machine they are stretched like the sweep's own
+# processes' share of the cores (:meth:`Slots.overhead_stretch`).
 #: Per sweep: Ray's start, the user-code check on a worker, the MLflow experiment, the fold processes' start-up
 #: (imports, a first fold's lazy initialisation) and Ray's shutdown: the sweep's wall time beyond preflight and its
 #: studies.
-SWEEP_S = 40.4
+SWEEP_S = 20.0
 #: Per study: its MLflow run, two Tuners, and its end (intervals, CI report, fold models, visuals, registered model).
-STUDY_S = 20.7
+STUDY_S = 9.5
 #: Per trial (search or reproduction): Tune's scheduling of its driver, the searcher's suggestion, its MLflow trial and
 #: fold runs, reading its folds' results: its wall time beyond its slowest fold's.
 TRIAL_S = 0.9
@@ -102,8 +104,8 @@ TRAIN_FOLD_S = 59.7
 #: How much more than ``max(1, (fold processes × threads + load) / cores)`` a local sweep's folds are stretched: the
 #: sweep's own driver, Tune, Ray and MLflow logging work beside them on the same cores.  Measured as fold
 #: ``train_seconds`` against the calibrated compute with 1, 2 and 4 folds in flight on 2 cores
-#: (bench/plan_check_bench.py, bench/README_plan.md): ×0.38–×1.43 on a loaded shared machine, no consistent factor,
-#: so 1.
+#: (bench/plan_check_bench.py, bench/README_plan.md): ×1.01 and ×0.99 with 1 and 4 folds on an idle machine (×0.76
+#: with 2, where the plan's load term counted the previous sweep's fading load), ×0.38–×1.43 on a loaded one: 1.
 CONTENTION = 1.0
 
 #: Calibration: validation images embedded (fold 0's val classes, whole classes up to this count) and the wall time
@@ -384,6 +386,15 @@ class Slots:
         demand = folds * self.workers * self.threads + self.load
         return max(1.0, demand / self.cores) * self.factor
 
+    def overhead_stretch(self) -> float:
+        """How much longer the orchestration's fixed costs (:data:`SWEEP_S`, :data:`STUDY_S`, :data:`TRIAL_S`, a
+        fold's start) take than on an idle machine, where they were measured: the sweep's driver and trial drivers
+        are one more process beside ``load`` runnable ones, ``max(1, (1 + load) / cores)``; 1 where nothing is
+        shared."""
+        if not self.cores:
+            return 1.0
+        return max(1.0, (1.0 + self.load) / self.cores)
+
     def fold_seconds(self, work: float, folds: int) -> float:
         """Wall seconds of a fold's compute of ``work`` seconds (CPU seconds on a CPU: spread over its workers and
         their threads; wall seconds on a GPU: over its workers) with ``folds`` folds in flight."""
@@ -469,22 +480,24 @@ def _study_seconds(cfg, plan, count, timing, slots, capped) -> tuple[float, floa
     each round as long as a fold with that many folds in flight."""
     r = cfg.resources
     work, test = fold_work(plan, count, timing, capped)
-    overhead = FOLD_S if r.workers_per_fold == 1 and r.fold_executor != "train" else TRAIN_FOLD_S
+    fixed = slots.overhead_stretch()
+    overhead = fixed * (FOLD_S if r.workers_per_fold == 1 and r.fold_executor != "train" else TRAIN_FOLD_S)
     wall = device = 0.0
     for trials, fold_work_s in ((count.trials, work), (count.reproductions, work + test)):
         for k in _waves(trials, r.max_concurrent_trials):
             demand = slots.studies * k * count.folds  # folds wanted at once: this wave's and the other studies'
             rounds = slots.rounds(demand)
             fold_walls = [overhead + slots.fold_seconds(fold_work_s, n) for n in rounds]
-            wall += TRIAL_S + sum(fold_walls)
+            wall += fixed * TRIAL_S + sum(fold_walls)
             # the cost table's fold wall × reserved units, this study's share of the wave's folds
             share = k * count.folds / demand
             device += share * sum(n * slots.workers * slots.per_worker * f for n, f in zip(rounds, fold_walls))
-    return STUDY_S + wall, device
+    return fixed * STUDY_S + wall, device
 
 
 def estimate(cfg, plans, counts, timings, address, fixed_s: float = 0.0, load: float = 0.0) -> Estimate:
-    """The sweep's wall time: ``fixed_s`` (what already ran here, e.g. preflight) + :data:`SWEEP_S` + the
+    """The sweep's wall time: ``fixed_s`` (what already ran here, e.g. preflight) + :data:`SWEEP_S` (stretched by the
+    load, :meth:`Slots.overhead_stretch`) + the
     untrained reference passes (one per dataset and network, on the driver) + the studies, ``slots.studies`` at a
     time (the longest study, or their sum shared out, whichever is longer)."""
     slots = _slots(cfg, address, len(plans), load)
@@ -498,7 +511,8 @@ def estimate(cfg, plans, counts, timings, address, fixed_s: float = 0.0, load: f
             _study_seconds(cfg, p, counts[p.key], timings[p.key], slots, capped) for p in plans if p.key in counts
         ]
         walls = [s[0] for s in studies] or [0.0]
-        wall = fixed_s + SWEEP_S + sum(untrained.values()) + max(max(walls), sum(walls) / slots.studies)
+        sweep_s = slots.overhead_stretch() * SWEEP_S
+        wall = fixed_s + sweep_s + sum(untrained.values()) + max(max(walls), sum(walls) / slots.studies)
         out[capped] = (wall, sum(s[1] for s in studies) / 3600, [s[1] / 3600 for s in studies])
     keys = [p.key for p in plans if p.key in counts]
     return Estimate(
