@@ -5,7 +5,7 @@ The same ``--trials`` × 4 demo folds (``pipelines/config/demo.yaml``'s data, mo
 loss, one seed per trial) are trained four ways, one after the other in one run:
 
 1. **bare loop** — ``dml_core.train.train_fold`` in this process, fold after fold: the anchor;
-2. **tasks** — what :mod:`pipelines.execution.warm_folds` does: one Ray task per fold with ``max_calls=0`` (Ray keeps
+2. **tasks** — what :mod:`pipelines.execution.folds.warm` does: one Ray task per fold with ``max_calls=0`` (Ray keeps
    the worker process for the next task), a trial's four folds submitted together, trials one after another;
 3. **actors** — a pool of four long-lived actors (``ray.util.ActorPool``), each holding its process for the whole
    run, a trial's four folds mapped onto the pool;

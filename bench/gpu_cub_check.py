@@ -307,7 +307,7 @@ def step_data(a, out: Path) -> dict:
 
 # ---------------------------------------------------------------------------------------------- in-child helpers
 def _fold_parts(a_work: str, fold_index: int, with_weights: bool = True, size: int = RECIPE["image_size"]):
-    """The fold's model, loss and datasets exactly as ``pipelines.execution.fold.run_fold`` builds them."""
+    """The fold's model, loss and datasets exactly as ``pipelines.execution.folds.fold.run_fold`` builds them."""
     from dml_core.data import ImageDataset, eval_transform, read_parquet_manifest, train_transform
     from dml_core.losses import build_loss
     from dml_core.models import build_model

@@ -14,7 +14,7 @@ Per executor it prints the sweep's wall time, the per-fold overhead (fold wall t
 ``train_fold``'s own seconds; median after the first fold of each study), and the peak resident memory of each
 kind of Ray process (sampled every 0.5 s from /proc: fold workers, trial drivers, Train controllers).  The
 fold marks come from the fold runs' MLflow metrics (``time.fit_start`` … ``time.fit_end``, see
-``pipelines/execution/trial.py``).
+``pipelines/execution/folds/trial.py``).
 
     python bench/overhead_bench.py                        # demo preset: warm + bare loop + train (1 loss)
     python bench/overhead_bench.py --skip-train --json out.json
@@ -158,9 +158,9 @@ steps = [
     ("dml_core.data, .models, .train", lambda: __import__("dml_core.train") and __import__("dml_core.models")),
     ("dml_core.metrics (faiss)", lambda: __import__("dml_core.metrics")),
     ("dml_core.losses (pytorch-metric-learning, scipy)", lambda: __import__("dml_core.losses")),
-    ("pipelines.execution.fold, pipelines.execution.warm_folds", lambda: __import__("pipelines.execution.warm_folds")),
-    ("pipelines.tracking.runs (MLflow client)", lambda: __import__("pipelines.tracking.runs")),
-    ("tiny model + transforms, applied", build),
+    ("pipelines.execution.folds.fold, pipelines.execution.folds.warm", lambda:
+    __import__("pipelines.execution.folds.warm")), ("pipelines.tracking.runs (MLflow client)", lambda:
+    __import__("pipelines.tracking.runs")), ("tiny model + transforms, applied", build),
     ("tiny fold trained (torch.optim)", tiny_fold),
     ("+ torchvision.transforms.v2 (the old transforms)", lambda: __import__("torchvision.transforms.v2")),
 ]
@@ -277,9 +277,9 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
     from dml_core.losses import build_loss
     from dml_core.models import build_model
     from dml_core.train import embed, train_fold
-    from pipelines.execution.preflight import preflight
-    from pipelines.execution.sweep_studies import SweepStudies
-    from pipelines.execution.trial import _fold_config
+    from pipelines.execution.folds.trial import _fold_config
+    from pipelines.execution.preflight.study_plans import preflight
+    from pipelines.execution.studies.sweep_studies import SweepStudies
 
     plans = {p.key: p for p in preflight(cfg)}
     by_id = {r.info.run_id: r for r in runs}

@@ -71,7 +71,7 @@ def main() -> int:
         labels = np.asarray(table.labels)[np.isin(table.labels, test_classes)]
         rng = np.random.default_rng(0)
         ckpts = []
-        for k in range(4):  # four fold models' test embeddings, as pipelines/execution/fold.py writes them
+        for k in range(4):  # four fold models' test embeddings, as pipelines/execution/folds/fold.py writes them
             centres = rng.normal(size=(int(labels.max()) + 1, dim)).astype(np.float32)
             emb = centres[labels] + 1.5 * rng.normal(size=(len(labels), dim)).astype(np.float32)
             d = tmp / f"fold{k}"

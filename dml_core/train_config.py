@@ -1,5 +1,5 @@
 """One fold's training settings, :class:`TrainConfig`: a plain dataclass that imports no torch, so that a trial's
-driver can build and check it and hand it to the fold's process (``pipelines.execution.fold_config.FoldConfig``),
+driver can build and check it and hand it to the fold's process (``pipelines.execution.folds.config.FoldConfig``),
 and so that the sweep's config schema can read its defaults.  :func:`dml_core.train.train_fold` takes it."""
 
 from __future__ import annotations

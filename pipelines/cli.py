@@ -23,7 +23,7 @@ import sys
 
 # Only the standard library and the signal handling at import: the console script imports this module first, and a
 # Ctrl-C or SIGTERM while torch, Ray and MLflow load must end in one line (main() installs the handlers first).
-from pipelines.execution.interrupts import exit_status, install_startup_handlers
+from pipelines.execution.runtime.interrupts import exit_status, install_startup_handlers
 
 __all__ = ["main"]
 

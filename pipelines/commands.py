@@ -19,8 +19,8 @@ from pipelines.config.schema import load_config, parse_config, redact_uri
 from pipelines.config.uris import check_ray_address
 from pipelines.data_cli import add_data_parser
 from pipelines.docs_cli import add_docs_parser
-from pipelines.execution.locations import check_dir_writable
-from pipelines.execution.resources import check_local_gpus, check_local_workers
+from pipelines.execution.preflight.locations import check_dir_writable
+from pipelines.execution.runtime.resources import check_local_gpus, check_local_workers
 from pipelines.list_cli import add_list_parser
 from pipelines.records.report_cli import add_records_option
 from pipelines.reeval.config import load_reeval_config

@@ -100,7 +100,7 @@ def _check_reachable(uri: str, where: str) -> None:
         check_mlflow_server(uri, where)
     else:
         # for `dmlrc ui` only: every dmlrc command imports this module's parser
-        from pipelines.execution.ray_runtime import check_tracking_reachable
+        from pipelines.execution.runtime.environment import check_tracking_reachable
 
         try:
             check_tracking_reachable(uri)

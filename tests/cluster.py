@@ -52,7 +52,7 @@ from tests.ports import PortInUse, SlowStart, bind_failure, free_ports, start_on
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 TRIAL_DRIVER_RESOURCE = (
-    "dmlrc_trial_driver"  # pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE (no pipelines import here)
+    "dmlrc_trial_driver"  # pipelines.execution.runtime.environment.TRIAL_DRIVER_RESOURCE (no pipelines import here)
 )
 
 __all__ = ["LocalCluster", "local_cluster", "ClusterUnavailable", "vendored_psutil"]

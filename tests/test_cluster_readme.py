@@ -41,7 +41,7 @@ _JOIN = """
 import sys
 import ray
 from pipelines.config import ConfigError
-from pipelines.execution.ray_session import check_cluster_answers
+from pipelines.execution.runtime.session import check_cluster_answers
 try:
     check_cluster_answers(sys.argv[1], "--address")
 except ConfigError as e:
@@ -75,7 +75,7 @@ def test_readme_has_every_cluster_step_with_documented_inputs():
 
 def test_the_refusal_advises_what_the_readme_does():
     """The driver's refusal names each way the README gives the token, the file by its path, not its content."""
-    from pipelines.execution.ray_session import _auth_problem
+    from pipelines.execution.runtime.session import _auth_problem
 
     line = _auth_problem("10.0.0.1:6379", "Token authentication is enabled but no authentication token was found")
     assert "set RAY_AUTH_MODE=token and the cluster's token: RAY_AUTH_TOKEN_PATH=<full path of a file" in line
@@ -88,7 +88,7 @@ def test_the_refusal_advises_what_the_readme_does():
 def test_a_token_set_as_the_token_path_is_not_printed(monkeypatch):
     """Ray's reason quotes RAY_AUTH_TOKEN_PATH's value when no file is there: set to the token by mistake, the
     refusal must not print it."""
-    from pipelines.execution.ray_session import _auth_problem
+    from pipelines.execution.runtime.session import _auth_problem
 
     token = "5f" * 32
     monkeypatch.setenv("RAY_AUTH_MODE", "token")

@@ -214,7 +214,7 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
 
 
 def test_missing_dataset_names_the_path(tmp_path):
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     cfg = parse_config(_cfg(**{"datasets.0": {"kind": "folder", "path": str(tmp_path / "nowhere")}}))
     with pytest.raises(ConfigError) as info:
@@ -223,7 +223,7 @@ def test_missing_dataset_names_the_path(tmp_path):
 
 
 def test_too_few_classes_for_four_folds_times_m():
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     cfg = parse_config(
         _cfg(**{"datasets.0": {"kind": "synthetic", "num_classes": 16, "per_class": 4, "image_size": 16}})
@@ -236,7 +236,7 @@ def test_too_few_classes_for_four_folds_times_m():
 
 
 def test_unknown_loss_parameter_is_rejected_by_the_loss():
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     cfg = parse_config(_cfg(losses=[{"name": "contrastive", "params": {"pos_margn": 0.1}}]))
     with pytest.raises(ConfigError) as info:
@@ -246,7 +246,7 @@ def test_unknown_loss_parameter_is_rejected_by_the_loss():
 
 
 def test_batch_must_split_across_workers():
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     cfg = parse_config(_cfg(**{"resources.workers_per_fold": 3}))
     with pytest.raises(ConfigError) as info:
@@ -270,7 +270,7 @@ def test_bad_train_setting_names_its_own_field(train, field):
 
 def test_train_config_errors_left_to_preflight_name_their_own_field():
     """What only dml_core.train.TrainConfig rejects is mapped by the field it names, not by a substring."""
-    from pipelines.execution.preflight import _train_config_field
+    from pipelines.execution.preflight.study_plans import _train_config_field
 
     assert (
         _train_config_field("TrainConfig.momentum must be a finite non-negative number, got nan")
@@ -281,7 +281,7 @@ def test_train_config_errors_left_to_preflight_name_their_own_field():
 
 
 def test_preflight_builds_one_plan_per_dataset_and_loss():
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     plans = preflight(parse_config(DEMO))
     assert [p.key for p in plans] == ["synthetic/contrastive", "synthetic/proxynca_pp", "synthetic/mpa"]
@@ -297,7 +297,7 @@ def test_preflight_builds_one_plan_per_dataset_and_loss():
 
 
 def test_existing_sweep_needs_resume_and_resume_must_not_change_the_study(tmp_path):
-    from pipelines.execution.continuation import check_restart, check_resume
+    from pipelines.execution.studies.continuation import check_restart, check_resume
 
     cfg = parse_config(_cfg(storage=str(tmp_path)))
     cfg.local_dir().mkdir(parents=True)
@@ -362,7 +362,7 @@ def test_a_new_sweep_never_reuses_mlflow_runs_of_an_old_one_with_the_same_name(t
 
 def test_kmax_pooling_larger_than_the_feature_map_fails_in_preflight():
     """The tiny trunk maps 16-px images to 2×2 positions: K-max with K = 4 fits, K = 5 is one named error."""
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     plans = preflight(parse_config(_cfg(**{"model.pooling": "kmax:4"})))
     assert {p.model_kwargs["pooling"] for p in plans} == {"kmax:4"}
@@ -373,7 +373,7 @@ def test_kmax_pooling_larger_than_the_feature_map_fails_in_preflight():
 
 
 def test_recipe_paper_gives_each_loss_its_papers_model_and_batch():
-    from pipelines.execution.preflight import batch_of, preflight
+    from pipelines.execution.preflight.study_plans import batch_of, preflight
 
     doc = copy.deepcopy(DEMO)
     doc["protocol"]["recipe"] = "paper"
@@ -399,7 +399,7 @@ def test_loss_weight_decay_follows_the_loss_unless_configured():
     from types import SimpleNamespace
 
     from dml_core.train_config import TrainConfig
-    from pipelines.execution.trial import _fold_config
+    from pipelines.execution.folds.trial import _fold_config
 
     fold = SimpleNamespace(index=0, train_classes=(0, 1), val_classes=(2, 3))
     manifest = SimpleNamespace(test_classes=(4, 5))
@@ -606,7 +606,7 @@ def test_postgresql_uris_use_the_installed_driver():
 
 
 def _preflight_error(cfg) -> ConfigError:
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     with pytest.raises(ConfigError) as info:
         preflight(cfg)
@@ -647,7 +647,7 @@ def test_unwritable_storage_by_permissions(tmp_path, monkeypatch):
 def test_use_gpu_without_gpus_fails_before_launch(monkeypatch):
     import torch
 
-    from pipelines.execution.resources import check_cluster_resources, check_local_gpus
+    from pipelines.execution.runtime.resources import check_cluster_resources, check_local_gpus
 
     cfg = parse_config(_cfg(**{"resources.use_gpu": True}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -673,7 +673,7 @@ def test_pretrained_weights_are_checked_in_preflight(tmp_path):
 
     good = tmp_path / "resnet18.pt"
     torch.save(torchvision.models.resnet18().state_dict(), good)
-    from pipelines.execution.preflight import check_pretrained
+    from pipelines.execution.preflight.study_plans import check_pretrained
 
     check_pretrained(parse_config(_cfg(model={"trunk": "resnet18", "pretrained": str(good)})))
     torch.save([torch.zeros(1)], tmp_path / "list.pt")
@@ -697,7 +697,7 @@ def test_a_row_whose_image_header_is_corrupt_names_the_dataset_path(tmp_path):
     from PIL import Image
 
     from dml_core.shards import Record, write_shards
-    from pipelines.execution.datasets import check_image_rows
+    from pipelines.execution.preflight.datasets import check_image_rows
 
     buf = _io.BytesIO()
     Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(buf, format="PNG")
@@ -725,7 +725,7 @@ def test_prepared_parquet_rows_are_read_in_preflight(tmp_path, monkeypatch):
     import numpy as np
     from PIL import Image
 
-    import pipelines.execution.preflight as pf
+    import pipelines.execution.preflight.study_plans as pf
     from dml_core.shards import Record, write_shards
 
     def png(v):

@@ -150,7 +150,7 @@ def _tree(root: Path) -> set[str]:
 
 def _stub_launch(patch) -> None:
     """Ray start-up and MLflow raise :class:`Launched` (``patch(obj, name, value)`` sets an attribute)."""
-    from pipelines.execution import ray_session
+    from pipelines.execution.runtime import session as ray_session
     from pipelines.tracking.runs import Tracker
 
     def launched(*args, **kwargs):

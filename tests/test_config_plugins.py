@@ -89,7 +89,7 @@ def test_init_ray_puts_the_users_runtime_env_under_the_jobs(monkeypatch):
     """Every Ray process inherits the job's runtime_env: the user's py_modules / pip / env_vars next to ours."""
     import ray
 
-    from pipelines.execution import ray_session
+    from pipelines.execution.runtime import session as ray_session
 
     seen = {}
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

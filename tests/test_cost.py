@@ -8,10 +8,10 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.execution.fold_config import FoldOutcome
-from pipelines.execution.study_runs import study_cost
+from pipelines.execution.folds.config import FoldOutcome
+from pipelines.execution.folds.trial import fold_cost
+from pipelines.execution.studies.runs import study_cost
 from pipelines.execution.sweep import max_concurrent_studies
-from pipelines.execution.trial import fold_cost
 from pipelines.results.study_results import StudySummary, ci_table
 
 OUTCOME = {"fold": 0, "status": "ok", "time_start": 100.0, "time_end": 130.0, "world_size": 2}
@@ -97,7 +97,7 @@ def test_report_has_a_cost_column_in_every_format(tmp_path):
 
 def test_trial_drivers_take_the_driver_resource_where_a_node_declares_it():
     """A trial driver takes no fold slot: the driver node's custom resource, or 0.01 CPU where none declares it."""
-    from pipelines.execution.ray_runtime import TRIAL_DRIVER_RESOURCE, trial_bundle
+    from pipelines.execution.runtime.environment import TRIAL_DRIVER_RESOURCE, trial_bundle
 
     assert trial_bundle({"CPU": 8.0, TRIAL_DRIVER_RESOURCE: 10_000.0}) == {TRIAL_DRIVER_RESOURCE: 1}
     assert trial_bundle({"CPU": 8.0}) == {"CPU": 0.01}

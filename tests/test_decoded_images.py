@@ -349,8 +349,8 @@ def test_the_sweep_config_takes_auto_and_names_a_bad_value(tmp_path):
 def test_numerics_stay_out_of_the_protocol_fingerprint(tmp_path):
     from pipelines.config.presets import demo_config
     from pipelines.config.schema import parse_config
-    from pipelines.execution.fingerprints import study_fingerprints
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
+    from pipelines.execution.studies.fingerprints import study_fingerprints
 
     hashes = set()
     for amp, cl in [(False, False), ("auto", "auto"), (True, True)]:

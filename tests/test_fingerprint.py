@@ -10,8 +10,8 @@ import pytest
 
 from pipelines.config.presets import demo_config
 from pipelines.config.schema import parse_config
-from pipelines.execution.fingerprints import study_fingerprints
-from pipelines.execution.preflight import preflight
+from pipelines.execution.preflight.study_plans import preflight
+from pipelines.execution.studies.fingerprints import study_fingerprints
 from pipelines.results.fingerprint import (
     Fingerprint,
     fingerprint_of_tags,

@@ -1,8 +1,8 @@
 """A fold's ``FoldConfig`` is derived from its study's ``StudyContext`` in one place, and nothing falls between them.
 
-Each input of ``pipelines.execution.trial._fold_config`` (every ``StudyContext`` field, every per-fold argument) is
-changed alone, and the ``FoldConfig`` fields that change with it are its reach.  Then a ``StudyContext`` field reaches
-some fold field or is listed, with why, in ``trial.DRIVER_ONLY``; and every ``FoldConfig`` field is set from the
+Each input of ``pipelines.execution.folds.trial._fold_config`` (every ``StudyContext`` field, every per-fold argument)
+is changed alone, and the ``FoldConfig`` fields that change with it are its reach.  Then a ``StudyContext`` field
+reaches some fold field or is listed, with why, in ``trial.DRIVER_ONLY``; and every ``FoldConfig`` field is set from the
 sources named in ``SOURCES`` below — a field added to either record without the other fails here, not in a sweep.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 from dml_core.splits import Fold
 from dml_core.train_config import TrainConfig
 from pipelines.config.spaces import LOSS_LR
-from pipelines.execution.fold_config import FoldConfig, FoldStudyPart
-from pipelines.execution.trial import DRIVER_ONLY, StudyContext, _fold_config
+from pipelines.execution.folds.config import FoldConfig, FoldStudyPart
+from pipelines.execution.folds.trial import DRIVER_ONLY, StudyContext, _fold_config
 
 #: Where each FoldConfig field comes from: ``ctx.<field>`` of the study's context, or an argument of _fold_config.
 SOURCES: dict[str, set[str]] = {

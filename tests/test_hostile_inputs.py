@@ -257,7 +257,7 @@ def test_a_librarys_message_quoting_the_uris_credentials_is_redacted():
     ],
 )
 def test_resume_after_a_change_names_the_exact_field(tmp_path, stored, changes, field, values):
-    from pipelines.execution.continuation import check_resume
+    from pipelines.execution.studies.continuation import check_resume
 
     before = parse_config(_cfg(storage=str(tmp_path), **stored))
     before.local_dir().mkdir(parents=True)
@@ -288,7 +288,7 @@ class _ReturnsAFloat(torch.nn.Module):
 
 
 def test_a_loss_returning_a_float_is_one_line_without_torchs_requires_grad_warning():
-    from pipelines.execution.preflight import _check_loss_value
+    from pipelines.execution.preflight.study_plans import _check_loss_value
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -343,7 +343,7 @@ def test_ray_clients_timeout_warning_is_not_printed_above_the_line(monkeypatch):
     says it."""
     import ray.util.client.worker as client_worker
 
-    from pipelines.execution import ray_session
+    from pipelines.execution.runtime import session as ray_session
 
     monkeypatch.setattr(client_worker, "INITIAL_TIMEOUT_SEC", 1)
     monkeypatch.setattr(client_worker, "backoff", lambda timeout: 1)
@@ -359,7 +359,7 @@ def test_ray_clients_timeout_warning_is_not_printed_above_the_line(monkeypatch):
 
 
 def test_more_ddp_workers_than_this_machines_cpus_are_refused_before_anything_starts():
-    from pipelines.execution.resources import check_local_workers
+    from pipelines.execution.runtime.resources import check_local_workers
 
     cfg = parse_config(_cfg(**{"resources.workers_per_fold": 8}))
     with pytest.raises(ConfigError) as info:
@@ -371,7 +371,7 @@ def test_more_ddp_workers_than_this_machines_cpus_are_refused_before_anything_st
 
 
 def test_this_machines_cpus_are_its_affinity_capped_by_its_cgroup_quota(monkeypatch, tmp_path):
-    from pipelines.execution import resources
+    from pipelines.execution.runtime import resources
 
     monkeypatch.setattr(resources.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     cpu_max = tmp_path / "cpu.max"
@@ -383,7 +383,7 @@ def test_this_machines_cpus_are_its_affinity_capped_by_its_cgroup_quota(monkeypa
 
 
 def test_a_worker_bigger_than_every_node_is_refused_a_fold_spread_over_nodes_is_not():
-    from pipelines.execution.resources import check_cluster_resources, check_node_resources
+    from pipelines.execution.runtime.resources import check_cluster_resources, check_node_resources
 
     nodes = [{"CPU": 4.0}, {"CPU": 4.0}]
     spread = parse_config(_cfg(**{"resources.workers_per_fold": 8}))

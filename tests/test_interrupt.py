@@ -106,7 +106,7 @@ def test_a_signal_while_the_cli_starts_is_one_line_and_its_exit_status(tmp_path,
 def test_the_stop_message_is_printed_once_where_output_and_errors_go_to_one_place(tmp_path, monkeypatch):
     """Ctrl-C in a terminal (stdout and stderr the same terminal) or ``> log 2>&1``: one message, not two; a sweep
     output written elsewhere (a log file) gets it too."""
-    from pipelines.execution.interrupts import SweepInterrupted, stop_on_sigint
+    from pipelines.execution.runtime.interrupts import SweepInterrupted, stop_on_sigint
 
     def stop(out_path, err_path):
         with open(err_path, "a") as err, open(out_path, "a") as out:
@@ -126,7 +126,7 @@ def test_both_signals_get_the_same_handler_during_a_sweep(sigint_before):
     """Within the sweep both signals stop it; afterwards the handlers from before are back -- also ``SIG_IGN``, which
     a process started in the background of a non-interactive shell (``nohup``, ``cmd &`` in a script) inherits for
     SIGINT and must keep."""
-    from pipelines.execution.interrupts import SweepInterrupted, exit_status, stop_on_sigint
+    from pipelines.execution.runtime.interrupts import SweepInterrupted, exit_status, stop_on_sigint
 
     original = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, getattr(signal, sigint_before))

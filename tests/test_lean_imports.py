@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _FOLD_LIKE = r"""
 import json, sys
 import torch
-import pipelines.execution.fold, pipelines.execution.warm_folds  # what a warm fold task imports
+import pipelines.execution.folds.fold, pipelines.execution.folds.warm  # what a warm fold task imports
 from dml_core.data import ImageDataset, eval_transform, synthetic, train_transform
 from dml_core.losses import build_loss
 from dml_core.models import build_model
@@ -69,7 +69,7 @@ _SEARCH_TRIAL_DRIVER = r"""
 import json, sys, tempfile
 from pathlib import Path
 import ray.train, ray.tune
-import pipelines.execution.trial as trial, pipelines.execution.warm_folds  # the trainable and the warm executor
+import pipelines.execution.folds.trial as trial, pipelines.execution.folds.warm  # the trainable and the warm executor
 from pipelines.names import HEADLINE_METRICS, OUTCOME_FILE
 from pipelines.tracking.evaluations import evaluation_metrics
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.config import ConfigError
-from pipelines.execution.locations import check_dir_writable
+from pipelines.execution.preflight.locations import check_dir_writable
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 

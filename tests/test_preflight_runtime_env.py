@@ -43,7 +43,7 @@ def _big(path, size: int) -> None:
 
 
 def test_a_working_dir_over_rays_upload_limit_is_refused_before_ray(tmp_path, monkeypatch):
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # working_dir goes on the driver's sys.path
     wd = tmp_path / "project"
@@ -64,7 +64,7 @@ def test_a_working_dir_over_rays_upload_limit_is_refused_before_ray(tmp_path, mo
 
 
 def test_a_py_modules_folder_over_the_limit_is_refused(tmp_path, monkeypatch):
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     pkg = tmp_path / "mylab"

@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipelines.config.errors import ConfigError
-from pipelines.execution.study_runs import summary_from_run, summary_from_study
+from pipelines.execution.studies.runs import summary_from_run, summary_from_study
 from pipelines.results.bundle import bundle_doc, checksum, read_bundle, write_bundle
 from pipelines.results.fingerprint import Fingerprint, fingerprint_tags
 from pipelines.results.report import write_report_files

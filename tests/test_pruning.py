@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.config.errors import ConfigError
-from pipelines.execution.pruning import EVALUATION, PRUNED, Rungs
-from pipelines.execution.search import best_result
+from pipelines.execution.search.pruning import EVALUATION, PRUNED, Rungs
+from pipelines.execution.search.searcher import best_result
 from pipelines.names import OBJECTIVE
 from tests.tiny_sweep import tiny_sweep
 
@@ -33,7 +33,7 @@ def _cfg(**protocol):
 
 
 def test_pruning_is_off_by_default_and_its_fields_are_checked_in_one_line():
-    from pipelines.execution.pruning import pruning_on, search_space
+    from pipelines.execution.search.pruning import pruning_on, search_space
 
     cfg = _cfg()
     assert cfg.protocol.pruning is None and not pruning_on(cfg) and search_space(cfg) == {}
@@ -54,7 +54,7 @@ def test_ddp_folds_search_unpruned():
     """Ray Train folds cannot be cancelled by their trial: no scheduler, no rung reports."""
     from pipelines.config.presets import demo_config
     from pipelines.config.schema import parse_config
-    from pipelines.execution.pruning import pruning_on
+    from pipelines.execution.search.pruning import pruning_on
 
     doc = demo_config("prune", "runs")
     doc["protocol"]["pruning"] = "asha"
@@ -90,7 +90,7 @@ def test_the_best_trial_is_never_one_the_scheduler_stopped():
 
 
 def test_the_study_reports_the_pruned_share_of_its_cost_apart():
-    from pipelines.execution.study_runs import study_cost
+    from pipelines.execution.studies.runs import study_cost
 
     rows = [
         {"status": "ok", "cost_cpu_seconds": 10.0},

@@ -111,7 +111,7 @@ _CLEANER = textwrap.dedent(
     import ray
     from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
     from ray.util.placement_group import placement_group, placement_group_table
-    from pipelines.execution.ray_session import init_ray, stop_ray
+    from pipelines.execution.runtime.session import init_ray, stop_ray
 
     started = init_ray(None, num_cpus=2)
     try:
@@ -180,7 +180,7 @@ def test_a_local_ray_keeps_its_token_readable_by_this_user_only(tmp_path, token_
         token.parent.mkdir(mode=0o755)
         token.write_text(secrets.token_hex(16))
         token.chmod(token_before)
-    code = "from pipelines.execution.ray_session import init_ray, stop_ray; stop_ray(init_ray(None, num_cpus=1))"
+    code = "from pipelines.execution.runtime.session import init_ray, stop_ray; stop_ray(init_ray(None, num_cpus=1))"
     env = _clean_env(home)
     env.pop("RAY_AUTH_MODE", None)  # Ray's default: token authentication for a new local cluster
     proc = subprocess.run(

@@ -1,5 +1,5 @@
 """A Ray process's native abort report, forwarded to the command's terminal, is one ``warning:`` line
-(``pipelines/execution/ray_output.py``): which process aborted, the reason its report gives, and the log file that
+(``pipelines/execution/runtime/output.py``): which process aborted, the reason its report gives, and the log file that
 keeps the whole report.  Every other forwarded line is printed as before.
 
 The unit cases use the lines of a real report, as a Ray 2.60 worker wrote them (Abseil's ``Mutex corrupt``, the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.execution.ray_output import AbortCondenser
+from pipelines.execution.runtime.output import AbortCondenser
 from tests.ray_driver import run_driver
 
 REPORT = [
@@ -135,7 +135,7 @@ _ABORTING_WORKER = textwrap.dedent(
     import time
 
     import ray
-    from pipelines.execution.ray_session import init_ray, stop_ray
+    from pipelines.execution.runtime.session import init_ray, stop_ray
 
     class Tee:
         def __init__(self, stream):

@@ -1,5 +1,5 @@
-"""Ray reads some of the sweep's settings (``ray_runtime.RAY_ENV``) when it is imported, so the module that imports
-Ray for a command sets them first, and the sweep's checks load no Ray at all."""
+"""Ray reads some of the sweep's settings (``runtime/environment.py``'s ``RAY_ENV``) when it is imported, so the module
+that imports Ray for a command sets them first, and the sweep's checks load no Ray at all."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _PROBE = """
 import json, sys
 import pipelines.execution.sweep  # what dmlrc sweep loads for its checks
 before = "ray" in sys.modules
-import pipelines.execution.ray_session  # what the sweep imports once the checks passed
+import pipelines.execution.runtime.session  # what the sweep imports once the checks passed
 from ray._private import ray_constants
 print(json.dumps({"ray_before": before, "dedup": ray_constants.RAY_DEDUP_LOGS}))
 """

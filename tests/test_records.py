@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from pipelines.execution.search import SamplerFactory, TrialSeededSampler
+from pipelines.execution.search.searcher import SamplerFactory, TrialSeededSampler
 from pipelines.records.model import SCHEMA, TrialRecord
 from pipelines.records.rows import row_of_trial, trial_record
 from pipelines.records.store import RecordsError, StudyRecords, header_of

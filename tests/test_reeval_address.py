@@ -19,7 +19,7 @@ _START = textwrap.dedent(
     import types
 
     from pipelines.config import ConfigError
-    from pipelines.execution.ray_session import stop_ray
+    from pipelines.execution.runtime.session import stop_ray
     from pipelines.reeval.embed import start_ray
 
     try:

@@ -9,7 +9,8 @@ on loopback (one sweep for both: a Ray Train sweep costs minutes).
 **The killed fold.**  ``resources.fold_retries`` is Ray's own retry: the warm executor's fold task is resubmitted by
 Ray (``max_retries``) onto another worker process; Ray Train's ``FailureConfig(max_failures)`` starts the fold's
 worker group again.  Either way the fold continues from its last checkpoint (mid-fold resume,
-``pipelines/execution/fold.py``): a fold killed after it had stored a checkpoint past epoch 0 resumed from it in the
+``pipelines/execution/folds/fold.py``): a fold killed after it had stored a checkpoint past epoch 0 resumed from it in
+the
 *same* MLflow run (tags ``resumes``/``resumed_from``, no ``restarted`` replacement, nothing soft-deleted); the
 iterations trained twice (``redone_iterations`` in MLflow and ``outcome.json``) are at most one evaluation interval
 per restart.  At that moment the search trial's driver process (a Tune actor) is alive; with warm folds it has not
@@ -510,7 +511,8 @@ def check_killed_and_resumed(r: KilledAndResumed) -> None:
     assert len(values) == trials
     mlflow_values = sorted(x.data.metrics["val.map_at_r.mean"] for x in trial_runs)
     assert values == pytest.approx(mlflow_values, abs=1e-12)
-    sampler = state["_sampler"]  # a GP sampler per trial, seeded by the trial's number (pipelines.execution.search)
+    # a GP sampler per trial, seeded by the trial's number (pipelines.execution.search.searcher)
+    sampler = state["_sampler"]
     assert type(sampler).__name__ == "TrialSeededSampler" and sampler._make.kind == "gp"
 
 
@@ -701,7 +703,7 @@ def test_outcome_json_keeps_its_format_and_files_of_earlier_versions_still_read(
     """``outcome.json`` through :class:`FoldOutcome`: a fold's outcome is written with the same keys in the same order
     as the dict it replaced (``test_metrics`` only when the test classes were evaluated), and a file written before
     the restart and timing fields existed still reads (``--resume`` reads the stored results of finished folds)."""
-    from pipelines.execution.fold_config import FoldOutcome
+    from pipelines.execution.folds.config import FoldOutcome
 
     best = {"map_at_r": 0.25, "r_precision": 0.3, "precision_at_1": 0.5}
     written = {

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_redact_uri_hides_only_the_password():
-    from pipelines.execution.ray_runtime import redact_uri, scrub
+    from pipelines.execution.runtime.environment import redact_uri, scrub
 
     assert redact_uri("postgresql://alice:s3cr%40t@db:5432/mlflow") == "postgresql://alice:***@db:5432/mlflow"
     assert redact_uri("postgresql+psycopg2://u:p@127.0.0.1/x") == "postgresql+psycopg2://u:***@127.0.0.1/x"
@@ -47,7 +47,7 @@ def test_a_killed_drivers_credentials_folder_is_deleted_by_the_next_sweep_and_a_
 ):
     """A driver killed outright leaves its private credentials folder (``dmlrc-aws-<pid>-*``) behind; the next
     sweep's start deletes the folders of dead drivers of the same user, and no other folder."""
-    from pipelines.execution import ray_runtime
+    from pipelines.execution.runtime import environment as ray_runtime
 
     monkeypatch.setattr(ray_runtime, "CREDENTIALS_PARENT", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -74,7 +74,7 @@ def test_a_killed_drivers_credentials_folder_is_deleted_by_the_next_sweep_and_a_
 
 
 def test_failure_reason_says_why_each_trial_failed():
-    from pipelines.execution.interrupts import failure_reason
+    from pipelines.execution.runtime.interrupts import failure_reason
 
     rows = [
         {"trial_id": "t1", "status": "diverged", "reason": "fold 0: loss is NaN"},
@@ -95,7 +95,7 @@ def test_failure_reason_unwraps_what_ray_raised_in_a_task_inside_a_trial():
     RayTaskError whose text is a coloured traceback: the reason is the innermost error's own line."""
     from ray.exceptions import RayTaskError
 
-    from pipelines.execution.interrupts import error_text, failure_reason
+    from pipelines.execution.runtime.interrupts import error_text, failure_reason
 
     inner = ValueError("s3://b/shards/part-00000.parquet: sha256 abc does not match the manifest's def")
     fold = RayTaskError("fold", "Traceback (most recent call last):\n  ...\n", inner).as_instanceof_cause()
@@ -115,7 +115,9 @@ def test_run_sweep_checks_the_clusters_resources_before_any_trial(tmp_path, monk
     import ray
 
     from pipelines.config.schema import ConfigError, parse_config
-    from pipelines.execution import ray_session, sweep, sweep_studies
+    from pipelines.execution import sweep
+    from pipelines.execution.runtime import session as ray_session
+    from pipelines.execution.studies import sweep_studies
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     doc = yaml.safe_load(

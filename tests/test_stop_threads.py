@@ -10,7 +10,7 @@ from typing import Callable
 
 import pytest
 
-from pipelines.execution.interrupts import SweepInterrupted, stop_threads
+from pipelines.execution.runtime.interrupts import SweepInterrupted, stop_threads
 
 
 class _Thing:

@@ -77,7 +77,7 @@ def _studies(uri: str):
 @pytest.mark.timeout(1800)
 def test_every_study_has_visuals_that_match_its_labels_and_metrics(swept):
     from pipelines.config.schema import load_config
-    from pipelines.execution.preflight import preflight
+    from pipelines.execution.preflight.study_plans import preflight
 
     uri, tmp, cfg_path, _ = swept
     c, exp, studies = _studies(uri)
@@ -218,8 +218,8 @@ def test_every_study_records_the_untrained_reference_and_whether_its_best_is_epo
     equal to the demo's computation, a reference row in the printed table and the report; the epoch-0 tag: "true"
     exactly when every reproduction fold's best_epoch is 0."""
     from pipelines.config.schema import load_config
-    from pipelines.execution.preflight import preflight
-    from pipelines.execution.untrained_reference import untrained_test_metrics
+    from pipelines.execution.preflight.study_plans import preflight
+    from pipelines.execution.studies.untrained_reference import untrained_test_metrics
     from pipelines.results.report import write_report
     from pipelines.results.study_results import EPOCH0_TAG
     from pipelines.tracking.runs import PARENT

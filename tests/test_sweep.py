@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import yaml
 
-from pipelines.execution.fold_config import FoldOutcome
-from pipelines.execution.trial import reduce_folds
+from pipelines.execution.folds.config import FoldOutcome
+from pipelines.execution.folds.trial import reduce_folds
 from pipelines.names import OBJECTIVE, REPRODUCTION, study_dirname, tuner_name
 from pipelines.results.embeddings import concatenated_embeddings
 from tests.tiny_sweep import tiny_sweep
@@ -66,7 +66,7 @@ def test_a_diverged_fold_scores_the_trial_zero_and_says_why():
 
 
 def test_best_trial_is_the_highest_observed_mean_among_ok_trials():
-    from pipelines.execution.search import best_result
+    from pipelines.execution.search.searcher import best_result
 
     rows = [
         {"trial_id": "a_00000", OBJECTIVE: 0.30, "status": "ok"},
@@ -111,7 +111,7 @@ def test_optuna_space_follows_the_tune_space_scales():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     from pipelines.config.spaces import Param
-    from pipelines.execution.search import optuna_space
+    from pipelines.execution.search.searcher import optuna_space
 
     sp = optuna_space(
         {
@@ -159,7 +159,7 @@ def test_trials_a_restored_search_no_longer_knows_are_ended_and_hidden(tmp_path)
     """A sweep driver killed before Tune's last snapshot reached storage: ``--resume`` reran a suggestion under a new
     trial id.  The lost trial's RUNNING run and its folds are ended KILLED with the reason and hidden; trials Tune
     knows (by id, or by the directory name of a trial that reported nothing) and finished runs stay."""
-    from pipelines.execution.study_runs import retire_lost_trials
+    from pipelines.execution.studies.runs import retire_lost_trials
     from pipelines.tracking.runs import Tracker
 
     t = Tracker.open(f"sqlite:///{tmp_path / 'm.db'}", "exp", (tmp_path / "art").as_uri())
@@ -457,7 +457,7 @@ def test_sweep_with_mlflow_artifacts_and_ray_storage_on_s3(tmp_path, monkeypatch
 
 
 def test_s3_compat_env_only_for_a_custom_endpoint_and_never_over_the_users_choice(monkeypatch):
-    from pipelines.execution.ray_runtime import s3_compat_env
+    from pipelines.execution.runtime.environment import s3_compat_env
 
     keys = (
         "AWS_ENDPOINT_URL",

@@ -36,7 +36,7 @@ def test_the_amp_dtype_names_are_the_ones_training_maps_to_torch():
 
 
 def test_a_fold_config_carries_a_checked_train_config_across_a_pickle():
-    from pipelines.execution.fold_config import FoldClasses, FoldConfig
+    from pipelines.execution.folds.config import FoldClasses, FoldConfig
 
     train = replace(TrainConfig(classes_per_batch=4, m=2, max_epochs=3), seed=7, loss_lr=0.01)
     cfg = FoldConfig(
@@ -61,10 +61,10 @@ _PER_RUN |= {"seed", "device", "loss_lr"}
 def test_the_sweep_its_calibration_and_its_fingerprint_mean_one_study_train_config(tmp_path, recipe):
     from pipelines.config.presets import DEMO
     from pipelines.config.schema import parse_config
-    from pipelines.execution.fingerprints import study_fingerprint
     from pipelines.execution.plan import _train_config
-    from pipelines.execution.preflight import preflight, study_train_config
-    from pipelines.execution.sweep_studies import SweepStudies
+    from pipelines.execution.preflight.study_plans import preflight, study_train_config
+    from pipelines.execution.studies.fingerprints import study_fingerprint
+    from pipelines.execution.studies.sweep_studies import SweepStudies
 
     doc = copy.deepcopy(DEMO)
     doc["losses"] = [{"name": "proxynca_pp"}]

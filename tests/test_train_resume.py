@@ -254,9 +254,9 @@ def test_ddp_ranks_resume_at_the_same_iteration_with_their_own_rng_streams(tmp_p
 
 
 def test_fold_checkpoints_count_restarts_and_survive_storage_trouble(tmp_path, capsys):
-    """pipelines.execution.fold's use of a checkpoint directory: attempts, resumed_from and redone iterations across
-    starts; a state that cannot be stored is a warning, not the end of the fold."""
-    from pipelines.execution.fold import _Checkpoints
+    """pipelines.execution.folds.fold's use of a checkpoint directory: attempts, resumed_from and redone iterations
+    across starts; a state that cannot be stored is a warning, not the end of the fold."""
+    from pipelines.execution.folds.fold import _Checkpoints
 
     uri = str(tmp_path / "ckpt")
     first = _Checkpoints(uri, enabled=True, label="f", rank=0)

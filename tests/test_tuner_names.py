@@ -26,7 +26,7 @@ import json, sys, threading
 import ray
 from ray import tune
 import ray.tune.utils
-from pipelines.execution.tuners import fit_tuner
+from pipelines.execution.studies.tuners import fit_tuner
 from pipelines.names import tuner_name
 
 ray.tune.utils.date_str = lambda: "2026-01-01_00-00-00"  # every Tuner starts in the same second

@@ -1,5 +1,5 @@
 """A Ray worker that Ray stops with SIGTERM while a finalizer runs exits quietly, with Ray's exit code
-(``pipelines/execution/worker_setup.py``): no ``Exception ignored ... sigterm_handler ... SystemExit: 1`` in the
+(``pipelines/execution/runtime/worker_setup.py``): no ``Exception ignored ... sigterm_handler ... SystemExit: 1`` in the
 sweep's output, and no worker that runs on after Ray told it to go.  A ``KeyboardInterrupt`` (Ray's cancel of a
 task) swallowed by a finalizer or an at-fork callback is raised again in the interrupted code, so a cancelled fold
 stops.  Every other unraisable exception is printed as before.
@@ -28,8 +28,8 @@ _PRELUDE = textwrap.dedent(
     import signal
     import sys
 
-    from pipelines.execution import worker_setup
-    from pipelines.execution.ray_runtime import WORKER_SETUP_HOOK
+    from pipelines.execution.runtime import worker_setup
+    from pipelines.execution.runtime.environment import WORKER_SETUP_HOOK
 
     # Ray's worker_process_setup_hook, as a worker resolves it; no cluster here to scope the State API to
     worker_setup.scope_to_own_cluster = lambda: None
@@ -234,7 +234,7 @@ _RAY_WORKER = textwrap.dedent(
     import time
 
     import ray
-    from pipelines.execution.ray_session import init_ray, stop_ray
+    from pipelines.execution.runtime.session import init_ray, stop_ray
 
     started = init_ray(None, num_cpus=1)
     try:
@@ -278,7 +278,7 @@ _RAY_CANCEL = textwrap.dedent(
     import time
 
     import ray
-    from pipelines.execution.ray_session import init_ray, stop_ray
+    from pipelines.execution.runtime.session import init_ray, stop_ray
 
     marker = sys.argv[1]
     started = init_ray(None, num_cpus=1)

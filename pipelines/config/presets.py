@@ -11,8 +11,8 @@ data, a tiny CNN, three losses (the reality-check baseline ``contrastive`` and t
 ``proxynca_pp`` (ProxyNCA++) and ``mpa`` (Multi-Proxy-Anchor)), a few BO trials, 4 warm single-worker folds per
 trial and 3 reproductions, so that the intervals mean something.
 
-The demo prints :func:`pipelines.execution.untrained_reference.untrained_test_metrics` next to its results: the same
-network, freshly initialised, on the same unseen test classes — trained models must be clearly above it.
+The demo prints :func:`pipelines.execution.studies.untrained_reference.untrained_test_metrics` next to its results: the
+same network, freshly initialised, on the same unseen test classes — trained models must be clearly above it.
 """
 
 from __future__ import annotations

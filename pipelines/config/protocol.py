@@ -116,7 +116,7 @@ class ProtocolSpec(StrictModel):
             raise FieldError("folds", f"the mlrc layout has exactly 4 folds (got {self.folds}); use fold_layout: kfold")
         if self.max_epochs < self.eval_every:
             raise FieldError("max_epochs", f"{self.max_epochs} must be >= eval_every ({self.eval_every})")
-        evaluations = self.max_epochs // self.eval_every  # pipelines.execution.pruning.evaluations_per_fold
+        evaluations = self.max_epochs // self.eval_every  # pipelines.execution.search.pruning.evaluations_per_fold
         if self.pruning is not None and self.pruning_grace_period >= evaluations:
             raise FieldError(
                 "pruning_grace_period",

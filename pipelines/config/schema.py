@@ -14,8 +14,8 @@ is the one place deciding them.
 
 :func:`load_config` reads the file through the hardened loader; :func:`parse_config` checks shape (keys, types,
 ranges, URIs), that every loss resolves (built-in, entry point or import path) with a search space, and that pinned
-parameters lie inside it; :func:`pipelines.execution.preflight.preflight` then checks paths, loads the datasets and
-builds every loss.  Errors are :class:`ConfigError` whose field is pydantic's own error location, e.g.
+parameters lie inside it; :func:`pipelines.execution.preflight.study_plans.preflight` then checks paths, loads the
+datasets and builds every loss.  Errors are :class:`ConfigError` whose field is pydantic's own error location, e.g.
 ``losses[1].name: unknown loss 'mpaa' (known: ...)``, every problem of the document at once (``ConfigError.more``).
 Nothing (no Ray, no MLflow run, no folder) starts before they pass.  This module imports neither Ray nor MLflow.
 
@@ -264,7 +264,7 @@ def parse_config(doc: Any, *, source: str | None = None) -> SweepConfig:
 
     Checks keys, types, ranges and URI shapes, that every loss exists (built-in, plugin or import path, with the
     config's ``runtime_env`` code importable here) and has a search space, and that pinned parameters lie inside it.
-    Building every loss and loading every dataset is :mod:`pipelines.execution.preflight`.
+    Building every loss and loading every dataset is :mod:`pipelines.execution.preflight.study_plans`.
     """
     if not isinstance(doc, dict):
         raise ConfigError(source or "config", f"expected a mapping at the top level, got {type(doc).__name__}")

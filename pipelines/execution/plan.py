@@ -1,15 +1,15 @@
 """``dmlrc sweep CONFIG --plan`` (and ``dmlrc demo --plan``): what a sweep will run and cost, known before it starts.
 
 :func:`plan_sweep` takes a config the CLI has loaded and checked exactly as for a sweep, runs the sweep's own checks
-that come before Ray (:func:`~pipelines.execution.preflight.preflight`, the tracking store and the storage answering:
-all of them only read) and prints, without starting Ray and without creating the sweep's folder, MLflow experiment or
-sqlite DB:
+that come before Ray (:func:`~pipelines.execution.preflight.study_plans.preflight`, the tracking store and the storage
+answering: all of them only read) and prints, without starting Ray and without creating the sweep's folder, MLflow
+experiment or sqlite DB:
 
 * per study (dataset × loss) and in all: trials (search + reproductions), fold runs, training iterations and
   validation evaluations.  Early stopping makes the real count data-dependent, so the numbers are an upper bound at
   the epoch cap ``protocol.max_epochs`` (and a lower bound: every fold stopping at its earliest early stop);
 * the studies a finished study run or a results bundle already covers
-  (:func:`pipelines.execution.reuse.find_reuse`): listed, and left out of the totals;
+  (:func:`pipelines.execution.studies.reuse.find_reuse`): listed, and left out of the totals;
 * CPU-hours (GPU-hours with ``resources.use_gpu``), counted as the sweep's cost table counts them (fold wall time ×
   reserved CPUs/GPUs), and the wall time on the resources the sweep would use.
 
@@ -22,8 +22,8 @@ every other loss on it adds only the difference of its own forward/backward step
 embeddings (:func:`loss_step_seconds`): the zoo's 28 losses on one model cost one network calibration plus 28 loss
 timings of a fraction of a second each.
 
-On a local Ray the folds share this machine's real cores (:func:`~pipelines.execution.resources.usable_cpus`: the
-affinity mask capped by the cgroup quota), not the logical CPUs Ray declares: at most ``min(folds wanted, fold
+On a local Ray the folds share this machine's real cores (:func:`~pipelines.execution.runtime.resources.usable_cpus`:
+the affinity mask capped by the cgroup quota), not the logical CPUs Ray declares: at most ``min(folds wanted, fold
 slots of the declared CPUs)`` folds run at once and the others wait in Ray's queue for a slot (:class:`Slots`
 rounds), and a fold's compute is stretched by ``max(1, (fold processes × threads + load) / cores)`` times the
 measured :data:`CONTENTION` (the sweep's own driver, Tune, Ray and MLflow work beside the folds), where ``load`` is
@@ -49,16 +49,16 @@ from dml_core.models import build_model
 from dml_core.train import TrainConfig, train_fold
 from pipelines.config.schema import SweepConfig
 from pipelines.config.spaces import LOSS_LR
-from pipelines.execution.continuation import check_continuation, check_restart, check_resume
-from pipelines.execution.preflight import StudyPlan, preflight, study_train_config
-from pipelines.execution.ray_runtime import (
+from pipelines.execution.preflight.study_plans import StudyPlan, preflight, study_train_config
+from pipelines.execution.runtime.environment import (
     check_storage_reachable,
     check_tracking_reachable,
     default_num_cpus,
     redact_uri,
 )
-from pipelines.execution.resources import usable_cpus
-from pipelines.execution.reuse import find_reuse
+from pipelines.execution.runtime.resources import usable_cpus
+from pipelines.execution.studies.continuation import check_continuation, check_restart, check_resume
+from pipelines.execution.studies.reuse import find_reuse
 from pipelines.execution.sweep import max_concurrent_studies
 
 __all__ = [
@@ -206,8 +206,8 @@ def _loss_values(plan: StudyPlan) -> tuple[dict[str, Any], float | None]:
 
 
 def _train_config(cfg: SweepConfig, plan: StudyPlan, device: str, iters: int) -> TrainConfig:
-    """The study's fold TrainConfig (:func:`~pipelines.execution.preflight.study_train_config`) at the loss's
-    default learning rate, with a calibration's short schedule."""
+    """The study's fold TrainConfig (:func:`~pipelines.execution.preflight.study_plans.study_train_config`) at the
+    loss's default learning rate, with a calibration's short schedule."""
     _, loss_lr = _loss_values(plan)
     short: dict[str, Any] = dict(
         lr_schedule="constant",  # a schedule's cost is nil; its length would not fit
@@ -226,7 +226,7 @@ def _train_config(cfg: SweepConfig, plan: StudyPlan, device: str, iters: int) ->
 
 def _fold_parts(plan: StudyPlan, device: str):
     """Fold 0's model, loss, train set and a validation set of whole val classes (about ``_VAL_IMAGES`` images), as
-    :func:`pipelines.execution.fold.run_fold` builds them."""
+    :func:`pipelines.execution.folds.fold.run_fold` builds them."""
     table, fold = plan.dataset.table, plan.dataset.manifest.folds[0]
     model = build_model(**plan.model_kwargs)
     prep, size = model.preprocessing, plan.dataset.spec.image_size
@@ -403,8 +403,8 @@ class Slots:
 
 def _slots(cfg: SweepConfig, address: str | None, n_studies: int, load: float = 0.0) -> Slots:
     """As the sweep decides them: a local Ray with ``num_cpus`` logical CPUs (default the sweep's) on this machine's
-    real cores (:func:`~pipelines.execution.resources.usable_cpus`; GPUs), ``max_concurrent_studies`` studies; with
-    ``address`` the cluster is assumed to hold the config's concurrency (every fold worker gets its reserved CPUs /
+    real cores (:func:`~pipelines.execution.runtime.resources.usable_cpus`; GPUs), ``max_concurrent_studies`` studies;
+    with ``address`` the cluster is assumed to hold the config's concurrency (every fold worker gets its reserved CPUs /
     GPUs).  ``load``: runnable processes this machine has besides the sweep (its load average before the plan),
     which share the cores with a local sweep's folds."""
     r = cfg.resources

@@ -1,18 +1,18 @@
 """The reality-check sweep: per (dataset, loss) study, Bayesian optimisation → best config → reproductions → CIs.
 
-This module checks a sweep and starts it; the study loop is :mod:`pipelines.execution.sweep_studies`, and the parts
-it calls each live in their own module: Ray start-up (:mod:`pipelines.execution.ray_session`), the searcher and
-best-trial choice (:mod:`pipelines.execution.search`), one trial (:mod:`pipelines.execution.trial`), one fold
-(:mod:`pipelines.execution.fold`, :mod:`pipelines.execution.warm_folds`), the intervals and tables
+This module checks a sweep and starts it; the study loop is :mod:`pipelines.execution.studies.sweep_studies`, and the
+parts it calls each live in their own module: Ray start-up (:mod:`pipelines.execution.runtime.session`), the searcher
+and best-trial choice (:mod:`pipelines.execution.search.searcher`), one trial (:mod:`pipelines.execution.folds.trial`),
+one fold (:mod:`pipelines.execution.folds.fold`, :mod:`pipelines.execution.folds.warm`), the intervals and tables
 (:mod:`pipelines.results.study_results`).
 
 For each study (docs/protocol.md):
 
-1. **Search** — one Ray Tune ``Tuner`` (never nested: ray #36024) over :func:`pipelines.execution.trial.run_trial` with
-   ``OptunaSearch`` (:func:`pipelines.execution.search.make_searcher`).  ``protocol.trials`` trials (MLRC: 50), at most
-   ``max_concurrent_trials`` at a time.  Objective: mean over the folds of best-checkpoint val MAP@R (SEM
+1. **Search** — one Ray Tune ``Tuner`` (never nested: ray #36024) over :func:`pipelines.execution.folds.trial.run_trial`
+   with ``OptunaSearch`` (:func:`pipelines.execution.search.searcher.make_searcher`).  ``protocol.trials`` trials (MLRC:
+   50), at most ``max_concurrent_trials`` at a time.  Objective: mean over the folds of best-checkpoint val MAP@R (SEM
    recorded), docs/protocol.md §Objective.
-2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.execution.search.best_result`,
+2. **Best** — the trial with the highest *observed* mean (:func:`pipelines.execution.search.searcher.best_result`,
    docs/protocol.md §Best trial).
 3. **Reproductions** — a second ``Tuner`` runs ``reproductions`` retrainings of the best config (grid over the
    reproduction index; each a full 4-fold trial with seed ``pipelines.names.reproduction_seed(seed, i)``),
@@ -24,25 +24,26 @@ For each study (docs/protocol.md):
    reference row of the end-of-sweep table (:mod:`pipelines.results.untrained`).
 
 Resources: a trial is a driver reserving one unit of ``dmlrc_trial_driver`` on the driver's node, or 0.01 CPU
-where no node declares it (:data:`pipelines.execution.ray_runtime.TRIAL_DRIVER_RESOURCE`; its Tune actor is reused from
-trial to trial, which saves a process start and its imports per trial — the trainable keeps no state); each of its four
-folds reserves ``cpus_per_worker`` CPUs (and a GPU with ``use_gpu``) per worker, as a warm Ray task or a Ray Train
-worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default enough for ``max_concurrent_trials`` × folds ×
-workers — on a 2-core machine that oversubscribes the cores, which is fine for tiny models and is what lets the four
-folds overlap.
+where no node declares it (:data:`pipelines.execution.runtime.environment.TRIAL_DRIVER_RESOURCE`; its Tune actor is
+reused from trial to trial, which saves a process start and its imports per trial — the trainable keeps no state); each
+of its four folds reserves ``cpus_per_worker`` CPUs (and a GPU with ``use_gpu``) per worker, as a warm Ray task or a Ray
+Train worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default enough for ``max_concurrent_trials`` ×
+folds × workers — on a 2-core machine that oversubscribes the cores, which is fine for tiny models and is what lets the
+four folds overlap.
 
 Studies in parallel: every study runs in its own thread of the driver
-(:meth:`pipelines.execution.sweep_studies.SweepStudies.run_all`), each with its own searcher, its two Tuners and its
-own trial concurrency, at most ``max_concurrent_studies`` at a time (:func:`max_concurrent_studies`).  Their folds meet
-in Ray's one queue (a fold is a Ray task or a Train job reserving its own resources; a trial reserves no fold
+(:meth:`pipelines.execution.studies.sweep_studies.SweepStudies.run_all`), each with its own searcher, its two Tuners and
+its own trial concurrency, at most ``max_concurrent_studies`` at a time (:func:`max_concurrent_studies`).  Their folds
+meet in Ray's one queue (a fold is a Ray task or a Train job reserving its own resources; a trial reserves no fold
 resource), so a cluster smaller than the demand only queues folds.  Why threads and not one Ray task per study driver:
 ``docs/architecture.md`` ("Studies in parallel").  Ctrl-C: Python delivers the signal to the main thread only; the
 study threads get the same ``SweepInterrupted`` raised into them (``interrupts.stop_threads``), so each
 ``Tuner.fit()`` leaves exactly as the single one of a sequential sweep did.
 
-Cost: every fold run records what it held and for how long (``cost.*``, :func:`pipelines.execution.trial.fold_cost`);
-trials and reproductions sum their folds; the study run sums its trials and reproductions
-(:func:`pipelines.execution.study_runs.study_cost`), diverged trials' share also as ``cost.diverged.*``.
+Cost: every fold run records what it held and for how long (``cost.*``,
+:func:`pipelines.execution.folds.trial.fold_cost`); trials and reproductions sum their folds; the study run sums its
+trials and reproductions (:func:`pipelines.execution.studies.runs.study_cost`), diverged trials' share also as
+``cost.diverged.*``.
 
 Resume: every Tuner lives at a fixed path under the sweep's storage, so ``--resume`` restores it
 (``Tuner.restore``: finished trials are kept with the searcher's history, unfinished ones rerun under the same
@@ -59,27 +60,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelines.config.schema import ConfigError, SweepConfig
-from pipelines.execution.continuation import (
+from pipelines.execution.preflight.study_plans import preflight
+from pipelines.execution.runtime.environment import (
+    check_storage_reachable,
+    check_tracking_reachable,
+    redact_uri,
+    scrub,
+)
+from pipelines.execution.runtime.interrupts import (
+    INTERRUPTED,
+    close_open_runs,
+    resume_command,
+    stop_on_sigint,
+)
+from pipelines.execution.studies.continuation import (
     check_continuation,
     check_restart,
     check_resume,
     open_tracker,
     store_config_or_reopen,
 )
-from pipelines.execution.interrupts import (
-    INTERRUPTED,
-    close_open_runs,
-    resume_command,
-    stop_on_sigint,
-)
-from pipelines.execution.preflight import preflight
-from pipelines.execution.ray_runtime import (
-    check_storage_reachable,
-    check_tracking_reachable,
-    redact_uri,
-    scrub,
-)
-from pipelines.execution.reuse import find_reuse
+from pipelines.execution.studies.reuse import find_reuse
 from pipelines.records.study import open_records
 from pipelines.results.study_results import StudySummary
 from pipelines.tracking.outage import TrackingUnavailable, TrackingWatch
@@ -154,11 +155,12 @@ def run_sweep(
 
     Studies that finished in the experiment (this sweep's or another's) or that a ``compare_with`` bundle holds are
     not run again but enter the results, once their protocol fingerprint equals the config's
-    (:mod:`pipelines.execution.reuse`); ``rerun`` names losses whose finished study runs again.
+    (:mod:`pipelines.execution.studies.reuse`); ``rerun`` names losses whose finished study runs again.
 
     Ctrl-C stops it within seconds, closes the runs it leaves (``KILLED``, reason ``interrupted``) and raises
-    :class:`pipelines.execution.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a failed
-    study's leftover runs are closed ``FAILED`` with the study's reason (:mod:`pipelines.execution.interrupts`).
+    :class:`pipelines.execution.runtime.interrupts.SweepInterrupted`; a crash closes them ``FAILED`` with the error; a
+    failed study's leftover runs are closed ``FAILED`` with the study's reason
+    (:mod:`pipelines.execution.runtime.interrupts`).
     """
     out = out or sys.stdout
     t0 = time.time()
@@ -173,9 +175,9 @@ def run_sweep(
     check_continuation(cfg, resume, plans, reuse, shown)
     records = open_records(cfg, plans, reuse.fingerprints)  # every record checked before Ray starts
     # Ray and the study loop (Ray Tune and Train: seconds of imports) load only once every check above has passed;
-    # ray_session first: it sets the environment Ray reads as it is imported
-    from pipelines.execution.ray_session import cluster_resources, start_sweep_ray, stop_ray, warn_multi_node
-    from pipelines.execution.sweep_studies import SweepStudies
+    # runtime.session first: it sets the environment Ray reads as it is imported
+    from pipelines.execution.runtime.session import cluster_resources, start_sweep_ray, stop_ray, warn_multi_node
+    from pipelines.execution.studies.sweep_studies import SweepStudies
 
     started = start_sweep_ray(cfg, address, min(len(f.train_classes) for p in plans for f in p.dataset.manifest.folds))
     tracker = watch = None

@@ -52,7 +52,8 @@ class _Run(_Strict):
     status: Literal["ok", "diverged", "pruned"]
     reason: str = ""
     folds: list[FoldRecord]
-    #: what the trial held (pipelines.execution.trial.fold_cost summed over its folds): wall_seconds, cpu_seconds, ...
+    #: what the trial held (pipelines.execution.folds.trial.fold_cost summed over its folds): wall_seconds, cpu_seconds,
+    # ...
     cost: dict[str, float]
     #: CPU seconds the folds' processes used (measured, not reserved)
     cpu_seconds: float = Field(ge=0)

@@ -2,7 +2,7 @@
 saves how much CPU, and does the search still find the same winner?
 
 Each recorded trial is fed, in the order the search ran it, to a real Ray Tune scheduler (``ASHAScheduler`` or
-``MedianStoppingRule``) exactly as a pruned search reports to it (:class:`pipelines.execution.pruning.Rungs`): at
+``MedianStoppingRule``) exactly as a pruned search reports to it (:class:`pipelines.execution.search.pruning.Rungs`): at
 evaluation ``e`` the fold mean of each fold's best validation MAP@R so far.  A trial the scheduler stops at ``e``
 saves each fold's CPU past that evaluation; the replayed winner is the best trial the scheduler let finish.  The
 replay keeps the recorded proposals: a real pruned search's optimiser would also have seen the pruned values and

@@ -18,7 +18,7 @@ from typing import Any
 
 from dml_core.expected_validation import expected_max
 from dml_core.stats import confidence_interval
-from pipelines.execution.search import best_result
+from pipelines.execution.search.searcher import best_result
 from pipelines.names import HEADLINE_METRICS, MODES
 from pipelines.records.model import StudyHeader
 from pipelines.records.rows import row_of_trial

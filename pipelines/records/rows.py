@@ -10,14 +10,14 @@ import math
 from typing import Any, Literal
 
 from dml_core import __version__
-from pipelines.execution.fold_config import FoldOutcome
+from pipelines.execution.folds.config import FoldOutcome
 from pipelines.names import HEADLINE_METRICS, MODES, OBJECTIVE, PARAMS, REPRODUCTION
 from pipelines.records.model import SCHEMA, FoldRecord, ReproductionRecord, TrialRecord
 from pipelines.results.study_results import COST_KEYS
 
 __all__ = ["FOLDS_KEY", "fold_records", "trial_record", "reproduction_record", "row_of_trial", "row_of_reproduction"]
 
-#: The Tune result key holding a trial's folds as records (pipelines.execution.trial).
+#: The Tune result key holding a trial's folds as records (pipelines.execution.folds.trial).
 FOLDS_KEY = "fold_records"
 
 

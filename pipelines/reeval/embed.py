@@ -18,8 +18,8 @@ import pyarrow.fs as pafs
 import ray
 import ray.data
 
-from pipelines.execution.interrupts import install_startup_handlers
-from pipelines.execution.ray_session import init_ray
+from pipelines.execution.runtime.interrupts import install_startup_handlers
+from pipelines.execution.runtime.session import init_ray
 from pipelines.reeval.config import ReevalConfig, Target
 from pipelines.tracking.pyfunc_model import preprocess
 
@@ -102,8 +102,8 @@ def embed_version(t: Target, cfg: ReevalConfig) -> tuple[list[np.ndarray], np.nd
 
 
 def start_ray(cfg: ReevalConfig) -> bool:
-    """The sweep's Ray start-up (:func:`pipelines.execution.ray_session.init_ray`: loopback only, credentials kept out
-    of Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
+    """The sweep's Ray start-up (:func:`pipelines.execution.runtime.session.init_ray`: loopback only, credentials kept
+    out of Ray's runtime_env, quiet loggers); a local Ray gets every core (embedding actors, one per CPU slot)."""
     started = init_ray(cfg.ray_address, num_cpus=max(2, os.cpu_count() or 1), address_field="ray_address")
     install_startup_handlers()  # Ray's driver installs a native SIGTERM handler: a CronJob's SIGTERM stays ours
     ray.data.DataContext.get_current().enable_progress_bars = False

@@ -48,8 +48,8 @@ from dml_core.shards import read_manifest
 from dml_core.splits import FoldManifest
 from dml_core.stats import confidence_interval
 from pipelines.config.schema import ConfigError
-from pipelines.execution.ray_runtime import check_tracking_reachable
-from pipelines.execution.ray_session import stop_ray
+from pipelines.execution.runtime.environment import check_tracking_reachable
+from pipelines.execution.runtime.session import stop_ray
 from pipelines.names import ALIAS, MODES, REPRODUCTION
 from pipelines.reeval.config import ReevalConfig, Target, load_reeval_config
 from pipelines.reeval.embed import embed_version, start_ray
@@ -157,7 +157,7 @@ def resolve_versions(cfg: ReevalConfig) -> list[Target]:
 
 def reproduction_metrics(folds_output: np.ndarray, labels: np.ndarray, n_folds: int) -> dict[str, float]:
     """The sweep's test step on one reproduction's embeddings: separated + concatenated
-    (``pipelines.execution.trial``)."""
+    (``pipelines.execution.folds.trial``)."""
     parts = split_folds(folds_output, n_folds)
     # fold_worker's "separated" call, per fold model: retrieval_metrics(test_emb, test_labels)
     outcomes = [{"test_metrics": finite_metrics(retrieval_metrics(p, labels))} for p in parts]

@@ -404,7 +404,7 @@ def comparable_studies(
     held: Mapping[tuple[str, str], str],
 ) -> list[Study]:
     """The studies of ``bundles`` on ``datasets`` that may join a table beside the studies of one's own, which the
-    sweep (pipelines.execution.reuse) and the report (pipelines.results.report) both admit by these rules:
+    sweep (pipelines.execution.studies.reuse) and the report (pipelines.results.report) both admit by these rules:
 
     * a (dataset, loss) that ``held`` already names (→ where that study is) is refused: two studies of one loss;
     * a study must carry the fingerprint ``expected(dataset, loss)`` gives; one without a fingerprint, or one whose

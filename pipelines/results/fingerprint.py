@@ -7,11 +7,11 @@ weights, embedding width, pooling, image size and transforms); the same training
 its search space are what a comparison varies, so they are not in it.
 
 A :class:`Fingerprint` holds those fields flat (``protocol.max_epochs``, ``model.trunk``, ...) with readable values, and
-a hash of them; the sweep builds it from its config (:mod:`pipelines.execution.fingerprints`). The sweep records both on
-every study run (tags :data:`HASH_TAG` and :data:`FIELDS_TAG`, and a ``fingerprint.json`` artifact); ``dmlrc report``
-puts them in ``report.json`` and in the results bundle. Before a study is reused, or a bundle's studies join a sweep,
-their fingerprint is compared with the config's (:func:`first_difference`): the first differing field is what a refusal
-names.
+a hash of them; the sweep builds it from its config (:mod:`pipelines.execution.studies.fingerprints`). The sweep records
+both on every study run (tags :data:`HASH_TAG` and :data:`FIELDS_TAG`, and a ``fingerprint.json`` artifact); ``dmlrc
+report`` puts them in ``report.json`` and in the results bundle. Before a study is reused, or a bundle's studies join a
+sweep, their fingerprint is compared with the config's (:func:`first_difference`): the first differing field is what a
+refusal names.
 """
 
 from __future__ import annotations

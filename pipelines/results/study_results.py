@@ -2,8 +2,8 @@
 (docs/protocol.md §Test evaluation) and the tables printed at the end of a sweep.
 
 Cost: ``cost`` holds the study run's ``cost.*`` metrics (without the prefix): resource-seconds summed over every fold
-of its trials and reproductions (:func:`pipelines.execution.trial.fold_cost`); the end-of-sweep table shows them as
-CPU-hours and GPU-hours.
+of its trials and reproductions (:func:`pipelines.execution.folds.trial.fold_cost`); the end-of-sweep table shows them
+as CPU-hours and GPU-hours.
 
 Intervals: Student-t across reproductions (``dml_core.stats.confidence_interval``), for the *concatenated* and the
 *separated* evaluation of the test classes.
@@ -151,7 +151,7 @@ def provenance_marks(provenances: list[Provenance | None], sweep: str | None = N
 
 
 #: What a fold run records as ``cost.<key>`` and trials, reproductions and studies sum
-#: (pipelines.execution.trial.fold_cost).
+#: (pipelines.execution.folds.trial.fold_cost).
 COST_KEYS = ("wall_seconds", "cpu_seconds", "gpu_seconds", "restarts", "resumes", "redone_iterations")
 
 

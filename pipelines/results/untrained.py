@@ -2,9 +2,9 @@
 
 The reality check's released code reports the untrained trunk (+ embedder) on the test set beside the trained models
 (docs/protocol.md §Test evaluation). A sweep computes it once per (dataset, network) — one embedding pass of the test
-classes on the driver (:mod:`pipelines.execution.untrained_reference`) — logs it on every study run of that dataset and
-network as ``untrained.<metric>`` (:data:`UNTRAINED_PREFIX`) and prints it as a reference row; ``dmlrc report`` shows it
-the same way. A study whose results are close to this row learned little.
+classes on the driver (:mod:`pipelines.execution.studies.untrained_reference`) — logs it on every study run of that
+dataset and network as ``untrained.<metric>`` (:data:`UNTRAINED_PREFIX`) and prints it as a reference row; ``dmlrc
+report`` shows it the same way. A study whose results are close to this row learned little.
 """
 
 from __future__ import annotations

@@ -397,8 +397,8 @@ def _embedding_map(embeddings: np.ndarray, labels: np.ndarray, names: dict[int, 
 
 def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated test embeddings (docs/protocol.md §Test evaluation,
-    :func:`pipelines.execution.trial.concatenated_embeddings`) and labels of a reproduction, from its folds' Ray Train
-    checkpoints (local paths or ``s3://`` URIs)."""
+    :func:`pipelines.execution.folds.trial.concatenated_embeddings`) and labels of a reproduction, from its folds' Ray
+    Train checkpoints (local paths or ``s3://`` URIs)."""
 
     parts: list[np.ndarray] = []
     labels: np.ndarray | None = None

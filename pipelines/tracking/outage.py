@@ -15,7 +15,8 @@ A sweep runs for days; its MLflow server may restart (an upgrade, a crashed pod)
 * **``--resume``** then completes the logging: unfinished trials rerun under their trial ids, folds with a stored
   result are not trained again, and every fold run gets the evaluations it misses
   (``pipelines.tracking.evaluations.logged_evaluations`` says which it holds) from its checkpoint
-  (``pipelines.execution.fold.run_fold``) or its stored result (``pipelines.execution.trial._finish_fold_run``).
+  (``pipelines.execution.folds.fold.run_fold``) or its stored result
+  (``pipelines.execution.folds.trial._finish_fold_run``).
 
 A sqlite store is a local file: it has no outage to watch.
 """

@@ -10,7 +10,7 @@ split across the DDP workers (``resources.workers_per_fold``), a ``model.pretrai
 dict of the trunk, GPUs asked for where there are none (``resources.use_gpu``).  Nothing is written here: the
 checks only read, so a failing config leaves no folder and no MLflow experiment behind.
 
-No Ray, no MLflow here (the resources are checked against Ray's by :mod:`pipelines.execution.resources`).
+No Ray, no MLflow here (the resources are checked against Ray's by :mod:`pipelines.execution.runtime.resources`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from dml_core.splits import FoldManifest
 from dml_core.train_config import TrainConfig
 from pipelines.config.schema import TRAIN_KEYS, ConfigError, LossSpec, SweepConfig
 from pipelines.config.spaces import LOSS_LR, Param
-from pipelines.execution.datasets import DatasetData, check_image_rows, load_table, one_line
-from pipelines.execution.locations import check_locations
-from pipelines.execution.worker_check import check_package_sizes
+from pipelines.execution.preflight.datasets import DatasetData, check_image_rows, load_table, one_line
+from pipelines.execution.preflight.locations import check_locations
+from pipelines.execution.runtime.worker_check import check_package_sizes
 from pipelines.names import study_key
 
 __all__ = ["StudyPlan", "study_train_config", "preflight", "batch_of", "check_pretrained"]

@@ -4,7 +4,7 @@ Why tasks (measured in ``bench/overhead_bench.py``, reasoning in ``docs/architec
 controller, helper actors and fresh worker processes for every fold, each importing torch, Ray Train and MLflow —
 tens of seconds per fold on a small machine.  A Ray *task* runs on a pooled worker process of the job, which Ray
 keeps and reuses for the next task (``max_calls=0``), so imports, the CUDA context and the dataset table
-(:func:`pipelines.execution.fold._table`) are paid once per process.  Everything else is Ray's own:
+(:func:`pipelines.execution.folds.fold._table`) are paid once per process.  Everything else is Ray's own:
 
 * queueing and resources: each fold task asks for ``cpus_per_worker`` CPUs (and ``gpus_per_worker`` GPUs); folds of
   every trial share Ray's queue, and a trial never holds a process while it waits;
@@ -15,12 +15,13 @@ keeps and reuses for the next task (``max_calls=0``), so imports, the CUDA conte
   ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` for their workers and select the device Ray assigned
   (``cuda:<ray.get_gpu_ids()[0]>``), so a reused process can serve whichever GPU its next fold is given.
 
-Result directory: rank 0 of :func:`pipelines.execution.fold.run_fold` writes it locally, then it is copied to
+Result directory: rank 0 of :func:`pipelines.execution.folds.fold.run_fold` writes it locally, then it is copied to
 ``<fold_storage>/<run name>/result/`` (local path or ``s3://``), ``outcome.json`` last — so a directory with
 ``outcome.json`` is complete, and a fold that finished before the sweep was killed is found there by
 ``--resume`` and not trained again (the same story as Ray Train's restored checkpoint on the other path).
 A fold that had not finished continues from its last evaluation: its mid-fold states live in
-``<fold_storage>/<run name>/ckpt/`` (:func:`pipelines.execution.fold.run_fold`), deleted once the result is stored.
+``<fold_storage>/<run name>/ckpt/`` (:func:`pipelines.execution.folds.fold.run_fold`), deleted once the result is
+stored.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import ray
 
 from dml_core.storage import open_storage
-from pipelines.execution.fold_config import FoldConfig
+from pipelines.execution.folds.config import FoldConfig
 from pipelines.names import OUTCOME_FILE
 
 __all__ = ["warm_fold_ref", "result_uri", "NOSET_CUDA"]
@@ -67,7 +68,7 @@ def _warm_fold(cfg: FoldConfig, uri: str) -> str:
     import torch
 
     # (the fold code imports torch: as above)
-    from pipelines.execution.fold import checkpoint_uri_of, clear_checkpoints, quiet_worker_logs, run_fold
+    from pipelines.execution.folds.fold import checkpoint_uri_of, clear_checkpoints, quiet_worker_logs, run_fold
 
     if _stored(uri):
         return uri

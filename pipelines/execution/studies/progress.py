@@ -1,9 +1,9 @@
 """Concise live progress: one line per trial start / finish / failure, one line per finished study.
 
 Ray Tune's own status table is switched off (``verbose=0``): with four folds × N workers per trial it is mostly
-resource bookkeeping.  Per-evaluation lines come from rank 0 of each fold (``pipelines.execution.fold``) through Ray's
-log forwarding.  The callback runs in the sweep driver (Tune's controller) and is pickled with the experiment state,
-so it must stay small and hold no open handles.
+resource bookkeeping.  Per-evaluation lines come from rank 0 of each fold (``pipelines.execution.folds.fold``) through
+Ray's log forwarding.  The callback runs in the sweep driver (Tune's controller) and is pickled with the experiment
+state, so it must stay small and hold no open handles.
 """
 
 from __future__ import annotations

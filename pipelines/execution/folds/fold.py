@@ -10,10 +10,10 @@ val classes (compared to self), and keeps the checkpoint with the best val MAP@R
   span, process id, node id) and — for reproductions — the test-set embeddings of the best model
   (``test_embeddings.npy``/``test_labels.npy``, for the concatenated evaluation) and the model state (``model.pt``).
 
-The two executors (chosen by :func:`pipelines.execution.trial.fold_executor`) only differ in how the process is obtained
-and where the result directory goes:
+The two executors (chosen by :func:`pipelines.execution.folds.trial.fold_executor`) only differ in how the process is
+obtained and where the result directory goes:
 
-* **warm** (:mod:`pipelines.execution.warm_folds`, single-worker folds): a Ray task on a reused worker process; the
+* **warm** (:mod:`pipelines.execution.folds.warm`, single-worker folds): a Ray task on a reused worker process; the
   directory is copied to the sweep's storage;
 * **train** (:func:`fold_worker` here, ``workers_per_fold > 1`` or forced): a Ray Train ``TorchTrainer`` job.
   ``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs); ``train_fold`` detects it, wraps
@@ -63,7 +63,7 @@ from dml_core.distributed import broadcast_object
 from dml_core.models import build_model
 from dml_core.numerics import cpu_model
 from dml_core.train import TrainConfig, embed, train_fold
-from pipelines.execution.fold_config import FoldConfig, FoldOutcome, s3_uri
+from pipelines.execution.folds.config import FoldConfig, FoldOutcome, s3_uri
 from pipelines.names import FOLD_STARTED_TAG, HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.tracking.evaluations import evaluation_metrics, finite_metrics, logged_evaluations
 
@@ -324,7 +324,7 @@ class _FoldLog:
     def started(self, time_start: float) -> None:
         """The fold function's start, as a tag at once (each start overwrites it: no metric history, so
         ``time.start`` is still logged once, with the result): a fold cancelled before its end (a pruned trial's,
-        :mod:`pipelines.execution.pruned_runs`) is costed from it."""
+        :mod:`pipelines.execution.studies.pruned_runs`) is costed from it."""
         try:
             self._tracker.set_tags(self.run_id, {FOLD_STARTED_TAG: repr(time_start)})
         except Exception as e:  # tracking trouble must not kill a training run

@@ -9,9 +9,9 @@ from typing import Any
 
 from pipelines.config.redact import shown
 from pipelines.config.schema import ConfigError, SweepConfig
-from pipelines.execution.interrupts import reopen_interrupted
-from pipelines.execution.preflight import StudyPlan
-from pipelines.execution.reuse import Reuse
+from pipelines.execution.preflight.study_plans import StudyPlan
+from pipelines.execution.runtime.interrupts import reopen_interrupted
+from pipelines.execution.studies.reuse import Reuse
 from pipelines.names import COMPARE_WITH_TAG
 from pipelines.tracking.runs import Tracker
 from pipelines.tracking.ui import set_experiment_ui

@@ -19,7 +19,7 @@ from dml_core.metrics import METRICS_VERSION
 from dml_core.trunks import trunk_preprocessing
 from dml_core.trunks.weights import local_weights
 from pipelines.config.schema import SweepConfig
-from pipelines.execution.preflight import StudyPlan, study_train_config
+from pipelines.execution.preflight.study_plans import StudyPlan, study_train_config
 from pipelines.names import reproduction_seed
 from pipelines.results.fingerprint import Fingerprint
 from pipelines.tracking.datasets import dataset_info

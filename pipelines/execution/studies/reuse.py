@@ -19,8 +19,8 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.config.errors import ConfigError
 from pipelines.config.schema import SweepConfig
-from pipelines.execution.fingerprints import study_fingerprints
-from pipelines.execution.preflight import StudyPlan
+from pipelines.execution.preflight.study_plans import StudyPlan
+from pipelines.execution.studies.fingerprints import study_fingerprints
 from pipelines.names import study_key
 from pipelines.results.bundle import Bundle, comparable_studies, read_bundles
 from pipelines.results.fingerprint import (

@@ -19,9 +19,9 @@ from typing import Any
 from ray.tune import Callback
 
 from dml_core.storage import open_storage
-from pipelines.execution.fold_config import FoldOutcome
-from pipelines.execution.pruning import EVALUATION, PRUNED
-from pipelines.execution.trial import fold_cost
+from pipelines.execution.folds.config import FoldOutcome
+from pipelines.execution.folds.trial import fold_cost
+from pipelines.execution.search.pruning import EVALUATION, PRUNED
 from pipelines.names import FOLD_STARTED_TAG, OBJECTIVE, OUTCOME_FILE
 from pipelines.results.study_results import COST_KEYS
 from pipelines.tracking.runs import PARENT, Tracker
@@ -131,7 +131,7 @@ def close_pruned_rows(where: PrunedRuns, tracker: Tracker, rows: list[dict[str, 
         if not r.get("mlflow_run_id"):
             continue
         for fold in tracker.find({PARENT: r["mlflow_run_id"], "stage": "fold"}):
-            # the fold's mid-fold states (pipelines.execution.fold.CHECKPOINT_DIR; that module loads torch)
+            # the fold's mid-fold states (pipelines.execution.folds.fold.CHECKPOINT_DIR; that module loads torch)
             ckpt = where.fold_dir(r["trial_id"], int(fold.data.tags["fold"])) + "/ckpt"
             try:
                 open_storage(ckpt).delete_tree()

@@ -13,7 +13,7 @@ own lines: a fold whose process died restarts from its last checkpoint and says 
 Ray has no setting for this short of dropping every forwarded line (``log_to_driver=False``, which would also drop
 the folds' progress lines), so :func:`condense_aborts` wraps the printing handler Ray registers on its driver-side
 dispatcher of forwarded lines; everything else is passed to Ray's handler unchanged.  This module imports Ray: it is
-imported by :mod:`pipelines.execution.ray_session`, after Ray's settings are in the environment.
+imported by :mod:`pipelines.execution.runtime.session`, after Ray's settings are in the environment.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The user's code checked where the folds will run: right after Ray starts, one Ray task
-(:func:`build_in_worker`, submitted by :func:`pipelines.execution.ray_session.check_user_code_on_workers`) imports
+(:func:`build_in_worker`, submitted by :func:`pipelines.execution.runtime.session.check_user_code_on_workers`) imports
 every loss and the trunk of the sweep and builds each loss at its defaults, in a worker process with the sweep's
 ``runtime_env``.  A
 plugin that imports on the driver but not on the workers (not installed there, a ``py_modules`` entry missing) is

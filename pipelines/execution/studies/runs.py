@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from pipelines.config.schema import SweepConfig
-from pipelines.execution.preflight import StudyPlan
+from pipelines.execution.preflight.study_plans import StudyPlan
 from pipelines.names import study_key
 from pipelines.results.fingerprint import ARTIFACT as FINGERPRINT_ARTIFACT
 from pipelines.results.fingerprint import HASH_TAG, Fingerprint, fingerprint_tags
@@ -118,7 +118,7 @@ def summary_from_values(summary: StudySummary, m: dict[str, float], tags: dict[s
 
 def study_cost(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The study run's ``cost.*``: the sum over its trials' and reproductions' Tune results (each the sum of its
-    folds, :func:`pipelines.execution.trial.fold_cost`); ``cost.diverged.*`` is the part spent on diverged trials,
+    folds, :func:`pipelines.execution.folds.trial.fold_cost`); ``cost.diverged.*`` is the part spent on diverged trials,
     ``cost.pruned.*`` (only when some trial was pruned) the part spent on trials the scheduler stopped."""
     out = {f"cost.{k}": 0.0 for k in COST_KEYS}
     out.update({f"cost.diverged.{k}": 0.0 for k in COST_KEYS})

@@ -6,10 +6,10 @@ builds ``TorchTrainer``\\ s).  Per trial it
 1. finds or creates its MLflow run (``stage=trial``, child of the study run; tags ``trial_id``, ``status``), or for a
    reproduction the ``stage=reproduction`` run (tags ``reproduction``, ``seed``), and one ``stage=fold`` child per fold;
 2. runs the 4 folds concurrently through one of two executors (:func:`fold_executor`), both around the same
-   :func:`pipelines.execution.fold.run_fold`: **warm** — single-worker folds as Ray tasks on reused worker processes
-   (:mod:`pipelines.execution.warm_folds`); **train** — one Ray Train ``TorchTrainer`` per fold, started from 4 threads
-   (DDP folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The trial itself
-   reserves only the driver resource (see :mod:`pipelines.execution.sweep`);
+   :func:`pipelines.execution.folds.fold.run_fold`: **warm** — single-worker folds as Ray tasks on reused worker
+   processes (:mod:`pipelines.execution.folds.warm`); **train** — one Ray Train ``TorchTrainer`` per fold, started from
+   4 threads (DDP folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The
+   trial itself reserves only the driver resource (see :mod:`pipelines.execution.sweep`);
 3. reduces the folds (docs/protocol.md §Objective): objective = mean over folds of each fold's best-checkpoint val
    MAP@R, with its SEM (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score
    0 and the trial run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
@@ -17,11 +17,11 @@ builds ``TorchTrainer``\\ s).  Per trial it
    *separated* = each fold model alone, metrics averaged over folds; *concatenated* = each fold's embedding
    L2-normalised, concatenated (4 × d) and normalised again (``retrieval_metrics(normalize=True)``);
 5. reports once to Tune — and, with pruning on (``protocol.pruning``, search trials of warm folds), before that
-   once per evaluation every fold reached (:class:`pipelines.execution.pruning.Rungs`, read from the fold runs'
+   once per evaluation every fold reached (:class:`pipelines.execution.search.pruning.Rungs`, read from the fold runs'
    MLflow history); a trial the scheduler stops there has its running folds cancelled (``ray.cancel``).
 
 A trial's driver loads torch only where it uses it: a search trial of warm folds submits Ray tasks and reduces their
-``outcome.json`` (numpy, MLflow), so this module imports neither :mod:`pipelines.execution.fold` nor anything of
+``outcome.json`` (numpy, MLflow), so this module imports neither :mod:`pipelines.execution.folds.fold` nor anything of
 ``dml_core`` that imports torch at module level; Ray Train folds (``fold_worker``) and a reproduction's test
 evaluation (``dml_core.metrics``) import it where they run.  A trial driver is a Tune actor process of its own, and
 ``import torch`` (a CUDA build) costs seconds of CPU and hundreds of MB of memory per process
@@ -56,10 +56,10 @@ from dml_core.stats import fold_summary
 from dml_core.storage import open_storage
 from dml_core.train_config import TrainConfig
 from pipelines.config.spaces import LOSS_LR
-from pipelines.execution.fold_config import FoldClasses, FoldConfig, FoldOutcome, FoldStudyPart, s3_uri
-from pipelines.execution.interrupts import error_text
-from pipelines.execution.pruning import EVALUATION, PRUNING_KEY, Rungs, mlflow_history
-from pipelines.execution.warm_folds import result_uri, warm_fold_ref
+from pipelines.execution.folds.config import FoldClasses, FoldConfig, FoldOutcome, FoldStudyPart, s3_uri
+from pipelines.execution.folds.warm import result_uri, warm_fold_ref
+from pipelines.execution.runtime.interrupts import error_text
+from pipelines.execution.search.pruning import EVALUATION, PRUNING_KEY, Rungs, mlflow_history
 from pipelines.names import (
     HEADLINE_METRICS,
     OBJECTIVE,
@@ -209,7 +209,7 @@ def _fit_train(ctx: StudyContext, name: str, cfg: FoldConfig) -> str:
     from ray.train.torch import TorchTrainer
 
     # (as said above)
-    from pipelines.execution.fold import fold_worker
+    from pipelines.execution.folds.fold import fold_worker
 
     resources = {"CPU": ctx.cpus_per_worker}
     if ctx.use_gpu:
@@ -227,7 +227,8 @@ def _fit_train(ctx: StudyContext, name: str, cfg: FoldConfig) -> str:
             storage_path=ctx.fold_storage,
             failure_config=ray.train.FailureConfig(max_failures=ctx.fold_retries),
             # Train logs every worker-group start and report at INFO; progress is ours.
-            # ray.train is Train v2's here (RAY_TRAIN_V2_ENABLED, ray_runtime.py); ray's stubs name v1's RunConfig
+            # ray.train is Train v2's here (RAY_TRAIN_V2_ENABLED, runtime/environment.py); ray's stubs name v1's
+            # RunConfig
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
         ),
     )

@@ -12,9 +12,9 @@ import ray
 from ray import tune
 from ray.tune.execution.experiment_state import _find_newest_experiment_checkpoint
 
-from pipelines.execution.ray_runtime import trial_bundle
-from pipelines.execution.search import grid_rows
-from pipelines.execution.trial import StudyContext, run_trial
+from pipelines.execution.folds.trial import StudyContext, run_trial
+from pipelines.execution.runtime.environment import trial_bundle
+from pipelines.execution.search.searcher import grid_rows
 from pipelines.names import OBJECTIVE, study_dirname, tuner_name
 
 __all__ = ["register_study_trainable", "tune_config", "run_config", "fit_tuner"]
@@ -46,7 +46,7 @@ def register_study_trainable(study: str, ctx: StudyContext) -> str:
 def tune_config(cfg, num_samples: int, search_alg=None, scheduler=None) -> tune.TuneConfig:
     """The TuneConfig of a study's Tuners: maximise the objective, ``max_concurrent_trials`` at a time, trial actors
     reused (the trainable keeps no state); ``scheduler``: the search's ASHA with pruning on
-    (:mod:`pipelines.execution.pruning`), never the reproductions' (they train to the full budget)."""
+    (:mod:`pipelines.execution.search.pruning`), never the reproductions' (they train to the full budget)."""
     return tune.TuneConfig(
         search_alg=search_alg,
         scheduler=scheduler,

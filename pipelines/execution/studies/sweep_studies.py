@@ -22,31 +22,31 @@ from ray import tune
 from ray.tune import Callback
 
 from pipelines.config.schema import SweepConfig
-from pipelines.execution.interrupts import (
+from pipelines.execution.folds.trial import StudyContext
+from pipelines.execution.preflight.study_plans import StudyPlan, study_train_config
+from pipelines.execution.runtime.environment import (
+    redact_uri,
+)
+from pipelines.execution.runtime.interrupts import (
     SweepInterrupted,
     failure_reason,
     resume_command,
     stop_threads,
 )
-from pipelines.execution.preflight import StudyPlan, study_train_config
-from pipelines.execution.progress import TrialProgress, format_duration
-from pipelines.execution.pruned_runs import PrunedRuns, PrunedTrials, close_pruned_rows
-from pipelines.execution.pruning import make_scheduler, pruning_on, search_space
-from pipelines.execution.ray_runtime import (
-    redact_uri,
-)
-from pipelines.execution.reuse import Reuse
-from pipelines.execution.search import best_result, make_searcher
-from pipelines.execution.study_runs import (
+from pipelines.execution.search.pruning import make_scheduler, pruning_on, search_space
+from pipelines.execution.search.searcher import best_result, make_searcher
+from pipelines.execution.studies.progress import TrialProgress, format_duration
+from pipelines.execution.studies.pruned_runs import PrunedRuns, PrunedTrials, close_pruned_rows
+from pipelines.execution.studies.reuse import Reuse
+from pipelines.execution.studies.runs import (
     open_study_run,
     retire_lost_trials,
     study_cost,
     summary_from_run,
     summary_from_study,
 )
-from pipelines.execution.trial import StudyContext
-from pipelines.execution.tuners import fit_tuner, register_study_trainable, tune_config
-from pipelines.execution.untrained_reference import untrained_test_metrics
+from pipelines.execution.studies.tuners import fit_tuner, register_study_trainable, tune_config
+from pipelines.execution.studies.untrained_reference import untrained_test_metrics
 from pipelines.names import OBJECTIVE, PARAMS, REPRODUCTION, SUPERSEDED_STAGE, study_dirname
 from pipelines.records.callbacks import RecordReproductions, RecordTrials
 from pipelines.records.rows import FOLDS_KEY, row_of_reproduction, row_of_trial
@@ -82,7 +82,7 @@ class SweepStudies:
         self.records: dict[str, StudyRecords] = records or {}
         self.plans = plans
         self.tracker = tracker
-        #: finished and bundled studies the sweep takes instead of running (pipelines.execution.reuse)
+        #: finished and bundled studies the sweep takes instead of running (pipelines.execution.studies.reuse)
         self.reuse: Reuse = reuse if reuse is not None else Reuse({})
         #: study key → the suffix of its storage folder (".rerun<N>" after N --rerun replacements)
         self._storage_suffix: dict[str, str] = {}
@@ -288,7 +288,8 @@ class SweepStudies:
         return register_study_trainable(plan.key, self._context(plan, run_id, table_ref))
 
     def _fit(self, plan: StudyPlan, kind: str, trainable: str, new) -> list[dict[str, Any]]:
-        """The study's Tuner ``kind`` (:func:`pipelines.execution.tuners.fit_tuner`); stops here if the sweep is."""
+        """The study's Tuner ``kind`` (:func:`pipelines.execution.studies.tuners.fit_tuner`); stops here if the sweep
+        is."""
         rows = fit_tuner(
             self.study_storage(plan),
             kind,

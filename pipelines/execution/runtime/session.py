@@ -1,13 +1,14 @@
 """Ray for a ``dmlrc`` command: start a local Ray or join a cluster, check what only a running Ray can answer, stop.
 
 This module imports Ray, so it is imported once a command's own checks have passed (a sweep's config, its storage,
-its tracking store: :mod:`pipelines.execution.ray_runtime`), and it sets :data:`ray_runtime.RAY_ENV` first: Ray reads
-some of those settings when it is imported.
+its tracking store: :mod:`pipelines.execution.runtime.environment`), and it sets :data:`environment.RAY_ENV` first: Ray
+reads some of those settings when it is imported.
 
 * **Joining a cluster** (``--address``) first asks it once (:func:`check_cluster_answers`): nothing listening and a
   cluster that refuses this driver's token are two different one-line errors.
-* **Every worker** of the job runs :data:`ray_runtime.WORKER_SETUP_HOOK`, which scopes Ray's State API to the
-  worker's own cluster and lets a worker Ray stops with SIGTERM exit quietly (``pipelines/execution/worker_setup.py``).
+* **Every worker** of the job runs :data:`environment.WORKER_SETUP_HOOK`, which scopes Ray's State API to the
+  worker's own cluster and lets a worker Ray stops with SIGTERM exit quietly
+  (``pipelines/execution/runtime/worker_setup.py``).
 * **Loopback only.**  A Ray the sweep starts itself binds GCS, raylet, object manager, runtime-env agent, driver
   and workers to 127.0.0.1: Ray's own switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (meant for laptops) makes
   it pick the loopback address as the node IP, and every Ray server then listens on that address only.
@@ -18,9 +19,9 @@ some of those settings when it is imported.
   interfaces — torch's TCPStore has no bind-address option, only a pre-bound socket that Ray Train does not pass.
 * **A Ray process's native abort** (``Mutex corrupt``, ``*** SIGABRT received``, ``Fatal Python error: Aborted``),
   forwarded to this terminal, is one ``warning:`` line naming the process and the log file that keeps its report
-  (``pipelines/execution/ray_output.py``).
+  (``pipelines/execution/runtime/output.py``).
 * **Credentials** are moved out of the environment while Ray runs and put back by :func:`stop_ray`
-  (:func:`pipelines.execution.ray_runtime.hide_credentials`).
+  (:func:`pipelines.execution.runtime.environment.hide_credentials`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ from dml_core.losses import loss_info
 from dml_core.trunks import resolve_trunk
 from pipelines.config import ConfigError, SweepConfig, redact_uri
 from pipelines.config.spaces import LOSS_LR
-from pipelines.execution.interrupts import install_startup_handlers
-from pipelines.execution.ray_runtime import (
+from pipelines.execution.runtime.environment import (
     RAY_ENV,
     S3_ENV,
     TRIAL_DRIVER_RESOURCE,
@@ -53,8 +53,9 @@ from pipelines.execution.ray_runtime import (
     undo_settings,
     worker_env,
 )
-from pipelines.execution.resources import check_cluster_resources, check_node_resources
-from pipelines.execution.worker_check import build_in_worker
+from pipelines.execution.runtime.interrupts import install_startup_handlers
+from pipelines.execution.runtime.resources import check_cluster_resources, check_node_resources
+from pipelines.execution.runtime.worker_check import build_in_worker
 from pipelines.tracking.outage import apply_retry_env
 
 apply_ray_env()  # Ray reads some of these settings as it is imported: before the imports below
@@ -65,7 +66,7 @@ from ray._private.authentication import authentication_token_setup as token_setu
 from ray._raylet import GcsClient  # type: ignore[attr-defined]  # noqa: E402 - as above; not in _raylet.pyi
 from ray.exceptions import AuthenticationError  # noqa: E402 - as above
 
-from pipelines.execution.ray_output import condense_aborts  # noqa: E402 - imports Ray: as above
+from pipelines.execution.runtime.output import condense_aborts  # noqa: E402 - imports Ray: as above
 
 __all__ = [
     "init_ray",
@@ -314,7 +315,7 @@ def init_ray(
         _join_cluster(address, address_field, kwargs)
     else:
         _start_local(num_cpus, kwargs)
-    condense_aborts()  # a Ray process's native abort report: one line in this terminal (ray_output.py)
+    condense_aborts()  # a Ray process's native abort report: one line in this terminal (output.py)
     for name in ("ray.tune", "ray.train", "ray.air", "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
     return True

@@ -42,8 +42,8 @@ class FoldClasses:
 @dataclass(frozen=True, kw_only=True)  # keywords only: a default in the base may come first
 class FoldStudyPart:
     """What every fold of one study gets alike: the data, model, loss and tracking it trains with (built from the
-    study's context by ``pipelines.execution.trial._study_part``).  :class:`FoldConfig` extends it with what differs
-    per fold and trial, so a field of the study's part is declared once and reaches every fold as it is."""
+    study's context by ``pipelines.execution.folds.trial._study_part``).  :class:`FoldConfig` extends it with what
+    differs per fold and trial, so a field of the study's part is declared once and reaches every fold as it is."""
 
     table_ref: list  # [ObjectRef of the study's dataset table] (a list: Ray passes it on unresolved)
     test_classes: tuple[Any, ...]  # the study's test classes (evaluated by reproductions only)
@@ -65,8 +65,8 @@ class FoldStudyPart:
 
 @dataclass(frozen=True, kw_only=True)  # keywords only: a default in the base may come first
 class FoldConfig(FoldStudyPart):
-    """Everything one fold's training needs (built by ``pipelines.execution.trial``, run by
-    ``pipelines.execution.fold.run_fold`` on every rank): the study's part (:class:`FoldStudyPart`) and the fields
+    """Everything one fold's training needs (built by ``pipelines.execution.folds.trial``, run by
+    ``pipelines.execution.folds.fold.run_fold`` on every rank): the study's part (:class:`FoldStudyPart`) and the fields
     below, which differ per fold and trial."""
 
     fold: FoldClasses  # the fold's index and classes

@@ -1,5 +1,5 @@
 """What every Ray worker process of a ``dmlrc`` job runs first: :func:`setup_worker`, Ray's
-``worker_process_setup_hook`` (set by :func:`pipelines.execution.ray_runtime.init_ray`).
+``worker_process_setup_hook`` (set by :func:`pipelines.execution.runtime.environment.init_ray`).
 
 :func:`scope_to_own_cluster` points the worker's ``RAY_ADDRESS`` at the cluster the worker belongs to.  Ray's State
 API, which Ray Train's placement-group cleaner (a detached actor of every Train run) polls from a worker, otherwise
@@ -20,7 +20,7 @@ as ``Exception ignored in: …`` and goes on.
   finalizer that prints ``Exception ignored in: <function WeakSet...._remove> ... sigterm_handler ... SystemExit: 1``
   into the sweep's output (which a user reads as a crash) and the worker runs on until the SIGKILL.  The hook ends
   the process with Ray's exit code instead.
-* **Ray's cancel.**  ``ray.cancel(ref)`` (a pruned trial's folds, :mod:`pipelines.execution.trial`) interrupts the
+* **Ray's cancel.**  ``ray.cancel(ref)`` (a pruned trial's folds, :mod:`pipelines.execution.folds.trial`) interrupts the
   task's main thread with a ``KeyboardInterrupt``.  A fold forks its DataLoader's worker processes every epoch
   (``num_workers > 0``), and ``logging`` registers at-fork callbacks: an interrupt landing in one printed
   ``Exception ignored in: <function _releaseLock …> … KeyboardInterrupt`` and was lost, so the pruned trial's fold
@@ -44,7 +44,7 @@ import traceback
 from types import CodeType
 from typing import Any
 
-from pipelines.execution.interrupts import raise_in_thread
+from pipelines.execution.runtime.interrupts import raise_in_thread
 
 __all__ = ["setup_worker", "scope_to_own_cluster", "install_unraisable_hook", "is_sigterm_exit", "is_interrupt"]
 

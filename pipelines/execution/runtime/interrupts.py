@@ -4,11 +4,11 @@
   SIGINT or SIGTERM prints what happens and how to resume, then raises
   :class:`SweepInterrupted` (a ``KeyboardInterrupt``) in the driver, which leaves the running ``Tuner.fit()`` at
   once.  Ray Tune's own handler is switched off (``TUNE_DISABLE_SIGINT_HANDLER=1`` in
-  :data:`pipelines.execution.ray_runtime.RAY_ENV`): it would only end the current Tuner, quietly, and the sweep would go
-  on with the next one.  Nothing is lost: Tune snapshots its experiment state every ``TUNE_GLOBAL_CHECKPOINT_S``
-  seconds and finished folds keep their results (a warm fold's ``result/`` directory or a Ray Train checkpoint), so
-  ``--resume`` continues as after a killed driver (unfinished trials rerun under their trial ids).  A second Ctrl-C
-  interrupts the clean-up too.
+  :data:`pipelines.execution.runtime.environment.RAY_ENV`): it would only end the current Tuner, quietly, and the sweep
+  would go on with the next one.  Nothing is lost: Tune snapshots its experiment state every
+  ``TUNE_GLOBAL_CHECKPOINT_S`` seconds and finished folds keep their results (a warm fold's ``result/`` directory or a
+  Ray Train checkpoint), so ``--resume`` continues as after a killed driver (unfinished trials rerun under their trial
+  ids).  A second Ctrl-C interrupts the clean-up too.
 * **Study threads** (:func:`stop_threads`): only the main thread receives a signal; a sweep running studies in
   threads raises the same :class:`SweepInterrupted` into each of them (CPython's ``PyThreadState_SetAsyncExc``).
   Such an exception lands at the thread's next Python instruction, and if that instruction belongs to a finalizer (a

@@ -11,9 +11,9 @@
   the scheduler stopped the trial there, so the best-trial rule (``status == "ok"``) never picks it.
 
 When Tune stops a trial, ``tune.report`` raises ``SystemExit`` in the trial's thread (Ray's function trainable);
-:func:`pipelines.execution.trial.run_trial` then cancels the folds still running.  Closing the pruned trial's MLflow
-runs with their cost is the sweep driver's side (:mod:`pipelines.execution.pruned_runs`): it does not depend on the
-trial's thread outliving the stop.
+:func:`pipelines.execution.folds.trial.run_trial` then cancels the folds still running.  Closing the pruned trial's
+MLflow runs with their cost is the sweep driver's side (:mod:`pipelines.execution.studies.pruned_runs`): it does not
+depend on the trial's thread outliving the stop.
 
 Pruning needs folds that a trial can cancel: the warm executor's Ray tasks.  Ray Train folds (DDP) are not
 cancelled, so a study whose folds run on Ray Train searches unpruned.

@@ -1,5 +1,5 @@
 """What Ray is started with, and the infrastructure checks a sweep makes before Ray starts (this module does not
-import Ray: :mod:`pipelines.execution.ray_session` starts it, once these checks have passed).
+import Ray: :mod:`pipelines.execution.runtime.session` starts it, once these checks have passed).
 
 Everything here runs on the driver: the environment Ray and its workers get (:data:`RAY_ENV`, :data:`S3_ENV`,
 :func:`worker_env`), the reachability checks for the sweep's storage and tracking store (each fails with a one-line
@@ -37,7 +37,7 @@ from urllib.parse import unquote
 
 from dml_core.storage import split_s3_uri
 from pipelines.config import ConfigError, SweepConfig, redact_uri
-from pipelines.execution.resources import WORKER_GIB, memory_gib
+from pipelines.execution.runtime.resources import WORKER_GIB, memory_gib
 from pipelines.tracking.server import check_mlflow_server
 
 __all__ = [
@@ -74,8 +74,8 @@ RAY_ENV = {
     "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_AIR_NEW_OUTPUT": "0",
     "TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S": "60",
-    # Ctrl-C is the sweep's (pipelines.execution.interrupts): Tune's handler would end only the current Tuner, quietly,
-    # and let the sweep go on with the next one.
+    # Ctrl-C is the sweep's (pipelines.execution.runtime.interrupts): Tune's handler would end only the current Tuner,
+    # quietly, and let the sweep go on with the next one.
     "TUNE_DISABLE_SIGINT_HANDLER": "1",
     # the driver downloads fold models to register them: no progress bar per artifact in the sweep's output
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
@@ -225,7 +225,7 @@ def trial_bundle(cluster_resources: dict[str, float]) -> dict[str, float]:
     return {"CPU": 0.01}
 
 
-#: What starting Ray changed in this process (pipelines.execution.ray_session), for :func:`undo_settings`.
+#: What starting Ray changed in this process (pipelines.execution.runtime.session), for :func:`undo_settings`.
 UNDO: list[Any] = []
 
 
@@ -251,7 +251,7 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_stale_credentials(parent: str) -> list[str]:
     """Delete the credentials folders (``dmlrc-aws-<pid>-*``) in ``parent`` that belong to this user and whose
-    driver process is gone: a driver killed by SIGKILL (or the OOM killer) cannot run ``ray_session.stop_ray``, so its
+    driver process is gone: a driver killed by SIGKILL (or the OOM killer) cannot run ``session.stop_ray``, so its
     folder outlives it until the next sweep of the same user starts here.  Returns the folders removed."""
     removed: list[str] = []
     pattern = re.compile(re.escape(_CREDENTIALS_PREFIX) + r"(\d+)-")
@@ -304,8 +304,8 @@ def hide_credentials() -> None:
     UNDO.append(undo)
 
 
-#: Ray's ``worker_process_setup_hook`` for every job ``ray_session.init_ray`` starts (imported by each worker).
-WORKER_SETUP_HOOK = "pipelines.execution.worker_setup.setup_worker"
+#: Ray's ``worker_process_setup_hook`` for every job ``session.init_ray`` starts (imported by each worker).
+WORKER_SETUP_HOOK = "pipelines.execution.runtime.worker_setup.setup_worker"
 
 
 def apply_ray_env() -> None:
