@@ -72,7 +72,7 @@ def run_one(job: dict) -> dict:
     from dml_core.losses import build_loss
     from dml_core.models import build_model
     from dml_core.splits import FoldManifest
-    from dml_core.train import TrainConfig, train_fold
+    from dml_core.training.loop import TrainConfig, train_fold
 
     torch.set_num_threads(1)
     recipe = dict(RECIPES[job["recipe"]])

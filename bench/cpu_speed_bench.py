@@ -32,7 +32,7 @@ from dml_core.data import ImageDataset, eval_transform, read_omniglot, synthetic
 from dml_core.losses import build_loss  # noqa: E402
 from dml_core.models import build_model  # noqa: E402
 from dml_core.splits import FoldManifest  # noqa: E402
-from dml_core.train import TrainConfig, train_fold  # noqa: E402
+from dml_core.training.loop import TrainConfig, train_fold  # noqa: E402
 
 OMNIGLOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "omniglot"
 VARIANTS = {

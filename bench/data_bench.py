@@ -11,8 +11,8 @@ measures, in one process (= one DataLoader worker):
              flip, ToTensor, Normalize), as `ImageDataset.__getitem__` does in a worker;
 
 for two access patterns: `sequential` (row order) and `m-per-class` (the training sampler: batches of 8 classes ×
-4 random images, `dml_core.samplers.MPerClassBatchSampler`).  With `--workers N` it also times a DataLoader with N
-workers.  Files are in the page cache after generation (warm numbers: this measures format overhead, not disks).
+4 random images, `dml_core.training.samplers.MPerClassBatchSampler`).  With `--workers N` it also times a DataLoader
+with N workers.  Files are in the page cache after generation (warm numbers: this measures format overhead, not disks).
 
 It also prices the integrity checks, per image and per 10k rows, CPU time of one process:
 the header-only check `prepare` used to do vs the full check it does now (`dml_core.shards.check_image`: header,
@@ -74,7 +74,7 @@ def prepare_shards(folder_table, dest: Path, row_group_rows: int) -> dict:
 
 
 def access_orders(labels: np.ndarray, n: int, seed: int = 0) -> dict[str, list[int]]:
-    from dml_core.samplers import MPerClassBatchSampler
+    from dml_core.training.samplers import MPerClassBatchSampler
 
     sampler = MPerClassBatchSampler(labels, m=4, classes_per_batch=8, iters_per_epoch=-(-n // 32), seed=seed)
     mpc = [i for batch in sampler for i in batch][:n]
@@ -97,7 +97,7 @@ def time_it(fn, indices) -> float:
 
 
 def loader_rate(dataset, labels, workers: int, n: int) -> float:
-    from dml_core.samplers import MPerClassBatchSampler
+    from dml_core.training.samplers import MPerClassBatchSampler
 
     sampler = MPerClassBatchSampler(labels, m=4, classes_per_batch=8, iters_per_epoch=-(-n // 32), seed=1)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers, persistent_workers=False)

@@ -4,7 +4,7 @@ options before you choose").
 The same ``--trials`` × 4 demo folds (``pipelines/config/demo.yaml``'s data, model and training budget, contrastive
 loss, one seed per trial) are trained four ways, one after the other in one run:
 
-1. **bare loop** — ``dml_core.train.train_fold`` in this process, fold after fold: the anchor;
+1. **bare loop** — ``dml_core.training.loop.train_fold`` in this process, fold after fold: the anchor;
 2. **tasks** — what :mod:`pipelines.execution.folds.warm` does: one Ray task per fold with ``max_calls=0`` (Ray keeps
    the worker process for the next task), a trial's four folds submitted together, trials one after another;
 3. **actors** — a pool of four long-lived actors (``ray.util.ActorPool``), each holding its process for the whole
@@ -66,7 +66,7 @@ def train_one(job: dict, table) -> dict:
     from dml_core.data import ImageDataset, eval_transform, train_transform
     from dml_core.losses import build_loss
     from dml_core.models import build_model
-    from dml_core.train import TrainConfig, train_fold
+    from dml_core.training.loop import TrainConfig, train_fold
 
     torch.set_num_threads(1)
     d = _demo()

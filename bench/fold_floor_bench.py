@@ -36,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dml_core.decoded as decoded  # noqa: E402
 
 # faiss loads with a process's first evaluation: loaded here, so that no timed fold pays the one-off import
-import dml_core.metrics  # noqa: E402, F401
+import dml_core.evaluation.metrics  # noqa: E402, F401
 from dml_core.data import ImageDataset, eval_transform, read_omniglot, train_transform  # noqa: E402
 from dml_core.losses import build_loss  # noqa: E402
 from dml_core.models import build_model  # noqa: E402
-from dml_core.numerics import cpu_flags, cpu_model  # noqa: E402
 from dml_core.splits import FoldManifest  # noqa: E402
-from dml_core.train import TrainConfig, train_fold  # noqa: E402
+from dml_core.training.loop import TrainConfig, train_fold  # noqa: E402
+from dml_core.training.numerics import cpu_flags, cpu_model  # noqa: E402
 
 OMNIGLOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "omniglot"
 IMAGE, EMB, LR = 32, 64, 1e-3

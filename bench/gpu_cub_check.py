@@ -19,8 +19,8 @@ What it does, in order (``--steps`` picks some; later steps need ``data``'s shar
 * ``gpu``: the training step alone (forward, contrastive loss, backward, three RMSprop steps) on batches already on
   the GPU, fp32 and bf16 autocast: the rate the GPU sustains when it never waits for data, and its memory.
 * ``workers``: one fold of ``configs/mlrc-cub200.yaml``'s recipe (BN-Inception, 227 px, 8 classes × 4, RMSprop 1e-6,
-  frozen BN, epochs of 100 iterations) through ``dml_core.train.train_fold`` from the shards, for a fixed number of
-  epochs, with 2 to 12 DataLoader workers: training images/s after the first epoch, GPU utilisation (nvidia-smi,
+  frozen BN, epochs of 100 iterations) through ``dml_core.training.loop.train_fold`` from the shards, for a fixed number
+  of epochs, with 2 to 12 DataLoader workers: training images/s after the first epoch, GPU utilisation (nvidia-smi,
   sampled every 200 ms) and memory.
 * ``share``: 2 and 4 such folds at once on the one GPU (as Ray's fractional ``gpus_per_worker`` places them; one fold
   alone is the ``workers`` run with 4), each with the preset's 4 DataLoader workers (``--share-folds``,
@@ -331,7 +331,7 @@ def child_fold(job: dict) -> dict:
     """One fold of the recipe for ``job["epochs"]`` epochs (fixed budget): per-epoch wall-clock marks."""
     import torch
 
-    from dml_core.train import TrainConfig, train_fold
+    from dml_core.training.loop import TrainConfig, train_fold
 
     torch.set_num_threads(int(job.get("threads", 2)))
     model, loss, train_set, _, _ = _fold_parts(job["work"], job["fold"], size=job["image_size"])
@@ -377,7 +377,7 @@ def child_gpu(job: dict) -> dict:
     """The training step alone on batches already on the device: forward, loss, backward, optimiser steps."""
     import torch
 
-    from dml_core.train import TrainConfig, _optimizer
+    from dml_core.training.loop import TrainConfig, _optimizer
 
     model, loss, _, _, _ = _fold_parts(job["work"], 0, size=job["image_size"])
     device = torch.device(job["device"])
@@ -426,8 +426,8 @@ def child_eval(job: dict) -> dict:
     import numpy as np
     import torch
 
-    from dml_core.metrics import retrieval_metrics
-    from dml_core.train import embed
+    from dml_core.evaluation.metrics import retrieval_metrics
+    from dml_core.training.loop import embed
 
     torch.set_num_threads(int(job.get("threads", 2)))
     model, _, _, val_set, test_set = _fold_parts(job["work"], 0, size=job["image_size"])

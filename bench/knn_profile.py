@@ -1,4 +1,4 @@
-"""Where ``dml_core.knn.self_knn`` spends its time on CPU: the numbers behind bench/README_metrics.md's
+"""Where ``dml_core.evaluation.knn.self_knn`` spends its time on CPU: the numbers behind bench/README_metrics.md's
 "Where the time goes" paragraph.
 
 On the same clustered data as ``metrics_bench.py`` (L2-normalised, k = largest class + 1), one process prints:
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from metrics_bench import make_data  # noqa: E402
 
-from dml_core import knn  # noqa: E402
+from dml_core.evaluation import knn  # noqa: E402
 
 
 def gemm_floor(x: torch.Tensor) -> tuple[float, float]:

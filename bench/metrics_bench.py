@@ -1,4 +1,4 @@
-"""Benchmark: dml_core.metrics.retrieval_metrics (symmetric search and faiss backend) vs
+"""Benchmark: dml_core.evaluation.metrics.retrieval_metrics (symmetric search and faiss backend) vs
 pytorch-metric-learning's AccuracyCalculator vs faiss's raw exact flat search.
 
 For each N (default 10k and 100k, D = 128, CPU) and each thread count (default 1 and 2) it builds a
@@ -6,8 +6,9 @@ clustered data set with realistic class structure (~10 images per class, sizes 2
 classes, like SOP), then runs each side in its own subprocess so that peak RSS is attributable:
 
 * ours:       ``retrieval_metrics(x, labels, backend="torch")``: the symmetric leave-one-out search
-              (``dml_core.knn.self_knn``: each X·Xᵀ tile once); P@1, RP, MAP@R, Recall@{1,2,4,8}, nDCG@{2,4,8};
-              the details name the panel products it chose (fp32, or bf16 pruning where that measured faster)
+              (``dml_core.evaluation.knn.self_knn``: each X·Xᵀ tile once); P@1, RP, MAP@R, Recall@{1,2,4,8},
+              nDCG@{2,4,8}; the details name the panel products it chose (fp32, or bf16 pruning where that measured
+              faster)
 * ours-faiss: ``retrieval_metrics(x, labels, backend="faiss")``: the same metrics over faiss's flat search
 * PML:        ``AccuracyCalculator(k="max_bin_count", include=(P@1, RP, MAP@R))`` on ``F.normalize(x)``
 * ours-cuda:  ``retrieval_metrics`` on CUDA tensors (the same symmetric search; opt-in with ``--sides``):
@@ -15,8 +16,8 @@ classes, like SOP), then runs each side in its own subprocess so that peak RSS i
 * faiss-raw:  ``faiss.knn(xn, xn, depth + 1)`` alone on the normalised data (the exact flat search both
               ours-faiss and PML run; the floor the symmetric search is measured against)
 
-Every side imports faiss through ``dml_core.openblas_core`` (as ``dml_core.metrics`` does), so faiss's bundled
-OpenBLAS runs the kernels the CPU has on every side, the floor included.
+Every side imports faiss through ``dml_core.evaluation.openblas_core`` (as ``dml_core.evaluation.metrics`` does), so
+faiss's bundled OpenBLAS runs the kernels the CPU has on every side, the floor included.
 
 NMI (k-means) is off by default (``--nmi`` adds it to ours, ours-faiss and PML): it is the same faiss
 k-means on every side and would dominate the times.  Each child reports the wall time of its call, its
@@ -99,7 +100,7 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
     """One measurement in a fresh process; prints one JSON line."""
     import torch
 
-    from dml_core import openblas_core
+    from dml_core.evaluation import openblas_core
 
     with openblas_core.for_faiss_import():  # every side's faiss with the same OpenBLAS kernels as dml_core's
         import faiss
@@ -127,14 +128,14 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
         return wrapper
 
     if side in ("ours", "ours-faiss"):
-        import dml_core.metrics as M
+        import dml_core.evaluation.metrics as M
 
         M.self_knn = timed(M.self_knn, "knn")
         M._FlatL2Search.__call__ = timed(M._FlatL2Search.__call__, "knn")
         M._kmeans_assignments = timed(M._kmeans_assignments, "kmeans")
         backend = "torch" if side == "ours" else "faiss"
         if side == "ours":  # which panel products self_knn chooses (prune=None), as it chooses them
-            from dml_core import knn
+            from dml_core.evaluation import knn
 
             def recorded(*a, choose=knn.chosen_prune, **kw):
                 spent["prune"] = choose(*a, **kw)
@@ -148,7 +149,7 @@ def child(side: str, path: str, threads: int, nmi: bool) -> None:
     elif side == "ours-cuda":
         # The data on the GPU before the clock starts (a fold's embeddings are already there); the CUDA context
         # and cuBLAS are warmed up on a small call first.  Times include copying the neighbours back.
-        import dml_core.metrics as M
+        import dml_core.evaluation.metrics as M
 
         xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(labels).cuda()
         M.retrieval_metrics(xt[:4096], yt[:4096], nmi=False, backend="torch")
@@ -254,7 +255,7 @@ def main() -> None:
         child(args.child[0], args.child[1], int(args.child[2]), bool(int(args.child[3])))
         return
 
-    from dml_core import openblas_core
+    from dml_core.evaluation import openblas_core
 
     core = os.environ.get(openblas_core.VARIABLE) or openblas_core.core_for_flags(openblas_core.cpu_flags())
     print(

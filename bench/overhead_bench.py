@@ -135,7 +135,7 @@ def tiny_fold():
     from dml_core.data import ImageDataset, eval_transform, synthetic, train_transform
     from dml_core.losses import build_loss
     from dml_core.models import build_model
-    from dml_core.train import TrainConfig, train_fold
+    from dml_core.training.loop import TrainConfig, train_fold
     torch.set_num_threads(1)
     table = synthetic(num_classes=16, per_class=20, image_size=16, seed=0)  # the demo's image size
     model = build_model(trunk="tiny", embedding_dim=128)
@@ -155,12 +155,12 @@ steps = [
     ("python", lambda: None),
     ("import torch", lambda: __import__("torch")),
     ("import ray", lambda: __import__("ray")),
-    ("dml_core.data, .models, .train", lambda: __import__("dml_core.train") and __import__("dml_core.models")),
-    ("dml_core.metrics (faiss)", lambda: __import__("dml_core.metrics")),
+    ("dml_core data, models, training", lambda: __import__("dml_core.training.loop") and __import__("dml_core.models")),
+    ("dml_core.evaluation.metrics (faiss)", lambda: __import__("dml_core.evaluation.metrics")),
     ("dml_core.losses (pytorch-metric-learning, scipy)", lambda: __import__("dml_core.losses")),
-    ("pipelines.execution.folds.fold, pipelines.execution.folds.warm", lambda:
-    __import__("pipelines.execution.folds.warm")), ("pipelines.tracking.runs (MLflow client)", lambda:
-    __import__("pipelines.tracking.runs")), ("tiny model + transforms, applied", build),
+    ("pipelines.execution.folds.fold, .folds.warm", lambda: __import__("pipelines.execution.folds.warm")),
+    ("pipelines.tracking.runs (MLflow client)", lambda: __import__("pipelines.tracking.runs")),
+    ("tiny model + transforms, applied", build),
     ("tiny fold trained (torch.optim)", tiny_fold),
     ("+ torchvision.transforms.v2 (the old transforms)", lambda: __import__("torchvision.transforms.v2")),
 ]
@@ -276,7 +276,7 @@ def _bare_loop(cfg, runs) -> tuple[float, int]:
     from dml_core.data import ImageDataset, eval_transform, train_transform
     from dml_core.losses import build_loss
     from dml_core.models import build_model
-    from dml_core.train import embed, train_fold
+    from dml_core.training.loop import embed, train_fold
     from pipelines.execution.folds.trial import _fold_config
     from pipelines.execution.preflight.study_plans import preflight
     from pipelines.execution.studies.sweep_studies import SweepStudies

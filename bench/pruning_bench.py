@@ -119,7 +119,7 @@ def read_sweep(out: Path, name: str) -> dict[str, dict]:
 
 
 def compare(pruned: dict, unpruned: dict) -> dict:
-    from dml_core.stats import confidence_interval, paired_t_test
+    from dml_core.evaluation.stats import confidence_interval, paired_t_test
 
     rows, means_p, means_u = [], [], []
     for loss in sorted(set(pruned) & set(unpruned)):

@@ -1,6 +1,7 @@
 """Re-state the verdicts of the published short-budget Omniglot zoo (docs/results/omniglot-zoo/short-budget/) with
-the report's corrected statistics: the best group (dml_core.selection.best_group), Holm-adjusted comparisons with the
-baseline, and the gap each comparison finds with 80 % power (dml_core.stats.paired_detectable_difference).
+the report's corrected statistics: the best group (dml_core.evaluation.selection.best_group), Holm-adjusted comparisons
+with the baseline, and the gap each comparison finds with 80 % power
+(dml_core.evaluation.stats.paired_detectable_difference).
 
 The published files do not hold the per-reproduction values, but they hold enough to rebuild them up to a rotation
 that no paired statistic sees:
@@ -33,8 +34,8 @@ from pathlib import Path
 import numpy as np
 from scipy import linalg, optimize, stats
 
-from dml_core.selection import METHOD, best_group
-from dml_core.stats import confidence_interval, holm_adjust, paired_detectable_difference, paired_t_test
+from dml_core.evaluation.selection import METHOD, best_group
+from dml_core.evaluation.stats import confidence_interval, holm_adjust, paired_detectable_difference, paired_t_test
 
 KEY = "test.concat.map_at_r"
 BASELINE = "contrastive"

@@ -1,4 +1,4 @@
-"""Benchmark: ``dml_core.train.train_fold``'s training loop against a bare PyTorch loop doing the same work.
+"""Benchmark: ``dml_core.training.loop.train_fold``'s training loop against a bare PyTorch loop doing the same work.
 
 Both loops train the same tiny CNN (``EmbeddingModel(trunk="tiny")``, 16-px synthetic images held as tensors, so
 decoding does not dilute the comparison) with the same m-per-class batches (``MPerClassBatchSampler``, one
@@ -16,8 +16,8 @@ process CPU time (one thread, so CPU time is the work done and barely moves when
 wall time.  Each repeat runs every variant, rotating which goes first (interleaved, so drift of a shared machine
 hits all alike), after ``--warmup`` untimed rounds.  Prints per-repeat times, the medians, and the median of the
 per-repeat ratios (bare time / train_fold time: 1.0 = the library costs nothing, 0.95 = it is 5 % slower).
-``--before FILE`` adds another version of ``dml_core/train.py`` (e.g. ``git show REV:dml_core/train.py > f``) as a
-third variant in the same run.
+``--before FILE`` adds another version of ``dml_core/training/loop.py`` (e.g. ``git show REV:dml_core/training/loop.py >
+f``) as a third variant in the same run.
 
     python bench/train_loop_bench.py                 # 9 repeats of 300 iterations
     python bench/train_loop_bench.py --repeats 15 --before /tmp/train_before.py
@@ -41,8 +41,8 @@ from torch.utils.data import DataLoader, Dataset
 from dml_core.data import synthetic
 from dml_core.losses import build_loss
 from dml_core.models import EmbeddingModel
-from dml_core.samplers import MPerClassBatchSampler
-from dml_core.train import TrainConfig, train_fold
+from dml_core.training.loop import TrainConfig, train_fold
+from dml_core.training.samplers import MPerClassBatchSampler
 
 
 class TensorImages(Dataset):
@@ -157,7 +157,7 @@ def run_library(args, data: TensorImages, val: TensorImages, module=None) -> tup
 
 
 def load_before(path: str):
-    """Another version of dml_core/train.py, imported under its own module name."""
+    """Another version of dml_core/training/loop.py, imported under its own module name."""
     spec = importlib.util.spec_from_file_location("train_before", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["train_before"] = module  # dataclasses look their module up
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--size", type=int, default=16, help="image side in pixels")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--before", help="another dml_core/train.py to time as a third variant")
+    ap.add_argument("--before", help="another dml_core/training/loop.py to time as a third variant")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -1,4 +1,4 @@
-"""Small torch.distributed helpers used by :mod:`dml_core.train`.
+"""Small torch.distributed helpers used by :mod:`dml_core.training.loop`.
 
 Everything here degrades to a no-op in a single process (``dist.is_initialized()`` false), so the
 training loop has one code path.  Works with gloo (CPU) and NCCL (GPU); only collectives that
@@ -55,7 +55,7 @@ class AllGatherWithGrad(torch.autograd.Function):
     the sum over ranks ``k`` of the slice ``r`` of rank ``k``'s upstream gradient (all_reduce SUM,
     then take own slice).  When every rank computes the same global loss ``L`` (our case), this is
     ``W · ∂L/∂x_r``; DistributedDataParallel's gradient *averaging* over W ranks then gives exactly
-    ``Σ_r (∂x_r/∂θ)ᵀ ∂L/∂x_r = ∂L/∂θ``, the single-process gradient (see ``dml_core.train``).
+    ``Σ_r (∂x_r/∂θ)ᵀ ∂L/∂x_r = ∂L/∂θ``, the single-process gradient (see ``dml_core.training.loop``).
     All ranks must pass the same first-dimension size (the sampler guarantees it).
     """
 

@@ -3,7 +3,7 @@
 Musgrave, Belongie & Lim, "A Metric Learning Reality Check", ECCV 2020 (MLRC) trained every loss with the same
 batch composition, the same embedding model and the same loss-parameter optimiser, so that the comparison measures
 the loss and nothing else.  Those settings live here, in a module that imports nothing but the standard library,
-because both the training loop (:mod:`dml_core.train`) and the loss registry (:mod:`dml_core.losses.registry`)
+because both the training loop (:mod:`dml_core.training.loop`) and the loss registry (:mod:`dml_core.losses.registry`)
 need them and neither may import the other at module level (the registry's package imports the whole loss zoo).
 
 The registry re-exports every name below, so ``from dml_core.losses import MLRC_BATCH`` keeps working; see
@@ -56,5 +56,6 @@ MLRC_BATCH = BatchSpec(classes_per_batch=8, m=4)
 #: MLRC's model: BN-Inception global average pool -> one linear layer, no LayerNorm.
 MLRC_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
 #: MLRC's loss-parameter optimiser (``metric_loss_optimizer``): RMSprop with weight decay 1e-4.  The default
-#: ``loss_weight_decay`` of every registered loss and of any other module :func:`dml_core.train.train_fold` trains.
+#: ``loss_weight_decay`` of every registered loss and of any other module :func:`dml_core.training.loop.train_fold`
+# trains.
 MLRC_LOSS_WEIGHT_DECAY = 1e-4

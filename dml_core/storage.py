@@ -2,7 +2,7 @@
 
 `open_storage(uri, endpoint_url=None)` returns an object with the few operations the shard writer and reader need
 (`put_file`, `put_bytes`, `get_file`, `get_bytes`, `exists`, `uri_of`), plus `delete` / `delete_tree` for fold
-checkpoints (`dml_core.checkpoint`).  Keys are '/'-separated paths relative to
+checkpoints (`dml_core.training.checkpoint`).  Keys are '/'-separated paths relative to
 the root.  S3 goes through boto3; the endpoint is the explicit `endpoint_url` argument, else the standard
 `AWS_ENDPOINT_URL` environment variable (SeaweedFS, MinIO, Ceph ...), else AWS itself.  Credentials come from
 boto3's usual chain (environment variables, ~/.aws, instance roles).

@@ -269,7 +269,7 @@ def test_bad_train_setting_names_its_own_field(train, field):
 
 
 def test_train_config_errors_left_to_preflight_name_their_own_field():
-    """What only dml_core.train.TrainConfig rejects is mapped by the field it names, not by a substring."""
+    """What only dml_core.training.loop.TrainConfig rejects is mapped by the field it names, not by a substring."""
     from pipelines.execution.preflight.study_plans import _train_config_field
 
     assert (
@@ -398,7 +398,7 @@ def test_recipe_paper_gives_each_loss_its_papers_model_and_batch():
 def test_loss_weight_decay_follows_the_loss_unless_configured():
     from types import SimpleNamespace
 
-    from dml_core.train_config import TrainConfig
+    from dml_core.training.config import TrainConfig
     from pipelines.execution.folds.trial import _fold_config
 
     fold = SimpleNamespace(index=0, train_classes=(0, 1), val_classes=(2, 3))
@@ -465,10 +465,10 @@ def test_shipped_configs_pass_the_published_json_schema_and_bad_ones_do_not():
 
 
 def test_protocol_training_defaults_are_train_configs():
-    """dml_core.train.TrainConfig decides the protocol's training defaults; the schema repeats no literal."""
+    """dml_core.training.loop.TrainConfig decides the protocol's training defaults; the schema repeats no literal."""
     import dataclasses
 
-    from dml_core.train import TrainConfig
+    from dml_core.training.loop import TrainConfig
     from pipelines.config.schema import ProtocolSpec, TrainSpec
 
     tc = {f.name: f.default for f in dataclasses.fields(TrainConfig)}

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from dml_core.checkpoint import CheckpointDir
 from dml_core.losses import build_loss, list_losses
-from dml_core.train import train_fold
+from dml_core.training.checkpoint import CheckpointDir
+from dml_core.training.loop import train_fold
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -183,7 +183,7 @@ def test_embed_runs_on_the_models_device_and_names_a_mismatch(ieee_fp32):
     device); a device other than the model's is one clear error, not a CPU/CUDA type clash inside conv2d."""
     from test_train import make_data, make_model
 
-    from dml_core.train import embed, embed_images
+    from dml_core.training.loop import embed, embed_images
 
     _, val = make_data()
     model = make_model().cuda()

@@ -259,10 +259,10 @@ def test_synthetic_classes_have_two_distinct_modes():
 @pytest.mark.slow
 def test_training_on_half_the_synthetic_classes_improves_map_at_r_on_the_unseen_half():
     """Shared structure: features learnt on classes 0..19 embed the unseen classes 20..39 much better than the
-    untrained model (MAP@R measured with dml_core.metrics, model = the `tiny` EmbeddingModel)."""
+    untrained model (MAP@R measured with dml_core.evaluation.metrics, model = the `tiny` EmbeddingModel)."""
     import torch.nn.functional as F
 
-    from dml_core.metrics import retrieval_metrics
+    from dml_core.evaluation.metrics import retrieval_metrics
     from dml_core.models import EmbeddingModel
 
     torch.set_num_threads(1)

@@ -415,7 +415,7 @@ def test_local_shards_are_hashed_once_per_cache(tmp_path, monkeypatch):
 
 
 def test_sharded_dataset_in_dataloader_workers_with_the_m_per_class_sampler(tmp_path):
-    from dml_core.samplers import MPerClassBatchSampler
+    from dml_core.training.samplers import MPerClassBatchSampler
 
     recs, _ = _records(6, 5)
     write_shards(recs, tmp_path / "out", dataset="toy", max_shard_bytes=4000, row_group_rows=4, progress=False)

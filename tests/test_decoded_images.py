@@ -1,4 +1,4 @@
-"""Images decoded once per fold (dml_core.decoded) and the machine's numerics (dml_core.numerics): the decoded
+"""Images decoded once per fold (dml_core.decoded) and the machine's numerics (dml_core.training.numerics): the decoded
 evaluation tensors are the streaming transform's, the batched training augmentation has the protocol's
 properties, the memory bound picks the path, "auto" follows the CPU's flags, and a fold records its numerics."""
 
@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 import dml_core.decoded as decoded
-import dml_core.numerics as numerics
+import dml_core.training.numerics as numerics
 from dml_core.data import ImageDataset, ImageTable, eval_transform, synthetic, train_transform
 from dml_core.decoded import (
     DecodedBatches,
@@ -24,7 +24,7 @@ from dml_core.decoded import (
     random_resized_crop_params,
 )
 from dml_core.models import build_model
-from dml_core.train import FoldResult, TrainConfig, train_fold
+from dml_core.training.loop import FoldResult, TrainConfig, train_fold
 from dml_core.trunks import trunk_preprocessing
 
 SIZE = 24
@@ -75,7 +75,7 @@ def test_decoded_eval_tensors_are_the_streaming_transforms_exactly(table, prep):
 
 
 def test_embedding_a_decoded_val_set_gives_the_streaming_embeddings():
-    from dml_core.embedding import embed
+    from dml_core.evaluation.embedding import embed
 
     stream = ImageDataset(synthetic(4, 5, 40, 0), eval_transform(SIZE))
     model = build_model(trunk="tiny", embedding_dim=8, freeze_bn=False)
@@ -261,7 +261,7 @@ def test_a_fold_decodes_each_image_once_and_streams_above_the_bound(monkeypatch)
 
 
 def test_decoded_batches_yield_the_samplers_rows_and_labels():
-    from dml_core.samplers import MPerClassBatchSampler
+    from dml_core.training.samplers import MPerClassBatchSampler
 
     dec = decode_train_set(ImageDataset(synthetic(6, 4, 32, 0), train_transform(SIZE)))
     sampler = MPerClassBatchSampler(dec.labels, 2, 3, iters_per_epoch=4, seed=0)

@@ -1,4 +1,4 @@
-"""Expected validation performance (dml_core.expected_validation.expected_max): hand-computed cases, the two
+"""Expected validation performance (dml_core.evaluation.expected_validation.expected_max): hand-computed cases, the two
 identities of the unbiased estimator (k = 1 → mean, k = N → max), and brute force over every subset / tuple."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dml_core.expected_validation import expected_max
+from dml_core.evaluation.expected_validation import expected_max
 
 
 def test_hand_computed_without_replacement():

@@ -86,7 +86,7 @@ def test_a_changed_budget_is_named_with_both_values(base, tmp_path):
 
 def test_a_default_written_out_equals_it_left_unset(base, tmp_path):
     """protocol.train values resolve through TrainConfig: momentum 0.9 (its default) written out changes nothing."""
-    from dml_core.train import TrainConfig
+    from dml_core.training.loop import TrainConfig
 
     doc, fps = base
     d = _doc(tmp_path)
@@ -123,7 +123,7 @@ def test_tags_round_trip_and_fit_mlflow(base):
 def test_metric_values_of_version_1_are_pinned():
     """METRICS_VERSION is recorded in every fingerprint; a change to what the metrics compute must raise it. These
     are version 1's values on a fixed input: if they change, raise METRICS_VERSION and record the new values."""
-    from dml_core.metrics import METRICS_VERSION, retrieval_metrics
+    from dml_core.evaluation.metrics import METRICS_VERSION, retrieval_metrics
 
     g = np.random.default_rng(0)
     labels = np.repeat(np.arange(12), 5)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dml_core.splits import Fold
-from dml_core.train_config import TrainConfig
+from dml_core.training.config import TrainConfig
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.folds.config import FoldConfig, FoldStudyPart
 from pipelines.execution.folds.trial import DRIVER_ONLY, StudyContext, _fold_config

@@ -1,5 +1,5 @@
-"""Holm–Bonferroni adjustment (dml_core.stats.holm_adjust): a hand-computed example, the step-down rule it encodes,
-and NaN p-values kept out of the family."""
+"""Holm–Bonferroni adjustment (dml_core.evaluation.stats.holm_adjust): a hand-computed example, the step-down rule it
+encodes, and NaN p-values kept out of the family."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from dml_core.stats import holm_adjust
+from dml_core.evaluation.stats import holm_adjust
 
 
 def test_hand_computed_example():

@@ -271,7 +271,7 @@ def test_resume_after_a_change_names_the_exact_field(tmp_path, stored, changes, 
 
 
 def test_a_refused_checkpoint_comes_without_torchs_pickle_protocol_warning():
-    from dml_core.checkpoint import load_weights_only
+    from dml_core.training.checkpoint import load_weights_only
 
     buf = io.BytesIO()
     torch.save({"format": 1, "w": Path("not a tensor")}, buf, pickle_protocol=5)

@@ -1,4 +1,4 @@
-"""dml_core.knn.self_knn (symmetric leave-one-out search) against faiss's exact flat search, and the
+"""dml_core.evaluation.knn.self_knn (symmetric leave-one-out search) against faiss's exact flat search, and the
 metrics through it against the faiss backend and pytorch-metric-learning's AccuracyCalculator.
 
 Ties: on data whose products and sums are exact in float32 (quantised values) both searches see the
@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dml_core.knn as K
-import dml_core.knn_dots as KD
-import dml_core.metrics as M
-from dml_core.knn import self_knn
-from dml_core.metrics import retrieval_details, retrieval_metrics
+import dml_core.evaluation.knn as K
+import dml_core.evaluation.knn_dots as KD
+import dml_core.evaluation.metrics as M
+from dml_core.evaluation.knn import self_knn
+from dml_core.evaluation.metrics import retrieval_details, retrieval_metrics
 
 torch.set_num_threads(1)
 

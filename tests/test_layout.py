@@ -23,7 +23,7 @@ _MACHINE_PATH = re.compile(
 
 def _dml_core_files(root: Path = ROOT) -> list[Path]:
     files = sorted((root / "dml_core").rglob("*.py"))
-    assert len(files) >= 30 and root / "dml_core" / "train.py" in files, (
+    assert len(files) >= 30 and root / "dml_core" / "training" / "loop.py" in files, (
         f"the scan found {len(files)} files under {root / 'dml_core'}: is the repository where the test expects it?"
     )
     return files

@@ -30,7 +30,7 @@ import pipelines.execution.folds.fold, pipelines.execution.folds.warm  # what a 
 from dml_core.data import ImageDataset, eval_transform, synthetic, train_transform
 from dml_core.losses import build_loss
 from dml_core.models import build_model
-from dml_core.train import TrainConfig, embed, train_fold
+from dml_core.training.loop import TrainConfig, embed, train_fold
 
 def heavy(prefixes):
     return sorted(m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in prefixes))

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-import dml_core.train as train_mod
+import dml_core.training.loop as train_mod
 from dml_core.data import ImageDataset, eval_transform, synthetic
 from dml_core.losses import build_loss, loss_info, registered_info
 from dml_core.models import EmbeddingModel
-from dml_core.train import TrainConfig, embed, embed_images, train_fold
+from dml_core.training.loop import TrainConfig, embed, embed_images, train_fold
 from pipelines.config.presets import DEMO
 from pipelines.config.schema import ProtocolSpec, parse_config
 

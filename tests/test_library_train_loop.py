@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 from dml_core.data import ImageDataset, synthetic
 from dml_core.losses import build_loss
 from dml_core.models import EmbeddingModel
-from dml_core.samplers import MPerClassBatchSampler
-from dml_core.train import TrainConfig, train_fold
+from dml_core.training.loop import TrainConfig, train_fold
+from dml_core.training.samplers import MPerClassBatchSampler
 
 IMAGE, DIM = 16, 8
 

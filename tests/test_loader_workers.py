@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dml_core.embedding import embed_gathered
-from dml_core.train import train_fold
+from dml_core.evaluation.embedding import embed_gathered
+from dml_core.training.loop import train_fold
 from tests.test_train import PairLoss, config, make_data, make_model
 
 ROOT = Path(__file__).resolve().parents[1]

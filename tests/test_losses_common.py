@@ -28,7 +28,7 @@ import torch
 from dml_core.data import ImageDataset, synthetic
 from dml_core.losses import build_loss, list_losses, loss_info
 from dml_core.models import EmbeddingModel
-from dml_core.train import TrainConfig, train_fold
+from dml_core.training.loop import TrainConfig, train_fold
 
 WRAPPED = ["sec:triplet", "l2_reg:triplet"]
 ALL_LOSSES = list_losses() + WRAPPED

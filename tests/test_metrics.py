@@ -1,4 +1,4 @@
-"""dml_core.metrics against its external anchors.
+"""dml_core.evaluation.metrics against its external anchors.
 
 * MAP@R / R-Precision / P@1 / NMI: pytorch-metric-learning 2.x ``AccuracyCalculator(k="max_bin_count")``
   to 1e-6, leave-one-out and query-vs-reference, with uneven class sizes, singleton classes and
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dml_core.metrics as M
-from dml_core.metrics import ndcg_at_k, normalized_mutual_info, retrieval_metrics
+import dml_core.evaluation.metrics as M
+from dml_core.evaluation.metrics import ndcg_at_k, normalized_mutual_info, retrieval_metrics
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,5 @@
-"""faiss-cpu's bundled OpenBLAS gets kernels the CPU has (dml_core/openblas_core.py): the choice from the flags,
-the user's own setting kept, the environment restored, and -- in a fresh process -- the core OpenBLAS reports."""
+"""faiss-cpu's bundled OpenBLAS gets kernels the CPU has (dml_core/evaluation/openblas_core.py): the choice from the
+flags, the user's own setting kept, the environment restored, and -- in a fresh process -- the core OpenBLAS reports."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dml_core import openblas_core as oc
+from dml_core.evaluation import openblas_core as oc
 
 
 def test_core_follows_the_flags():
@@ -54,7 +54,7 @@ def test_faiss_loads_the_chosen_kernels_in_a_fresh_process():
     env["OPENBLAS_VERBOSE"] = "2"  # OpenBLAS prints "Core: <name>" when it loads
     # numpy's own (newer) OpenBLAS loads first and prints its core too: faiss's is the one after the mark.
     code = (
-        "import os, sys, numpy, torch; print('MARK', file=sys.stderr, flush=True); import dml_core.metrics; "
+        "import os, sys, numpy, torch; print('MARK', file=sys.stderr, flush=True); import dml_core.evaluation.metrics; "
         "print('left', os.environ.get('OPENBLAS_CORETYPE'), file=sys.stderr)"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -1,5 +1,5 @@
-"""Power of the paired t-test (dml_core.stats.paired_detectable_difference): the normal-theory formula for large n,
-the defining property (power at the returned difference), a Monte-Carlo check at n = 3, and edge cases."""
+"""Power of the paired t-test (dml_core.evaluation.stats.paired_detectable_difference): the normal-theory formula for
+large n, the defining property (power at the returned difference), a Monte-Carlo check at n = 3, and edge cases."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dml_core.stats import paired_detectable_difference
+from dml_core.evaluation.stats import paired_detectable_difference
 
 
 def test_large_n_matches_the_normal_formula():

@@ -191,7 +191,7 @@ def check_registered(uri: str, experiment: str, data: str) -> None:
     from dml_core.data import ImageDataset, eval_transform, read_parquet_manifest
     from dml_core.models import build_model
     from dml_core.splits import FoldManifest
-    from dml_core.train import embed
+    from dml_core.training.loop import embed
     from pipelines.names import ALIAS
     from pipelines.names import HEADLINE_METRICS as HEADLINE
     from pipelines.results.embeddings import concatenated_embeddings

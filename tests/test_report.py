@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from scipy import stats
 
-from dml_core.stats import confidence_interval
+from dml_core.evaluation.stats import confidence_interval
 from pipelines.results.report import collect_studies, write_report
 
 # Reproduction test MAP@R per loss; reproduction i of both losses used seed 100 + i (so they pair).

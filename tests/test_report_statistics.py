@@ -12,9 +12,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from scipy import stats
 
-from dml_core.expected_validation import expected_max
-from dml_core.selection import best_group
-from dml_core.stats import confidence_interval, paired_detectable_difference
+from dml_core.evaluation.expected_validation import expected_max
+from dml_core.evaluation.selection import best_group
+from dml_core.evaluation.stats import confidence_interval, paired_detectable_difference
 from pipelines.results.compare import compare_studies, render_compare_markdown
 from pipelines.results.report import write_report_files
 from pipelines.results.report_cells import json_safe

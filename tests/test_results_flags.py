@@ -11,7 +11,7 @@ import math
 import pytest
 from mlflow.tracking import MlflowClient
 
-from dml_core.stats import paired_t_test, paired_untestable
+from dml_core.evaluation.stats import paired_t_test, paired_untestable
 from pipelines.results.report import write_report
 from pipelines.results.study_results import EPOCH0_TAG, StudySummary, best_at_epoch_0, ci_table
 from tests.test_report import _populate

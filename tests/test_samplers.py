@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dml_core.samplers import MPerClassBatchSampler
+from dml_core.training.samplers import MPerClassBatchSampler
 
 
 def _labels(sizes) -> np.ndarray:

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from dml_core.samplers import MPerClassBatchSampler, RepeatedImagesWarning
+from dml_core.training.samplers import MPerClassBatchSampler, RepeatedImagesWarning
 
 
 def test_a_class_smaller_than_m_is_warned_about_once_per_sampler():

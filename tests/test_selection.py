@@ -1,6 +1,6 @@
-"""The best group (dml_core.selection.best_group): its family-wise error on simulated nulls (all losses equal, the
-published report's 28 losses and 3 reproductions, a shared per-seed effect), the losses it finds worse when a gap is
-real, a small case against scipy's paired t-test, and bad input as one error."""
+"""The best group (dml_core.evaluation.selection.best_group): its family-wise error on simulated nulls (all losses
+equal, the published report's 28 losses and 3 reproductions, a shared per-seed effect), the losses it finds worse when a
+gap is real, a small case against scipy's paired t-test, and bad input as one error."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dml_core.selection import best_group
+from dml_core.evaluation.selection import best_group
 
 
 def _null_draw(rng, k: int, n: int) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dml_core.stats import confidence_interval, fold_summary, paired_t_test
+from dml_core.evaluation.stats import confidence_interval, fold_summary, paired_t_test
 
 SAMPLES = [
     [0.4368, 0.4244, 0.4326, 0.4298],  # four fold values (the MLRC case)

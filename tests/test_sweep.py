@@ -232,8 +232,8 @@ def _check_run_tree(
     from mlflow.tracking import MlflowClient
     from scipy import stats
 
+    from dml_core.evaluation.stats import confidence_interval
     from dml_core.splits import FoldManifest
-    from dml_core.stats import confidence_interval
     from pipelines.tracking.runs import PARENT, search_all
 
     c = MlflowClient(uri)

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dml_core.train as train_mod
+import dml_core.training.loop as train_mod
 from dml_core.data import ImageDataset, synthetic, train_transform
 from dml_core.models import EmbeddingModel
-from dml_core.train import FoldResult, TrainConfig, _optimizer, embed, train_fold
+from dml_core.training.loop import FoldResult, TrainConfig, _optimizer, embed, train_fold
 
 IMAGE = 16
 

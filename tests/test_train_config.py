@@ -14,23 +14,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from dml_core.train_config import AMP_DTYPE_NAMES, TrainConfig
+from dml_core.training.config import AMP_DTYPE_NAMES, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_train_config_loads_without_torch():
     code = (
-        "import json, sys; from dml_core.train_config import TrainConfig; "
+        "import json, sys; from dml_core.training.config import TrainConfig; "
         "TrainConfig(max_epochs=3); print(json.dumps('torch' in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(proc.stdout) is False, "importing dml_core.train_config loaded torch"
+    assert json.loads(proc.stdout) is False, "importing dml_core.training.config loaded torch"
 
 
 def test_the_amp_dtype_names_are_the_ones_training_maps_to_torch():
-    from dml_core.train_step import AMP_DTYPES
+    from dml_core.training.step import AMP_DTYPES
 
     assert set(AMP_DTYPES) == set(AMP_DTYPE_NAMES)
 

@@ -3,8 +3,8 @@ fold that was never interrupted (final weights, best weights, best metrics and e
 
 The kill is simulated by raising from ``on_checkpoint`` right after the k-th checkpoint was stored; the resumed fold
 starts from a *fresh* model, loss and optimiser (other initial weights) and the state read back from storage through
-:class:`dml_core.checkpoint.CheckpointDir` (``torch.load(weights_only=True)``).  Augmentations draw from torch's RNG
-(``train_transform``), so a resume that forgot the RNG streams diverges (shown by the last test).
+:class:`dml_core.training.checkpoint.CheckpointDir` (``torch.load(weights_only=True)``).  Augmentations draw from
+torch's RNG (``train_transform``), so a resume that forgot the RNG streams diverges (shown by the last test).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-import dml_core.train as train_mod
-from dml_core.checkpoint import LATEST, CheckpointDir, load_state, save_state
+import dml_core.training.loop as train_mod
 from dml_core.data import ImageDataset, eval_transform, synthetic, train_transform
 from dml_core.losses import build_loss
 from dml_core.models import EmbeddingModel
-from dml_core.train import TrainConfig, train_fold
+from dml_core.training.checkpoint import LATEST, CheckpointDir, load_state, save_state
+from dml_core.training.loop import TrainConfig, train_fold
 
 IMAGE, DIM = 16, 8
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

@@ -17,7 +17,7 @@ import torch
 
 from dml_core.data import ImageDataset, synthetic
 from dml_core.models import EmbeddingModel
-from dml_core.train import TrainConfig, train_fold
+from dml_core.training.loop import TrainConfig, train_fold
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 

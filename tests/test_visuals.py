@@ -12,8 +12,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from dml_core.data import synthetic
-from dml_core.metrics import retrieval_metrics
-from dml_core.stats import confidence_interval
+from dml_core.evaluation.metrics import retrieval_metrics
+from dml_core.evaluation.stats import confidence_interval
 from pipelines.names import HEADLINE_METRICS as METRICS
 from pipelines.results.visuals import (
     VisualSettings,
@@ -250,7 +250,7 @@ def test_a_reproduction_whose_metrics_disagree_gets_no_visuals_but_a_reason(tmp_
 def test_visuals_reuse_the_reproductions_search_instead_of_searching_again(setup, monkeypatch):
     """The reproduction's concatenated search is handed over as bytes (no pickle) and the visuals use it as is."""
     import pipelines.results.visuals as pv
-    from dml_core.metrics import retrieval_details
+    from dml_core.evaluation.metrics import retrieval_details
     from pipelines.results.embeddings import details_from_bytes, details_to_bytes
 
     table, rows, labels, emb, v = setup

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from dml_core.checkpoint import load_state
+from dml_core.training.checkpoint import load_state
 from dml_core.trunks.weights import read_state_dict
 
 

@@ -53,7 +53,7 @@ class DatasetProtocol:
     def evaluate(self, embeddings, labels, splits=None, **metric_kwargs) -> dict[str, float]:
         """Retrieval metrics of test-set `embeddings` (rows aligned with `labels` and, for In-Shop, `splits`)."""
         # torch and faiss: `dmlrc data` imports this package and never evaluates
-        from dml_core.metrics import retrieval_metrics
+        from dml_core.evaluation.metrics import retrieval_metrics
 
         if self.eval_mode == "self":
             return retrieval_metrics(embeddings, labels, **metric_kwargs)

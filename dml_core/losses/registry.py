@@ -16,7 +16,7 @@ special-cases a loss by name:
 * ``loss_weight_decay`` – weight decay of the loss-parameter optimiser.
 
 :func:`build_loss` records the registry name on the module it returns (``module.registry_name``), so
-:func:`dml_core.train.train_fold` finds the loss's own ``loss_weight_decay`` without the caller
+:func:`dml_core.training.loop.train_fold` finds the loss's own ``loss_weight_decay`` without the caller
 passing it: a direct caller trains exactly as the sweep does.
 
 Losses from outside this package (``docs/plugins.md``, "Losses"): a name that is not built in resolves
@@ -48,7 +48,7 @@ import torch
 # dml_core.losses.
 from dml_core.plugins import LossPluginError, PluginDistribution
 
-# The protocol's shared recipe lives in dml_core.protocol (imported by dml_core.train too); re-exported here.
+# The protocol's shared recipe lives in dml_core.protocol (imported by dml_core.training.loop too); re-exported here.
 from dml_core.protocol import (
     MLRC_BATCH,
     MLRC_LOSS_WEIGHT_DECAY,

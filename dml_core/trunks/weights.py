@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dml_core.checkpoint import load_weights_only
 from dml_core.storage import is_s3_uri, open_storage, split_s3_uri
+from dml_core.training.checkpoint import load_weights_only
 
 __all__ = ["local_weights", "read_state_dict", "load_trunk_weights"]
 

@@ -1,7 +1,7 @@
 """What the parts of the sweep config share: the field types (``Name``, ``Seed``, ``Path_``, ``Uri``), the checks
-behind them (local path or ``s3://``, made absolute), the training defaults (:class:`dml_core.train.TrainConfig`'s),
-a plugin's ``sys.exit()`` as a problem, and how the sweep config's errors are worded
-(:func:`sweep_words`, for :func:`pipelines.config.errors.to_config_error`)."""
+behind them (local path or ``s3://``, made absolute), the training defaults
+(:class:`dml_core.training.loop.TrainConfig`'s), a plugin's ``sys.exit()`` as a problem, and how the sweep config's
+errors are worded (:func:`sweep_words`, for :func:`pipelines.config.errors.to_config_error`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
 
 from dml_core.datasets.registry import builtin_dataset_kinds
 from dml_core.plugins import raised_at
-from dml_core.train_config import TrainConfig
+from dml_core.training.config import TrainConfig
 from pipelines.config.errors import ConfigError, DocumentWords
 from pipelines.config.uris import check_uri, local_path, redact_uri, shown, special_file
 

@@ -1,6 +1,6 @@
 """The ``protocol`` of a sweep config: folds, trials, reproductions, epochs, evaluation interval and patience
 (:class:`ProtocolSpec`), and the further training settings of ``protocol.train`` (:class:`TrainSpec`, defaults
-:class:`dml_core.train.TrainConfig`'s)."""
+:class:`dml_core.training.loop.TrainConfig`'s)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, model_validator
 
-from dml_core.train_config import AMP_DTYPE_NAMES, LR_SCHEDULES, NUMERICS_AUTO, OPTIMIZERS
+from dml_core.training.config import AMP_DTYPE_NAMES, LR_SCHEDULES, NUMERICS_AUTO, OPTIMIZERS
 from pipelines.config.errors import FieldError, did_you_mean
 from pipelines.config.fields import TRAIN_DEFAULTS as _TC  # short: the defaults of every field below
 from pipelines.config.fields import Seed
@@ -30,12 +30,12 @@ def _bool_or_auto(v: Any) -> Any:
     raise ValueError(f"expected true, false or {NUMERICS_AUTO!r}, got {shown(v)}{did_you_mean(v, [NUMERICS_AUTO])}")
 
 
-#: ``cpu_amp`` / ``channels_last``: on, off, or "auto" (the machine decides: dml_core.numerics).
+#: ``cpu_amp`` / ``channels_last``: on, off, or "auto" (the machine decides: dml_core.training.numerics).
 BoolOrAuto = Annotated[bool | Literal[NUMERICS_AUTO], BeforeValidator(_bool_or_auto)]  # type: ignore[valid-type]
 
 
 class TrainSpec(StrictModel):
-    """``protocol.train``: further :class:`dml_core.train.TrainConfig` fields (defaults are TrainConfig's)."""
+    """``protocol.train``: further :class:`dml_core.training.loop.TrainConfig` fields (defaults are TrainConfig's)."""
 
     classes_per_batch: int | None = Field(None, ge=2, le=100_000)
     """Classes per batch (null = the protocol's shared batch, 8, or the loss paper's with recipe: paper)."""
@@ -64,7 +64,7 @@ class TrainSpec(StrictModel):
     CUDA with amp."""
 
 
-#: ``protocol.train`` keys forwarded to :class:`dml_core.train.TrainConfig`.
+#: ``protocol.train`` keys forwarded to :class:`dml_core.training.loop.TrainConfig`.
 TRAIN_KEYS = tuple(TrainSpec.model_fields)
 
 
@@ -72,7 +72,7 @@ class ProtocolSpec(StrictModel):
     """The reality check's protocol (docs/protocol.md).
 
     ``eval_every`` and ``patience`` are in epochs of ``iters_per_epoch`` iterations (the reality check on CUB: 2 / 9).
-    ``train`` holds further :class:`dml_core.train.TrainConfig` fields (``TRAIN_KEYS``), as a dict of the keys
+    ``train`` holds further :class:`dml_core.training.loop.TrainConfig` fields (``TRAIN_KEYS``), as a dict of the keys
     the config sets.
     """
 

@@ -9,8 +9,8 @@ preset as package data (:mod:`pipelines.config.presets`; ``dmlrc init`` copies o
 :class:`SweepConfig` is the validated document itself (``extra="forbid"``, strict types, bounds, frozen); its
 ``model_dump(mode="json")`` is what is written to disk and MLflow, with passwords in URIs redacted.
 :func:`sweep_json_schema` publishes it as JSON Schema (``docs/sweep-config.schema.json``, which editors use to complete
-and check YAML).  Protocol training defaults are :class:`dml_core.train.TrainConfig`'s field defaults — that dataclass
-is the one place deciding them.
+and check YAML).  Protocol training defaults are :class:`dml_core.training.loop.TrainConfig`'s field defaults — that
+dataclass is the one place deciding them.
 
 :func:`load_config` reads the file through the hardened loader; :func:`parse_config` checks shape (keys, types,
 ranges, URIs), that every loss resolves (built-in, entry point or import path) with a search space, and that pinned

@@ -14,7 +14,7 @@ experiment or sqlite DB:
   reserved CPUs/GPUs), and the wall time on the resources the sweep would use.
 
 The estimate (docs/plan.md) is built from a short calibration on this machine through the real ``dml_core`` code
-path (:func:`calibrate_network`: :func:`dml_core.train.train_fold` on fold 0 of the study's dataset, its model,
+path (:func:`calibrate_network`: :func:`dml_core.training.loop.train_fold` on fold 0 of the study's dataset, its model,
 transforms and training settings, a few iterations and one validation pass, in the CPU seconds of this process — on a
 GPU in wall seconds) and from the orchestration's fixed costs per sweep, study, trial and fold, constants measured on
 real sweeps (bench/README_plan.md).  Every distinct network (dataset, model, image size, batch) is calibrated once;
@@ -46,7 +46,7 @@ import torch
 from dml_core.data import ImageDataset, eval_transform, train_transform
 from dml_core.losses import build_loss
 from dml_core.models import build_model
-from dml_core.train import TrainConfig, train_fold
+from dml_core.training.loop import TrainConfig, train_fold
 from pipelines.config.schema import SweepConfig
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.preflight.study_plans import StudyPlan, preflight, study_train_config
@@ -252,8 +252,8 @@ def _clock(device: str):
 
 
 def calibrate_network(cfg: SweepConfig, plan: StudyPlan, device: str) -> NetworkTiming:
-    """Time ``plan``'s network with :func:`dml_core.train.train_fold` on fold 0: a validated run of 2 epochs of 2
-    iterations (set-up, the untrained model's evaluation, a warm-up epoch, a timed epoch, an evaluation), then a
+    """Time ``plan``'s network with :func:`dml_core.training.loop.train_fold` on fold 0: a validated run of 2 epochs of
+    2 iterations (set-up, the untrained model's evaluation, a warm-up epoch, a timed epoch, an evaluation), then a
     fixed-budget run of 2 epochs whose second (after a warm-up epoch) lasts about ``_TIMED_SECONDS``."""
     t0, clock = time.perf_counter(), _clock(device)
     model, loss, train_set, val_set = _fold_parts(plan, device)

@@ -17,9 +17,9 @@ For each study (docs/protocol.md):
 3. **Reproductions** — a second ``Tuner`` runs ``reproductions`` retrainings of the best config (grid over the
    reproduction index; each a full 4-fold trial with seed ``pipelines.names.reproduction_seed(seed, i)``),
    each tested on the test classes, separated and concatenated (docs/protocol.md §Test evaluation).
-4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.stats.confidence_interval``), written to the
-   study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints); a study whose
-   reproductions' folds all chose their epoch-0 checkpoint is tagged ``best_at_epoch_0=true``.  Before its search,
+4. **CIs** — 95 % Student-t intervals across reproductions (``dml_core.evaluation.stats.confidence_interval``), written
+   to the study run with the CI report and the best fold models (reproduction 0's, from rank 0's checkpoints); a study
+   whose reproductions' folds all chose their epoch-0 checkpoint is tagged ``best_at_epoch_0=true``.  Before its search,
    each study logs its network's untrained test metrics (``untrained.*``, computed once per dataset and network), the
    reference row of the end-of-sweep table (:mod:`pipelines.results.untrained`).
 

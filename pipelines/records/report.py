@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dml_core.expected_validation import expected_max
-from dml_core.stats import confidence_interval
+from dml_core.evaluation.expected_validation import expected_max
+from dml_core.evaluation.stats import confidence_interval
 from pipelines.execution.search.searcher import best_result
 from pipelines.names import HEADLINE_METRICS, MODES
 from pipelines.records.model import StudyHeader

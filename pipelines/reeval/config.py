@@ -64,7 +64,7 @@ __all__ = [
     "KNOWN_METRICS",
 ]
 
-#: The metrics a re-evaluation can compare (keys of ``dml_core.metrics.retrieval_metrics``).
+#: The metrics a re-evaluation can compare (keys of ``dml_core.evaluation.metrics.retrieval_metrics``).
 KNOWN_METRICS = (
     "map_at_r",
     "r_precision",

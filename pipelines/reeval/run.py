@@ -43,10 +43,10 @@ import numpy as np
 from mlflow.entities import LoggedModelInput, Metric
 from mlflow.tracking import MlflowClient
 
-from dml_core.metrics import retrieval_metrics
+from dml_core.evaluation.metrics import retrieval_metrics
+from dml_core.evaluation.stats import confidence_interval
 from dml_core.shards import read_manifest
 from dml_core.splits import FoldManifest
-from dml_core.stats import confidence_interval
 from pipelines.config.schema import ConfigError
 from pipelines.execution.runtime.environment import check_tracking_reachable
 from pipelines.execution.runtime.session import stop_ray

@@ -48,7 +48,7 @@ def reproduction_test_metrics(
     """``test.separated.<metric>`` (mean over fold models) and ``test.concat.<metric>`` (concatenated embedding),
     with the concatenated search's ``RetrievalDetails`` (neighbours, per-query and per-class values)."""
     # torch and faiss: loaded where metrics are computed, not by the pyfunc model or a search trial's driver
-    from dml_core.metrics import retrieval_details
+    from dml_core.evaluation.metrics import retrieval_details
 
     out: dict[str, float] = {}
     keys = sorted(set.intersection(*(set(o["test_metrics"]) for o in outcomes)))
@@ -85,7 +85,7 @@ def details_to_bytes(details) -> bytes:
 
 def details_from_bytes(data: bytes):
     """Inverse of :func:`details_to_bytes`."""
-    from dml_core.metrics import RetrievalDetails  # torch and faiss: see reproduction_test_metrics
+    from dml_core.evaluation.metrics import RetrievalDetails  # torch and faiss: see reproduction_test_metrics
 
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         meta = json.loads(z["meta"].tobytes().decode())

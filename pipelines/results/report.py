@@ -4,7 +4,7 @@ Rows are losses; columns are dataset × metric, each as ``mean ± half-width`` o
 across reproductions, for the concatenated and the separated evaluation (docs/protocol.md §Test evaluation).
 Written as markdown, CSV, HTML and a PNG bar chart with CI whiskers, and logged to MLflow as a
 ``stage=report`` run.  Where two losses were reproduced on the same folds and seeds, a paired t-test
-on the reproduction runs gives a p-value per pair (``dml_core.stats.paired_t_test``).
+on the reproduction runs gives a p-value per pair (``dml_core.evaluation.stats.paired_t_test``).
 
 Where the study runs carry the visuals of :mod:`pipelines.results.visuals`, the HTML gets one page (section) per
 dataset: the losses' retrieval galleries side by side on the same queries, their embedding maps and their worst classes

@@ -1,6 +1,7 @@
 """Expected validation performance (Dodge et al. 2019, "Show your work"): per study, the expected best validation
 MAP@R after k = 1 … N search trials, from the N trials its search ran, with the unbiased estimator of Tang et al.
-2020 (draws without replacement, :func:`dml_core.expected_validation.expected_max`); as a table and one figure."""
+2020 (draws without replacement, :func:`dml_core.evaluation.expected_validation.expected_max`); as a table and one
+figure."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dml_core.expected_validation import expected_max
+from dml_core.evaluation.expected_validation import expected_max
 from pipelines.results.report_studies import Study, ranked
 
 __all__ = ["expected_curves", "expected_rows", "expected_chart", "EXPECTED_NOTE"]

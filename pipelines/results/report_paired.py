@@ -1,6 +1,6 @@
 """The report's paired t-tests: every two losses of a dataset over reproductions with the same seeds, the best group of
-each dataset (a confidence set for the best, :func:`dml_core.selection.best_group`), each loss against the baseline,
-Holm–Bonferroni families, the power of every comparison and the verdict printed for a comparison.
+each dataset (a confidence set for the best, :func:`dml_core.evaluation.selection.best_group`), each loss against the
+baseline, Holm–Bonferroni families, the power of every comparison and the verdict printed for a comparison.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from dml_core.selection import METHOD as BEST_GROUP_METHOD
-from dml_core.selection import best_group
-from dml_core.stats import holm_adjust, paired_detectable_difference, paired_t_test, paired_untestable
+from dml_core.evaluation.selection import METHOD as BEST_GROUP_METHOD
+from dml_core.evaluation.selection import best_group
+from dml_core.evaluation.stats import holm_adjust, paired_detectable_difference, paired_t_test, paired_untestable
 from pipelines.names import METRIC_LABELS
 from pipelines.results.report_studies import Study
 
@@ -103,8 +103,8 @@ def paired_comparisons(studies: list[Study], mode: str = "concat", metric: str =
 
 def _add_holm(rows: list[dict[str, Any]], family) -> None:
     """Set ``p_holm`` of every row: its p adjusted by Holm–Bonferroni over the rows with the same ``family(row)``
-    (NaN p-values stay NaN and are not counted: :func:`dml_core.stats.holm_adjust`), and ``detectable_diff``: the
-    smallest true difference found with :data:`POWER` at the family's Bonferroni level (two-sided)."""
+    (NaN p-values stay NaN and are not counted: :func:`dml_core.evaluation.stats.holm_adjust`), and ``detectable_diff``:
+    the smallest true difference found with :data:`POWER` at the family's Bonferroni level (two-sided)."""
     groups: dict[Any, list[dict[str, Any]]] = {}
     for c in rows:
         groups.setdefault(family(c), []).append(c)
@@ -171,8 +171,8 @@ def metric_text(key: str) -> str:
 def best_groups(
     studies: list[Study], mode: str = "concat", metric: str = "map_at_r", alpha: float = ALPHA
 ) -> dict[str, dict[str, Any]]:
-    """Per dataset, its best group (:func:`dml_core.selection.best_group`) over the reproduction seeds every study of
-    the dataset shares, JSON-ready: ``method``, ``alpha``, ``n`` (common seeds), ``family_size`` (ordered pairs
+    """Per dataset, its best group (:func:`dml_core.evaluation.selection.best_group`) over the reproduction seeds every
+    study of the dataset shares, JSON-ready: ``method``, ``alpha``, ``n`` (common seeds), ``family_size`` (ordered pairs
     tested), ``members`` (descending mean: ``loss``, ``mean``, ``in_group``, ``verdict``, ``p_adjusted``,
     ``beaten_by``, and against the dataset's observed leader ``mean_diff``, ``sd_diff`` and ``detectable_diff``:
     the gap a one-sided test at the family's Bonferroni level α / m would find with 80 % power) and ``left_out``

@@ -5,7 +5,8 @@ Cost: ``cost`` holds the study run's ``cost.*`` metrics (without the prefix): re
 of its trials and reproductions (:func:`pipelines.execution.folds.trial.fold_cost`); the end-of-sweep table shows them
 as CPU-hours and GPU-hours.
 
-Intervals: Student-t across reproductions (``dml_core.stats.confidence_interval``), for the *concatenated* and the
+Intervals: Student-t across reproductions (``dml_core.evaluation.stats.confidence_interval``), for the *concatenated*
+and the
 *separated* evaluation of the test classes.
 
 Results that look fine and are not: a study whose reproductions' folds all chose their epoch-0 checkpoint (the
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from dml_core.stats import confidence_interval
+from dml_core.evaluation.stats import confidence_interval
 from pipelines.config.redact import redact_uri
 from pipelines.names import MODES, REPRODUCTION
 

@@ -11,9 +11,9 @@ embeddings — the four fold models' embeddings, L2-normalised and concatenated,
   The JSON holds the query/neighbour row indices (into the test set and into the dataset table), labels and hit
   flags, so ``dmlrc report`` can put the losses side by side from MLflow alone.
 * ``per_class.csv`` / ``per_class.json`` — MAP@R, R-Precision and P@1 per test class, computed by
-  ``dml_core.metrics.retrieval_details`` (the same code path as the global metrics; the query-weighted class means
-  are the global values, docs/protocol.md §Metrics averages queries), plus the classes each class's queries retrieve
-  instead (wrong neighbours within the first R, R = the query's class size − 1).
+  ``dml_core.evaluation.metrics.retrieval_details`` (the same code path as the global metrics; the query-weighted class
+  means are the global values, docs/protocol.md §Metrics averages queries), plus the classes each class's queries
+  retrieve instead (wrong neighbours within the first R, R = the query's class size − 1).
 * ``embedding_map.png`` — PCA (2-D, numpy SVD: no extra dependency) of a seeded sample of test classes, coloured
   by class; the same classes for every loss of a dataset.
 
@@ -40,7 +40,7 @@ import ray.train
 from PIL import Image
 
 from dml_core.data import decode_image
-from dml_core.metrics import retrieval_details
+from dml_core.evaluation.metrics import retrieval_details
 from dml_core.storage import open_storage
 from pipelines.names import HEADLINE_METRICS, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.results.embeddings import concatenated_embeddings, details_from_bytes
@@ -165,8 +165,8 @@ def confusions(
 
 
 def _details(embeddings: np.ndarray, labels: np.ndarray):
-    """``dml_core.metrics.retrieval_details``: global metrics, neighbour indices (depth = max(largest R, 8)) and
-    per-query/per-class values, from one search."""
+    """``dml_core.evaluation.metrics.retrieval_details``: global metrics, neighbour indices (depth = max(largest R, 8))
+    and per-query/per-class values, from one search."""
     # NMI (k-means) is not shown here and is the slow part on large sets; the kNN metrics are unaffected.
     return retrieval_details(embeddings, labels, normalize=True, nmi=False)
 

@@ -34,7 +34,7 @@ import torch
 from mlflow.models import ModelSignature
 from mlflow.types import ParamSchema, ParamSpec, Schema, TensorSpec
 
-from dml_core.checkpoint import load_weights_only
+from dml_core.training.checkpoint import load_weights_only
 from dml_core.trunks import trunk_preprocessing
 from pipelines.names import ALIAS, HEADLINE_METRICS, MODES, REPRODUCTION
 from pipelines.tracking import pyfunc_model

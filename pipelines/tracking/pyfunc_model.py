@@ -4,7 +4,7 @@
 This file is an MLflow *model from code*: :mod:`pipelines.tracking.model_registry` logs it with
 ``mlflow.pyfunc.log_model(python_model=<this file>, artifacts=...)``, MLflow copies the file into the model and
 executes it on load (``mlflow.models.set_model`` below).  Nothing is unpickled: the weights are ``fold_<k>.pt``
-state dicts read with ``torch.load(weights_only=True)`` (``dml_core.checkpoint.load_weights_only``) and the
+state dicts read with ``torch.load(weights_only=True)`` (``dml_core.training.checkpoint.load_weights_only``) and the
 architecture is ``embedder.json`` (``dml_core.models.build_model`` keyword arguments).  Loading needs this project's
 ``dml_core`` importable: the model carries its wheel (``requirements.txt``, :mod:`pipelines.tracking.model_env`).
 
@@ -35,9 +35,9 @@ from mlflow.models import set_model
 from mlflow.pyfunc import PythonModel
 from PIL import Image
 
-from dml_core.checkpoint import load_weights_only
 from dml_core.data import decode_image, eval_transform
 from dml_core.models import build_model
+from dml_core.training.checkpoint import load_weights_only
 from pipelines.results.embeddings import concatenated_embeddings
 
 EMBEDDER_FILE = "embedder.json"

@@ -21,7 +21,7 @@ import torch
 
 import dml_core.losses.registry as registry
 import dml_core.protocol as protocol
-import dml_core.train as train_mod
+import dml_core.training.loop as train_mod
 from dml_core.data import ImageDataset, synthetic
 from dml_core.losses import (
     ENTRY_POINT_GROUP,
@@ -43,7 +43,7 @@ from dml_core.losses import (
 )
 from dml_core.losses.sec import L2NormRegularizer, SphericalEmbeddingConstraint
 from dml_core.models import EmbeddingModel
-from dml_core.train import TrainConfig, _optimizer, loss_weight_decay_for, train_fold
+from dml_core.training.loop import TrainConfig, _optimizer, loss_weight_decay_for, train_fold
 
 ROOT = Path(__file__).resolve().parents[2]
 KW = {"num_classes": 4, "embedding_dim": 8}
@@ -209,15 +209,15 @@ def test_protocol_constants_have_one_home_and_keep_their_old_names():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
-    assert "dml_core.train" not in imports(ROOT / "dml_core" / "losses" / "registry.py")
+    assert "dml_core.training.loop" not in imports(ROOT / "dml_core" / "losses" / "registry.py")
     assert imports(ROOT / "dml_core" / "protocol.py") <= {"__future__", "dataclasses"}
 
 
 def test_train_imports_without_the_loss_zoo():
-    """dml_core.train takes its constant from dml_core.protocol; the registry (and with it the loss zoo) is imported
-    only when a loss built by build_loss is trained."""
+    """dml_core.training.loop takes its constant from dml_core.protocol; the registry (and with it the loss zoo) is
+    imported only when a loss built by build_loss is trained."""
     code = (
-        "import sys\nimport dml_core.train as t\nprint('dml_core.losses' in sys.modules)\n"
+        "import sys\nimport dml_core.training.loop as t\nprint('dml_core.losses' in sys.modules)\n"
         "import dml_core.losses.registry as r\nprint(r.MLRC_LOSS_WEIGHT_DECAY is t.MLRC_LOSS_WEIGHT_DECAY)\n"
     )
     out = subprocess.run(

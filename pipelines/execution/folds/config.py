@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from dml_core.train_config import TrainConfig
+from dml_core.training.config import TrainConfig
 
 __all__ = ["FoldClasses", "FoldConfig", "FoldOutcome", "FoldStudyPart", "s3_uri"]
 
@@ -113,8 +113,9 @@ class FoldOutcome:
     history: list[dict[str, Any]] = field(default_factory=list)  # every evaluation: epoch, iteration, loss, metrics
     test_metrics: dict[str, float] | None = None  # the best model alone on the test classes (reproductions)
     cpu_seconds: float | None = None  # CPU time of the fold's process (and its reaped children) in the fold function
-    numerics: str = ""  # what the fold trained in (dml_core.train.FoldResult.numerics), e.g. "bf16+channels_last"
-    cpu_model: str = ""  # the CPU of the fold's machine (dml_core.numerics.cpu_model)
+    # what the fold trained in (dml_core.training.loop.FoldResult.numerics), e.g. "bf16+channels_last"
+    numerics: str = ""
+    cpu_model: str = ""  # the CPU of the fold's machine (dml_core.training.numerics.cpu_model)
 
     def as_dict(self) -> dict[str, Any]:
         """``outcome.json``'s document; ``test_metrics`` only where the test classes were evaluated."""

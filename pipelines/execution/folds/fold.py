@@ -2,7 +2,7 @@
 
 docs/protocol.md §Training a fold: each fold trains an independent model on the fold's train classes, evaluates on its
 val classes (compared to self), and keeps the checkpoint with the best val MAP@R (early stopping §1.5).  That is
-:func:`dml_core.train.train_fold`; :func:`run_fold` wires it to the sweep:
+:func:`dml_core.training.loop.train_fold`; :func:`run_fold` wires it to the sweep:
 
 * rank 0 logs every evaluation to the fold's MLflow run (``val.<metric>``, step = iteration) through an explicit run
   id and prints one progress line per evaluation;
@@ -18,7 +18,7 @@ obtained and where the result directory goes:
 * **train** (:func:`fold_worker` here, ``workers_per_fold > 1`` or forced): a Ray Train ``TorchTrainer`` job.
   ``torch.distributed`` is initialised by Ray Train (gloo on CPU, NCCL with GPUs); ``train_fold`` detects it, wraps
   the model in DDP and draws its rank's slice of every m-per-class batch from
-  :class:`~dml_core.samplers.MPerClassBatchSampler`.  We never call ``ray.train.torch.prepare_data_loader``: it
+  :class:`~dml_core.training.samplers.MPerClassBatchSampler`.  We never call ``ray.train.torch.prepare_data_loader``: it
   would replace the m-per-class sampler by a ``DistributedSampler`` (Ray Train's ``prepare_data_loader`` would).  The
   directory is rank 0's Ray Train checkpoint.
 
@@ -26,7 +26,7 @@ Both keep the same resume story: a fold whose result directory exists (it finish
 not trained again.
 
 Mid-fold resume (``mid_fold_resume``, default on): after every evaluation rank 0 stores the full training state
-(:mod:`dml_core.checkpoint`) under the fold's checkpoint directory ``<fold_storage>/<run name>/ckpt/``
+(:mod:`dml_core.training.checkpoint`) under the fold's checkpoint directory ``<fold_storage>/<run name>/ckpt/``
 (``state-<iteration>.pt`` + ``latest.json``, written in that order; the latest and the best state are kept).  A fold
 started again — Ray's task retry, Ray Train's worker-group restart, or ``dmlrc sweep --resume`` — loads the latest
 state and continues from that evaluation, logging to the *same* MLflow run: the run's logged steps are compared with
@@ -57,12 +57,12 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from dml_core.checkpoint import CheckpointDir
 from dml_core.data import ImageDataset, eval_transform, train_transform
 from dml_core.distributed import broadcast_object
 from dml_core.models import build_model
-from dml_core.numerics import cpu_model
-from dml_core.train import TrainConfig, embed, train_fold
+from dml_core.training.checkpoint import CheckpointDir
+from dml_core.training.loop import TrainConfig, embed, train_fold
+from dml_core.training.numerics import cpu_model
 from pipelines.execution.folds.config import FoldConfig, FoldOutcome, s3_uri
 from pipelines.names import FOLD_STARTED_TAG, HEADLINE_METRICS, MODEL_FILE, OUTCOME_FILE, TEST_EMBEDDINGS, TEST_LABELS
 from pipelines.tracking.evaluations import evaluation_metrics, finite_metrics, logged_evaluations
@@ -402,7 +402,7 @@ def _evaluate_test(cfg: FoldConfig, parts: _FoldParts, result, outcome: FoldOutc
     if not (cfg.evaluate_test and result.status == "ok"):
         return None
     # faiss: loaded by the folds that evaluate the test classes only (reproductions), not by every fold process
-    from dml_core.metrics import retrieval_metrics
+    from dml_core.evaluation.metrics import retrieval_metrics
 
     parts.model.load_state_dict(result.best_state["model"])
     test_set = ImageDataset(parts.table.subset(list(cfg.test_classes)), eval_transform(cfg.image_size, parts.prep))

@@ -11,8 +11,9 @@ builds ``TorchTrainer``\\ s).  Per trial it
    4 threads (DDP folds, ``workers_per_fold > 1``).  A fold whose resources do not fit yet waits in Ray's queue.  The
    trial itself reserves only the driver resource (see :mod:`pipelines.execution.sweep`);
 3. reduces the folds (docs/protocol.md §Objective): objective = mean over folds of each fold's best-checkpoint val
-   MAP@R, with its SEM (``dml_core.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the trial score
-   0 and the trial run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes on;
+   MAP@R, with its SEM (``dml_core.evaluation.stats.fold_summary``).  A fold that diverged (non-finite loss) makes the
+   trial score 0 and the trial run records which fold and why (MLRC: "NaN loss: the run returns (0, 0)"); the study goes
+   on;
 4. for a reproduction, evaluates the best fold models on the test classes (docs/protocol.md §Test evaluation):
    *separated* = each fold model alone, metrics averaged over folds; *concatenated* = each fold's embedding
    L2-normalised, concatenated (4 × d) and normalised again (``retrieval_metrics(normalize=True)``);
@@ -23,8 +24,8 @@ builds ``TorchTrainer``\\ s).  Per trial it
 A trial's driver loads torch only where it uses it: a search trial of warm folds submits Ray tasks and reduces their
 ``outcome.json`` (numpy, MLflow), so this module imports neither :mod:`pipelines.execution.folds.fold` nor anything of
 ``dml_core`` that imports torch at module level; Ray Train folds (``fold_worker``) and a reproduction's test
-evaluation (``dml_core.metrics``) import it where they run.  A trial driver is a Tune actor process of its own, and
-``import torch`` (a CUDA build) costs seconds of CPU and hundreds of MB of memory per process
+evaluation (``dml_core.evaluation.metrics``) import it where they run.  A trial driver is a Tune actor process of its
+own, and ``import torch`` (a CUDA build) costs seconds of CPU and hundreds of MB of memory per process
 (``tests/test_lean_imports.py``).
 
 Why not ``ray.tune.integration.ray_train.TuneReportCallback``: it forwards every Train report through one
@@ -51,10 +52,10 @@ import ray
 import ray.train
 from ray import tune
 
+from dml_core.evaluation.stats import fold_summary
 from dml_core.splits import Fold, FoldManifest
-from dml_core.stats import fold_summary
 from dml_core.storage import open_storage
-from dml_core.train_config import TrainConfig
+from dml_core.training.config import TrainConfig
 from pipelines.config.spaces import LOSS_LR
 from pipelines.execution.folds.config import FoldClasses, FoldConfig, FoldOutcome, FoldStudyPart, s3_uri
 from pipelines.execution.folds.warm import result_uri, warm_fold_ref

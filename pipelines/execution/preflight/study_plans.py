@@ -30,7 +30,7 @@ from dml_core.losses import build_loss, check_plugin_losses, loss_info
 from dml_core.models import build_model
 from dml_core.protocol import MLRC_BATCH, MLRC_MODEL
 from dml_core.splits import FoldManifest
-from dml_core.train_config import TrainConfig
+from dml_core.training.config import TrainConfig
 from pipelines.config.schema import TRAIN_KEYS, ConfigError, LossSpec, SweepConfig
 from pipelines.config.spaces import LOSS_LR, Param
 from pipelines.execution.preflight.datasets import DatasetData, check_image_rows, load_table, one_line
@@ -60,7 +60,7 @@ class StudyPlan:
 
 
 def study_train_config(cfg: SweepConfig, plan: StudyPlan | None = None) -> TrainConfig:
-    """The :class:`~dml_core.train_config.TrainConfig` every fold of ``plan``'s study starts from: ``protocol.train``
+    """The :class:`~dml_core.training.config.TrainConfig` every fold of ``plan``'s study starts from: ``protocol.train``
     with the protocol's schedule and the study's batch (without a plan, ``protocol.train``'s own batch or
     TrainConfig's).  A fold then sets its seed and the loss's own learning rate; a calibration shortens the
     schedule; the study's fingerprint records it.  One definition, so that each of them means the same folds."""
@@ -235,7 +235,8 @@ _PROTOCOL_TRAIN_FIELDS = ("iters_per_epoch", "max_epochs", "eval_every", "patien
 
 
 def _train_config_field(message: str) -> str:
-    """The config field a :class:`dml_core.train.TrainConfig` error is about: it names ``TrainConfig.<field>``."""
+    """The config field a :class:`dml_core.training.loop.TrainConfig` error is about: it names
+    ``TrainConfig.<field>``."""
     m = re.search(r"TrainConfig\.(\w+)", message)
     if m and m.group(1) in TRAIN_KEYS:
         return f"protocol.train.{m.group(1)}"

@@ -52,7 +52,7 @@ RUNG_METRIC = "val.map_at_r"
 
 
 def evaluations_per_fold(max_epochs: int, eval_every: int) -> int:
-    """Evaluations a fold makes after the untrained one (``dml_core.train``: every ``eval_every`` epochs up to
+    """Evaluations a fold makes after the untrained one (``dml_core.training.loop``: every ``eval_every`` epochs up to
     ``max_epochs``), unless patience stops it earlier."""
     return max_epochs // eval_every
 

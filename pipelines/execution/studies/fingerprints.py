@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dml_core.data import eval_transform, train_transform
-from dml_core.metrics import METRICS_VERSION
+from dml_core.evaluation.metrics import METRICS_VERSION
 from dml_core.trunks import trunk_preprocessing
 from dml_core.trunks.weights import local_weights
 from pipelines.config.schema import SweepConfig

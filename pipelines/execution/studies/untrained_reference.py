@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from dml_core.data import ImageDataset, eval_transform
-from dml_core.metrics import retrieval_metrics
+from dml_core.evaluation.metrics import retrieval_metrics
 from dml_core.models import build_model
-from dml_core.train import embed
+from dml_core.training.loop import embed
 
 __all__ = ["untrained_test_metrics"]
 

@@ -53,7 +53,7 @@ block ``_gemm_k_block`` found) and re-sorts, and rows where a dropped pair could
 searched again in full. So the results equal the fp32 mode's, near-ties included; ``prune=None`` uses bf16 only
 where that K block was found (an explicit ``prune="bf16"`` without one is exact for single-chain keys, which may
 differ from the GEMM's in the last bit, as faiss's BLAS and torch's may).  The pair dot products and rounding bounds
-of that mode (``_PairDots``, ``_fma_dots``, ``_widen``, ``_bf16_err``) are in ``dml_core/knn_dots.py``.
+of that mode (``_PairDots``, ``_fma_dots``, ``_widen``, ``_bf16_err``) are in ``dml_core/evaluation/knn_dots.py``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ import time
 
 import torch
 
-from dml_core.knn_dots import _bf16_err, _fma_dots, _PairDots, _widen
+from dml_core.evaluation.knn_dots import _bf16_err, _fma_dots, _PairDots, _widen
 
 __all__ = ["self_knn", "chosen_prune", "TILE_CPU", "TILES_CUDA"]
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dml_core.stats import _values
+from dml_core.evaluation.stats import _values
 
 __all__ = ["expected_max"]
 

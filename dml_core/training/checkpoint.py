@@ -1,8 +1,8 @@
 """A fold's full training state on disk or S3, so that a killed fold continues from its last evaluation.
 
-:func:`dml_core.train.train_fold` hands ``on_checkpoint`` a plain dict after every evaluation (its keys are listed
-in ``train_fold``'s docstring) and accepts it back as ``resume_state``.  This module turns that dict into bytes and
-back, and keeps a directory of them:
+:func:`dml_core.training.loop.train_fold` hands ``on_checkpoint`` a plain dict after every evaluation (its keys are
+listed in ``train_fold``'s docstring) and accepts it back as ``resume_state``.  This module turns that dict into bytes
+and back, and keeps a directory of them:
 
 * :func:`save_state` / :func:`load_state` — ``torch.save`` / ``torch.load(weights_only=True)``.  Everything in a
   state is a tensor or a plain Python value (RNG states included, see :func:`rng_state`), so the restricted unpickler

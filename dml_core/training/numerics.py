@@ -4,7 +4,7 @@
 * :func:`cpu_model` — the CPU's model name (``/proc/cpuinfo``'s ``model name``, else :mod:`platform`'s).
 * :func:`native_bf16` — whether the CPU computes bfloat16 natively (``avx512_bf16`` or ``amx_bf16``).  Without it
   PyTorch emulates bf16 on CPU and an autocast step is many times slower than fp32 (bench/README_cpu_speed.md).
-* :func:`resolve` / :func:`resolve_numerics` — the numerics a :class:`~dml_core.train_config.TrainConfig` gives on a
+* :func:`resolve` / :func:`resolve_numerics` — the numerics a :class:`~dml_core.training.config.TrainConfig` gives on a
   device, as flags for the training step and as a short name (``"bf16+channels_last"``, ``"fp32+channels_last"``,
   ``"fp32"``, ``"cuda-amp-fp16"``, ...) that a fold's result records.
 
@@ -23,7 +23,7 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
-from dml_core.train_config import NUMERICS_AUTO
+from dml_core.training.config import NUMERICS_AUTO
 
 __all__ = ["AUTO", "Numerics", "cpu_flags", "cpu_model", "native_bf16", "resolve", "resolve_numerics"]
 
@@ -99,7 +99,7 @@ def _cuda_dtype(amp_dtype: str) -> str:
 
 
 def resolve(config: Any, device: Any) -> Numerics:
-    """The numerics ``config`` (a :class:`~dml_core.train_config.TrainConfig`) gives on ``device`` (a torch device
+    """The numerics ``config`` (a :class:`~dml_core.training.config.TrainConfig`) gives on ``device`` (a torch device
     or its type as a string): ``"auto"`` decided here, a ``bool`` taken as it is."""
     kind = getattr(device, "type", str(device).split(":")[0])
     cl = config.channels_last

@@ -22,7 +22,7 @@ t-test of each pair uses that pair's own spread, so losses with unequal noise ne
 MCB in the two-way model).  The price is power: with few reproductions and many losses, the group is large.
 
 A pair whose differences are all zero has no test (t = 0/0): its p-value is NaN, it is left out of the family, and it
-excludes neither loss (:func:`dml_core.stats.holm_adjust`).
+excludes neither loss (:func:`dml_core.evaluation.stats.holm_adjust`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dml_core.stats import _values, holm_adjust
+from dml_core.evaluation.stats import _values, holm_adjust
 
 __all__ = ["BestGroup", "GroupMember", "best_group", "METHOD"]
 
@@ -83,7 +83,7 @@ class BestGroup:
 def _one_sided_p(diffs: np.ndarray) -> np.ndarray:
     """``P(T ≥ t)`` of the paired t-test of each row of ``diffs`` (``d = x_j − x_i``; ``H0: mean ≤ 0``), with
     ``scipy.stats.ttest_rel``'s conventions: all differences 0 → NaN; all equal and non-zero → 0 or 1."""
-    # scipy.stats loads where tests are computed (see dml_core.stats.confidence_interval)
+    # scipy.stats loads where tests are computed (see dml_core.evaluation.stats.confidence_interval)
     from scipy import stats as _st
 
     n = diffs.shape[1]

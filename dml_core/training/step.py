@@ -1,6 +1,6 @@
-"""What distributed data parallel and mixed precision change in :func:`dml_core.train.train_fold`'s training step,
-each in one class: :class:`Ranks` (every collective of a fold; the identity in one process) and :class:`Precision`
-(autocast and fp16 loss scaling).  The gradient arithmetic under DDP is explained in :mod:`dml_core.train`'s
+"""What distributed data parallel and mixed precision change in :func:`dml_core.training.loop.train_fold`'s training
+step, each in one class: :class:`Ranks` (every collective of a fold; the identity in one process) and :class:`Precision`
+(autocast and fp16 loss scaling).  The gradient arithmetic under DDP is explained in :mod:`dml_core.training.loop`'s
 docstring.
 """
 
@@ -24,11 +24,11 @@ from dml_core.distributed import (
     get_world_size,
     is_distributed,
 )
-from dml_core.numerics import Numerics
+from dml_core.training.numerics import Numerics
 
 __all__ = ["AMP_DTYPES", "Ranks", "Precision", "lr_scheduler"]
 
-#: The autocast dtype each ``TrainConfig.amp_dtype`` value (``dml_core.train_config.AMP_DTYPE_NAMES``) names.
+#: The autocast dtype each ``TrainConfig.amp_dtype`` value (``dml_core.training.config.AMP_DTYPE_NAMES``) names.
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
@@ -103,8 +103,8 @@ class Ranks:
 
 class Precision:
     """Mixed precision in one place: the training forward under autocast (``amp`` on CUDA with ``amp_dtype``,
-    ``cpu_amp`` on CPU with bfloat16, as :func:`dml_core.numerics.resolve` decided; the loss runs in fp32) and, for
-    fp16 only, loss scaling with one scaler step over all parameter groups (an overflow skips the whole step)."""
+    ``cpu_amp`` on CPU with bfloat16, as :func:`dml_core.training.numerics.resolve` decided; the loss runs in fp32) and,
+    for fp16 only, loss scaling with one scaler step over all parameter groups (an overflow skips the whole step)."""
 
     def __init__(self, numerics: Numerics, amp_dtype: str, device: torch.device) -> None:
         self.enabled = numerics.autocast and device.type in ("cuda", "cpu")

@@ -1,6 +1,6 @@
 """One fold's training settings, :class:`TrainConfig`: a plain dataclass that imports no torch, so that a trial's
 driver can build and check it and hand it to the fold's process (``pipelines.execution.folds.config.FoldConfig``),
-and so that the sweep's config schema can read its defaults.  :func:`dml_core.train.train_fold` takes it."""
+and so that the sweep's config schema can read its defaults.  :func:`dml_core.training.loop.train_fold` takes it."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ __all__ = ["TrainConfig", "OPTIMIZERS", "LR_SCHEDULES", "AMP_DTYPE_NAMES", "NUME
 
 #: The optimisers of the trunk, embedder and loss.
 OPTIMIZERS = ("rmsprop", "sgd", "adam")
-#: Learning-rate schedules after the warm-up (``dml_core.train_step.lr_scheduler``).
+#: Learning-rate schedules after the warm-up (``dml_core.training.step.lr_scheduler``).
 LR_SCHEDULES = ("constant", "cosine")
-#: ``amp_dtype`` values: the CUDA autocast dtypes by name (``dml_core.train_step.AMP_DTYPES`` maps them to torch's).
+#: ``amp_dtype`` values: the CUDA autocast dtypes by name (``dml_core.training.step.AMP_DTYPES`` maps them to torch's).
 AMP_DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16")
-#: ``cpu_amp`` / ``channels_last`` value that leaves the choice to the machine (``dml_core.numerics.resolve``).
+#: ``cpu_amp`` / ``channels_last`` value that leaves the choice to the machine (``dml_core.training.numerics.resolve``).
 NUMERICS_AUTO = "auto"
 
 
@@ -79,11 +79,11 @@ class TrainConfig:
     amp_dtype: str = "bfloat16"
     #: autocast the model's training forward to bfloat16 on CPU (the loss and evaluation stay fp32).  Off by default:
     #: not exact, and only faster on CPUs with native bf16 arithmetic (AVX512-BF16, AMX): bench/cpu_speed_bench.py.
-    #: "auto": on where the CPU has native bf16, off elsewhere (:mod:`dml_core.numerics`).
+    #: "auto": on where the CPU has native bf16, off elsewhere (:mod:`dml_core.training.numerics`).
     cpu_amp: bool | str = False
     #: the model and its training batches in channels-last (NHWC) memory format, which oneDNN's convolutions prefer
     #: on CPU; the arithmetic is the same, the summation order may differ in the last bits.  Off by default.
-    #: "auto": on for CPU training, and on CUDA with ``amp`` (:mod:`dml_core.numerics`).
+    #: "auto": on for CPU training, and on CUDA with ``amp`` (:mod:`dml_core.training.numerics`).
     channels_last: bool | str = False
     #: validation metric for best-epoch selection and early stopping.
     primary_metric: str = "map_at_r"

@@ -2,7 +2,8 @@
 input checks the training loop shares (a dataset of tensors with labels, a device spec).
 
 Under DDP each rank embeds a contiguous shard of the rows and every rank gets the gathered whole
-(:func:`dml_core.distributed.all_gather_uneven`); :func:`dml_core.train.train_fold`'s validation uses the same path.
+(:func:`dml_core.distributed.all_gather_uneven`); :func:`dml_core.training.loop.train_fold`'s validation uses the same
+path.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ trainval range), so build the loss with ``num_classes = len(np.unique(train_set.
 
 Distributed data parallel (detected with ``dist.is_initialized()``; gloo on CPU, NCCL on GPU):
 
-* each rank loads its slice of the global batch (:class:`~dml_core.samplers.MPerClassBatchSampler`
+* each rank loads its slice of the global batch (:class:`~dml_core.training.samplers.MPerClassBatchSampler`
   with ``num_replicas``/``rank``); embeddings are all-gathered *with gradient* and labels gathered,
   so every rank computes the same loss ``L`` on the global batch — the loss never knows about DDP;
 * gradient scaling: the gather's backward sums the upstream gradient over ranks, so rank ``r``'s
@@ -44,11 +44,12 @@ once per iteration (under DDP with an AND over ranks), so all ranks stop togethe
 Checkpoint and resume (``on_checkpoint`` / ``resume_state``): evaluations fall on epoch boundaries, where the
 sampler's position is fully given by the epoch (it reseeds from ``(seed, epoch)``) and the running train-loss mean
 has just been reset, so the state right after an evaluation is small and complete: weights, optimiser, fp16
-loss-scaler and lr-schedule state, every RNG stream (:func:`dml_core.checkpoint.rng_state`, per rank), best-so-far
-weights, metrics and epoch, the history and the iteration reached.  A fold resumed from it continues exactly as the
-uninterrupted fold would have — bit for bit on a deterministic device (``tests/test_train_resume.py``).  The state is
-built only at evaluations and only when ``on_checkpoint`` is given; the per-iteration loop is unchanged.  The loop
-itself is ``_FoldLoop``: :func:`train_fold` drives its named steps (setup, one epoch, evaluation, checkpoint, result).
+loss-scaler and lr-schedule state, every RNG stream (:func:`dml_core.training.checkpoint.rng_state`, per rank),
+best-so-far weights, metrics and epoch, the history and the iteration reached.  A fold resumed from it continues exactly
+as the uninterrupted fold would have — bit for bit on a deterministic device (``tests/test_train_resume.py``).  The
+state is built only at evaluations and only when ``on_checkpoint`` is given; the per-iteration loop is unchanged.  The
+loop itself is ``_FoldLoop``: :func:`train_fold` drives its named steps (setup, one epoch, evaluation, checkpoint,
+result).
 """
 
 from __future__ import annotations
@@ -64,19 +65,19 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dml_core.checkpoint import STATE_FORMAT, rng_state, set_rng_state
 from dml_core.decoded import DecodedBatches, decode_fold
 from dml_core.distributed import broadcast_buffers_, broadcast_object, get_rank
-from dml_core.embedding import check_dataset, embed, embed_gathered, embed_images, labels_of, resolve_device
+from dml_core.evaluation.embedding import check_dataset, embed, embed_gathered, embed_images, labels_of, resolve_device
 from dml_core.loader_workers import init_loader_worker
-from dml_core.numerics import resolve as numerics_of
 
 # MLRC's loss-parameter optimiser: RMSprop with weight decay 1e-4 (``metric_loss_optimizer``); the registry's default
 # ``loss_weight_decay`` is the same constant.  Importable from here as before.
 from dml_core.protocol import MLRC_LOSS_WEIGHT_DECAY
-from dml_core.samplers import MPerClassBatchSampler
-from dml_core.train_config import TrainConfig
-from dml_core.train_step import Precision, Ranks, lr_scheduler
+from dml_core.training.checkpoint import STATE_FORMAT, rng_state, set_rng_state
+from dml_core.training.config import TrainConfig
+from dml_core.training.numerics import resolve as numerics_of
+from dml_core.training.samplers import MPerClassBatchSampler
+from dml_core.training.step import Precision, Ranks, lr_scheduler
 
 __all__ = ["TrainConfig", "FoldResult", "train_fold", "embed", "embed_images"]
 
@@ -104,7 +105,8 @@ class FoldResult:
     epochs: int = 0
     stopped_early: bool = False
     #: the numerics the fold trained with, ``cpu_amp`` / ``channels_last`` "auto" resolved on its device
-    #: (:func:`dml_core.numerics.resolve_numerics`): "bf16+channels_last", "fp32+channels_last", "fp32", "cuda-amp-fp16"
+    #: (:func:`dml_core.training.numerics.resolve_numerics`): "bf16+channels_last", "fp32+channels_last", "fp32",
+    # "cuda-amp-fp16"
     numerics: str = ""
 
 
@@ -208,7 +210,7 @@ def _evaluate(
 ) -> dict[str, float]:
     """Val metrics (val compared to itself), computed on rank 0 and broadcast to every rank."""
     broadcast_buffers_(model)  # BN running stats may differ per rank if BN is not frozen
-    # Embeddings stay on the device: retrieval_metrics searches CUDA tensors there (dml_core.knn.self_knn).
+    # Embeddings stay on the device: retrieval_metrics searches CUDA tensors there (dml_core.evaluation.knn.self_knn).
     emb = embed_gathered(model, val_set, config.eval_batch_size, device, config.num_workers, memory_format)
     labels = labels_of(val_set, "val_set")
     outcome: tuple[str, Any] = ("ok", None)
@@ -219,7 +221,7 @@ def _evaluate(
             outcome = ("nonfinite", f"non-finite validation embeddings ({bad} of {len(emb)} rows)")
         else:
             try:
-                from dml_core.metrics import retrieval_metrics  # faiss loads with the first evaluation only
+                from dml_core.evaluation.metrics import retrieval_metrics  # faiss loads with the first evaluation only
 
                 outcome = ("ok", {k: float(v) for k, v in retrieval_metrics(emb, labels).items()})
             except Exception as e:  # re-raised on every rank below, so no rank waits forever
@@ -336,8 +338,8 @@ class _FixedBudget:
 class _FoldLoop:
     """One fold's training state and its steps: :meth:`setup`, :meth:`begin`, :meth:`one_epoch`,
     :meth:`end_of_epoch` (evaluation and :meth:`checkpoint`), :meth:`finish` / :meth:`result`.  Resume is
-    :meth:`_resume`, DDP is :class:`~dml_core.train_step.Ranks`, AMP is :class:`~dml_core.train_step.Precision`, the
-    fixed budget is :class:`_FixedBudget` (against :class:`_Validation`); nothing else branches on them."""
+    :meth:`_resume`, DDP is :class:`~dml_core.training.step.Ranks`, AMP is :class:`~dml_core.training.step.Precision`,
+    the fixed budget is :class:`_FixedBudget` (against :class:`_Validation`); nothing else branches on them."""
 
     def __init__(self, model: nn.Module, loss: nn.Module, train_set, val_set, config: TrainConfig, hooks: _Hooks):
         self.t0 = time.perf_counter()
@@ -597,9 +599,9 @@ def train_fold(
     mode after every train-loss record) with the full training state, a dict of tensors (CPU copies) and plain
     values — ``format``, ``epoch``, ``iteration``, ``world_size``, ``config`` (``TrainConfig`` as a dict),
     ``seconds``, ``model``, ``loss``, ``optimizer``, ``scaler`` and ``scheduler`` (or ``None``), ``rng`` (one
-    :func:`~dml_core.checkpoint.rng_state` per rank), ``best`` (``metrics``, ``epoch``, ``iteration``, ``state``),
-    ``history``.  Store it with :func:`dml_core.checkpoint.save_state` (``weights_only`` loadable).  Under DDP pass
-    it (or ``None``) alike on every rank: the ranks' RNG states are gathered for rank 0's call.
+    :func:`~dml_core.training.checkpoint.rng_state` per rank), ``best`` (``metrics``, ``epoch``, ``iteration``,
+    ``state``), ``history``.  Store it with :func:`dml_core.training.checkpoint.save_state` (``weights_only`` loadable).
+    Under DDP pass it (or ``None``) alike on every rank: the ranks' RNG states are gathered for rank 0's call.
     ``resume_state``: such a state (every rank passes the same one): training continues after its evaluation —
     weights, optimiser, RNG streams, best-so-far, patience and history restored — instead of starting at epoch 0.
     The config must match the one it was written with (except device, workers, eval batch, patience and, without a

@@ -21,7 +21,7 @@
   default seed, exactly PML's ``FaissKMeans(niter=20)``; NMI with sklearn's
   ``normalized_mutual_info_score`` semantics (arithmetic mean of the two entropies).
 
-kNN search (``backend``): leave-one-out sets go by default (``"auto"``) through ``dml_core.knn.self_knn``,
+kNN search (``backend``): leave-one-out sets go by default (``"auto"``) through ``dml_core.evaluation.knn.self_knn``,
 an exact symmetric search in torch (CPU or CUDA, where the embeddings are) that computes each pair's
 distance once and returns faiss's (distance, index) order -- on CPU from ``SYMMETRIC_MIN_ROWS_CPU`` rows
 on, where it is the faster one.  A query set (In-Shop), a small CPU set, or a top-k state too large for
@@ -46,8 +46,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dml_core import openblas_core
-from dml_core.knn import self_knn
+from dml_core.evaluation import openblas_core
+from dml_core.evaluation.knn import self_knn
 
 with openblas_core.for_faiss_import():  # faiss-cpu's OpenBLAS does not know recent Xeons (~3x slower kernels)
     import faiss
@@ -588,7 +588,7 @@ def retrieval_metrics(
 
     Embeddings are L2-normalised (``normalize=True``, torch ``F.normalize``) and searched with exact L2
     distance, ties broken by the smaller index.  ``backend="auto"``: leave-one-out through the
-    symmetric torch search (``dml_core.knn.self_knn``, on the embeddings' device; on CPU from
+    symmetric torch search (``dml_core.evaluation.knn.self_knn``, on the embeddings' device; on CPU from
     ``SYMMETRIC_MIN_ROWS_CPU`` rows), otherwise and for a query set through faiss (a GPU index on CUDA
     inputs when faiss has GPUs); ``"torch"`` / ``"faiss"`` force one.  Inputs
     are torch tensors (CPU or CUDA) or numpy arrays; labels are integer class ids.  Returns python floats.

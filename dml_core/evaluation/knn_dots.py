@@ -1,10 +1,10 @@
-"""Dot products of pairs of rows for the bf16 mode of ``dml_core.knn.self_knn``, and their rounding bounds.
+"""Dot products of pairs of rows for the bf16 mode of ``dml_core.evaluation.knn.self_knn``, and their rounding bounds.
 
 Two ways to compute x_i·x_j of chosen pairs in float32: ``_PairDots``, the search's cheap working keys (an elementwise
 product summed by torch, the same value wherever the rows sit), and ``_fma_dots``, the final keys rounded exactly as
 the BLAS's SGEMM rounds them (one fused multiply-add chain per K block).  ``_widen`` bounds how far two float32
 computations of a key may differ; ``_bf16_err`` how far a bf16 panel product may fall below the fp32 one.  Why each
-is needed: the module docstring of ``dml_core.knn``.
+is needed: the module docstring of ``dml_core.evaluation.knn``.
 """
 
 from __future__ import annotations
