@@ -53,10 +53,9 @@ from pipelines.execution.preflight.study_plans import StudyPlan, preflight, stud
 from pipelines.execution.runtime.environment import (
     check_storage_reachable,
     check_tracking_reachable,
-    default_num_cpus,
     redact_uri,
 )
-from pipelines.execution.runtime.resources import usable_cpus
+from pipelines.execution.runtime.resources import default_num_cpus, usable_cpus
 from pipelines.execution.studies.continuation import check_continuation, check_restart, check_resume
 from pipelines.execution.studies.reuse import find_reuse
 from pipelines.execution.sweep import max_concurrent_studies

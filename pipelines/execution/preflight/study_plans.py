@@ -7,10 +7,12 @@ cannot be written (``storage``, ``tracking.uri``), a missing or unreadable datas
 file), an image row whose header does not parse (``datasets[i].path``), too few classes for the folds × batch
 (``datasets[i]``), a loss that cannot be built with its parameters (``losses[j].params``), a batch that does not
 split across the DDP workers (``resources.workers_per_fold``), a ``model.pretrained`` file that is not a state
-dict of the trunk, GPUs asked for where there are none (``resources.use_gpu``).  Nothing is written here: the
+dict of the trunk, GPUs asked for where there are none (``resources.use_gpu``), a ``runtime_env`` folder over Ray's
+upload limit (:func:`check_package_sizes`, by Ray's own packaging rules).  Nothing is written here: the
 checks only read, so a failing config leaves no folder and no MLflow experiment behind.
 
-No Ray, no MLflow here (the resources are checked against Ray's by :mod:`pipelines.execution.runtime.resources`).
+No Ray started and no MLflow here: of Ray only its packaging rules are read (the resources are checked against
+Ray's by :mod:`pipelines.execution.runtime.resources`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,10 +38,9 @@ from pipelines.config.schema import TRAIN_KEYS, ConfigError, LossSpec, SweepConf
 from pipelines.config.spaces import LOSS_LR, Param
 from pipelines.execution.preflight.datasets import DatasetData, check_image_rows, load_table, one_line
 from pipelines.execution.preflight.locations import check_locations
-from pipelines.execution.runtime.worker_check import check_package_sizes
 from pipelines.names import study_key
 
-__all__ = ["StudyPlan", "study_train_config", "preflight", "batch_of", "check_pretrained"]
+__all__ = ["StudyPlan", "study_train_config", "preflight", "batch_of", "check_pretrained", "check_package_sizes"]
 
 
 @dataclass
@@ -363,6 +365,56 @@ def _plan_studies(
                 )
             )
     return plans
+
+
+def _package_bytes(path: Path, excludes: list[str], working_dir: bool) -> int | None:
+    """The bytes Ray would upload for one ``working_dir`` or ``py_modules`` folder: its files that neither the
+    config's ``excludes``, Ray's default excludes (``working_dir`` only) nor ``.gitignore`` / ``.rayignore`` files
+    leave out, walked by Ray's own packaging code (Ray stores the files uncompressed).  ``None`` where that code is
+    not there to ask."""
+    try:
+        # Ray's packaging module only (nothing starts): the rules must be exactly the ones the upload applies
+        from ray._private import ray_constants
+        from ray._private.runtime_env import packaging
+    except ImportError:
+        return None
+    patterns = list(excludes)
+    if working_dir:
+        patterns += ray_constants.get_runtime_env_default_excludes()
+    include_gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
+    total = 0
+
+    def add(p: Path) -> None:
+        nonlocal total
+        if p.is_file():
+            total += p.stat().st_size
+
+    try:
+        packaging._dir_travel(path, [packaging._get_excludes(path, patterns)], add, include_gitignore=include_gitignore)
+    except (AttributeError, TypeError):  # Ray's private packaging API changed: Ray's own check remains
+        return None
+    return total
+
+
+def check_package_sizes(cfg: SweepConfig) -> None:
+    """A ``working_dir`` or ``py_modules`` folder larger than Ray's upload limit (512 MiB) is refused before Ray
+    starts, naming the folder, instead of failing in ``ray.init`` with a traceback."""
+    env = cfg.runtime_env
+    folders = [("runtime_env.working_dir", env.working_dir, True)] if env.working_dir else []
+    folders += [(f"runtime_env.py_modules[{i}]", p, False) for i, p in enumerate(env.py_modules) if Path(p).is_dir()]
+    if not folders:
+        return
+    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE  # the limit the upload enforces
+
+    for name, folder, is_working_dir in folders:
+        size = _package_bytes(Path(folder), list(env.excludes), is_working_dir)
+        if size is not None and size >= GCS_STORAGE_MAX_SIZE:
+            raise ConfigError(
+                name,
+                f"{folder} holds {size / 2**20:.0f} MiB to upload, over Ray's limit of "
+                f"{GCS_STORAGE_MAX_SIZE / 2**20:.0f} MiB: leave data and environments out (runtime_env.excludes, "
+                ".gitignore or .rayignore) or install the code on the nodes",
+            )
 
 
 def preflight(cfg: SweepConfig) -> list[StudyPlan]:

@@ -27,7 +27,6 @@ Security:
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -37,7 +36,6 @@ from urllib.parse import unquote
 
 from dml_core.storage import split_s3_uri
 from pipelines.config import ConfigError, SweepConfig, redact_uri
-from pipelines.execution.runtime.resources import WORKER_GIB, memory_gib
 from pipelines.tracking.server import check_mlflow_server
 
 __all__ = [
@@ -49,7 +47,6 @@ __all__ = [
     "remove_stale_credentials",
     "check_storage_reachable",
     "check_tracking_reachable",
-    "default_num_cpus",
     "apply_ray_env",
     "worker_env",
     "hide_credentials",
@@ -196,16 +193,6 @@ def _check_postgres(uri: str) -> None:
         raise ConfigError("tracking.uri", scrub(f"PostgreSQL {shown} is not reachable ({detail})", uri)) from None
     finally:
         engine.dispose()
-
-
-def default_num_cpus(cfg: SweepConfig) -> int:
-    """Logical CPUs of an embedded local Ray: enough for every fold of ``max_concurrent_trials`` trials at once (a
-    tiny model oversubscribes cores happily) — but no more fold workers than this machine's memory holds (about
-    ``WORKER_GIB`` each): beyond that, folds wait in Ray's queue instead of swapping the machine to a halt."""
-    r = cfg.resources
-    need = r.max_concurrent_trials * cfg.protocol.folds * r.workers_per_fold * r.cpus_per_worker
-    fits = max(r.workers_per_fold, math.floor(0.8 * memory_gib() / WORKER_GIB)) * r.cpus_per_worker
-    return int(max(os.cpu_count() or 1, math.ceil(min(need, fits)) + 1))
 
 
 #: The custom resource that marks the node(s) where trial drivers (Tune's trial actors, 0 CPU of real work each)

@@ -17,6 +17,7 @@ __all__ = [
     "check_local_gpus",
     "check_local_workers",
     "check_cluster_resources",
+    "default_num_cpus",
     "check_node_resources",
     "memory_gib",
     "usable_cpus",
@@ -111,6 +112,16 @@ def check_local_workers(
             f"this machine has {cores} for the local Ray: lower workers_per_fold (or cpus_per_worker), or run on a "
             "cluster with --address",
         )
+
+
+def default_num_cpus(cfg: SweepConfig) -> int:
+    """Logical CPUs of an embedded local Ray: enough for every fold of ``max_concurrent_trials`` trials at once (a
+    tiny model oversubscribes cores happily) — but no more fold workers than this machine's memory holds (about
+    ``WORKER_GIB`` each): beyond that, folds wait in Ray's queue instead of swapping the machine to a halt."""
+    r = cfg.resources
+    need = r.max_concurrent_trials * cfg.protocol.folds * r.workers_per_fold * r.cpus_per_worker
+    fits = max(r.workers_per_fold, math.floor(0.8 * memory_gib() / WORKER_GIB)) * r.cpus_per_worker
+    return int(max(os.cpu_count() or 1, math.ceil(min(need, fits)) + 1))
 
 
 def check_cluster_resources(cfg: SweepConfig, resources: Mapping[str, float]) -> None:

@@ -47,14 +47,13 @@ from pipelines.execution.runtime.environment import (
     UNDO,
     WORKER_SETUP_HOOK,
     apply_ray_env,
-    default_num_cpus,
     hide_credentials,
     s3_compat_env,
     undo_settings,
     worker_env,
 )
 from pipelines.execution.runtime.interrupts import install_startup_handlers
-from pipelines.execution.runtime.resources import check_cluster_resources, check_node_resources
+from pipelines.execution.runtime.resources import check_cluster_resources, check_node_resources, default_num_cpus
 from pipelines.execution.runtime.worker_check import build_in_worker
 from pipelines.tracking.outage import apply_retry_env
 
