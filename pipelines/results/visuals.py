@@ -397,7 +397,7 @@ def _embedding_map(embeddings: np.ndarray, labels: np.ndarray, names: dict[int, 
 
 def reproduction_embeddings(fold_checkpoints: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated test embeddings (docs/protocol.md §Test evaluation,
-    :func:`pipelines.execution.folds.trial.concatenated_embeddings`) and labels of a reproduction, from its folds' Ray
+    :func:`pipelines.results.embeddings.concatenated_embeddings`) and labels of a reproduction, from its folds' Ray
     Train checkpoints (local paths or ``s3://`` URIs)."""
 
     parts: list[np.ndarray] = []

@@ -9,9 +9,9 @@ A sweep runs for days; its MLflow server may restart (an upgrade, a crashed pod)
   waits in its logging call and trains on when the server is back.  A value the user set in the environment wins.
 * **A watch on the driver** (:class:`TrackingWatch`) asks the server's ``/health`` (a PostgreSQL store: a TCP
   connect) every few seconds.  Unreachable for ``tracking.outage_timeout_s`` in a row, the sweep stops as on Ctrl-C
-  (:meth:`pipelines.execution.sweep._Sweep.run_all`): Tune's experiment state and the folds' checkpoints stay in the
-  sweep's storage, Ray is shut down, and the CLI prints one line (``tracking error: …``, exit status 3) with the resume
-  command.  The runs it could not close stay RUNNING, which is what ``--resume`` reuses.
+  (:meth:`pipelines.execution.studies.sweep_studies.SweepStudies.run_all`): Tune's experiment state and the folds'
+  checkpoints stay in the sweep's storage, Ray is shut down, and the CLI prints one line (``tracking error: …``, exit
+  status 3) with the resume command.  The runs it could not close stay RUNNING, which is what ``--resume`` reuses.
 * **``--resume``** then completes the logging: unfinished trials rerun under their trial ids, folds with a stored
   result are not trained again, and every fold run gets the evaluations it misses
   (``pipelines.tracking.evaluations.logged_evaluations`` says which it holds) from its checkpoint

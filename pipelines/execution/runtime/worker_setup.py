@@ -1,5 +1,5 @@
 """What every Ray worker process of a ``dmlrc`` job runs first: :func:`setup_worker`, Ray's
-``worker_process_setup_hook`` (set by :func:`pipelines.execution.runtime.environment.init_ray`).
+``worker_process_setup_hook`` (set by :func:`pipelines.execution.runtime.session.init_ray`).
 
 :func:`scope_to_own_cluster` points the worker's ``RAY_ADDRESS`` at the cluster the worker belongs to.  Ray's State
 API, which Ray Train's placement-group cleaner (a detached actor of every Train run) polls from a worker, otherwise
