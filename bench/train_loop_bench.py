@@ -16,8 +16,8 @@ process CPU time (one thread, so CPU time is the work done and barely moves when
 wall time.  Each repeat runs every variant, rotating which goes first (interleaved, so drift of a shared machine
 hits all alike), after ``--warmup`` untimed rounds.  Prints per-repeat times, the medians, and the median of the
 per-repeat ratios (bare time / train_fold time: 1.0 = the library costs nothing, 0.95 = it is 5 % slower).
-``--before FILE`` adds another version of ``dml_core/training/loop.py`` (e.g. ``git show REV:dml_core/training/loop.py >
-f``) as a third variant in the same run.
+``--before FILE`` adds another version of ``dml_core/training/loop.py`` (e.g.
+``git show REV:dml_core/training/loop.py > f``) as a third variant in the same run.
 
     python bench/train_loop_bench.py                 # 9 repeats of 300 iterations
     python bench/train_loop_bench.py --repeats 15 --before /tmp/train_before.py

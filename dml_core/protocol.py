@@ -57,5 +57,5 @@ MLRC_BATCH = BatchSpec(classes_per_batch=8, m=4)
 MLRC_MODEL = ModelRecipe(pooling="avg", layer_norm=False)
 #: MLRC's loss-parameter optimiser (``metric_loss_optimizer``): RMSprop with weight decay 1e-4.  The default
 #: ``loss_weight_decay`` of every registered loss and of any other module :func:`dml_core.training.loop.train_fold`
-# trains.
+#: trains.
 MLRC_LOSS_WEIGHT_DECAY = 1e-4

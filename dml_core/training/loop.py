@@ -106,7 +106,7 @@ class FoldResult:
     stopped_early: bool = False
     #: the numerics the fold trained with, ``cpu_amp`` / ``channels_last`` "auto" resolved on its device
     #: (:func:`dml_core.training.numerics.resolve_numerics`): "bf16+channels_last", "fp32+channels_last", "fp32",
-    # "cuda-amp-fp16"
+    #: "cuda-amp-fp16"
     numerics: str = ""
 
 
