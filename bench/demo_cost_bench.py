@@ -10,9 +10,10 @@ are counted too, from /proc), and prints:
 * Σ of the folds' own ``cpu_seconds`` (``outcome.json``) and their numerics, i.e. the training inside the fold
   workers; the rest of the fold workers' CPU is their imports and per-fold bookkeeping.
 
-With ``--max-concurrent-studies N`` the same preset runs with ``resources.max_concurrent_studies: N``.
+With ``--set KEY=VALUE`` (repeatable; a dotted path into the preset, the value read as YAML) the same preset runs
+with that field changed, e.g. ``--set resources.max_concurrent_studies=3`` or ``--set protocol.max_epochs=6``.
 
-    python bench/demo_cost_bench.py [--max-concurrent-studies 3]
+    python bench/demo_cost_bench.py [--set resources.max_concurrent_studies=3 ...]
 
 Run it on an idle machine: every figure is CPU time of this run only, but the wall time depends on the load.
 """
@@ -94,17 +95,30 @@ def _fold_cpu(storage: Path) -> tuple[int, float, set[str]]:
     return n, total, numerics
 
 
+def _override(doc: dict, assignment: str) -> None:
+    """``a.b.c=VALUE``: doc["a"]["b"]["c"] = VALUE read as YAML."""
+    key, sep, value = assignment.partition("=")
+    if not sep:
+        raise SystemExit(f"--set {assignment!r}: expected KEY=VALUE")
+    *parents, leaf = key.split(".")
+    node = doc
+    for name in parents:
+        node = node.setdefault(name, {})
+    node[leaf] = yaml.safe_load(value)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-concurrent-studies", type=int, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a field of the preset")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="demo-cost-") as tmp:
         storage = Path(tmp) / "runs"
-        if args.max_concurrent_studies is None:
+        if not args.set:
             cmd = [sys.executable, "-m", "pipelines.cli", "demo", "--storage", str(storage)]
         else:
             doc = yaml.safe_load((ROOT / "pipelines/config/demo.yaml").read_text())
-            doc["resources"]["max_concurrent_studies"] = args.max_concurrent_studies
+            for assignment in args.set:
+                _override(doc, assignment)
             doc["storage"] = str(storage)
             (Path(tmp) / "demo.yaml").write_text(yaml.safe_dump(doc))
             cmd = [sys.executable, "-m", "pipelines.cli", "sweep", str(Path(tmp) / "demo.yaml")]
@@ -137,6 +151,8 @@ def main() -> int:
     print(f"CPU seconds of the demo's processes: {total:.1f} ({total / wall:.2f} cores busy on average)")
     for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<34} {seconds:7.1f} s  ({count[kind]} processes)")
+    table = re.search(r"^dataset +loss .*?(?=^\s*$)", out, re.S | re.M)
+    print(table.group(0) if table else "(no end-of-sweep table found)")
     print(
         f"folds: {n}, Σ cpu_seconds of their training {fold_cpu:.1f} s ({fold_cpu / max(n, 1):.2f} s per fold), "
         f"numerics {sorted(numerics)}"

@@ -11,10 +11,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipelines.cli import main
 from pipelines.config.presets import copy_preset, presets
-from pipelines.config.schema import load_config
+from pipelines.config.schema import load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +24,18 @@ def test_every_example_config_and_the_demo_is_a_preset():
     names = set(presets())
     assert names == {"demo"} | {p.stem for p in (ROOT / "configs").glob("*.yaml")}
     assert presets()["omniglot"].read_text() == (ROOT / "configs" / "omniglot.yaml").read_text()  # one copy
+
+
+def test_the_compare_example_runs_the_demo_presets_protocol():
+    """examples/circle-vs-demo.yaml compares a plug-in with the demo's studies through their bundle, which a sweep
+    admits only under the same protocol: the example must follow every change of the preset."""
+    demo = load_config(presets()["demo"])
+    doc = yaml.safe_load((ROOT / "examples" / "circle-vs-demo.yaml").read_text())
+    del doc["compare_with"], doc["runtime_env"]  # the bundle and the plug-in: not here
+    doc["losses"] = ["contrastive"]
+    example = parse_config(doc)
+    for section in ("seed", "datasets", "model", "protocol"):
+        assert getattr(example, section) == getattr(demo, section), section
 
 
 def test_init_lists_the_presets(capsys):

@@ -48,10 +48,10 @@ def test_sweep_plan_prints_counts_and_estimate_and_starts_nothing(tmp_path, no_r
     assert main(["sweep", str(path), "--plan"]) == 0
     out = capsys.readouterr().out
     assert "plan of sweep 'demo': 1 studies, 0 already covered" in out
-    # 2 trials + 2 reproductions × 4 folds = 16 fold runs; 8 epochs × 12 iterations = 96 per fold; 1 + 8 / 2 evaluations
+    # 2 trials + 2 reproductions × 4 folds = 16 fold runs; 8 epochs × 8 iterations = 64 per fold; 1 + 8 / 2 evaluations
     row = next(line for line in out.splitlines() if line.strip().startswith("synthetic/contrastive"))
-    assert row.split()[1:6] == ["2", "2", "16", "1,536", "80"]
-    assert "≤ 1,536 training iterations" in out and "8 test embedding passes" in out
+    assert row.split()[1:6] == ["2", "2", "16", "1,024", "80"]
+    assert "≤ 1,024 training iterations" in out and "8 test embedding passes" in out
     assert "CPU-hours ≈" in out and "wall time ≈" in out and "ms/iteration" in out
     _nothing_created(tmp_path)
 
@@ -60,8 +60,8 @@ def test_demo_plan_counts_the_demo_and_starts_nothing(tmp_path, no_ray, capsys):
     assert main(["demo", "--plan", "--storage", str(tmp_path / "runs"), "--name", "d"]) == 0
     out = capsys.readouterr().out
     assert "plan of sweep 'd': 3 studies" in out
-    # 3 studies × (2 trials + 3 reproductions) = 15 trials, 60 fold runs, 96 iterations each
-    assert "total: 3 studies, 15 trials (6 search + 9 reproductions), 60 fold runs, ≤ 5,760 training iterations" in out
+    # 3 studies × (2 trials + 3 reproductions) = 15 trials, 60 fold runs, 64 iterations each
+    assert "total: 3 studies, 15 trials (6 search + 9 reproductions), 60 fold runs, ≤ 3,840 training iterations" in out
     _nothing_created(tmp_path)
 
 
