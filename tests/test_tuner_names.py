@@ -26,12 +26,19 @@ import json, sys, threading
 import ray
 from ray import tune
 import ray.tune.utils
+from pipelines.execution.runtime.environment import WORKER_SETUP_HOOK
 from pipelines.execution.studies.tuners import fit_tuner
 from pipelines.names import tuner_name
 
 ray.tune.utils.date_str = lambda: "2026-01-01_00-00-00"  # every Tuner starts in the same second
 storage = sys.argv[1]
-ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+# the worker hook a sweep's Ray has: a worker stopped by ray.shutdown() while in a finalizer exits quietly
+ray.init(
+    num_cpus=2,
+    include_dashboard=False,
+    logging_level="ERROR",
+    runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
+)
 
 def train(config):
     tune.report({"objective": float(config["x"])})
