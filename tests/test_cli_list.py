@@ -22,7 +22,7 @@ from dml_core.trunks.plugins import ENTRY_POINT_GROUP as TRUNK_GROUP
 from pipelines.commands import run
 from pipelines.config.fields import DATASET_KINDS
 from pipelines.config.presets import presets
-from pipelines.list_cli import catalogue, render_text
+from pipelines.listing import catalogue, render_text
 
 
 def _no_nan(text: str):

@@ -37,7 +37,7 @@ from pipelines.config import fields
 from pipelines.config.datasets import DATASET_KINDS, PluginDataset, dataset_models
 from pipelines.config.errors import ConfigError
 from pipelines.config.schema import parse_config
-from pipelines.list_cli import catalogue, render_text
+from pipelines.listing import catalogue, render_text
 
 #: The plug-in's module; imported only when a config or a caller names its kind.
 MODULE = "dmlrc_test_dataset_kind"

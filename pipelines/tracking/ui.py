@@ -89,7 +89,7 @@ def experiment_url(tracking_uri: str, experiment_id: str) -> str:
 
 def ui_command(tracking_uri: str, experiment: str) -> str:
     """The ``dmlrc ui`` command that serves the store ``tracking_uri`` and opens ``experiment``'s studies view
-    (:mod:`pipelines.ui_cli`), quoted for a POSIX shell; pass a redacted URI where it holds a password."""
+    (:mod:`pipelines.ui_serve`), quoted for a POSIX shell; pass a redacted URI where it holds a password."""
     return f"dmlrc ui --tracking-uri {shlex.quote(tracking_uri)} --experiment {shlex.quote(experiment)}"
 
 
