@@ -7,7 +7,8 @@ the root.  S3 goes through boto3; the endpoint is the explicit `endpoint_url` ar
 `AWS_ENDPOINT_URL` environment variable (SeaweedFS, MinIO, Ceph ...), else AWS itself.  Credentials come from
 boto3's usual chain (environment variables, ~/.aws, instance roles).
 
-S3 requests go through botocore's own retry ("standard" mode: bounded exponential back-off with jitter on throttling,
+The boto3 side lives in :mod:`dml_core.storage_s3`, loaded by the first S3 request.  S3 requests go through
+botocore's own retry ("standard" mode: bounded exponential back-off with jitter on throttling,
 5xx and connection errors) with connect/read timeouts, so a flaky endpoint delays a request instead of hanging it.
 
 Storage objects are picklable: the boto3 client is created lazily in each process (DataLoader workers, Ray
@@ -21,6 +22,7 @@ import shutil
 import uuid
 import zipfile
 from pathlib import Path, PurePosixPath
+from types import ModuleType
 
 __all__ = [
     "LocalStorage",
@@ -28,15 +30,9 @@ __all__ = [
     "open_storage",
     "is_s3_uri",
     "split_s3_uri",
-    "S3_MAX_ATTEMPTS",
     "read_errors",
     "s3_errors",
 ]
-
-#: botocore "standard" retry mode: attempts per request (first try included) and timeouts in seconds.
-S3_MAX_ATTEMPTS = 6
-S3_CONNECT_TIMEOUT = 10
-S3_READ_TIMEOUT = 60
 
 
 def is_s3_uri(uri: str | os.PathLike) -> bool:
@@ -111,6 +107,14 @@ class LocalStorage:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _s3() -> ModuleType:
+    """:mod:`dml_core.storage_s3`: the boto3 client and botocore's errors behind :class:`S3Storage`."""
+    # boto3 / botocore (some 300 modules): only s3:// storage needs them; local folders never load them
+    from dml_core import storage_s3
+
+    return storage_s3
+
+
 class S3Storage:
     """`s3://bucket/prefix` through boto3 (path-style addressing, which every S3-compatible server accepts)."""
 
@@ -130,21 +134,7 @@ class S3Storage:
     @property
     def client(self):
         if self._client is None:
-            # boto3 / botocore: only s3:// storage needs them; local folders never load them
-            import boto3
-            from botocore.config import Config
-
-            self._client = boto3.client(
-                "s3",
-                endpoint_url=self.endpoint_url,
-                region_name=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
-                config=Config(
-                    s3={"addressing_style": "path"},
-                    retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"},
-                    connect_timeout=S3_CONNECT_TIMEOUT,
-                    read_timeout=S3_READ_TIMEOUT,
-                ),
-            )
+            self._client = _s3().make_client(self.endpoint_url)
         return self._client
 
     def _key(self, key: str) -> str:
@@ -158,14 +148,12 @@ class S3Storage:
         return None  # remote: readers download into their cache
 
     def exists(self, key: str) -> bool:
-        # botocore: only S3 storage reaches here (see client)
-        from botocore.exceptions import ClientError
-
+        s3 = _s3()
         try:
             self.client.head_object(Bucket=self.bucket, Key=self._key(key))
             return True
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        except s3.ClientError as e:
+            if s3.is_not_found(e):
                 return False
             raise
 
@@ -176,13 +164,11 @@ class S3Storage:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def get_bytes(self, key: str) -> bytes:
-        # botocore: only S3 storage reaches here (see client)
-        from botocore.exceptions import ClientError
-
+        s3 = _s3()
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        except s3.ClientError as e:
+            if s3.is_not_found(e):
                 raise FileNotFoundError(f"{self.uri_of(key)} does not exist") from e
             raise
 
@@ -223,7 +209,7 @@ def read_errors() -> tuple[type[BaseException], ...]:
 def s3_errors() -> tuple[type[BaseException], ...]:
     """botocore's errors (an S3 endpoint that refuses, a missing bucket or key), imported only when asked for."""
     try:
-        # botocore only when a read failed: local folders never load it
+        # botocore's exceptions alone (not boto3, see _s3): callers ask for them at import (pipelines' preflight)
         from botocore.exceptions import BotoCoreError, ClientError
     except ImportError:  # pragma: no cover - boto3 is a dependency
         return ()
