@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dml_core.evaluation.stats import _values, holm_adjust
+from dml_core.evaluation.stats import _scipy, _values, holm_adjust
 
 __all__ = ["BestGroup", "GroupMember", "best_group", "METHOD"]
 
@@ -83,8 +83,7 @@ class BestGroup:
 def _one_sided_p(diffs: np.ndarray) -> np.ndarray:
     """``P(T ≥ t)`` of the paired t-test of each row of ``diffs`` (``d = x_j − x_i``; ``H0: mean ≤ 0``), with
     ``scipy.stats.ttest_rel``'s conventions: all differences 0 → NaN; all equal and non-zero → 0 or 1."""
-    # scipy.stats loads where tests are computed (see dml_core.evaluation.stats.confidence_interval)
-    from scipy import stats as _st
+    _st, _ = _scipy()
 
     n = diffs.shape[1]
     mean = diffs.mean(axis=1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from types import ModuleType
 
 import numpy as np
 
@@ -39,6 +40,15 @@ __all__ = [
     "holm_adjust",
     "paired_detectable_difference",
 ]
+
+
+def _scipy() -> tuple[ModuleType, ModuleType]:
+    """``(scipy.stats, scipy.optimize)``, for the intervals and tests (scipy.stats imports scipy.optimize itself)."""
+    # scipy.stats (~0.5 s of imports) loads where an interval or a test is computed: a search trial's driver imports
+    # this module for fold_summary (numpy only), and the dmlrc CLI imports it with the report's parser
+    from scipy import optimize, stats
+
+    return stats, optimize
 
 
 def _values(values, name: str = "values") -> np.ndarray:
@@ -83,8 +93,7 @@ def confidence_interval(values, level: float = 0.95) -> tuple[float, float, floa
         return mean, math.nan, math.nan
     if sem == 0.0 or np.ptp(arr) == 0.0:
         return mean, mean, mean
-    # scipy.stats loads where intervals are computed (~0.5 s of imports), not in every process that imports this
-    from scipy import stats as _st
+    _st, _ = _scipy()
 
     low, high = _st.t.interval(float(level), arr.size - 1, loc=mean, scale=sem)
     return mean, float(low), float(high)
@@ -105,8 +114,7 @@ def paired_t_test(a, b, *, alternative: str = "two-sided") -> tuple[float, float
         raise ValueError(f"a and b must be paired (same length), got {x.size} and {y.size} values")
     if x.size < 2:
         return math.nan, math.nan
-    # scipy.stats loads where tests are computed (see confidence_interval)
-    from scipy import stats as _st
+    _st, _ = _scipy()
 
     with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
         # scipy warns about the zero-spread cases documented above; the values it returns are the contract.
@@ -183,9 +191,7 @@ def paired_detectable_difference(
         return math.nan
     if sd_diff == 0:
         return 0.0
-    # scipy loads where a power statement is computed (see confidence_interval)
-    from scipy import optimize as _opt
-    from scipy import stats as _st
+    _st, _opt = _scipy()
 
     df = int(n) - 1
     tail = alpha / 2 if alternative == "two-sided" else alpha

@@ -66,6 +66,9 @@ def _studies(client: MlflowClient, experiment: str) -> list[Study]:
     return studies
 
 
+#: The level of Kendall's τ interval.
+_TAU_CI_LEVEL = 0.95
+
 _RANK_KEYS = ("kendall_tau", "kendall_p", "kendall_tau_ci", "spearman_rho", "spearman_p")
 
 
@@ -77,7 +80,8 @@ def _rank_stats(xs: list[float], ys: list[float]) -> dict[str, Any]:
             "whatever the data, so τ and ρ carry no information"
         )
         return {k: None for k in _RANK_KEYS} | {"rank_reason": reason, "kendall_tau_ci_reason": reason}
-    from scipy import stats  # scipy.stats (2 s of CPU) only for a --compare, not for every dmlrc command
+    # scipy.stats (2 s of CPU) only for a --compare, not for every dmlrc command (which imports this module's option)
+    from scipy import stats
 
     with warnings.catch_warnings():  # a constant input: scipy warns and returns NaN, which is the answer
         warnings.simplefilter("ignore")
@@ -90,23 +94,23 @@ def _rank_stats(xs: list[float], ys: list[float]) -> dict[str, Any]:
     }
     if not math.isfinite(out["kendall_tau"]):
         out["rank_reason"] = "undefined: one run gives every loss the same score"
-    out["kendall_tau_ci"], why = _tau_interval(out["kendall_tau"], len(xs))
+    z = float(stats.norm.isf((1 - _TAU_CI_LEVEL) / 2))
+    out["kendall_tau_ci"], why = _tau_interval(out["kendall_tau"], len(xs), z)
     if why:
         out["kendall_tau_ci_reason"] = why
     return out
 
 
-def _tau_interval(tau: float, n: int, level: float = 0.95) -> tuple[list[float] | None, str | None]:
-    """Fisher-z interval of Kendall's τ: ``tanh(atanh(τ) ± z·√(0.437/(n − 4)))`` (Fieller, Hartley & Pearson 1957)."""
+def _tau_interval(tau: float, n: int, z: float) -> tuple[list[float] | None, str | None]:
+    """Fisher-z interval of Kendall's τ: ``tanh(atanh(τ) ± z·√(0.437/(n − 4)))`` (Fieller, Hartley & Pearson 1957),
+    ``z`` the normal quantile of the level (two-sided)."""
     if not math.isfinite(tau):
         return None, "τ is undefined"
     if n < 5:
         return None, f"the Fisher-z interval needs at least 5 losses (have {n})"
     if abs(tau) >= 1.0:
         return None, "τ = ±1: the Fisher-z interval degenerates to a point (it has no width at the boundary)"
-    from scipy import stats  # as in the ranks above: scipy.stats only for a --compare
-
-    half = float(stats.norm.isf((1 - level) / 2)) * math.sqrt(0.437 / (n - 4))
+    half = z * math.sqrt(0.437 / (n - 4))
     z = math.atanh(tau)
     return [math.tanh(z - half), math.tanh(z + half)], None
 
