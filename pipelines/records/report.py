@@ -24,6 +24,7 @@ from pipelines.records.model import StudyHeader
 from pipelines.records.rows import row_of_trial
 from pipelines.records.store import HEADER, RecordsError, StudyRecords, read_record
 from pipelines.results.fingerprint import Fingerprint
+from pipelines.results.plotting import plt
 from pipelines.results.report_studies import Study
 
 __all__ = ["RecordedStudy", "read_records", "studies_from_records", "records_section", "evp_figure"]
@@ -203,8 +204,6 @@ def records_section(studies: list[RecordedStudy]) -> tuple[str, dict[str, Any]]:
 
 def evp_figure(studies: list[RecordedStudy], path: Path) -> None:
     """One figure: every study's expected best validation MAP@R against the number of trials."""
-    from pipelines.results.plotting import plt  # matplotlib only where a report draws
-
     fig, ax = plt.subplots(figsize=(8, 5))
     for s in studies:
         e = s.evp
