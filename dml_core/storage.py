@@ -209,7 +209,7 @@ def read_errors() -> tuple[type[BaseException], ...]:
 def s3_errors() -> tuple[type[BaseException], ...]:
     """botocore's errors (an S3 endpoint that refuses, a missing bucket or key), imported only when asked for."""
     try:
-        # botocore's exceptions alone (not boto3, see _s3): callers ask for them at import (pipelines' preflight)
+        # botocore's exceptions alone (not boto3's 300 modules, see _s3), loaded when a caller asks for them
         from botocore.exceptions import BotoCoreError, ClientError
     except ImportError:  # pragma: no cover - boto3 is a dependency
         return ()
