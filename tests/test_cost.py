@@ -69,6 +69,27 @@ def test_default_studies_in_flight_fill_a_local_ray_but_do_not_oversubscribe_it(
     assert max_concurrent_studies(_cfg(max_concurrent_studies=2), None, {"CPU": 1000}, 10) == 2
 
 
+def test_a_local_rays_default_cpus_are_the_usable_cores_bounded_by_memory(monkeypatch):
+    """The embedded Ray declares this machine's usable cores, not every fold of a trial: on 2 cores a trial's 4 folds
+    run 2 at a time rather than 4 sharing them; memory bounds the fold workers; one fold's workers always fit."""
+    from pipelines.execution.runtime import resources
+
+    def machine(cores: int, gib: float) -> None:
+        monkeypatch.setattr(resources, "usable_cpus", lambda: cores)
+        monkeypatch.setattr(resources, "memory_gib", lambda: gib)
+
+    one = _cfg(workers_per_fold=1, cpus_per_worker=1.0, max_concurrent_trials=1)
+    machine(2, 24.0)
+    assert resources.default_num_cpus(one) == 2  # not 4 folds + 1
+    machine(16, 24.0)
+    assert resources.default_num_cpus(one) == 16
+    machine(16, 5.0)
+    assert resources.default_num_cpus(one) == 4  # 0.8 × 5 GiB holds 4 fold workers of ~1 GiB
+    machine(2, 24.0)
+    assert resources.default_num_cpus(_cfg(workers_per_fold=2, cpus_per_worker=2.0)) == 4  # one DDP fold's 2 × 2
+    assert max_concurrent_studies(one, None, {"CPU": resources.default_num_cpus(one)}, 3) == 1
+
+
 def test_report_has_a_cost_column_in_every_format(tmp_path):
     from pipelines.results.report import write_report
     from tests.test_report import _populate

@@ -270,6 +270,8 @@ def kill_and_resume(
         },
         "resources": {
             "workers_per_fold": workers,
+            # every fold of a trial at once, DDP's too (the default is the usable cores): paced folds mostly wait
+            "num_cpus": FOLDS * workers + 1,
             "max_concurrent_trials": 1,
             "fold_retries": 1,
             "fold_executor": executor,

@@ -194,7 +194,13 @@ def _sweep_config(
         name,
         losses,
         protocol={"folds": folds, "fold_layout": "mlrc" if folds == 4 else "kfold", "trials": trials},
-        resources={"workers_per_fold": workers, "max_concurrent_trials": concurrent},
+        # logical CPUs for every fold of every concurrent trial (the default is the usable cores): the run tree's
+        # check wants a trial's folds to overlap in time
+        resources={
+            "workers_per_fold": workers,
+            "max_concurrent_trials": concurrent,
+            "num_cpus": folds * workers * concurrent + 1,
+        },
         tracking={"uri": tracking_uri, "experiment": f"{name}-experiment"},
     )
 

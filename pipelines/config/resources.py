@@ -14,8 +14,9 @@ __all__ = ["ResourcesSpec"]
 
 
 class ResourcesSpec(StrictModel):
-    """Ray resources.  ``num_cpus``: logical CPUs of a *local* Ray (null = enough for ``max_concurrent_trials``
-    trials × folds × workers; oversubscribing physical cores is fine for tiny models)."""
+    """Ray resources.  ``num_cpus``: logical CPUs of a *local* Ray (null = this machine's usable cores, bounded by
+    its memory at about 1 GiB per fold worker: folds beyond the cores wait in Ray's queue rather than share a core;
+    set it above the cores to run more folds at once on shared cores)."""
 
     workers_per_fold: int = Field(2, ge=1, le=1024)
     """DDP workers per fold (gloo on CPU, NCCL with GPUs)."""

@@ -27,9 +27,9 @@ Resources: a trial is a driver reserving one unit of ``dmlrc_trial_driver`` on t
 where no node declares it (:data:`pipelines.execution.runtime.environment.TRIAL_DRIVER_RESOURCE`; its Tune actor is
 reused from trial to trial, which saves a process start and its imports per trial — the trainable keeps no state); each
 of its four folds reserves ``cpus_per_worker`` CPUs (and a GPU with ``use_gpu``) per worker, as a warm Ray task or a Ray
-Train worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default enough for ``max_concurrent_trials`` ×
-folds × workers — on a 2-core machine that oversubscribes the cores, which is fine for tiny models and is what lets the
-four folds overlap.
+Train worker group.  A local Ray gets ``num_cpus`` *logical* CPUs, by default this machine's usable cores
+(:func:`~pipelines.execution.runtime.resources.default_num_cpus`): on a 2-core machine a trial's four folds run two at
+a time, which takes less CPU than four sharing the cores.
 
 Studies in parallel: every study runs in its own thread of the driver
 (:meth:`pipelines.execution.studies.sweep_studies.SweepStudies.run_all`), each with its own searcher, its two Tuners and

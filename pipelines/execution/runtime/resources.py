@@ -115,13 +115,17 @@ def check_local_workers(
 
 
 def default_num_cpus(cfg: SweepConfig) -> int:
-    """Logical CPUs of an embedded local Ray: enough for every fold of ``max_concurrent_trials`` trials at once (a
-    tiny model oversubscribes cores happily) — but no more fold workers than this machine's memory holds (about
-    ``WORKER_GIB`` each): beyond that, folds wait in Ray's queue instead of swapping the machine to a halt."""
+    """Logical CPUs of an embedded local Ray: this machine's usable cores (:func:`usable_cpus`, Ray's own default), so
+    the folds in flight never outnumber the cores — two folds sharing a core each train slower than one after the
+    other and every extra warm worker process pays its imports again (bench/README_demo.md: on 2 cores, 2 fold
+    processes rather than 4 take 13 % less CPU for the same table); no more fold workers than this machine's memory
+    holds (about ``WORKER_GIB`` each), beyond which folds would swap instead of waiting in Ray's queue; and never
+    fewer than one fold's workers (a fold that needs more cores than there are is refused by
+    :func:`check_local_workers` first)."""
     r = cfg.resources
-    need = r.max_concurrent_trials * cfg.protocol.folds * r.workers_per_fold * r.cpus_per_worker
+    one_fold = r.workers_per_fold * r.cpus_per_worker
     fits = max(r.workers_per_fold, math.floor(0.8 * memory_gib() / WORKER_GIB)) * r.cpus_per_worker
-    return int(max(os.cpu_count() or 1, math.ceil(min(need, fits)) + 1))
+    return int(max(math.ceil(one_fold), min(usable_cpus(), math.floor(fits))))
 
 
 def check_cluster_resources(cfg: SweepConfig, resources: Mapping[str, float]) -> None:
