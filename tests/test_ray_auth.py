@@ -169,6 +169,7 @@ def test_ray_client_addresses_are_accepted():
     assert check_ray_address("ray://head-svc:10001", "--address") == "ray://head-svc:10001"
 
 
+@pytest.mark.slow  # starts a local Ray (twice): not for `make test-fast`
 @pytest.mark.parametrize("token_before", [None, 0o644], ids=["new token", "a token readable by all"])
 def test_a_local_ray_keeps_its_token_readable_by_this_user_only(tmp_path, token_before):
     """Ray writes a new local cluster's token to ~/.ray/auth_token with the umask (commonly 0644): anyone on the

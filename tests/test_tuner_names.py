@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipelines.names import tuner_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +84,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.slow  # a local Ray and two Tuners: not for `make test-fast`
 def test_two_studies_started_in_one_second_keep_their_own_tune_state(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "TUNE_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
