@@ -171,6 +171,22 @@ def test_a_gap_in_the_trials_is_refused(tmp_path):
         StudyRecords.open(tmp_path / "s", header)
 
 
+def test_a_continued_searchs_progress_counts_and_bests_its_recorded_trials(capsys):
+    """The 8th trial of 20, the first of a sitting that continued from 7 records, says 8/20, and its "best" is the
+    study's (a recorded trial's), not only this sitting's."""
+    from types import SimpleNamespace
+
+    from pipelines.execution.studies.progress import TrialProgress
+
+    done = [row_of_trial(trial_record(_row(i), "synthetic/contrastive", "h", i)) for i in range(7)]
+    progress = TrialProgress("synthetic/contrastive", 20, done=done)
+    progress.on_trial_complete(
+        0, [], SimpleNamespace(trial_id="t8", last_result={"val_map_at_r_mean": 0.31, "status": "ok"})
+    )
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[synthetic/contrastive] trial 8/20 t8: val MAP@R 0.3100 [ok], best 0.3600"), line
+
+
 def test_a_non_finite_parameter_is_refused():
     rec = trial_record(_row(0), "synthetic/contrastive", "h", 0).model_dump(mode="json", by_alias=True)
     rec["params"]["margin"] = float("inf")

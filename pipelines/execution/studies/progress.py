@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ray.tune import Callback
+
+from pipelines.names import OBJECTIVE
 
 __all__ = ["TrialProgress", "format_duration"]
 
@@ -38,12 +41,15 @@ def _short(params: dict[str, Any]) -> str:
 class TrialProgress(Callback):
     """Prints ``[study] trial i/N ...`` lines; ``total`` is the number of trials the Tuner will run."""
 
-    def __init__(self, label: str, total: int, kind: str = "trial"):
+    def __init__(self, label: str, total: int, kind: str = "trial", done: Sequence[Mapping[str, Any]] = ()):
+        """``done``: the result rows of the study's trials finished before this run (its records), counted and
+        bested with the ones this run finishes, so the 8th trial of 20 says 8/20 and the best is the study's."""
         self.label = label
         self.total = total
         self.kind = kind
-        self.done = 0
-        self.best: float | None = None
+        self.done = len(done)
+        ok = [r[OBJECTIVE] for r in done if r.get("status") == "ok" and isinstance(r.get(OBJECTIVE), float)]
+        self.best: float | None = max(ok) if ok else None
         self.t0 = time.time()
 
     def __setstate__(self, state):  # restored on --resume: the clock restarts
@@ -61,7 +67,7 @@ class TrialProgress(Callback):
     def on_trial_complete(self, iteration: int, trials: list, trial, **info):
         self.done += 1
         r = trial.last_result or {}
-        obj = r.get("val_map_at_r_mean")
+        obj = r.get(OBJECTIVE)
         if obj is None:
             return
         if r.get("status") == "ok" and (self.best is None or obj > self.best):

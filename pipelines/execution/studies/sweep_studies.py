@@ -326,7 +326,7 @@ class SweepStudies:
             if p.pruning and not pruned:
                 self.say(f"[{plan.key}] pruning off: its folds run on Ray Train, which a trial cannot cancel")
             searcher = make_searcher(plan, cfg, done) if plan.searched else None
-            callbacks: list[Callback] = [TrialProgress(plan.key, trials)]
+            callbacks: list[Callback] = [TrialProgress(plan.key, trials, done=done)]
             if records is not None:
                 callbacks.append(RecordTrials(records.folder, records.header))
             if pruned is None:
