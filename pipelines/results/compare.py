@@ -111,8 +111,8 @@ def _tau_interval(tau: float, n: int, z: float) -> tuple[list[float] | None, str
     if abs(tau) >= 1.0:
         return None, "τ = ±1: the Fisher-z interval degenerates to a point (it has no width at the boundary)"
     half = z * math.sqrt(0.437 / (n - 4))
-    z = math.atanh(tau)
-    return [math.tanh(z - half), math.tanh(z + half)], None
+    centre = math.atanh(tau)
+    return [math.tanh(centre - half), math.tanh(centre + half)], None
 
 
 def _conclusion(c: dict[str, Any] | None, alpha: float) -> str:
